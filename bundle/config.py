@@ -1,0 +1,170 @@
+"""Typed, validated run configuration: built once in main.py, never mutated afterwards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from bundle.errors import ConfigError
+from bundle.schedule import SCHEDULES
+
+BACKENDS = ("auto", "nccl", "gloo")
+GRAD_SYNCS = ("flat", "hierarchical")
+DATASETS = ("digits", "imagefolder", "synthetic")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"4,2"`` -> ``(4, 2)``; every width a positive integer."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not text or not all(p.isdigit() for p in parts) or any(int(p) < 1 for p in parts):
+        raise ConfigError(
+            "--bundle-shape",
+            text,
+            "give stage widths as positive integers separated by commas, e.g. 1,1 or 4,2",
+        )
+    return tuple(int(p) for p in parts)
+
+
+def _positive(key: str, value: int, minimum: int = 1) -> None:
+    if not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, value, f"must be an integer >= {minimum}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    shape: tuple[int, ...] = (1, 1)
+    num_bundles: int = 1
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    grad_sync: str = "flat"
+
+    def __post_init__(self) -> None:
+        _positive("--num-bundle", self.num_bundles)
+        _positive("--micro-batches", self.micro_batches)
+        if self.schedule not in SCHEDULES:
+            raise ConfigError("--schedule", self.schedule, f"choose one of: {', '.join(SCHEDULES)}")
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ConfigError(
+                "--grad-sync", self.grad_sync, f"choose one of: {', '.join(GRAD_SYNCS)}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.shape) * self.num_bundles
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = "digits_cnn"
+    partition: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    dataset: str = "digits"
+    root: str | None = None
+    workers: int = 0
+    image_size: int = 224
+    num_classes: int = 10
+    synthetic_size: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ConfigError("--dataset", self.dataset, f"choose one of: {', '.join(DATASETS)}")
+        _positive("--workers", self.workers, 0)
+        _positive("--image-size", self.image_size)
+        _positive("--num-classes", self.num_classes, 2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    batch_size: int = 64
+    steps: int = 0  # 0: run whole epochs
+    epochs: int = 1
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    log_every: int = 10
+    eval: bool = True
+    checkpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive("--batch-size", self.batch_size)
+        _positive("--itr", self.steps, 0)
+        _positive("--epochs", self.epochs)
+        _positive("--log-every", self.log_every)
+        if self.lr <= 0:
+            raise ConfigError("--lr", self.lr, "must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError("--momentum", self.momentum, "must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError("--weight-decay", self.weight_decay, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    node_rank: int = 0
+    num_nodes: int = 1
+    nproc_per_node: int = 0  # 0: all processes spread evenly over the nodes
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    backend: str = "auto"
+    timeout: float = 30.0
+    init_timeout: float = 300.0
+    torchrun: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("--world-size", self.num_nodes)
+        _positive("--rank", self.node_rank, 0)
+        _positive("--nproc-per-node", self.nproc_per_node, 0)
+        if self.node_rank >= self.num_nodes:
+            raise ConfigError(
+                "--rank", self.node_rank, f"must be < --world-size ({self.num_nodes} node(s))"
+            )
+        if not 1 <= self.master_port <= 65535:
+            raise ConfigError("--portNum", self.master_port, "must be a TCP port in 1..65535")
+        if self.backend not in BACKENDS:
+            raise ConfigError("--backend", self.backend, f"choose one of: {', '.join(BACKENDS)}")
+        if self.timeout <= 0:
+            raise ConfigError("--timeout", self.timeout, "must be > 0 seconds")
+        if self.init_timeout <= 0:
+            raise ConfigError("--init-timeout", self.init_timeout, "must be > 0 seconds")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    metrics_out: str | None = None
+
+    @property
+    def procs_per_node(self) -> int:
+        if self.launch.nproc_per_node:
+            return self.launch.nproc_per_node
+        total, nodes = self.parallel.world_size, self.launch.num_nodes
+        if total % nodes:
+            raise ConfigError(
+                "--world-size",
+                nodes,
+                f"the {total} processes (shape {','.join(map(str, self.parallel.shape))} x "
+                f"{self.parallel.num_bundles} bundles) do not spread evenly; set --nproc-per-node",
+            )
+        return total // nodes
+
+    def fingerprint(self) -> str:
+        """Hash of everything that must agree between nodes (not the node's own rank)."""
+        shared = asdict(self)
+        shared["launch"] = {
+            k: v for k, v in shared["launch"].items() if k not in ("node_rank", "torchrun")
+        }
+        shared.pop("metrics_out")
+        shared["train"].pop("checkpoint")
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+    def summary(self) -> dict:
+        return asdict(self)

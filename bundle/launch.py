@@ -1,0 +1,345 @@
+"""Start, watch and stop the job's processes: self-spawn from the original flags, or under torchrun.
+
+Self-spawn, per node::
+
+    main.py (node supervisor) --spawn--> one worker per local process
+      node 0 also hosts the job's TCPStore at --IP:--portNum; every node's supervisor
+      checks the config fingerprints there, heartbeats, and watches its workers.
+
+Failure path: a worker that raises writes ``abort`` (rank, stage, step, error) to the store; a
+worker that dies is reported by its supervisor; a node that stops heart-beating is reported by
+node 0. Every worker polls ``abort`` and exits non-zero; supervisors kill what is left by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from multiprocessing.connection import wait as wait_sentinels
+
+import torch
+import torch.distributed as dist
+
+from bundle import log
+from bundle.config import RunConfig
+from bundle.errors import ConfigError, LaunchError
+from bundle.topology import Topology
+
+ABORT_KEY = "bundle/abort"
+_POLL_S = 0.5
+_HEARTBEAT_STALE_S = 20.0
+_KILL_GRACE_S = 5.0
+
+
+def resolve_backend(cfg: RunConfig) -> str:
+    if cfg.launch.backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return cfg.launch.backend
+
+
+def check_devices(cfg: RunConfig, topo: Topology) -> None:
+    """More processes per node than devices is an input error, found before anything starts."""
+    if resolve_backend(cfg) != "nccl":
+        return
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if topo.procs_per_node > found:
+        raise ConfigError(
+            "--nproc-per-node",
+            topo.procs_per_node,
+            f"the nccl backend drives one CUDA device per process and this node has {found}",
+        )
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def describe(topo: Topology, rank: int) -> str:
+    c = topo.coord(rank)
+    return f"rank {rank} (node {topo.node_of(rank)}, bundle {c.bundle}, stage {c.stage}, replica {c.replica})"
+
+
+# -- the store --------------------------------------------------------------------------------
+
+
+def open_store(host: str, port: int, *, server: bool, timeout: float) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(
+            host, port, is_master=server, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
+    except (RuntimeError, OSError) as exc:
+        if server:
+            raise LaunchError(
+                f"--portNum {port}: cannot listen on port {port} ({exc}); is it in use?"
+            ) from exc
+        raise LaunchError(
+            f"cannot reach the master at {host}:{port} within {timeout:.0f}s ({exc})"
+        ) from exc
+
+
+def read_abort(store: dist.Store) -> str | None:
+    return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
+
+
+def post_abort(store: dist.Store, message: str) -> str:
+    """Record the job's first failure; returns whichever message won."""
+    return store.compare_set(ABORT_KEY, "", message).decode() or message
+
+
+def exchange_config(store: dist.Store, cfg: RunConfig, me: int, peers: int, timeout: float) -> None:
+    """Every node publishes its config; any difference is reported by field, not left to hang."""
+    mine = cfg.summary()
+    mine["launch"].pop("node_rank")
+    store.set(f"bundle/config/{me}", json.dumps(mine, sort_keys=True, default=str))
+    keys = [f"bundle/config/{i}" for i in range(peers)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise LaunchError(f"not every node joined within {timeout:.0f}s: {exc}") from exc
+    for i in range(peers):
+        theirs = json.loads(store.get(keys[i]))
+        if theirs != json.loads(json.dumps(mine, sort_keys=True, default=str)):
+            diff = [
+                f"{sec}.{k}: {mine[sec].get(k)!r} here vs {theirs[sec].get(k)!r} on {i}"
+                for sec in mine
+                if isinstance(mine[sec], dict)
+                for k in mine[sec]
+                if mine[sec].get(k) != theirs.get(sec, {}).get(k)
+            ]
+            raise LaunchError(
+                f"configuration differs between node {me} and node {i}: {'; '.join(diff) or 'see both command lines'}"
+            )
+
+
+def start_abort_watch(store: dist.Store, rank: int, me: str) -> None:
+    """A daemon thread that ends this process once any other process has recorded a failure."""
+
+    def watch() -> None:
+        misses = 0
+        while True:
+            time.sleep(_POLL_S)
+            try:
+                msg = read_abort(store)
+                misses = 0
+            except Exception:  # noqa: BLE001 - the store's host is gone: the job is over
+                misses += 1
+                if misses < 10:
+                    continue
+                msg = "lost contact with the job's store (node 0 is gone)"
+            if msg is not None and not msg.startswith(me):
+                log.get().error(f"stopping rank {rank}: {msg}")
+                os._exit(1)
+
+    threading.Thread(target=watch, name="bundle-abort-watch", daemon=True).start()
+
+
+# -- one worker process --------------------------------------------------------------------------
+
+
+def worker_main(
+    cfg: RunConfig, topo: Topology, rank: int, local_rank: int, host: str, port: int, progress=None
+) -> int:
+    """Body of every training process; returns its exit code."""
+    from bundle import worker
+
+    c = topo.coord(rank)
+    log.setup(
+        f"[rank {rank} b{c.bundle} s{c.stage}]",
+        verbose=rank == topo.rank(0, topo.num_stages - 1, 0),
+    )
+    backend = resolve_backend(cfg)
+    if backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // topo.procs_per_node))
+    store = open_store(host, port, server=False, timeout=cfg.launch.init_timeout)
+    me = describe(topo, rank)
+    start_abort_watch(store, rank, me)
+    where: dict = {}
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("bundle/pg", store),
+            rank=rank,
+            world_size=topo.world_size,
+            timeout=timedelta(seconds=cfg.launch.timeout),
+        )
+        device = device_for(backend, local_rank)
+        summary = worker.run(cfg, topo, rank, device, progress=progress, where=where)
+        dist.barrier()
+        if summary is not None:
+            print(json.dumps(summary, sort_keys=True), flush=True)
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the other processes
+        deadline = time.monotonic() + 2.0
+        cause = None
+        while cause is None and time.monotonic() < deadline:
+            cause = read_abort(store)
+            time.sleep(0.1) if cause is None else None
+        if cause is None:
+            at = where["runner"].where if "runner" in where else "start-up"
+            cause = post_abort(store, f"{me} failed at {at}: {type(exc).__name__}: {exc}")
+        if cause.startswith(me):
+            log.get().error(cause)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            log.get().error(f"stopping rank {rank}: {cause}")
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawned(cfg, topo, rank, local_rank, host, port, progress) -> None:
+    os._exit(worker_main(cfg, topo, rank, local_rank, host, port, progress))
+
+
+# -- the node supervisor -----------------------------------------------------------------------
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def supervise(cfg: RunConfig, topo: Topology) -> int:
+    """Self-spawn launch of this node's processes; returns the node's exit code."""
+    lc = cfg.launch
+    node = lc.node_rank
+    logger = log.setup(f"[node {node}]")
+    store = open_store(lc.master_addr, lc.master_port, server=node == 0, timeout=lc.init_timeout)
+    exchange_config(store, cfg, node, topo.num_nodes, lc.init_timeout)
+    ctx = mp.get_context("spawn")
+    procs, progress = {}, {}
+    for rank in topo.node_ranks(node):
+        progress[rank] = ctx.Value("q", -1, lock=False)
+        p = ctx.Process(
+            target=_spawned,
+            args=(
+                cfg,
+                topo,
+                rank,
+                topo.local_rank(rank),
+                lc.master_addr,
+                lc.master_port,
+                progress[rank],
+            ),
+            name=f"bundle-rank{rank}",
+        )
+        p.start()
+        procs[rank] = p
+    logger.info(
+        f"started ranks {min(procs)}..{max(procs)} (pids {', '.join(str(p.pid) for p in procs.values())})"
+    )
+    failure = None
+    beats: dict[int, tuple[int, float]] = {}
+    try:
+        running = dict(procs)
+        while running and failure is None:
+            wait_sentinels([p.sentinel for p in running.values()], timeout=_POLL_S)
+            for rank, p in list(running.items()):
+                if p.exitcode is None:
+                    continue
+                del running[rank]
+                if p.exitcode != 0:
+                    step = progress[rank].value
+                    at = f"step {step}" if step >= 0 else "start-up"
+                    failure = post_abort(
+                        store, f"{describe(topo, rank)} {_exit_text(p.exitcode)} during {at}"
+                    )
+            if failure is None:
+                failure = _heartbeat(store, node, topo.num_nodes, beats) or read_abort(store)
+        if failure is None:
+            store.set(f"bundle/done/{node}", "1")
+            if node == 0:
+                # The store lives here: keep it up until every node has finished with it.
+                failure = _wait_done(store, topo.num_nodes, lc.timeout + lc.init_timeout)
+    except KeyboardInterrupt:
+        failure = post_abort(store, f"node {node} was interrupted")
+    finally:
+        _stop(procs.values(), grace=_KILL_GRACE_S if failure else 0.0)
+    if failure:
+        logger.error(f"job failed: {failure}")
+        return 1
+    return 0
+
+
+def _heartbeat(
+    store: dist.Store, node: int, nodes: int, beats: dict[int, tuple[int, float]]
+) -> str | None:
+    """Every node ticks its counter; node 0 reports a node whose counter stopped moving."""
+    store.add(f"bundle/hb/{node}", 1)
+    if node != 0:
+        return None
+    now = time.monotonic()
+    for other in range(1, nodes):
+        count = store.add(f"bundle/hb/{other}", 0)
+        last = beats.get(other)
+        if last is None or count != last[0]:
+            beats[other] = (count, now)
+        elif now - last[1] > _HEARTBEAT_STALE_S and not store.check([f"bundle/done/{other}"]):
+            return post_abort(
+                store, f"node {other} stopped responding for {_HEARTBEAT_STALE_S:.0f}s"
+            )
+    return None
+
+
+def _wait_done(store: dist.Store, nodes: int, timeout: float) -> str | None:
+    deadline = time.monotonic() + timeout
+    keys = [f"bundle/done/{i}" for i in range(nodes)]
+    while time.monotonic() < deadline:
+        if store.check(keys):
+            return None
+        if (msg := read_abort(store)) is not None:
+            return msg
+        time.sleep(_POLL_S)
+    return f"not every node reported completion within {timeout:.0f}s"
+
+
+def _stop(procs, *, grace: float) -> None:
+    """Join every child; after ``grace`` seconds terminate, then kill, the ones still running."""
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(_KILL_GRACE_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+# -- torchrun --------------------------------------------------------------------------------
+
+
+def torchrun_env() -> dict[str, str] | None:
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(k in os.environ for k in keys):
+        return None
+    return {k: os.environ[k] for k in keys}
+
+
+def run_torchrun(cfg: RunConfig, topo: Topology, env: dict[str, str]) -> int:
+    if int(env["WORLD_SIZE"]) != topo.world_size:
+        raise ConfigError(
+            "WORLD_SIZE",
+            env["WORLD_SIZE"],
+            f"shape {','.join(map(str, topo.shape))} x {topo.num_bundles} bundle(s) needs {topo.world_size} processes",
+        )
+    return worker_main(
+        cfg,
+        topo,
+        int(env["RANK"]),
+        int(env["LOCAL_RANK"]),
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+    )

@@ -1,0 +1,215 @@
+"""Partition specs: where each pipeline stage begins, checked against the model's blocks.
+
+A spec is a YAML file (bare names resolve to ``partitions/<name>.yaml`` at the repo root)::
+
+    model: resnet101          # registry name the split was written for
+    stages: [conv1, layer3.5] # where each stage begins; first entry = first block
+
+A point names a block of ``models.blocks(model)`` (``layer3.5``) or a container whose children
+are blocks (``layer3`` = its first block ``layer3.0``). The first block may be left out of
+``stages``; it is prepended. Without a spec the model is cut automatically, balancing parameter
+counts. A boundary may carry several tensors: a block that returns a tuple feeds the next block
+as ``block(*prev)``, and ``Stage.forward`` always returns a tuple.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import yaml
+
+from bundle.errors import ConfigError, PartitionError
+from models import Block, apply_blocks
+from models import blocks as model_blocks
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PARTITIONS_DIR = REPO_ROOT / "partitions"
+_KEYS = ("model", "stages")
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """A split as written: the model it is for and the block where each stage begins."""
+
+    model: str
+    starts: tuple[str, ...]
+
+
+def available_specs() -> list[str]:
+    """Names of the specs shipped in partitions/, sorted."""
+    return sorted(p.stem for p in PARTITIONS_DIR.glob("*.yaml"))
+
+
+def load_spec(ref: str) -> PartitionSpec:
+    """Read a spec from a YAML path or a bare name in partitions/."""
+    path = Path(ref)
+    if not (path.suffix in (".yaml", ".yml") or path.parent != Path(".")):
+        path = PARTITIONS_DIR / f"{ref}.yaml"
+    if not path.is_file():
+        names = ", ".join(available_specs())
+        raise ConfigError("--partition", ref, f"choose one of: {names} or a path to a .yaml file")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise PartitionError(f"{path}: malformed YAML: {exc}") from exc
+    if not isinstance(doc, Mapping):
+        raise PartitionError(f"{path}: expected a mapping with keys {list(_KEYS)}, got {doc!r}")
+    unknown = sorted(set(doc) - set(_KEYS))
+    if unknown:
+        raise PartitionError(f"{path}: unknown key(s) {unknown}; allowed: {list(_KEYS)}")
+    missing = [k for k in _KEYS if k not in doc]
+    if missing:
+        raise PartitionError(f"{path}: missing key(s) {missing}")
+    model, stages = doc["model"], doc["stages"]
+    if not isinstance(model, str) or not model:
+        raise PartitionError(f"{path}: key 'model' must be a model name, got {model!r}")
+    if (
+        not isinstance(stages, list)
+        or not stages
+        or not all(isinstance(s, str) and s for s in stages)
+    ):
+        raise PartitionError(
+            f"{path}: key 'stages' must be a non-empty list of names, got {stages!r}"
+        )
+    return PartitionSpec(model=model, starts=tuple(stages))
+
+
+def valid_points(names: Sequence[str]) -> list[str]:
+    """Every name a split point may use: the blocks and the containers that group them."""
+    points: list[str] = []
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if prefix not in points:
+                points.append(prefix)
+    return points
+
+
+def _index_of(point: str, names: Sequence[str]) -> int:
+    if point in names:
+        return names.index(point)
+    # A container stands for its first block; a bare prefix like "layer" is no container.
+    for i, name in enumerate(names):
+        if name.startswith(point + "."):
+            return i
+    raise PartitionError(
+        f"unknown split point {point!r}; valid points: {', '.join(valid_points(names))}"
+    )
+
+
+def resolve(
+    spec: PartitionSpec | None,
+    blocks: Sequence[Block],
+    num_stages: int,
+    model_name: str,
+) -> tuple[int, ...]:
+    """Start index in ``blocks`` of each of ``num_stages`` stages (the first is always 0)."""
+    names = [name for name, _ in blocks]
+    if num_stages < 1:
+        raise PartitionError(f"number of stages must be >= 1, got {num_stages}")
+    if spec is None:
+        return auto_starts(blocks, num_stages)
+    if spec.model != model_name:
+        raise PartitionError(
+            f"partition was written for model {spec.model!r}, but the model is {model_name!r}"
+        )
+    starts = [_index_of(point, names) for point in spec.starts]
+    points = list(spec.starts)
+    if starts[0] != 0:
+        starts.insert(0, 0)
+        points.insert(0, names[0])
+    for i in range(1, len(starts)):
+        if starts[i] <= starts[i - 1]:
+            raise PartitionError(
+                f"split points out of order or repeated: {points[i]!r} (block {starts[i]}) "
+                f"does not come after {points[i - 1]!r} (block {starts[i - 1]})"
+            )
+    if len(starts) != num_stages:
+        raise PartitionError(
+            f"partition has {len(starts)} stages ({', '.join(points)}) "
+            f"but the bundle shape has {num_stages}"
+        )
+    return tuple(starts)
+
+
+def auto_starts(blocks: Sequence[Block], num_stages: int) -> tuple[int, ...]:
+    """Contiguous non-empty stages minimising the largest stage's parameter count."""
+    n = len(blocks)
+    if num_stages > n:
+        raise PartitionError(f"cannot cut {n} blocks into {num_stages} non-empty stages")
+    # +1 per block so parameterless blocks still spread out instead of piling on one stage.
+    weights = [1 + sum(p.numel() for p in m.parameters()) for _, m in blocks]
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # cost[k][i]: best largest-stage weight putting blocks[:i] into k stages; cut[k][i]: last start.
+    cost = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    cost[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                c = max(cost[k - 1][j], prefix[i] - prefix[j])
+                if c < cost[k][i]:
+                    cost[k][i], cut[k][i] = c, j
+    starts, i = [], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return tuple(reversed(starts))
+
+
+class Stage(nn.Module):
+    """A contiguous run of blocks; shares modules with the full model (no copies)."""
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        super().__init__()
+        if not blocks:
+            raise PartitionError("a stage needs at least one block")
+        self.names: tuple[str, ...] = tuple(name for name, _ in blocks)
+        self.blocks = nn.ModuleList(module for _, module in blocks)
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = apply_blocks(list(zip(self.names, self.blocks, strict=True)), *inputs)
+        return out if isinstance(out, tuple) else (out,)
+
+    def full_name(self, name: str) -> str:
+        """``blocks.3.weight`` -> the full model's name, e.g. ``layer1.0.conv1.weight``."""
+        head, _, rest = name.partition(".")
+        index, _, leaf = rest.partition(".")
+        if head != "blocks" or not index.isdigit() or int(index) >= len(self.names) or not leaf:
+            raise PartitionError(f"{name!r} is not a parameter or buffer name of this stage")
+        return f"{self.names[int(index)]}.{leaf}"
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters and buffers keyed by full-model names."""
+        return {self.full_name(k): v for k, v in self.state_dict().items()}
+
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load this stage's entries from a full-model state dict (other entries are ignored)."""
+        own = {k: self.full_name(k) for k in self.state_dict()}
+        missing = sorted(full for full in own.values() if full not in state)
+        if missing:
+            raise PartitionError(
+                f"state dict lacks {len(missing)} entries of stage {self.names[0]}..{self.names[-1]}"
+                f", e.g. {missing[:3]}"
+            )
+        self.load_state_dict({k: state[full] for k, full in own.items()}, strict=True)
+
+
+def split_model(model: nn.Module, starts: Sequence[int]) -> list[Stage]:
+    """Cut ``model`` into stages beginning at the given block indices (from ``resolve``)."""
+    blocks = model_blocks(model)
+    bounds = [*starts, len(blocks)]
+    if not starts or starts[0] != 0 or any(a >= b for a, b in pairwise(bounds)):
+        raise PartitionError(
+            f"stage starts {tuple(starts)} must begin at 0 and increase below {len(blocks)}"
+        )
+    return [Stage(blocks[a:b]) for a, b in pairwise(bounds)]

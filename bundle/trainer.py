@@ -1,0 +1,177 @@
+"""One process's part of the job: its stage, its schedule, its transport and its gradient sync."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import models
+from bundle import partition
+from bundle.config import RunConfig
+from bundle.grad_sync import GradSync
+from bundle.schedule import Op, actions
+from bundle.topology import Coord, Topology, split_sizes
+from bundle.transport import Pending, TensorMeta, Transport
+
+
+def build_stages(
+    cfg: RunConfig, num_stages: int, input_shape: tuple[int, ...], num_classes: int
+) -> list[nn.Module]:
+    """The full model, seeded identically on every process, cut into stages."""
+    spec = partition.load_spec(cfg.model.partition) if cfg.model.partition else None
+    torch.manual_seed(cfg.train.seed)
+    model = models.build(cfg.model.name, num_classes=num_classes, input_shape=input_shape)
+    starts = partition.resolve(spec, models.blocks(model), num_stages, cfg.model.name)
+    return partition.split_model(model, starts)
+
+
+@torch.no_grad()
+def boundary_metas(
+    stages: list[nn.Module], input_shape: tuple[int, ...]
+) -> list[tuple[TensorMeta, ...]]:
+    """Shapes and dtypes crossing each boundary (labels appended), from one dummy row on the CPU."""
+    modes = [s.training for s in stages]
+    label = TensorMeta((), torch.long)
+    metas, x = [], (torch.zeros(1, *input_shape),)
+    try:
+        for s in stages[:-1]:
+            x = s.eval()(*x)
+            metas.append(tuple(TensorMeta.of(t) for t in x) + (label,))
+    finally:
+        for s, mode in zip(stages, modes, strict=True):
+            s.train(mode)
+    return metas
+
+
+class StageRunner:
+    """Runs training steps and evaluation passes of one replica through the pipeline schedule."""
+
+    def __init__(
+        self,
+        *,
+        topo: Topology,
+        coord: Coord,
+        sync: GradSync,
+        transport: Transport,
+        optimizer: torch.optim.Optimizer,
+        schedule: str,
+        device: torch.device,
+    ) -> None:
+        self.topo, self.coord, self.sync, self.transport = topo, coord, sync, transport
+        self.optimizer, self.device = optimizer, device
+        self.first = coord.stage == 0
+        self.last = coord.stage == topo.num_stages - 1
+        self.sizes = topo.micro_sizes(coord.bundle)
+        self.actions = actions(schedule, coord.stage, topo.num_stages, topo.micro_batches)
+        self.last_backward = max(i for i, a in enumerate(self.actions) if a.op is Op.BACKWARD)
+        self.inv_batch = 1.0 / topo.global_batch
+        self.where = "set-up"
+        self.peak_in_flight = 0
+
+    def _post(self, pending: dict[int, Pending], k: int, recv) -> None:
+        if k < len(self.sizes) and k not in pending:
+            pending[k] = recv(self.sizes[k])
+
+    def train_step(
+        self, step: int, micro_data: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> torch.Tensor:
+        """One synchronous step; returns this replica's share of the global mean loss (last stage)."""
+        tp, sizes = self.transport, self.sizes
+        inputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        labels: dict[int, torch.Tensor] = {}
+        grads: dict[int, tuple[torch.Tensor, ...]] = {}
+        acts_in: dict[int, Pending] = {}
+        grads_in: dict[int, Pending] = {}
+        sends: list[Pending] = []
+        loss_sum = torch.zeros((), device=self.device)
+        # Receives are posted before the work that precedes them, one micro-batch ahead.
+        if not self.first:
+            self._post(acts_in, 0, tp.recv_act)
+        if not self.last:
+            self._post(grads_in, 0, tp.recv_grad)
+        for i, a in enumerate(self.actions):
+            k = a.micro
+            self.where = f"step {step} {a!r}"
+            if a.op is Op.RECV_ACT:
+                self._post(acts_in, k, tp.recv_act)
+                *xs, labels[k] = acts_in.pop(k).wait()
+                self._post(acts_in, k + 1, tp.recv_act)
+                inputs[k] = tuple(x.requires_grad_() if x.is_floating_point() else x for x in xs)
+            elif a.op is Op.FORWARD:
+                if self.first:
+                    x, y = micro_data[k]
+                    inputs[k] = (x.to(self.device, non_blocking=True),)
+                    labels[k] = y.to(self.device, non_blocking=True)
+                with self.sync.no_sync():
+                    out = self.sync.module(*inputs[k])
+                if self.last:
+                    loss = F.cross_entropy(out[0], labels.pop(k), reduction="sum") * self.inv_batch
+                    loss_sum += loss.detach()
+                    outputs[k] = (loss,)
+                else:
+                    outputs[k] = tuple(o.contiguous() for o in out)
+                self.peak_in_flight = max(self.peak_in_flight, len(outputs))
+            elif a.op is Op.SEND_ACT:
+                sends.append(tp.send_act(sizes[k], outputs[k] + (labels.pop(k),)))
+            elif a.op is Op.RECV_GRAD:
+                self._post(grads_in, k, tp.recv_grad)
+                grads[k] = grads_in.pop(k).wait()
+                self._post(grads_in, k + 1, tp.recv_grad)
+            elif a.op is Op.BACKWARD:
+                out = outputs.pop(k)
+                if self.last:
+                    self.sync.backward(out, None, last=i == self.last_backward)
+                else:
+                    pairs = [
+                        (o, g)
+                        for o, g in zip(
+                            (o for o in out if o.is_floating_point()), grads.pop(k), strict=True
+                        )
+                        if o.requires_grad
+                    ]
+                    self.sync.backward(
+                        [o for o, _ in pairs], [g for _, g in pairs], last=i == self.last_backward
+                    )
+                if self.first:
+                    inputs.pop(k)
+            elif a.op is Op.SEND_GRAD:
+                xs = [x for x in inputs.pop(k) if x.is_floating_point()]
+                g = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in xs)
+                sends.append(tp.send_grad(sizes[k], g))
+        self.where = f"step {step} gradient sync"
+        for p in sends:
+            p.wait()
+        self.sync.finish()
+        self.where = f"step {step} optimizer"
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum
+
+    @torch.no_grad()
+    def eval_batch(self, rows: int, data: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Forward-only pass of one bundle batch of ``rows`` rows; returns [correct, total] (last stage)."""
+        module = self.sync.module
+        if self.first:
+            x, y = data
+            xs, y = (x.to(self.device),), y.to(self.device)
+        else:
+            *xs, y = self.transport.recv_act(rows).wait()
+        out = module(*xs)
+        if not self.last:
+            self.transport.send_act(rows, tuple(o.contiguous() for o in out) + (y,)).wait()
+            return torch.zeros(2, device=self.device)
+        correct = (out[0].argmax(dim=1) == y).sum()
+        return torch.stack(
+            [
+                correct.to(torch.float64),
+                torch.tensor(float(len(y)), dtype=torch.float64, device=self.device),
+            ]
+        )
+
+
+def eval_rows(batch_len: int, topo: Topology, bundle: int) -> int | None:
+    """Rows of one bundle in an evaluation batch, or None where it cannot give every replica a row."""
+    sizes = split_sizes(batch_len, topo.num_bundles)
+    return sizes[bundle] if min(sizes) >= max(topo.shape) else None

@@ -1,0 +1,125 @@
+"""Point-to-point activations forward and gradients backward between stages of any widths.
+
+Each replica sends exactly the rows its peer owns (the topology's row plan): no padding, no relay
+through a master, no host copy on the GPU path. Several tensors may cross one boundary; labels
+ride along as one more tensor. Receives land in slices of one buffer per tensor, so the stage
+sees a contiguous tensor without a concatenation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from bundle.topology import Topology, Transfer, split_ranges
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape without the batch dimension, and dtype, of one tensor crossing a stage boundary."""
+
+    tail: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def has_grad(self) -> bool:
+        return self.dtype.is_floating_point
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(t.shape[1:]), t.dtype)
+
+
+class Pending:
+    """In-flight point-to-point work; ``wait`` returns the received tensors (if any)."""
+
+    def __init__(self, works: list, tensors: tuple[torch.Tensor, ...], timeout: timedelta) -> None:
+        self.works, self.tensors, self.timeout = works, tensors, timeout
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        for w in self.works:
+            w.wait(self.timeout)
+        self.works = []
+        return self.tensors
+
+
+class Transport:
+    """The sends and receives of one replica of one stage, for one bundle."""
+
+    def __init__(
+        self,
+        *,
+        topo: Topology,
+        bundle: int,
+        stage: int,
+        replica: int,
+        in_meta: tuple[TensorMeta, ...],
+        out_meta: tuple[TensorMeta, ...],
+        device: torch.device,
+        timeout: float,
+    ) -> None:
+        self.topo, self.bundle, self.stage, self.replica = topo, bundle, stage, replica
+        self.in_meta, self.out_meta = in_meta, out_meta
+        self.device = device
+        self.timeout = timedelta(seconds=timeout)
+        self._plans: dict[
+            tuple[str, int], tuple[tuple[int, int], tuple[tuple[Transfer, int], ...]]
+        ] = {}
+
+    # Plans depend only on the micro-batch size; at most two sizes occur, so they are computed once.
+    def _plan(
+        self, direction: str, rows: int
+    ) -> tuple[tuple[int, int], tuple[tuple[Transfer, int], ...]]:
+        key = (direction, rows)
+        if key not in self._plans:
+            topo, s, r = self.topo, self.stage, self.replica
+            mine = split_ranges(rows, topo.shape[s])[r]
+            if direction == "prev":  # peers in stage s-1
+                transfers = topo.recvs(s, r, rows)
+                peers = tuple((t, topo.rank(self.bundle, s - 1, t.src)) for t in transfers)
+            else:  # peers in stage s+1
+                transfers = topo.sends(s, r, rows)
+                peers = tuple((t, topo.rank(self.bundle, s + 1, t.dst)) for t in transfers)
+            self._plans[key] = (mine, peers)
+        return self._plans[key]
+
+    def _exchange(
+        self,
+        direction: str,
+        rows: int,
+        send: tuple[torch.Tensor, ...] | None,
+        meta: tuple[TensorMeta, ...],
+    ) -> Pending:
+        (lo, hi), peers = self._plan(direction, rows)
+        ops = []
+        if send is None:
+            bufs = tuple(
+                torch.empty((hi - lo, *m.tail), dtype=m.dtype, device=self.device) for m in meta
+            )
+            for t, peer in peers:
+                ops += [dist.P2POp(dist.irecv, b[t.start - lo : t.stop - lo], peer) for b in bufs]
+        else:
+            bufs = ()
+            for t, peer in peers:
+                ops += [dist.P2POp(dist.isend, x[t.start - lo : t.stop - lo], peer) for x in send]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return Pending(works, bufs, self.timeout)
+
+    # -- forward: activations (+ labels) -----------------------------------------------------
+
+    def recv_act(self, rows: int) -> Pending:
+        return self._exchange("prev", rows, None, self.in_meta)
+
+    def send_act(self, rows: int, tensors: tuple[torch.Tensor, ...]) -> Pending:
+        return self._exchange("next", rows, tensors, self.out_meta)
+
+    # -- backward: gradients of the floating-point boundary tensors ----------------------------
+
+    def recv_grad(self, rows: int) -> Pending:
+        return self._exchange("next", rows, None, tuple(m for m in self.out_meta if m.has_grad))
+
+    def send_grad(self, rows: int, grads: tuple[torch.Tensor, ...]) -> Pending:
+        return self._exchange("prev", rows, grads, tuple(m for m in self.in_meta if m.has_grad))

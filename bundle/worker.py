@@ -1,0 +1,284 @@
+"""The body of one training process, once its process group exists: build, train, evaluate, report."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from bundle import checkpoint, data, log
+from bundle.config import RunConfig
+from bundle.errors import DataError
+from bundle.grad_sync import FlatSync, GradSync, HierarchicalSync
+from bundle.metrics import Meter, MetricsFile
+from bundle.topology import Coord, Topology
+from bundle.trainer import StageRunner, boundary_metas, build_stages, eval_rows
+from bundle.transport import Transport
+
+
+def make_topology(cfg: RunConfig) -> Topology:
+    return Topology(
+        shape=cfg.parallel.shape,
+        num_bundles=cfg.parallel.num_bundles,
+        procs_per_node=cfg.procs_per_node,
+        global_batch=cfg.train.batch_size,
+        micro_batches=cfg.parallel.micro_batches,
+    )
+
+
+def _groups(topo: Topology, coord: Coord, strategy: str) -> dict:
+    """Create every group on every rank in the same order (new_group is collective)."""
+    mine: dict = {}
+    for s in range(topo.num_stages):
+        g = dist.new_group(list(topo.stage_group(s)))
+        if s == coord.stage:
+            mine["stage"] = g
+        if strategy != "hierarchical":
+            continue
+        for b in range(topo.num_bundles):
+            g = dist.new_group(list(topo.bundle_stage_group(b, s)))
+            if (b, s) == (coord.bundle, coord.stage):
+                mine["bundle"] = g
+        g = dist.new_group(list(topo.masters_group(s)))
+        if s == coord.stage:
+            mine["masters"] = g
+    return mine
+
+
+def _make_sync(
+    cfg: RunConfig, topo: Topology, coord: Coord, stage: torch.nn.Module, groups: dict, device
+) -> GradSync:
+    if cfg.parallel.grad_sync == "flat":
+        return FlatSync(stage, groups["stage"], device)
+    # Start from identical weights without relying on every process's initialisation agreeing.
+    members = topo.stage_group(coord.stage)
+    for p in stage.parameters():
+        dist.broadcast(p.data, src=members[0], group=groups["stage"])
+    width = topo.shape[coord.stage]
+    return HierarchicalSync(
+        stage,
+        bundle_group=groups["bundle"] if width > 1 else None,
+        bundle_master=topo.stage_master(coord.bundle, coord.stage),
+        masters_group=groups["masters"] if topo.num_bundles > 1 else None,
+        is_master=coord.replica == 0,
+    )
+
+
+@dataclass
+class Session:
+    """Everything one process built for training: its stage, runner and data."""
+
+    runner: StageRunner
+    stage: torch.nn.Module
+    splits: data.DataSplits
+    coord: Coord
+    last_group: dist.ProcessGroup | None
+
+
+def build_session(cfg: RunConfig, topo: Topology, rank: int, device: torch.device) -> Session:
+    """Build this rank's stage, groups, gradient sync, transport, optimizer and runner."""
+    coord = topo.coord(rank)
+    S = topo.num_stages
+    splits = data.load(cfg.data, cfg.train.seed)
+    stages = build_stages(cfg, S, splits.input_shape, splits.num_classes)
+    metas = boundary_metas(stages, splits.input_shape)
+    stage = stages[coord.stage].to(device)
+    del stages
+    groups = _groups(topo, coord, cfg.parallel.grad_sync)
+    sync = _make_sync(cfg, topo, coord, stage, groups, device)
+    transport = Transport(
+        topo=topo,
+        bundle=coord.bundle,
+        stage=coord.stage,
+        replica=coord.replica,
+        in_meta=metas[coord.stage - 1] if coord.stage > 0 else (),
+        out_meta=metas[coord.stage] if coord.stage < S - 1 else (),
+        device=device,
+        timeout=cfg.launch.timeout,
+    )
+    optimizer = torch.optim.SGD(
+        stage.parameters(),
+        lr=cfg.train.lr,
+        momentum=cfg.train.momentum,
+        weight_decay=cfg.train.weight_decay,
+    )
+    runner = StageRunner(
+        topo=topo,
+        coord=coord,
+        sync=sync,
+        transport=transport,
+        optimizer=optimizer,
+        schedule=cfg.parallel.schedule,
+        device=device,
+    )
+    last_group = groups["stage"] if coord.stage == S - 1 else None
+    return Session(runner, stage, splits, coord, last_group)
+
+
+def train_stream(session: Session, topo: Topology, seed: int, total: int, workers: int):
+    """Stage 0: this replica's micro-batches of every step, M at a time; other stages: Nones."""
+    coord = session.coord
+    if coord.stage != 0:
+        while True:
+            yield None
+    n, B = len(session.splits.train), topo.global_batch
+    shard = data.Shard(
+        num_bundles=topo.num_bundles,
+        micro_batches=topo.micro_batches,
+        width=topo.shape[0],
+        bundle=coord.bundle,
+        replica=coord.replica,
+    )
+    lists = [
+        ix for t in range(total) for ix in shard.micro_indices(data.global_batch(n, B, seed, t))
+    ]
+    stream = data.micro_batches(session.splits.train, lists, workers=workers)
+    while True:
+        yield [next(stream) for _ in range(topo.micro_batches)]
+
+
+def run(
+    cfg: RunConfig,
+    topo: Topology,
+    rank: int,
+    device: torch.device,
+    *,
+    progress=None,
+    where: dict | None = None,
+) -> dict | None:
+    """Train and evaluate; the reporting rank returns the summary, every other rank None.
+
+    ``progress`` (a shared integer) gets the current step for the node supervisor; ``where`` gets
+    the runner, whose ``where`` names the action in progress when an error escapes.
+    """
+    session = build_session(cfg, topo, rank, device)
+    runner, stage, splits, coord, last_group = (
+        session.runner,
+        session.stage,
+        session.splits,
+        session.coord,
+        session.last_group,
+    )
+    if where is not None:
+        where["runner"] = runner
+    reporter = topo.rank(0, topo.num_stages - 1, 0)
+    logger = log.get()
+    n_train, B = len(splits.train), cfg.train.batch_size
+    spe = data.steps_per_epoch(n_train, B)
+    if spe == 0:
+        raise DataError(f"the training set has {n_train} samples, fewer than one batch of {B}")
+    total = cfg.train.steps or cfg.train.epochs * spe
+    batches = train_stream(session, topo, cfg.train.seed, total, cfg.data.workers)
+    metrics = MetricsFile(cfg.metrics_out if rank == reporter else None)
+    meter, loss_window, t_start = Meter(), torch.zeros((), device=device), time.perf_counter()
+    if rank == reporter:
+        logger.info(
+            f"training {cfg.model.name}: shape {','.join(map(str, topo.shape))} x {topo.num_bundles} bundle(s), "
+            f"{topo.world_size} processes, batch {B} in {topo.micro_batches} micro-batch(es), "
+            f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync, {total} steps ({spe}/epoch)"
+        )
+    summary: dict = {}
+    for step in range(total):
+        if progress is not None:
+            progress.value = step
+        loss = runner.train_step(step, next(batches))
+        loss_window += loss
+        meter.step(B)
+        if (step + 1) % cfg.train.log_every == 0 or step + 1 == total:
+            if last_group is not None:
+                dist.all_reduce(loss_window, group=last_group)
+                n = (step % cfg.train.log_every) + 1
+                record = {
+                    "step": step + 1,
+                    "loss": loss_window.item() / n,
+                    "samples_per_s": round(meter.samples_per_s, 2),
+                }
+                summary["final_loss"] = record["loss"]
+                metrics.write(record)
+                if rank == reporter:
+                    logger.info(
+                        f"step {step + 1}/{total}  loss {record['loss']:.4f}  {record['samples_per_s']:.1f} samples/s"
+                    )
+            loss_window.zero_()
+        epoch_done = (step + 1) % spe == 0 or step + 1 == total
+        if (
+            cfg.train.eval
+            and epoch_done
+            and ((step + 1) // spe < cfg.train.epochs or step + 1 == total)
+        ):
+            runner.where = f"evaluation after step {step + 1}"
+            acc, seen = evaluate(
+                runner, splits.val, topo, coord, B, cfg.data.workers, last_group, device
+            )
+            summary.update(val_accuracy=acc, val_samples=seen)
+            if last_group is not None:
+                metrics.write({"step": step + 1, "val_accuracy": acc, "val_samples": seen})
+            if rank == reporter:
+                logger.info(f"step {step + 1}: validation accuracy {acc:.4f} on {seen} samples")
+    elapsed = time.perf_counter() - t_start
+    if cfg.train.checkpoint:
+        runner.where = "checkpoint"
+        checkpoint.save_distributed(cfg.train.checkpoint, stage, topo, coord)
+    if rank != reporter:
+        return None
+    summary.update(
+        summary=True,
+        steps=total,
+        samples_per_s=round(meter.samples_per_s, 2),
+        elapsed_s=round(elapsed, 3),
+        world_size=topo.world_size,
+        shape=list(topo.shape),
+        num_bundles=topo.num_bundles,
+        micro_batches=topo.micro_batches,
+        schedule=cfg.parallel.schedule,
+        grad_sync=cfg.parallel.grad_sync,
+        model=cfg.model.name,
+        peak_in_flight=runner.peak_in_flight,
+    )
+    summary.setdefault("val_accuracy", None)
+    metrics.write(summary)
+    return summary
+
+
+def evaluate(
+    runner: StageRunner,
+    dataset,
+    topo: Topology,
+    coord: Coord,
+    batch: int,
+    workers: int,
+    last_group,
+    device,
+) -> tuple[float, int]:
+    """Accuracy over the validation set in global batches of ``batch`` rows, pipelined forward-only."""
+    stage = runner.sync.module
+    stage.eval()
+    n = len(dataset)
+    batches = [torch.arange(i, min(i + batch, n)) for i in range(0, n, batch)]
+    usable = [(ix, eval_rows(len(ix), topo, coord.bundle)) for ix in batches]
+    usable = [(ix, rows) for ix, rows in usable if rows is not None]
+    shard = data.Shard(
+        num_bundles=topo.num_bundles,
+        micro_batches=1,
+        width=topo.shape[0],
+        bundle=coord.bundle,
+        replica=coord.replica,
+    )
+    stream = (
+        data.micro_batches(
+            dataset, [shard.micro_indices(ix)[0] for ix, _ in usable], workers=workers
+        )
+        if coord.stage == 0
+        else None
+    )
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for _ix, rows in usable:
+        counts += runner.eval_batch(rows, next(stream) if stream else None)
+    stage.train()
+    if last_group is None:
+        return 0.0, 0
+    dist.all_reduce(counts, group=last_group)
+    correct, total = counts.tolist()
+    return (correct / total if total else 0.0), int(total)

@@ -1,0 +1,122 @@
+"""Model registry: every model builds, and its blocks chained reproduce model(x) exactly."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import models
+from bundle.errors import ConfigError
+from models import apply_blocks
+
+SMALL = ("mlp", "digits_cnn", "skip_mlp", "small_resnet")
+# Big torchvision nets run on 64x64 so the suite stays cheap; adaptive pooling makes that legal.
+SHAPES = {"digits_cnn": (1, 8, 8), "mlp": (1, 8, 8), "skip_mlp": (1, 8, 8)}
+
+
+def shape_of(name: str) -> tuple[int, int, int]:
+    return SHAPES.get(name, (3, 32, 32) if name == "small_resnet" else (3, 64, 64))
+
+
+@functools.cache
+def built(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return models.build(name, num_classes=10, input_shape=shape_of(name)).eval()
+
+
+def test_available_is_sorted_and_complete() -> None:
+    names = models.available()
+    assert names == sorted(names)
+    assert set(names) == {"resnet18", "resnet50", "resnet101", "vgg16", *SMALL}
+
+
+@pytest.mark.parametrize("name", models.available())
+def test_blocks_chain_equals_model(name: str) -> None:
+    model = built(name)
+    x = torch.randn(2, *shape_of(name))
+    with torch.no_grad():
+        expected = model(x)
+        got = apply_blocks(models.blocks(model), x)
+    assert expected.shape == (2, 10)
+    assert torch.allclose(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", models.available())
+def test_block_names_cover_every_parameter_once(name: str) -> None:
+    model = built(name)
+    full = dict(model.named_parameters())
+    seen: list[str] = []
+    for block_name, block in models.blocks(model):
+        for param_name, param in block.named_parameters():
+            key = f"{block_name}.{param_name}"
+            assert full[key] is param
+            seen.append(key)
+    assert sorted(seen) == sorted(full)
+
+
+def test_resnet_and_vgg_block_names() -> None:
+    names = [n for n, _ in models.blocks(built("resnet18"))]
+    assert names[:5] == ["conv1", "bn1", "relu", "maxpool", "layer1.0"]
+    assert names[-4:] == ["layer4.1", "avgpool", "flatten", "fc"]
+    assert len([n for n in models.blocks(built("resnet101")) if n[0].startswith("layer3.")]) == 23
+    vgg = [n for n, _ in models.blocks(built("vgg16"))]
+    assert vgg[0] == "features.0" and vgg[30] == "features.30"
+    assert vgg[31:34] == ["avgpool", "flatten", "classifier.0"]
+    assert vgg[-1] == "classifier.6"
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_small_models_have_no_batch_statistics(name: str) -> None:
+    norms = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+    assert not any(isinstance(m, norms) for m in built(name).modules())
+
+
+def test_skip_mlp_blocks_pass_two_tensors() -> None:
+    model = built("skip_mlp")
+    out = apply_blocks(models.blocks(model)[:2], torch.randn(2, *shape_of("skip_mlp")))
+    assert isinstance(out, tuple) and len(out) == 2
+    assert all(t.requires_grad for t in out)
+
+
+def test_unknown_model_lists_choices() -> None:
+    with pytest.raises(ConfigError) as err:
+        models.build("resnet9000", num_classes=10, input_shape=(3, 32, 32))
+    assert err.value.key == "--model" and err.value.value == "resnet9000"
+    for name in models.available():
+        assert name in str(err.value)
+
+
+def test_bad_build_arguments_name_the_value() -> None:
+    with pytest.raises(ConfigError, match="input_shape"):
+        models.build("resnet18", num_classes=10, input_shape=(1, 8, 8))
+    with pytest.raises(ConfigError, match="num_classes"):
+        models.build("mlp", num_classes=0, input_shape=(1, 8, 8))
+
+
+def test_blocks_of_foreign_model_is_a_typed_error() -> None:
+    with pytest.raises(ValueError, match="Linear"):
+        models.blocks(nn.Linear(2, 2))
+
+
+def test_digits_cnn_learns_digits() -> None:
+    datasets = pytest.importorskip("sklearn.datasets")
+    digits = datasets.load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    split = int(0.8 * len(y))
+    torch.manual_seed(0)
+    model = models.build("digits_cnn", num_classes=10, input_shape=(1, 8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(3):
+        for i in range(0, split, 32):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[i : i + 32]), y[i : i + 32]).backward()
+            opt.step()
+    with torch.no_grad():
+        accuracy = (model(x[split:]).argmax(1) == y[split:]).float().mean().item()
+    assert accuracy >= 0.9
