@@ -18,8 +18,14 @@ from bundle.errors import BundleError, ConfigError
 DEFAULTS = C.RunConfig()
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line, like every other input error; the full usage is one --help away.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="main.py",
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -213,7 +219,7 @@ def _merge_yaml(
         dest = str(key).replace("-", "_")
         if dest not in actions:
             raise ConfigError(
-                f"--config {args.config}: key", key, f"allowed keys: {', '.join(sorted(actions))}"
+                f"--config {args.config} key", key, f"allowed keys: {', '.join(sorted(actions))}"
             )
         if dest in explicit:
             continue
@@ -225,13 +231,11 @@ def _merge_yaml(
                 value = action.type(value)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(
-                    f"--config {args.config}: key",
-                    key,
-                    f"{value!r} is not a {action.type.__name__}",
+                    f"{key} (in --config {args.config})", value, f"must be {action.type.__name__}"
                 ) from exc
         if action.choices and value not in action.choices:
             raise ConfigError(
-                f"--config {args.config}: key", key, f"choose one of: {', '.join(action.choices)}"
+                f"{key} (in --config {args.config})", value, f"choose one of: {', '.join(action.choices)}"
             )
         setattr(args, dest, value)
 

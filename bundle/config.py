@@ -81,7 +81,7 @@ class DataConfig:
 class TrainConfig:
     batch_size: int = 64
     steps: int = 0  # 0: run whole epochs
-    epochs: int = 1
+    epochs: int = 5
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
@@ -156,15 +156,18 @@ class RunConfig:
             )
         return total // nodes
 
-    def fingerprint(self) -> str:
-        """Hash of everything that must agree between nodes (not the node's own rank)."""
-        shared = asdict(self)
-        shared["launch"] = {
-            k: v for k, v in shared["launch"].items() if k not in ("node_rank", "torchrun")
-        }
+    def shared_view(self) -> dict:
+        """Everything that must agree between nodes, as plain JSON types (not node-local paths)."""
+        shared = json.loads(json.dumps(asdict(self)))
+        shared["launch"].pop("node_rank")
         shared.pop("metrics_out")
         shared["train"].pop("checkpoint")
-        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+        return shared
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.shared_view(), sort_keys=True).encode()).hexdigest()[
+            :16
+        ]
 
     def summary(self) -> dict:
         return asdict(self)

@@ -8,7 +8,7 @@ single process reading the same global batches sees the same samples in the same
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -182,36 +182,43 @@ def _fetch(dataset: Dataset, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return torch.stack(xs), torch.as_tensor(ys)
 
 
-class _IndexList(Dataset):
-    """Maps position ``i`` of a precomputed index list to one fetched micro-batch."""
+class _Batches:
+    """A batch sampler over precomputed index tensors (DataLoader keeps their order with workers)."""
 
-    def __init__(self, dataset: Dataset, index_lists: list[torch.Tensor]) -> None:
-        self.dataset, self.index_lists = dataset, index_lists
+    def __init__(self, index_lists: Iterable[torch.Tensor]) -> None:
+        self.index_lists = index_lists
 
-    def __len__(self) -> int:
-        return len(self.index_lists)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _fetch(self.dataset, self.index_lists[i])
+    def __iter__(self) -> Iterator[list[int]]:
+        return (idx.tolist() for idx in self.index_lists)
 
 
 def micro_batches(
-    dataset: Dataset, index_lists: list[torch.Tensor], *, workers: int
+    dataset: Dataset, index_lists: Iterable[torch.Tensor], *, workers: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Fetch each index list as one (inputs, labels) pair, in order, with ``workers`` prefetching."""
     if workers == 0:
         for idx in index_lists:
             yield _fetch(dataset, idx)
         return
-    loader = DataLoader(
-        _IndexList(dataset, index_lists),
-        batch_size=None,
-        shuffle=False,
-        num_workers=workers,
-        persistent_workers=False,
-        prefetch_factor=4,
+    yield from DataLoader(
+        dataset, batch_sampler=_Batches(index_lists), num_workers=workers, prefetch_factor=4
     )
-    yield from loader
+
+
+def replica_indices(
+    shard: Shard, n: int, batch: int, seed: int, steps: int
+) -> Iterator[torch.Tensor]:
+    """This replica's index list of every micro-batch of ``steps`` training steps, lazily."""
+    spe = steps_per_epoch(n, batch)
+    if spe == 0:
+        raise DataError(f"the training set has {n} samples, fewer than one batch of {batch}")
+    order, epoch = None, -1
+    for step in range(steps):
+        if step // spe != epoch:
+            epoch = step // spe
+            order = epoch_order(n, seed, epoch)
+        t = step % spe
+        yield from shard.micro_indices(order[t * batch : (t + 1) * batch])
 
 
 def input_spec(cfg: DataConfig) -> tuple[int, tuple[int, int, int]]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from bundle import log
 from bundle.config import RunConfig
-from bundle.errors import ConfigError, LaunchError
+from bundle.errors import ConfigError, LaunchError, PeerFailure
 from bundle.topology import Topology
 
 ABORT_KEY = "bundle/abort"
@@ -94,29 +94,56 @@ def post_abort(store: dist.Store, message: str) -> str:
     return store.compare_set(ABORT_KEY, "", message).decode() or message
 
 
+def _differences(mine: dict, theirs: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} {a!r} vs {b!r}")
+    return out
+
+
 def exchange_config(store: dist.Store, cfg: RunConfig, me: int, peers: int, timeout: float) -> None:
-    """Every node publishes its config; any difference is reported by field, not left to hang."""
-    mine = cfg.summary()
-    mine["launch"].pop("node_rank")
-    store.set(f"bundle/config/{me}", json.dumps(mine, sort_keys=True, default=str))
-    keys = [f"bundle/config/{i}" for i in range(peers)]
+    """Every node publishes its config; any difference is reported by field, not left to hang.
+
+    Node 0 hosts the store, so it waits until every node has read the others before it goes on
+    (or exits with the error), and every node reports the same mismatch.
+    """
+    mine = cfg.shared_view()
+    store.set(f"bundle/config/{me}", json.dumps(mine))
     try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        raise LaunchError(f"not every node joined within {timeout:.0f}s: {exc}") from exc
-    for i in range(peers):
-        theirs = json.loads(store.get(keys[i]))
-        if theirs != json.loads(json.dumps(mine, sort_keys=True, default=str)):
-            diff = [
-                f"{sec}.{k}: {mine[sec].get(k)!r} here vs {theirs[sec].get(k)!r} on {i}"
-                for sec in mine
-                if isinstance(mine[sec], dict)
-                for k in mine[sec]
-                if mine[sec].get(k) != theirs.get(sec, {}).get(k)
-            ]
-            raise LaunchError(
-                f"configuration differs between node {me} and node {i}: {'; '.join(diff) or 'see both command lines'}"
+        store.wait([f"bundle/config/{i}" for i in range(peers)], timedelta(seconds=timeout))
+        problems = []
+        for i in range(peers):
+            diff = _differences(mine, json.loads(store.get(f"bundle/config/{i}")))
+            if diff:
+                problems.append(f"node {me} vs node {i}: {'; '.join(diff)}")
+        store.set(f"bundle/config-read/{me}", "1")
+        if me == 0:
+            store.wait(
+                [f"bundle/config-read/{i}" for i in range(peers)], timedelta(seconds=timeout)
             )
+    except RuntimeError as exc:
+        raise LaunchError(
+            f"not every node joined the job at the master within {timeout:.0f}s ({exc})"
+        ) from exc
+    if problems:
+        raise LaunchError(f"the nodes were started with different settings: {problems[0]}")
+
+
+def store_barrier(store: dist.Store, name: str, world: int, timeout: float) -> None:
+    """Wait until ``world`` processes reached ``name``, up to ``timeout`` seconds (start-up only)."""
+    key = f"bundle/arrived/{name}"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while (arrived := store.add(key, 0)) < world:
+        if time.monotonic() > deadline:
+            raise PeerFailure(
+                f"only {arrived} of {world} processes reached '{name}' within {timeout:.0f}s"
+            )
+        time.sleep(0.05)
 
 
 def start_abort_watch(store: dist.Store, rank: int, me: str) -> None:
@@ -163,6 +190,7 @@ def worker_main(
     start_abort_watch(store, rank, me)
     where: dict = {}
     try:
+        store_barrier(store, "start", topo.world_size, cfg.launch.init_timeout)
         dist.init_process_group(
             backend,
             store=dist.PrefixStore("bundle/pg", store),
@@ -171,7 +199,17 @@ def worker_main(
             timeout=timedelta(seconds=cfg.launch.timeout),
         )
         device = device_for(backend, local_rank)
-        summary = worker.run(cfg, topo, rank, device, progress=progress, where=where)
+        summary = worker.run(
+            cfg,
+            topo,
+            rank,
+            device,
+            progress=progress,
+            where=where,
+            arrive=lambda name: store_barrier(
+                store, name, topo.world_size, cfg.launch.init_timeout
+            ),
+        )
         dist.barrier()
         if summary is not None:
             print(json.dumps(summary, sort_keys=True), flush=True)
@@ -251,7 +289,7 @@ def supervise(cfg: RunConfig, topo: Topology) -> int:
                 del running[rank]
                 if p.exitcode != 0:
                     step = progress[rank].value
-                    at = f"step {step}" if step >= 0 else "start-up"
+                    at = f"step {step + 1}" if step >= 0 else "start-up"
                     failure = post_abort(
                         store, f"{describe(topo, rank)} {_exit_text(p.exitcode)} during {at}"
                     )

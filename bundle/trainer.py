@@ -93,7 +93,7 @@ class StageRunner:
             self._post(grads_in, 0, tp.recv_grad)
         for i, a in enumerate(self.actions):
             k = a.micro
-            self.where = f"step {step} {a!r}"
+            self.where = f"step {step + 1} {a!r}"
             if a.op is Op.RECV_ACT:
                 self._post(acts_in, k, tp.recv_act)
                 *xs, labels[k] = acts_in.pop(k).wait()
@@ -140,11 +140,11 @@ class StageRunner:
                 xs = [x for x in inputs.pop(k) if x.is_floating_point()]
                 g = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in xs)
                 sends.append(tp.send_grad(sizes[k], g))
-        self.where = f"step {step} gradient sync"
+        self.where = f"step {step + 1} gradient sync"
         for p in sends:
             p.wait()
         self.sync.finish()
-        self.where = f"step {step} optimizer"
+        self.where = f"step {step + 1} optimizer"
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum

@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from bundle.errors import PeerFailure
 from bundle.topology import Topology, Transfer, split_ranges
 
 
@@ -33,15 +34,30 @@ class TensorMeta:
         return TensorMeta(tuple(t.shape[1:]), t.dtype)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    rows: tuple[int, int]  # this replica's rows of the micro-batch
+    peers: tuple[tuple[Transfer, int], ...]  # (rows to move, peer rank)
+    peer_text: str  # for errors
+
+
 class Pending:
     """In-flight point-to-point work; ``wait`` returns the received tensors (if any)."""
 
-    def __init__(self, works: list, tensors: tuple[torch.Tensor, ...], timeout: timedelta) -> None:
-        self.works, self.tensors, self.timeout = works, tensors, timeout
+    def __init__(
+        self, works: list, tensors: tuple[torch.Tensor, ...], timeout: timedelta, what: str
+    ) -> None:
+        self.works, self.tensors, self.timeout, self.what = works, tensors, timeout, what
 
     def wait(self) -> tuple[torch.Tensor, ...]:
-        for w in self.works:
-            w.wait(self.timeout)
+        try:
+            for w in self.works:
+                w.wait(self.timeout)
+        except RuntimeError as exc:
+            # Name the peers: the error of the process that notices is rarely the root cause.
+            raise PeerFailure(
+                f"{self.what} did not complete within {self.timeout.total_seconds():.0f}s: {exc}"
+            ) from exc
         self.works = []
         return self.tensors
 
@@ -65,25 +81,24 @@ class Transport:
         self.in_meta, self.out_meta = in_meta, out_meta
         self.device = device
         self.timeout = timedelta(seconds=timeout)
-        self._plans: dict[
-            tuple[str, int], tuple[tuple[int, int], tuple[tuple[Transfer, int], ...]]
-        ] = {}
+        self._plans: dict[tuple[str, int], _Plan] = {}
 
     # Plans depend only on the micro-batch size; at most two sizes occur, so they are computed once.
-    def _plan(
-        self, direction: str, rows: int
-    ) -> tuple[tuple[int, int], tuple[tuple[Transfer, int], ...]]:
+    def _plan(self, direction: str, rows: int) -> _Plan:
         key = (direction, rows)
         if key not in self._plans:
             topo, s, r = self.topo, self.stage, self.replica
-            mine = split_ranges(rows, topo.shape[s])[r]
             if direction == "prev":  # peers in stage s-1
-                transfers = topo.recvs(s, r, rows)
+                peer_stage, transfers = s - 1, topo.recvs(s, r, rows)
                 peers = tuple((t, topo.rank(self.bundle, s - 1, t.src)) for t in transfers)
             else:  # peers in stage s+1
-                transfers = topo.sends(s, r, rows)
+                peer_stage, transfers = s + 1, topo.sends(s, r, rows)
                 peers = tuple((t, topo.rank(self.bundle, s + 1, t.dst)) for t in transfers)
-            self._plans[key] = (mine, peers)
+            text = ", ".join(
+                f"rank {rank} (bundle {self.bundle}, stage {peer_stage}, replica {t.dst if peer_stage > s else t.src})"
+                for t, rank in peers
+            )
+            self._plans[key] = _Plan(split_ranges(rows, topo.shape[s])[r], peers, text)
         return self._plans[key]
 
     def _exchange(
@@ -93,20 +108,22 @@ class Transport:
         send: tuple[torch.Tensor, ...] | None,
         meta: tuple[TensorMeta, ...],
     ) -> Pending:
-        (lo, hi), peers = self._plan(direction, rows)
+        plan = self._plan(direction, rows)
+        lo, hi = plan.rows
         ops = []
         if send is None:
             bufs = tuple(
                 torch.empty((hi - lo, *m.tail), dtype=m.dtype, device=self.device) for m in meta
             )
-            for t, peer in peers:
+            for t, peer in plan.peers:
                 ops += [dist.P2POp(dist.irecv, b[t.start - lo : t.stop - lo], peer) for b in bufs]
         else:
             bufs = ()
-            for t, peer in peers:
+            for t, peer in plan.peers:
                 ops += [dist.P2POp(dist.isend, x[t.start - lo : t.stop - lo], peer) for x in send]
         works = dist.batch_isend_irecv(ops) if ops else []
-        return Pending(works, bufs, self.timeout)
+        what = f"{'receive from' if send is None else 'send to'} {plan.peer_text}"
+        return Pending(works, bufs, self.timeout, what)
 
     # -- forward: activations (+ labels) -----------------------------------------------------
 

@@ -77,8 +77,15 @@ class Session:
     last_group: dist.ProcessGroup | None
 
 
-def build_session(cfg: RunConfig, topo: Topology, rank: int, device: torch.device) -> Session:
-    """Build this rank's stage, groups, gradient sync, transport, optimizer and runner."""
+def build_session(
+    cfg: RunConfig, topo: Topology, rank: int, device: torch.device, *, arrive=None
+) -> Session:
+    """Build this rank's stage, groups, gradient sync, transport, optimizer and runner.
+
+    ``arrive(name)``, when given, waits (with the start-up timeout) until every process reaches
+    the same point, so uneven start-up is never charged to the per-operation ``--timeout``.
+    """
+    arrive = arrive or (lambda name: None)
     coord = topo.coord(rank)
     S = topo.num_stages
     splits = data.load(cfg.data, cfg.train.seed)
@@ -86,6 +93,7 @@ def build_session(cfg: RunConfig, topo: Topology, rank: int, device: torch.devic
     metas = boundary_metas(stages, splits.input_shape)
     stage = stages[coord.stage].to(device)
     del stages
+    arrive("model built")
     groups = _groups(topo, coord, cfg.parallel.grad_sync)
     sync = _make_sync(cfg, topo, coord, stage, groups, device)
     transport = Transport(
@@ -114,6 +122,7 @@ def build_session(cfg: RunConfig, topo: Topology, rank: int, device: torch.devic
         device=device,
     )
     last_group = groups["stage"] if coord.stage == S - 1 else None
+    arrive("ready to train")
     return Session(runner, stage, splits, coord, last_group)
 
 
@@ -131,9 +140,7 @@ def train_stream(session: Session, topo: Topology, seed: int, total: int, worker
         bundle=coord.bundle,
         replica=coord.replica,
     )
-    lists = [
-        ix for t in range(total) for ix in shard.micro_indices(data.global_batch(n, B, seed, t))
-    ]
+    lists = data.replica_indices(shard, n, B, seed, total)
     stream = data.micro_batches(session.splits.train, lists, workers=workers)
     while True:
         yield [next(stream) for _ in range(topo.micro_batches)]
@@ -147,13 +154,14 @@ def run(
     *,
     progress=None,
     where: dict | None = None,
+    arrive=None,
 ) -> dict | None:
     """Train and evaluate; the reporting rank returns the summary, every other rank None.
 
     ``progress`` (a shared integer) gets the current step for the node supervisor; ``where`` gets
     the runner, whose ``where`` names the action in progress when an error escapes.
     """
-    session = build_session(cfg, topo, rank, device)
+    session = build_session(cfg, topo, rank, device, arrive=arrive)
     runner, stage, splits, coord, last_group = (
         session.runner,
         session.stage,

@@ -24,8 +24,12 @@ def _entry(fn, rank: int, world: int, port: int, out_dir: str, args: tuple) -> N
     torch.set_num_threads(1)
     result: object
     try:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        store = dist.TCPStore(
+            "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60)
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         result = ("ok", fn(rank, world, *args))
         dist.barrier()
         dist.destroy_process_group()
@@ -40,7 +44,9 @@ def run_world(world: int, fn, *args, timeout: float = 240.0) -> list:
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, port, out, args)) for r in range(world)
+        ]
         for p in procs:
             p.start()
         try:

@@ -28,11 +28,15 @@ VARIANTS = list(itertools.product(("gpipe", "1f1b"), (1, 3), ("flat", "hierarchi
 
 def _config(shape, bundles, schedule, micro, sync, model) -> RunConfig:
     return RunConfig(
-        parallel=ParallelConfig(shape=shape, num_bundles=bundles, micro_batches=micro, schedule=schedule, grad_sync=sync),
+        parallel=ParallelConfig(
+            shape=shape, num_bundles=bundles, micro_batches=micro, schedule=schedule, grad_sync=sync
+        ),
         model=ModelConfig(name=model),
         data=DataConfig(dataset="synthetic", image_size=4, num_classes=5, synthetic_size=128),
         # 23 rows: bundles of 12/11, micro-batches of 4/4/3 (or 4/4/4), replicas of 2/1/1 ...
-        train=TrainConfig(batch_size=23, steps=STEPS, lr=0.1, momentum=0.9, weight_decay=0.01, seed=7, eval=False),
+        train=TrainConfig(
+            batch_size=23, steps=STEPS, lr=0.1, momentum=0.9, weight_decay=0.01, seed=7, eval=False
+        ),
     )
 
 
@@ -40,8 +44,15 @@ def reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
     """One process, the unsplit model, the same global batches, mean loss over each batch."""
     splits = data.load(cfg.data, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    model = models.build(cfg.model.name, num_classes=splits.num_classes, input_shape=splits.input_shape)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum, weight_decay=cfg.train.weight_decay)
+    model = models.build(
+        cfg.model.name, num_classes=splits.num_classes, input_shape=splits.input_shape
+    )
+    opt = torch.optim.SGD(
+        model.parameters(),
+        lr=cfg.train.lr,
+        momentum=cfg.train.momentum,
+        weight_decay=cfg.train.weight_decay,
+    )
     x, y = splits.train.tensors
     for step in range(cfg.train.steps):
         idx = data.global_batch(len(y), cfg.train.batch_size, cfg.train.seed, step)
@@ -76,9 +87,13 @@ def _hybrid(rank: int, world: int, shape, bundles) -> list[str]:
                 seen.add(name)
                 err = (value - ref[name]).abs().max().item()
                 if err > TOL:
-                    failures.append(f"{schedule} M={micro} {sync} {model} {coord}: {name} off by {err:.2e}")
+                    failures.append(
+                        f"{schedule} M={micro} {sync} {model} {coord}: {name} off by {err:.2e}"
+                    )
         if seen != set(ref):
-            failures.append(f"{schedule} M={micro} {sync}: parameters not covered: {set(ref) - seen}")
+            failures.append(
+                f"{schedule} M={micro} {sync}: parameters not covered: {set(ref) - seen}"
+            )
     return failures
 
 
@@ -95,6 +110,10 @@ def test_reference_moves_parameters():
     cfg = _config((1,), 1, "gpipe", 1, "flat", "mlp")
     splits = data.load(cfg.data, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    init = dict(models.build("mlp", num_classes=splits.num_classes, input_shape=splits.input_shape).named_parameters())
+    init = dict(
+        models.build(
+            "mlp", num_classes=splits.num_classes, input_shape=splits.input_shape
+        ).named_parameters()
+    )
     trained = reference(cfg)
     assert max((trained[k] - init[k]).abs().max().item() for k in init) > 1e3 * TOL

@@ -1,0 +1,672 @@
+"""Benchmark Bundle on gloo/CPU against torch.distributed.pipelining and DDP, as ratios from one run.
+
+Every process runs one thread (``torch.set_num_threads(1)``) and talks gloo over loopback. Two
+worlds are started, one after the other:
+
+- ``pipeline`` (2 processes): shape 1,1 with Bundle 1F1B over a sweep of micro-batch counts for an
+  MLP and a small CNN, Bundle GPipe, and torch.distributed.pipelining (ScheduleGPipe,
+  Schedule1F1B) on the same split, global batch and micro-batches; then Bundle data-parallel only
+  (shape 2, flat sync, one micro-batch) against a plain DistributedDataParallel loop on the same
+  model and global batch;
+- ``bundles`` (4 processes): two bundles of shape 1,1 with flat against hierarchical gradient sync.
+
+Inside a world every case runs once per round, in a fixed interleaved order, so slow drifts of a
+shared machine hit all cases alike: a barrier, untimed warm-up steps, then timed steps. Step time
+is the median of the timed steps of the first rank (stage 0 of bundle 0) over all rounds, and
+throughput is global batch / median step time. After its steps every Bundle case times a copy of
+each rank's stage alone (no p2p, no gradient sync) on one micro-batch's forward+backward, one
+rank at a time while the others wait idle: ``t_s`` is the median over all repetitions, and
+pipeline efficiency is ``(M + S - 1) * max_s t_s / step time``. Ratios above 1 mean Bundle is
+faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import models  # noqa: E402
+from bundle import data  # noqa: E402
+from bundle.config import (  # noqa: E402
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from bundle.topology import split_sizes  # noqa: E402
+from bundle.trainer import build_stages  # noqa: E402
+from bundle.transport import TensorMeta  # noqa: E402
+from bundle.worker import Session, build_session, make_topology, train_stream  # noqa: E402
+
+CPU = torch.device("cpu")
+NUM_CLASSES = 10
+LR, MOMENTUM = 0.01, 0.9
+SEED = 0
+DATA_STEPS = 4  # distinct global batches fetched before timing and cycled through
+# small_resnet cut after its first residual block: the two halves take about equal time on a CPU
+# (the automatic parameter-balanced cut puts nearly all of the convolution time in stage 0).
+CNN_SPLIT = ("stem", "res.1")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Every size the benchmark uses; fixed per mode so that runs are comparable."""
+
+    # mlp is the registry model (4 hidden layers of width 256); a 3x11x11 input (363 features)
+    # makes the automatic split [flatten, hidden.0, hidden.1 | hidden.2, hidden.3, head] balanced.
+    mlp_image: int = 11
+    mlp_batch: int = 2048
+    mlp_micro: tuple[int, ...] = (1, 2, 4, 8, 16)
+    cnn_batch: int = 64
+    cnn_micro: tuple[int, ...] = (1, 2, 4, 8, 16)
+    compare_micro: int = 8  # micro-batches of the Bundle-vs-torch and flat-vs-hierarchical cases
+    rounds: int = 5
+    warmup: int = 1  # untimed steps per case per round (one more in the first round)
+    steps: int = 12  # timed steps per case per round
+    stage_reps: int = 9  # lone-stage timings per case per round (after one untimed)
+
+
+PRESETS = {
+    "full": Sizes(),
+    "quick": Sizes(rounds=3, steps=8, stage_reps=5),
+    "smoke": Sizes(mlp_batch=256, cnn_batch=16, cnn_micro=(1, 8), rounds=1, steps=2, stage_reps=2),
+}
+
+
+# -- process worlds ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world: int, port: int, out_dir: str, args: tuple) -> None:
+    """Body of one spawned process: one thread, a gloo group, ``fn``, its result pickled to disk."""
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=120)
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+        )
+        result: tuple = ("ok", fn(rank, world, *args))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_world(world: int, fn: Callable, *args, timeout: float = 600.0) -> list:
+    """``fn(rank, world, *args)`` on ``world`` gloo processes; their results, or an error."""
+    # Fork where there is one: children inherit the imported modules instead of importing torch
+    # again, which on a loaded 2-core machine takes seconds per process. The parent never runs a
+    # torch op or creates a process group, so there is no state to corrupt.
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, port, out, args)) for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.join(max(deadline - time.monotonic(), 0.1))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results = []
+        for r, p in enumerate(procs):
+            path = os.path.join(out, f"{r}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} produced no result (exit code {p.exitcode})")
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                raise RuntimeError(f"rank {r} failed:\n{value}")
+            results.append(value)
+        return results
+
+
+# -- cases ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One measured configuration on this rank: a training step and an optional stage probe."""
+
+    name: str
+    step: Callable[[int], None]
+    probe: Callable[[], tuple[float, float]] | None = None
+    session: Session | None = None
+    info: dict = field(default_factory=dict)
+
+
+def make_cfg(
+    sizes: Sizes,
+    model: str,
+    *,
+    micro: int,
+    shape: tuple[int, ...] = (1, 1),
+    bundles: int = 1,
+    schedule: str = "1f1b",
+    sync: str = "flat",
+    spec: str | None = None,
+) -> RunConfig:
+    """The run configuration of one case (synthetic data, no evaluation)."""
+    if model == "mlp":
+        image, batch = sizes.mlp_image, sizes.mlp_batch
+    else:
+        image, batch = 32, sizes.cnn_batch
+    return RunConfig(
+        parallel=ParallelConfig(
+            shape=shape,
+            num_bundles=bundles,
+            micro_batches=micro,
+            schedule=schedule,
+            grad_sync=sync,
+        ),
+        model=ModelConfig(name=model, partition=spec),
+        data=DataConfig(
+            dataset="synthetic",
+            image_size=image,
+            num_classes=NUM_CLASSES,
+            synthetic_size=2 * batch,
+        ),
+        train=TrainConfig(
+            batch_size=batch, steps=DATA_STEPS, lr=LR, momentum=MOMENTUM, seed=SEED, eval=False
+        ),
+    )
+
+
+def _fake(rows: int, meta: TensorMeta) -> torch.Tensor:
+    """A tensor of ``rows`` rows shaped like one boundary tensor."""
+    if meta.dtype.is_floating_point:
+        return torch.randn((rows, *meta.tail), dtype=meta.dtype)
+    return torch.zeros((rows, *meta.tail), dtype=meta.dtype)
+
+
+def stage_probe(session: Session) -> Callable[[], tuple[float, float]]:
+    """Wall and thread-CPU seconds of one micro-batch's forward+backward through a copy of this
+    rank's stage alone (no p2p, no gradient sync)."""
+    runner, coord = session.runner, session.coord
+    topo, tp = runner.topo, runner.transport
+    module = copy.deepcopy(session.stage)
+    rows = split_sizes(runner.sizes[0], topo.shape[coord.stage])[coord.replica]
+    if runner.first:
+        xs: tuple[torch.Tensor, ...] = (torch.randn(rows, *session.splits.input_shape),)
+    else:
+        xs = tuple(_fake(rows, m) for m in tp.in_meta[:-1])  # the last one is the labels
+    labels = torch.randint(0, session.splits.num_classes, (rows,))
+    out_grads = tuple(_fake(rows, m) for m in tp.out_meta if m.has_grad)
+    inv_batch = 1.0 / topo.global_batch
+    first, last = runner.first, runner.last
+
+    def once() -> tuple[float, float]:
+        inputs = tuple(
+            x.detach().requires_grad_() if not first and x.is_floating_point() else x for x in xs
+        )
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = module(*inputs)
+        if last:
+            (F.cross_entropy(out[0], labels, reduction="sum") * inv_batch).backward()
+        else:
+            floats = [o for o in out if o.is_floating_point()]
+            pairs = [(o, g) for o, g in zip(floats, out_grads, strict=True) if o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return time.perf_counter() - start, time.thread_time() - cpu
+
+    return once
+
+
+def bundle_case(name: str, cfg: RunConfig, rank: int, *, probe: bool = True) -> Case:
+    """A Bundle run on this rank: its session, with data fetched ahead of the timed steps."""
+    topo = make_topology(cfg)
+    session = build_session(cfg, topo, rank, CPU)
+    stream = train_stream(session, topo, cfg.train.seed, DATA_STEPS, 0)
+    batches = [next(stream) for _ in range(DATA_STEPS)]
+    runner = session.runner
+
+    def step(i: int) -> None:
+        runner.train_step(i, batches[i % DATA_STEPS])
+
+    info = {
+        "micro_batches": topo.micro_batches,
+        "stages": topo.num_stages,
+        "batch": topo.global_batch,
+        "stage_blocks": list(session.stage.names),
+    }
+    return Case(name, step, stage_probe(session) if probe else None, session, info)
+
+
+def global_batches(cfg: RunConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same global batches a Bundle run of ``cfg`` trains on, whole."""
+    splits = data.load(cfg.data, cfg.train.seed)
+    x, y = splits.train.tensors
+    n, batch = len(y), cfg.train.batch_size
+    out = []
+    for t in range(DATA_STEPS):
+        ix = data.global_batch(n, batch, cfg.train.seed, t)
+        out.append((x[ix], y[ix]))
+    return out
+
+
+class SingleOutput(nn.Module):
+    """A Bundle stage whose forward returns a bare tensor when it has one output."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        out = self.stage(*xs)
+        return out[0] if len(out) == 1 else out
+
+
+def torch_pipeline_case(name: str, cfg: RunConfig, rank: int, schedule: str) -> Case:
+    """torch.distributed.pipelining on the split, batch and micro-batches of ``cfg`` (shape 1,..,1)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    num_stages = len(cfg.parallel.shape)
+    input_shape = (3, cfg.data.image_size, cfg.data.image_size)
+    stages = build_stages(cfg, num_stages, input_shape, cfg.data.num_classes)
+    module = SingleOutput(stages[rank])
+    del stages
+    stage = PipelineStage(module, rank, num_stages, CPU)
+    inv_batch = 1.0 / cfg.train.batch_size
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, y, reduction="sum") * inv_batch
+
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = cls(
+        stage, n_microbatches=cfg.parallel.micro_batches, loss_fn=loss_fn, scale_grads=False
+    )
+    opt = torch.optim.SGD(module.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
+    batches = global_batches(cfg)
+    first, last = rank == 0, rank == num_stages - 1
+
+    def step(i: int) -> None:
+        x, y = batches[i % DATA_STEPS]
+        args = (x,) if first else ()
+        if last:
+            sched.step(*args, target=y, return_outputs=False)
+        else:
+            sched.step(*args, return_outputs=False)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    info = {"micro_batches": cfg.parallel.micro_batches, "batch": cfg.train.batch_size}
+    return Case(name, step, None, None, info)
+
+
+def ddp_case(name: str, cfg: RunConfig, rank: int, world: int) -> Case:
+    """A plain DDP loop: the whole model, this rank's share of each global batch, mean loss."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    input_shape = (3, cfg.data.image_size, cfg.data.image_size)
+    torch.manual_seed(cfg.train.seed)
+    model = models.build(cfg.model.name, num_classes=cfg.data.num_classes, input_shape=input_shape)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
+    sizes = split_sizes(cfg.train.batch_size, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    batches = [(x[lo:hi].contiguous(), y[lo:hi].contiguous()) for x, y in global_batches(cfg)]
+
+    def step(i: int) -> None:
+        x, y = batches[i % DATA_STEPS]
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Case(name, step, None, None, {"micro_batches": 1, "batch": cfg.train.batch_size})
+
+
+def build_cases(job: str, rank: int, world: int, sizes: Sizes, cnn_spec: str) -> list[Case]:
+    """Every case of one world, in the order each round runs them."""
+    cm = sizes.compare_micro
+    if job == "pipeline":
+        ref = make_cfg(sizes, "mlp", micro=cm)
+        cases = [
+            bundle_case(f"mlp bundle 1f1b M={cm}", ref, rank),
+            torch_pipeline_case(f"mlp torch 1f1b M={cm}", ref, rank, "1f1b"),
+            bundle_case(
+                f"mlp bundle gpipe M={cm}", make_cfg(sizes, "mlp", micro=cm, schedule="gpipe"), rank
+            ),
+            torch_pipeline_case(f"mlp torch gpipe M={cm}", ref, rank, "gpipe"),
+        ]
+        cases += [
+            bundle_case(f"mlp bundle 1f1b M={m}", make_cfg(sizes, "mlp", micro=m), rank)
+            for m in sizes.mlp_micro
+            if m != cm
+        ]
+        cases += [
+            bundle_case(
+                f"cnn bundle 1f1b M={m}",
+                make_cfg(sizes, "small_resnet", micro=m, spec=cnn_spec),
+                rank,
+            )
+            for m in sizes.cnn_micro
+        ]
+        dp = make_cfg(sizes, "mlp", micro=1, shape=(world,))
+        return [*cases, bundle_case("bundle dp", dp, rank), ddp_case("torch ddp", dp, rank, world)]
+    if job == "bundles":
+        return [
+            bundle_case(
+                f"bundle flat M={cm}",
+                make_cfg(sizes, "mlp", micro=cm, bundles=2, sync="flat"),
+                rank,
+                probe=False,
+            ),
+            bundle_case(
+                f"bundle hierarchical M={cm}",
+                make_cfg(sizes, "mlp", micro=cm, bundles=2, sync="hierarchical"),
+                rank,
+                probe=False,
+            ),
+        ]
+    raise ValueError(f"unknown job {job!r}")
+
+
+def world_main(rank: int, world: int, job: str, sizes: Sizes, cnn_spec: str) -> dict:
+    """Run every case of ``job`` in interleaved rounds; this rank's raw timings."""
+    torch.set_num_threads(1)
+    cases = build_cases(job, rank, world, sizes, cnn_spec)
+    wall: dict[str, list[float]] = {c.name: [] for c in cases}
+    cpu: dict[str, list[float]] = {c.name: [] for c in cases}
+    stage: dict[str, list[tuple[float, float]]] = {c.name: [] for c in cases if c.probe}
+    for r in range(sizes.rounds):
+        for c in cases:
+            dist.barrier()
+            for i in range(sizes.warmup + (1 if r == 0 else 0)):
+                c.step(i)
+            for i in range(sizes.steps):
+                w0, c0 = time.perf_counter(), time.process_time()
+                c.step(i)
+                wall[c.name].append(time.perf_counter() - w0)
+                cpu[c.name].append(time.process_time() - c0)
+            if c.probe is not None:  # one rank at a time: the others wait, idle, in a barrier
+                for turn in range(world):
+                    dist.barrier()
+                    if rank == turn:
+                        c.probe()
+                        stage[c.name] += [c.probe() for _ in range(sizes.stage_reps)]
+                dist.barrier()
+    peak = {c.name: c.session.runner.peak_in_flight for c in cases if c.session is not None}
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "stage": stage,
+        "peak": peak,
+        "info": {c.name: c.info for c in cases},
+    }
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(v, 6) for v in values]
+
+
+def summarize(results: list[dict]) -> dict[str, dict]:
+    """Per case: rank 0's step times, medians, throughput, and efficiency where stages were timed.
+
+    Also kept, to read a noisy machine: every rank's CPU seconds per step (process time, all
+    threads), the fastest step, and an efficiency from the fastest step and fastest stage times.
+    """
+    out = {}
+    lead = results[0]
+    for name, times in lead["wall"].items():
+        info = lead["info"][name]
+        med = statistics.median(times)
+        entry = {
+            "micro_batches": info["micro_batches"],
+            "global_batch": info["batch"],
+            "median_step_s": med,
+            "samples_per_s": info["batch"] / med,
+            "min_step_s": min(times),
+            "cpu_step_s": [statistics.median(r["cpu"][name]) for r in results],
+            "step_s": _rounded(times),
+        }
+        if name in lead["stage"]:
+            ranks = results[: info["stages"]]
+            walls = [[w for w, _ in r["stage"][name]] for r in ranks]
+            slots = info["micro_batches"] + info["stages"] - 1
+            ideal = slots * max(statistics.median(w) for w in walls)
+            entry.update(
+                stage_s=[statistics.median(w) for w in walls],
+                stage_cpu_s=[statistics.median(c for _, c in r["stage"][name]) for r in ranks],
+                stage_raw_s=[_rounded(w) for w in walls],
+                stage_blocks=[r["info"][name]["stage_blocks"] for r in ranks],
+                ideal_step_s=ideal,
+                efficiency=ideal / med,
+                efficiency_best=slots * max(min(w) for w in walls) / min(times),
+            )
+        if name in lead["peak"]:
+            entry["peak_in_flight_stage0"] = lead["peak"][name]
+        out[name] = entry
+    return out
+
+
+def machine(load_start: tuple[float, ...]) -> dict:
+    """Where the numbers were taken, with the load average of the shared machine around them."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads_per_process": 1,
+        "backend": "gloo",
+        "loadavg_start": list(load_start),
+        "loadavg_end": list(os.getloadavg()),
+    }
+
+
+def _ms(values: list[float]) -> str:
+    if len(values) > 2:
+        return f"max {max(values) * 1e3:.1f}"
+    return "/".join(f"{v * 1e3:.1f}" for v in values) or "-"
+
+
+def _row(name: str, e: dict) -> str:
+    ideal = f"{e['ideal_step_s'] * 1e3:.1f}" if "ideal_step_s" in e else "-"
+    eff = f"{e['efficiency']:.3f}" if "efficiency" in e else "-"
+    return (
+        f"{name:<26}{e['micro_batches']:>3}{e['median_step_s'] * 1e3:>9.1f}"
+        f"{_ms(e['cpu_step_s']):>13}{_ms(e.get('stage_s', [])):>13}{ideal:>9}"
+        f"{e['samples_per_s']:>10.0f}{eff:>7}"
+    )
+
+
+def render(report: dict, cases: dict[str, dict]) -> str:
+    """The human-readable table."""
+    m, s, r = report["machine"], report["sizes"], report
+    cm = s["compare_micro"]
+    header = (
+        f"{'case':<26}{'M':>3}{'step ms':>9}{'cpu ms':>13}{'t_s ms':>13}{'ideal ms':>9}"
+        f"{'samples/s':>10}{'eff':>7}"
+    )
+
+    def split(name: str) -> str:
+        return " | ".join(",".join(b) for b in cases[name]["stage_blocks"])
+
+    pipeline = [
+        *(f"mlp bundle 1f1b M={k}" for k in s["mlp_micro"]),
+        f"mlp bundle gpipe M={cm}",
+        f"mlp torch 1f1b M={cm}",
+        f"mlp torch gpipe M={cm}",
+        *(f"cnn bundle 1f1b M={k}" for k in s["cnn_micro"]),
+    ]
+    cnn_first = f"cnn bundle 1f1b M={s['cnn_micro'][0]}"
+    others = ["bundle dp", "torch ddp", f"bundle flat M={cm}", f"bundle hierarchical M={cm}"]
+    detail = r["vs_torch_pipelining_detail"]
+    lines = [
+        f"Bundle benchmark ({r['mode']}): gloo over loopback, 1 thread per process, "
+        f"{m['cpu_count']} CPUs, torch {m['torch']}, {m['platform']}",
+        f"mlp 3x{s['mlp_image']}x{s['mlp_image']} (4x256 hidden), global batch {s['mlp_batch']}, "
+        f"split [{split(f'mlp bundle 1f1b M={cm}')}]",
+        f"small_resnet 3x32x32, global batch {s['cnn_batch']}, split [{split(cnn_first)}]",
+        f"{s['rounds']} interleaved rounds x {s['steps']} timed steps per case; medians. "
+        "step: rank 0 wall; cpu: process CPU per step and rank;",
+        "t_s: one micro-batch fwd+bwd of each stage alone; eff = (M+S-1) max t_s / step. "
+        f"load average {m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end",
+        "",
+        "pipeline, shape 1,1 (2 processes)",
+        header,
+        *(_row(name, cases[name]) for name in pipeline),
+        "",
+        "data parallel, shape 2 (2 processes); two bundles of shape 1,1 (4 processes)",
+        header,
+        *(_row(name, cases[name]) for name in others),
+        "",
+        "ratios (> 1: Bundle faster)",
+        f"  pipeline_efficiency   {r['pipeline_efficiency']:.3f}  (mlp bundle 1f1b M={cm})",
+        f"  vs_torch_pipelining   {r['vs_torch_pipelining']:.3f}  (bundle {detail['bundle_best']}"
+        f" / torch {detail['torch_best']}; same schedule: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in detail["same_schedule"].items())
+        + ")",
+        f"  dp_vs_ddp             {r['dp_vs_ddp']:.3f}",
+        f"  hierarchical_vs_flat  {r['hierarchical_vs_flat']:.3f}",
+        f"  peak in flight on stage 0, M={cm}: 1f1b {r['peak_inflight_1f1b']}, "
+        f"gpipe {r['peak_inflight_gpipe']}",
+    ]
+    return "\n".join(lines)
+
+
+def _sweep(cases: dict[str, dict], prefix: str, micro: tuple[int, ...]) -> list[dict]:
+    return [
+        {
+            "micro_batches": m,
+            "samples_per_s": cases[f"{prefix} M={m}"]["samples_per_s"],
+            "efficiency": cases[f"{prefix} M={m}"]["efficiency"],
+            "median_step_s": cases[f"{prefix} M={m}"]["median_step_s"],
+            "ideal_step_s": cases[f"{prefix} M={m}"]["ideal_step_s"],
+        }
+        for m in micro
+    ]
+
+
+def build_report(
+    mode: str, sizes: Sizes, cases: dict[str, dict], wall: float, load_start: tuple[float, ...]
+) -> dict:
+    """The JSON document: headline ratios, sweeps, and every raw number behind them."""
+    cm = sizes.compare_micro
+    tput = {name: e["samples_per_s"] for name, e in cases.items()}
+    ours = {s: tput[f"mlp bundle {s} M={cm}"] for s in ("1f1b", "gpipe")}
+    theirs = {s: tput[f"mlp torch {s} M={cm}"] for s in ("1f1b", "gpipe")}
+    ours_best = max(ours, key=ours.get)
+    theirs_best = max(theirs, key=theirs.get)
+    return {
+        "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+        "mode": mode,
+        "machine": machine(load_start),
+        "sizes": asdict(sizes),
+        "pipeline_efficiency": cases[f"mlp bundle 1f1b M={cm}"]["efficiency"],
+        "vs_torch_pipelining": ours[ours_best] / theirs[theirs_best],
+        "vs_torch_pipelining_detail": {
+            "bundle_samples_per_s": ours,
+            "torch_samples_per_s": theirs,
+            "bundle_best": ours_best,
+            "torch_best": theirs_best,
+            "same_schedule": {s: ours[s] / theirs[s] for s in ours},
+        },
+        "dp_vs_ddp": tput["bundle dp"] / tput["torch ddp"],
+        "peak_inflight_1f1b": cases[f"mlp bundle 1f1b M={cm}"]["peak_in_flight_stage0"],
+        "peak_inflight_gpipe": cases[f"mlp bundle gpipe M={cm}"]["peak_in_flight_stage0"],
+        "hierarchical_vs_flat": tput[f"bundle hierarchical M={cm}"] / tput[f"bundle flat M={cm}"],
+        "sweep_mlp": _sweep(cases, "mlp bundle 1f1b", sizes.mlp_micro),
+        "sweep_cnn": _sweep(cases, "cnn bundle 1f1b", sizes.cnn_micro),
+        "raw": cases,
+        "wall_s": wall,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="fewer rounds and steps (~2-3 min)")
+    mode.add_argument("--smoke", action="store_true", help="tiny sizes: proves every key appears")
+    p.add_argument("--json", metavar="PATH", help="write the report here")
+    p.add_argument("--steps", type=int, metavar="N", help="timed steps per case per round")
+    p.add_argument("--rounds", type=int, metavar="N", help="interleaved rounds per world")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the three worlds, print the table, write the JSON report."""
+    args = parse_args(argv)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    sizes = PRESETS[mode]
+    if args.steps:
+        sizes = replace(sizes, steps=args.steps)
+    if args.rounds:
+        sizes = replace(sizes, rounds=args.rounds)
+    torch.set_num_threads(1)
+    start, load_start = time.perf_counter(), os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "small_resnet_bench.yaml"
+        spec.write_text(f"model: small_resnet\nstages: [{', '.join(CNN_SPLIT)}]\n")
+        results = {
+            job: run_world(world, world_main, job, sizes, str(spec))
+            for job, world in (("pipeline", 2), ("bundles", 4))
+        }
+    cases: dict[str, dict] = {}
+    for res in results.values():
+        cases.update(summarize(res))
+    report = build_report(mode, sizes, cases, time.perf_counter() - start, load_start)
+    print(render(report, cases))
+    print(f"wall time {report['wall_s']:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
+    bad = [k for k, v in report.items() if isinstance(v, float) and not math.isfinite(v)]
+    return 1 if bad else 0
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {value!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The command line: flags -> RunConfig, YAML precedence, and one clear line + exit 2 on bad input."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import main
+from bundle.errors import ConfigError
+
+ROOT = main.__file__.rsplit("/", 1)[0]
+
+
+def cfg(argv, env=None):
+    return main.parse(argv, env or {})
+
+
+def test_defaults_are_one_bundle_of_front_and_rear_on_digits():
+    c = cfg([])
+    assert c.parallel.shape == (1, 1) and c.parallel.num_bundles == 1
+    assert c.data.dataset == "digits" and c.model.name == "digits_cnn"
+    assert c.procs_per_node == 2
+
+
+def test_original_flags_keep_their_meaning(tmp_path):
+    c = cfg(
+        [
+            "--batch-size",
+            "32",
+            "--rank",
+            "1",
+            "--itr",
+            "5",
+            "--bundle-shape",
+            "4,2",
+            "--num-bundle",
+            "2",
+            "--IP",
+            "10.0.0.1",
+            "--portNum",
+            "4000",
+            "--model",
+            "resnet101",
+            "--world-size",
+            "2",
+            str(tmp_path),
+        ]
+    )
+    assert (c.train.batch_size, c.train.steps) == (32, 5)
+    assert (c.parallel.shape, c.parallel.num_bundles) == ((4, 2), 2)
+    assert (c.launch.node_rank, c.launch.num_nodes, c.launch.master_addr, c.launch.master_port) == (
+        1,
+        2,
+        "10.0.0.1",
+        4000,
+    )
+    assert c.data.dataset == "imagefolder" and c.data.root == str(tmp_path)
+    assert c.procs_per_node == 6
+
+
+def test_dp_only_is_one_stage_over_all_processes():
+    assert cfg(["--DP-ONLY"]).parallel.shape == (2,)
+    assert cfg(["--DP-ONLY", "--num-hp", "3"]).parallel.shape == (3,)
+    c = cfg(["--DP-ONLY", "--nproc-per-node", "2", "--world-size", "2"])
+    assert (c.parallel.shape, c.parallel.num_bundles) == ((4,), 1)
+
+
+def test_torchrun_environment_sets_the_node_layout():
+    env = {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1",
+        "GROUP_RANK": "1",
+    }
+    c = cfg(["--num-bundle", "2"], env)
+    assert (c.launch.torchrun, c.launch.num_nodes, c.launch.node_rank, c.procs_per_node) == (
+        True,
+        2,
+        1,
+        2,
+    )
+
+
+def test_yaml_values_apply_and_the_command_line_wins(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("bundle-shape: [2, 1]\nlr: 0.5\nmicro_batches: 4\nschedule: gpipe\n")
+    c = cfg(["--config", str(path), "--lr", "0.1"])
+    assert (
+        c.parallel.shape == (2, 1)
+        and c.parallel.micro_batches == 4
+        and c.parallel.schedule == "gpipe"
+    )
+    assert c.train.lr == 0.1
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [("bogus: 1\n", "bogus"), ("schedule: zigzag\n", "zigzag"), ("lr: fast\n", "fast")],
+)
+def test_yaml_errors_name_the_key(tmp_path, text, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        cfg(["--config", str(path)])
+
+
+def test_help_is_grouped_and_lists_every_flag():
+    text = main.build_parser().format_help()
+    for group in (
+        "parallelism",
+        "training",
+        "model and data",
+        "launch",
+        "configuration and output",
+    ):
+        assert f"{group}:" in text
+    for flag in (
+        "--batch-size",
+        "--rank",
+        "--itr",
+        "--bundle-shape",
+        "--num-bundle",
+        "--IP",
+        "--portNum",
+        "--model",
+        "--world-size",
+        "--DP-ONLY",
+        "--lr",
+        "--momentum",
+        "--weight-decay",
+        "--micro-batches",
+        "--schedule",
+        "--epochs",
+        "--seed",
+        "--backend",
+        "--nproc-per-node",
+        "--dataset",
+        "--partition",
+        "--config",
+        "--metrics-out",
+        "--grad-sync",
+        "--timeout",
+    ):
+        assert flag in text
+
+
+def run_main(*args, timeout=60):
+    return subprocess.run(
+        [sys.executable, "main.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        yield str(s.getsockname()[1])
+
+
+BAD = {
+    "shape zero": (["--bundle-shape", "0,1"], "--bundle-shape"),
+    "shape letters": (["--bundle-shape", "a,b"], "--bundle-shape"),
+    "shape empty": (["--bundle-shape", ""], "--bundle-shape"),
+    "more processes than devices": (["--backend", "nccl"], "--nproc-per-node"),
+    "batch too small": (["--bundle-shape", "4,2", "--batch-size", "3"], "--batch-size"),
+    "unknown model": (["--model", "resnet9000"], "--model"),
+    "unknown partition": (["--partition", "nope"], "--partition"),
+    "partition for another model": (["--partition", "mlp_2stage"], "mlp"),
+    "missing data dir": (["/nonexistent/data"], "does not exist"),
+    "rank beyond world": (["--rank", "2", "--world-size", "2"], "--rank"),
+    "bad schedule": (["--schedule", "zigzag"], "--schedule"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_is_one_line_and_exit_2(name):
+    args, needle = BAD[name]
+    r = run_main(*args)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert lines[0].startswith("main.py: error:")
+    assert "started ranks" not in r.stderr
+
+
+@pytest.mark.slow
+def test_empty_data_dir_is_exit_2(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    r = run_main(str(tmp_path))
+    assert r.returncode == 2 and "missing or empty" in r.stderr
+
+
+@pytest.mark.slow
+def test_port_in_use_is_exit_2(busy_port):
+    r = run_main("--portNum", busy_port)
+    assert r.returncode == 2, r.stderr
+    assert f"--portNum {busy_port}" in r.stderr and "in use" in r.stderr

@@ -1,0 +1,205 @@
+"""End-to-end runs of main.py as users start it: default, two nodes, torchrun, DP-only, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.distributed import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = [
+    "--model",
+    "mlp",
+    "--dataset",
+    "synthetic",
+    "--image-size",
+    "4",
+    "--num-classes",
+    "5",
+    "--synthetic-size",
+    "256",
+    "--batch-size",
+    "16",
+    "--no-eval",
+    "--log-every",
+    "1",
+]
+
+pytestmark = pytest.mark.slow
+
+
+def start(*args, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kw,
+    )
+
+
+def finish(p: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+    return p.returncode, out, err
+
+
+def summary(path) -> dict:
+    lines = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert lines[-1]["summary"] is True
+    return lines[-1]
+
+
+def test_embedded_default_trains_digits_to_90_percent(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    t0 = time.monotonic()
+    code, out, err = finish(start("main.py", "--metrics-out", str(metrics)))
+    assert code == 0, err
+    s = summary(metrics)
+    assert s["val_accuracy"] >= 0.90, s
+    assert (
+        s["steps"] > 0 and s["samples_per_s"] > 0 and s["shape"] == [1, 1] and s["world_size"] == 2
+    )
+    assert "validation accuracy" in err and "loss" in err  # progress is visible
+    assert json.loads(out.strip().splitlines()[-1])["val_accuracy"] == s["val_accuracy"]
+    assert time.monotonic() - t0 < 150
+
+
+def test_two_nodes_from_the_original_flags(tmp_path):
+    port = str(free_port())
+    common = [
+        "main.py",
+        *SMALL,
+        "--itr",
+        "4",
+        "--bundle-shape",
+        "1,1",
+        "--num-bundle",
+        "2",
+        "--world-size",
+        "2",
+        "--IP",
+        "127.0.0.1",
+        "--portNum",
+        port,
+    ]
+    node1 = start(*common, "--rank", "1")
+    node0 = start(*common, "--rank", "0", "--metrics-out", str(tmp_path / "m.jsonl"))
+    (c0, _, e0), (c1, _, e1) = finish(node0), finish(node1)
+    assert c0 == 0 and c1 == 0, e0 + e1
+    s = summary(tmp_path / "m.jsonl")
+    assert (s["world_size"], s["num_bundles"], s["steps"]) == (4, 2, 4)
+    assert "started ranks 2..3" in e1
+
+
+def test_torchrun_launch(tmp_path):
+    code, _, err = finish(
+        start(
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "main.py",
+            *SMALL,
+            "--itr",
+            "3",
+            "--bundle-shape",
+            "2,1",
+            "--metrics-out",
+            str(tmp_path / "m.jsonl"),
+        )
+    )
+    assert code == 0, err
+    s = summary(tmp_path / "m.jsonl")
+    assert (s["world_size"], s["shape"]) == (3, [2, 1])
+
+
+def test_dp_only(tmp_path):
+    code, _, err = finish(
+        start("main.py", "--DP-ONLY", "--epochs", "2", "--metrics-out", str(tmp_path / "m.jsonl"))
+    )
+    assert code == 0, err
+    s = summary(tmp_path / "m.jsonl")
+    assert s["shape"] == [2] and s["val_accuracy"] > 0.5
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
+def test_a_dead_or_stalled_worker_ends_the_job_with_a_clear_error(sig, tmp_path):
+    metrics, log = tmp_path / "m.jsonl", tmp_path / "err.log"
+    with open(log, "w") as err_file:
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "main.py",
+                *SMALL,
+                "--itr",
+                "100000",
+                "--bundle-shape",
+                "1,2",
+                "--timeout",
+                "5",
+                "--portNum",
+                str(free_port()),
+                "--metrics-out",
+                str(metrics),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            text=True,
+            start_new_session=True,
+        )
+    try:
+        _wait_for(lambda: "(pids " in log.read_text(), 120, "the workers to start")
+        workers = [int(x) for x in log.read_text().split("(pids ")[1].split(")")[0].split(", ")]
+        assert len(workers) == 3
+        _wait_for(
+            lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 60, "training"
+        )
+        t0 = time.monotonic()
+        os.kill(workers[2], sig)  # rank 2: replica 1 of the rear stage
+        code = p.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    err = log.read_text()
+    assert code != 0
+    assert took < 30, f"took {took:.0f}s to stop"
+    assert "job failed" in err and "rank 2 (" in err and "stage 1, replica 1" in err, err
+    if sig == signal.SIGKILL:
+        assert "SIGKILL" in err and "during step" in err, err
+        assert "stopping rank 0" in err  # the survivors say why they stop
+    else:
+        assert "did not complete within 5s" in err, err
+    assert not [w for w in workers if _alive(w)], "orphan worker processes"
