@@ -83,6 +83,14 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
         help="flat: DDP allreduce per stage; hierarchical: reduce in bundle, allreduce masters, broadcast",
     )
 
+    g.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=d(DEFAULTS.parallel.bucket_mb),
+        metavar="MB",
+        help="gradient bucket size; a bucket's sync starts as soon as its gradients are ready",
+    )
+
     g = p.add_argument_group("training")
     g.add_argument(
         "--batch-size",
@@ -235,7 +243,9 @@ def _merge_yaml(
                 ) from exc
         if action.choices and value not in action.choices:
             raise ConfigError(
-                f"{key} (in --config {args.config})", value, f"choose one of: {', '.join(action.choices)}"
+                f"{key} (in --config {args.config})",
+                value,
+                f"choose one of: {', '.join(action.choices)}",
             )
         setattr(args, dest, value)
 
@@ -261,6 +271,7 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
             micro_batches=args.micro_batches,
             schedule=args.schedule,
             grad_sync=args.grad_sync,
+            bucket_mb=args.bucket_mb,
         ),
         model=C.ModelConfig(name=args.model, partition=args.partition),
         data=C.DataConfig(

@@ -38,8 +38,11 @@ class ParallelConfig:
     micro_batches: int = 1
     schedule: str = "1f1b"
     grad_sync: str = "flat"
+    bucket_mb: float = 25.0  # gradient bucket size of either sync strategy (DDP's default)
 
     def __post_init__(self) -> None:
+        if self.bucket_mb <= 0:
+            raise ConfigError("--bucket-mb", self.bucket_mb, "must be > 0")
         _positive("--num-bundle", self.num_bundles)
         _positive("--micro-batches", self.micro_batches)
         if self.schedule not in SCHEDULES:

@@ -201,8 +201,33 @@ def micro_batches(
             yield _fetch(dataset, idx)
         return
     yield from DataLoader(
-        dataset, batch_sampler=_Batches(index_lists), num_workers=workers, prefetch_factor=4
+        dataset,
+        batch_sampler=_Batches(index_lists),
+        num_workers=workers,
+        prefetch_factor=4,
+        pin_memory=torch.cuda.is_available(),  # lets the stage's non_blocking copy overlap
     )
+
+
+def labels_of(dataset: Dataset) -> torch.Tensor:
+    """Every label of ``dataset``, without decoding a single image."""
+    if isinstance(dataset, TensorDataset):
+        return dataset.tensors[1]
+    if hasattr(dataset, "targets"):  # torchvision ImageFolder and friends
+        return torch.as_tensor(dataset.targets)
+    return torch.as_tensor([dataset[i][1] for i in range(len(dataset))])
+
+
+def stage_micro_batches(
+    dataset: Dataset, index_lists: Iterable[torch.Tensor], *, first: bool, workers: int
+) -> Iterator[tuple[torch.Tensor | None, torch.Tensor]]:
+    """Stage 0 reads (inputs, labels); the last stage reads only the labels of its own rows."""
+    if first:
+        yield from micro_batches(dataset, index_lists, workers=workers)
+        return
+    labels = labels_of(dataset)
+    for idx in index_lists:
+        yield None, labels[idx]
 
 
 def replica_indices(

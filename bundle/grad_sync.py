@@ -30,7 +30,9 @@ def _sum_hook(group, bucket):  # DDP checks real (not postponed) annotations, so
 class GradSync:
     """Interface: ``module`` runs forwards; ``backward`` runs one micro-batch's backward."""
 
-    module: nn.Module
+    def __init__(self, module: nn.Module) -> None:
+        # Used alone when a stage has no data-parallel peer: nothing to sync, nothing to wrap.
+        self.module = module
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -43,14 +45,22 @@ class GradSync:
     def finish(self) -> None:
         """Called after the step's last backward; gradients are synced when it returns."""
 
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
 
 class FlatSync(GradSync):
-    def __init__(self, stage: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.module = DistributedDataParallel(
-            stage,
-            device_ids=[device] if device.type == "cuda" else None,
-            process_group=group,
-            forward_sync_buffers=False,
+    def __init__(
+        self, stage: nn.Module, group: dist.ProcessGroup, device: torch.device, *, bucket_mb: float
+    ) -> None:
+        super().__init__(
+            DistributedDataParallel(
+                stage,
+                device_ids=[device] if device.type == "cuda" else None,
+                process_group=group,
+                forward_sync_buffers=False,
+                bucket_cap_mb=bucket_mb,
+            )
         )
         self.module.register_comm_hook(group, _sum_hook)
 
@@ -72,6 +82,14 @@ class FlatSync(GradSync):
 
 
 class HierarchicalSync(GradSync):
+    """Reduce in the bundle, allreduce among masters, broadcast in the bundle, bucket by bucket.
+
+    Gradients live in flat bucket buffers (each ``p.grad`` is a view), so a sync copies nothing
+    and loops over buckets, not parameters. During the step's last backward, a bucket whose
+    parameters have all accumulated starts its in-bundle reduce at once, overlapping the rest of
+    the backward; ``finish`` chains the masters' allreduce and the broadcast per bucket.
+    """
+
     def __init__(
         self,
         stage: nn.Module,
@@ -80,24 +98,86 @@ class HierarchicalSync(GradSync):
         bundle_master: int,
         masters_group: dist.ProcessGroup | None,
         is_master: bool,
+        bucket_mb: float,
     ) -> None:
-        self.module = stage
+        super().__init__(stage)
+        bucket_bytes = bucket_mb * 2**20
         self.bundle_group, self.bundle_master = bundle_group, bundle_master
         self.masters_group, self.is_master = masters_group, is_master
-        self.params = [p for p in stage.parameters() if p.requires_grad]
+        # Backward produces gradients roughly in reverse registration order: bucket that way.
+        params = [p for p in stage.parameters() if p.requires_grad][::-1]
+        groups: list[list[nn.Parameter]] = []
+        size = 0
+        for p in params:
+            if not groups or size >= bucket_bytes or groups[-1][0].dtype != p.dtype:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.buffers: list[torch.Tensor] = []
+        self._bucket_of: dict[nn.Parameter, int] = {}
+        for b, group in enumerate(groups):
+            buf = torch.zeros(
+                sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device
+            )
+            offset = 0
+            for p in group:
+                p.grad = buf[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                self._bucket_of[p] = b
+                p.register_post_accumulate_grad_hook(self._ready)
+            self.buffers.append(buf)
+        self._sizes = [len(g) for g in groups]
+        self._left: list[int] = []
+        self._works: list = []
+        self._armed = False
+
+    def backward(self, outputs, grads, *, last: bool) -> None:
+        if last:
+            self._armed = True
+            self._left = list(self._sizes)
+            self._works = [None] * len(self.buffers)
+        super().backward(outputs, grads, last=last)
+
+    def _reduce(self, b: int):
+        if self.bundle_group is None:
+            return None
+        return dist.reduce(
+            self.buffers[b], dst=self.bundle_master, group=self.bundle_group, async_op=True
+        )
+
+    def _ready(self, p: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        b = self._bucket_of[p]
+        self._left[b] -= 1
+        if self._left[b] == 0:
+            self._works[b] = self._reduce(b)
 
     def finish(self) -> None:
-        if not self.params:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        if self.bundle_group is not None:
-            dist.reduce(flat, dst=self.bundle_master, group=self.bundle_group)
-        if self.is_master and self.masters_group is not None:
-            dist.all_reduce(flat, group=self.masters_group)
-        if self.bundle_group is not None:
-            dist.broadcast(flat, src=self.bundle_master, group=self.bundle_group)
-        for p, synced in zip(
-            self.params, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
-        ):
-            p.grad = synced
+        self._armed = False
+        works = self._works
+        for b, left in enumerate(self._left):
+            if left > 0:  # some parameters got no gradient in the last backward
+                works[b] = self._reduce(b)
+        for b, buf in enumerate(self.buffers):
+            if works[b] is not None:
+                works[b].wait()
+            works[b] = None
+            if self.is_master and self.masters_group is not None:
+                works[b] = dist.all_reduce(buf, group=self.masters_group, async_op=True)
+        for b, buf in enumerate(self.buffers):
+            if works[b] is not None:
+                works[b].wait()
+            works[b] = None
+            if self.bundle_group is not None:
+                works[b] = dist.broadcast(
+                    buf, src=self.bundle_master, group=self.bundle_group, async_op=True
+                )
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        for buf in self.buffers:
+            buf.zero_()

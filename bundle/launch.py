@@ -17,6 +17,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -53,6 +54,43 @@ def check_devices(cfg: RunConfig, topo: Topology) -> None:
             topo.procs_per_node,
             f"the nccl backend drives one CUDA device per process and this node has {found}",
         )
+
+
+def _interface_of(address: str) -> str | None:
+    """The name of the local interface holding IPv4 ``address`` (Linux ioctl, no packets sent)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                got = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24])
+            except OSError:
+                continue
+            if got == address:
+                return name
+    return None
+
+
+def pin_gloo_interface(master: str, port: int) -> None:
+    """Unless set, point GLOO_SOCKET_IFNAME at the interface that routes to the master.
+
+    Gloo otherwise binds to whatever the hostname resolves to, often 127.0.1.1 or a container
+    bridge, and peers on other hosts cannot connect back.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(master), port))  # UDP connect: a route lookup only
+            local = s.getsockname()[0]
+    except OSError:
+        return
+    name = _interface_of(local)
+    if name and not local.startswith("127."):
+        os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
 def device_for(backend: str, local_rank: int) -> torch.device:
@@ -185,7 +223,12 @@ def worker_main(
     backend = resolve_backend(cfg)
     if backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topo.procs_per_node))
+    if backend == "gloo":
+        pin_gloo_interface(host, port)
     store = open_store(host, port, server=False, timeout=cfg.launch.init_timeout)
+    if cfg.launch.torchrun:
+        # No node supervisor compared settings: every process compares its own.
+        exchange_config(store, cfg, rank, topo.world_size, cfg.launch.init_timeout)
     me = describe(topo, rank)
     start_abort_watch(store, rank, me)
     where: dict = {}

@@ -10,7 +10,7 @@ import models
 from bundle import partition
 from bundle.config import RunConfig
 from bundle.grad_sync import GradSync
-from bundle.schedule import Op, actions
+from bundle.schedule import Op, actions, peak_in_flight
 from bundle.topology import Coord, Topology, split_sizes
 from bundle.transport import Pending, TensorMeta, Transport
 
@@ -30,18 +30,22 @@ def build_stages(
 def boundary_metas(
     stages: list[nn.Module], input_shape: tuple[int, ...]
 ) -> list[tuple[TensorMeta, ...]]:
-    """Shapes and dtypes crossing each boundary (labels appended), from one dummy row on the CPU."""
+    """Shapes and dtypes crossing each stage boundary, from one dummy row on the CPU, once."""
     modes = [s.training for s in stages]
-    label = TensorMeta((), torch.long)
     metas, x = [], (torch.zeros(1, *input_shape),)
     try:
         for s in stages[:-1]:
             x = s.eval()(*x)
-            metas.append(tuple(TensorMeta.of(t) for t in x) + (label,))
+            metas.append(tuple(TensorMeta.of(t) for t in x))
     finally:
         for s, mode in zip(stages, modes, strict=True):
             s.train(mode)
     return metas
+
+
+# What the data pipeline hands a stage for one micro-batch: stage 0 gets the inputs, the last
+# stage the labels of its own rows (read from the same deterministic shard), middle stages None.
+MicroBatch = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 class StageRunner:
@@ -66,74 +70,72 @@ class StageRunner:
         self.actions = actions(schedule, coord.stage, topo.num_stages, topo.micro_batches)
         self.last_backward = max(i for i, a in enumerate(self.actions) if a.op is Op.BACKWARD)
         self.inv_batch = 1.0 / topo.global_batch
+        self.max_in_flight = peak_in_flight(self.actions)
         self.where = "set-up"
         self.peak_in_flight = 0
 
-    def _post(self, pending: dict[int, Pending], k: int, recv) -> None:
+    def _post(self, pending: dict[int, Pending], k: int, recv, slots: int) -> None:
         if k < len(self.sizes) and k not in pending:
-            pending[k] = recv(self.sizes[k])
+            pending[k] = recv(self.sizes[k], k % slots)
 
-    def train_step(
-        self, step: int, micro_data: list[tuple[torch.Tensor, torch.Tensor]] | None
-    ) -> torch.Tensor:
+    def train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
         """One synchronous step; returns this replica's share of the global mean loss (last stage)."""
         tp, sizes = self.transport, self.sizes
         inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        labels: dict[int, torch.Tensor] = {}
         grads: dict[int, tuple[torch.Tensor, ...]] = {}
         acts_in: dict[int, Pending] = {}
         grads_in: dict[int, Pending] = {}
         sends: list[Pending] = []
         loss_sum = torch.zeros((), device=self.device)
-        # Receives are posted before the work that precedes them, one micro-batch ahead.
+        # Receives are posted before the work that precedes them, one micro-batch ahead. A
+        # received activation stays alive until its backward, so activation buffers rotate over
+        # one slot more than the schedule keeps in flight; gradients are used at once: two slots.
+        act_slots, grad_slots = self.max_in_flight + 1, 2
         if not self.first:
-            self._post(acts_in, 0, tp.recv_act)
+            self._post(acts_in, 0, tp.recv_act, act_slots)
         if not self.last:
-            self._post(grads_in, 0, tp.recv_grad)
+            self._post(grads_in, 0, tp.recv_grad, grad_slots)
         for i, a in enumerate(self.actions):
             k = a.micro
             self.where = f"step {step + 1} {a!r}"
             if a.op is Op.RECV_ACT:
-                self._post(acts_in, k, tp.recv_act)
-                *xs, labels[k] = acts_in.pop(k).wait()
-                self._post(acts_in, k + 1, tp.recv_act)
-                inputs[k] = tuple(x.requires_grad_() if x.is_floating_point() else x for x in xs)
+                self._post(acts_in, k, tp.recv_act, act_slots)
+                xs = acts_in.pop(k).wait()
+                self._post(acts_in, k + 1, tp.recv_act, act_slots)
+                # A fresh autograd leaf over the reused buffer, so gradients never accumulate
+                # across micro-batches or steps.
+                inputs[k] = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
             elif a.op is Op.FORWARD:
                 if self.first:
-                    x, y = micro_data[k]
-                    inputs[k] = (x.to(self.device, non_blocking=True),)
-                    labels[k] = y.to(self.device, non_blocking=True)
+                    inputs[k] = (micro_data[k][0].to(self.device, non_blocking=True),)
                 with self.sync.no_sync():
                     out = self.sync.module(*inputs[k])
                 if self.last:
-                    loss = F.cross_entropy(out[0], labels.pop(k), reduction="sum") * self.inv_batch
+                    labels = micro_data[k][1].to(self.device, non_blocking=True)
+                    loss = F.cross_entropy(out[0], labels, reduction="sum") * self.inv_batch
                     loss_sum += loss.detach()
                     outputs[k] = (loss,)
                 else:
                     outputs[k] = tuple(o.contiguous() for o in out)
                 self.peak_in_flight = max(self.peak_in_flight, len(outputs))
             elif a.op is Op.SEND_ACT:
-                sends.append(tp.send_act(sizes[k], outputs[k] + (labels.pop(k),)))
+                sends.append(tp.send_act(sizes[k], outputs[k]))
             elif a.op is Op.RECV_GRAD:
-                self._post(grads_in, k, tp.recv_grad)
+                self._post(grads_in, k, tp.recv_grad, grad_slots)
                 grads[k] = grads_in.pop(k).wait()
-                self._post(grads_in, k + 1, tp.recv_grad)
+                self._post(grads_in, k + 1, tp.recv_grad, grad_slots)
             elif a.op is Op.BACKWARD:
                 out = outputs.pop(k)
+                last = i == self.last_backward
                 if self.last:
-                    self.sync.backward(out, None, last=i == self.last_backward)
+                    self.sync.backward(out, None, last=last)
                 else:
+                    floats = (o for o in out if o.is_floating_point())
                     pairs = [
-                        (o, g)
-                        for o, g in zip(
-                            (o for o in out if o.is_floating_point()), grads.pop(k), strict=True
-                        )
-                        if o.requires_grad
+                        (o, g) for o, g in zip(floats, grads.pop(k), strict=True) if o.requires_grad
                     ]
-                    self.sync.backward(
-                        [o for o, _ in pairs], [g for _, g in pairs], last=i == self.last_backward
-                    )
+                    self.sync.backward([o for o, _ in pairs], [g for _, g in pairs], last=last)
                 if self.first:
                     inputs.pop(k)
             elif a.op is Op.SEND_GRAD:
@@ -146,28 +148,21 @@ class StageRunner:
         self.sync.finish()
         self.where = f"step {step + 1} optimizer"
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.sync.zero_grad(self.optimizer)
         return loss_sum
 
     @torch.no_grad()
-    def eval_batch(self, rows: int, data: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def eval_batch(self, rows: int, micro: MicroBatch | None) -> torch.Tensor:
         """Forward-only pass of one bundle batch of ``rows`` rows; returns [correct, total] (last stage)."""
-        module = self.sync.module
-        if self.first:
-            x, y = data
-            xs, y = (x.to(self.device),), y.to(self.device)
-        else:
-            *xs, y = self.transport.recv_act(rows).wait()
-        out = module(*xs)
+        xs = (micro[0].to(self.device),) if self.first else self.transport.recv_act(rows).wait()
+        out = self.sync.module(*xs)
         if not self.last:
-            self.transport.send_act(rows, tuple(o.contiguous() for o in out) + (y,)).wait()
-            return torch.zeros(2, device=self.device)
-        correct = (out[0].argmax(dim=1) == y).sum()
+            self.transport.send_act(rows, tuple(o.contiguous() for o in out)).wait()
+            return torch.zeros(2, dtype=torch.float64, device=self.device)
+        labels = micro[1].to(self.device)
+        correct = (out[0].argmax(dim=1) == labels).sum().to(torch.float64)
         return torch.stack(
-            [
-                correct.to(torch.float64),
-                torch.tensor(float(len(y)), dtype=torch.float64, device=self.device),
-            ]
+            [correct, torch.tensor(float(len(labels)), dtype=torch.float64, device=self.device)]
         )
 
 

@@ -1,8 +1,7 @@
 """Point-to-point activations forward and gradients backward between stages of any widths.
 
 Each replica sends exactly the rows its peer owns (the topology's row plan): no padding, no relay
-through a master, no host copy on the GPU path. Several tensors may cross one boundary; labels
-ride along as one more tensor. Receives land in slices of one buffer per tensor, so the stage
+through a master, no host copy on the GPU path. Several tensors may cross one boundary. Receives land in slices of one buffer per tensor, so the stage
 sees a contiguous tensor without a concatenation.
 """
 
@@ -79,9 +78,12 @@ class Transport:
     ) -> None:
         self.topo, self.bundle, self.stage, self.replica = topo, bundle, stage, replica
         self.in_meta, self.out_meta = in_meta, out_meta
+        self._in_grad_meta = tuple(m for m in in_meta if m.has_grad)
+        self._out_grad_meta = tuple(m for m in out_meta if m.has_grad)
         self.device = device
         self.timeout = timedelta(seconds=timeout)
         self._plans: dict[tuple[str, int], _Plan] = {}
+        self._buffers: dict[tuple[str, int, int], tuple[torch.Tensor, ...]] = {}
 
     # Plans depend only on the micro-batch size; at most two sizes occur, so they are computed once.
     def _plan(self, direction: str, rows: int) -> _Plan:
@@ -101,20 +103,33 @@ class Transport:
             self._plans[key] = _Plan(split_ranges(rows, topo.shape[s])[r], peers, text)
         return self._plans[key]
 
+    def _recv_buffers(self, direction: str, rows: int, slot: int, meta: tuple[TensorMeta, ...]):
+        """Receive buffers are allocated once per (size, slot) and reused every step.
+
+        The caller picks ``slot`` so that a buffer is not received into again while the
+        micro-batch that used it is still alive (see StageRunner).
+        """
+        key = (direction, rows, slot)
+        if key not in self._buffers:
+            lo, hi = self._plan(direction, rows).rows
+            self._buffers[key] = tuple(
+                torch.empty((hi - lo, *m.tail), dtype=m.dtype, device=self.device) for m in meta
+            )
+        return self._buffers[key]
+
     def _exchange(
         self,
         direction: str,
         rows: int,
         send: tuple[torch.Tensor, ...] | None,
         meta: tuple[TensorMeta, ...],
+        slot: int = 0,
     ) -> Pending:
         plan = self._plan(direction, rows)
         lo, hi = plan.rows
         ops = []
         if send is None:
-            bufs = tuple(
-                torch.empty((hi - lo, *m.tail), dtype=m.dtype, device=self.device) for m in meta
-            )
+            bufs = self._recv_buffers(direction, rows, slot, meta)
             for t, peer in plan.peers:
                 ops += [dist.P2POp(dist.irecv, b[t.start - lo : t.stop - lo], peer) for b in bufs]
         else:
@@ -125,18 +140,18 @@ class Transport:
         what = f"{'receive from' if send is None else 'send to'} {plan.peer_text}"
         return Pending(works, bufs, self.timeout, what)
 
-    # -- forward: activations (+ labels) -----------------------------------------------------
+    # -- forward: activations -----------------------------------------------------------------
 
-    def recv_act(self, rows: int) -> Pending:
-        return self._exchange("prev", rows, None, self.in_meta)
+    def recv_act(self, rows: int, slot: int = 0) -> Pending:
+        return self._exchange("prev", rows, None, self.in_meta, slot)
 
     def send_act(self, rows: int, tensors: tuple[torch.Tensor, ...]) -> Pending:
         return self._exchange("next", rows, tensors, self.out_meta)
 
     # -- backward: gradients of the floating-point boundary tensors ----------------------------
 
-    def recv_grad(self, rows: int) -> Pending:
-        return self._exchange("next", rows, None, tuple(m for m in self.out_meta if m.has_grad))
+    def recv_grad(self, rows: int, slot: int = 0) -> Pending:
+        return self._exchange("next", rows, None, self._out_grad_meta, slot)
 
     def send_grad(self, rows: int, grads: tuple[torch.Tensor, ...]) -> Pending:
-        return self._exchange("prev", rows, grads, tuple(m for m in self.in_meta if m.has_grad))
+        return self._exchange("prev", rows, grads, self._in_grad_meta)

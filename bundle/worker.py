@@ -50,8 +50,10 @@ def _groups(topo: Topology, coord: Coord, strategy: str) -> dict:
 def _make_sync(
     cfg: RunConfig, topo: Topology, coord: Coord, stage: torch.nn.Module, groups: dict, device
 ) -> GradSync:
+    if len(topo.stage_group(coord.stage)) == 1:
+        return GradSync(stage)
     if cfg.parallel.grad_sync == "flat":
-        return FlatSync(stage, groups["stage"], device)
+        return FlatSync(stage, groups["stage"], device, bucket_mb=cfg.parallel.bucket_mb)
     # Start from identical weights without relying on every process's initialisation agreeing.
     members = topo.stage_group(coord.stage)
     for p in stage.parameters():
@@ -63,6 +65,7 @@ def _make_sync(
         bundle_master=topo.stage_master(coord.bundle, coord.stage),
         masters_group=groups["masters"] if topo.num_bundles > 1 else None,
         is_master=coord.replica == 0,
+        bucket_mb=cfg.parallel.bucket_mb,
     )
 
 
@@ -126,22 +129,33 @@ def build_session(
     return Session(runner, stage, splits, coord, last_group)
 
 
-def train_stream(session: Session, topo: Topology, seed: int, total: int, workers: int):
-    """Stage 0: this replica's micro-batches of every step, M at a time; other stages: Nones."""
-    coord = session.coord
-    if coord.stage != 0:
-        while True:
-            yield None
-    n, B = len(session.splits.train), topo.global_batch
-    shard = data.Shard(
+def _shard(topo: Topology, coord: Coord, micro_batches: int) -> data.Shard:
+    return data.Shard(
         num_bundles=topo.num_bundles,
-        micro_batches=topo.micro_batches,
-        width=topo.shape[0],
+        micro_batches=micro_batches,
+        width=topo.shape[coord.stage],
         bundle=coord.bundle,
         replica=coord.replica,
     )
-    lists = data.replica_indices(shard, n, B, seed, total)
-    stream = data.micro_batches(session.splits.train, lists, workers=workers)
+
+
+def _reads_data(topo: Topology, coord: Coord) -> bool:
+    return coord.stage in (0, topo.num_stages - 1)
+
+
+def train_stream(session: Session, topo: Topology, seed: int, total: int, workers: int):
+    """Per step, this replica's M micro-batches: inputs on stage 0, labels on the last stage."""
+    coord = session.coord
+    if not _reads_data(topo, coord):
+        while True:
+            yield None
+    n = len(session.splits.train)
+    lists = data.replica_indices(
+        _shard(topo, coord, topo.micro_batches), n, topo.global_batch, seed, total
+    )
+    stream = data.stage_micro_batches(
+        session.splits.train, lists, first=coord.stage == 0, workers=workers
+    )
     while True:
         yield [next(stream) for _ in range(topo.micro_batches)]
 
@@ -267,20 +281,11 @@ def evaluate(
     batches = [torch.arange(i, min(i + batch, n)) for i in range(0, n, batch)]
     usable = [(ix, eval_rows(len(ix), topo, coord.bundle)) for ix in batches]
     usable = [(ix, rows) for ix, rows in usable if rows is not None]
-    shard = data.Shard(
-        num_bundles=topo.num_bundles,
-        micro_batches=1,
-        width=topo.shape[0],
-        bundle=coord.bundle,
-        replica=coord.replica,
-    )
-    stream = (
-        data.micro_batches(
-            dataset, [shard.micro_indices(ix)[0] for ix, _ in usable], workers=workers
-        )
-        if coord.stage == 0
-        else None
-    )
+    stream = None
+    if _reads_data(topo, coord):
+        shard = _shard(topo, coord, 1)
+        lists = [shard.micro_indices(ix)[0] for ix, _ in usable]
+        stream = data.stage_micro_batches(dataset, lists, first=coord.stage == 0, workers=workers)
     counts = torch.zeros(2, dtype=torch.float64, device=device)
     for _ix, rows in usable:
         counts += runner.eval_batch(rows, next(stream) if stream else None)

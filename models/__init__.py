@@ -27,6 +27,8 @@ _REGISTRY: dict[str, Builder] = {
     "resnet101": _torchvision("resnet101"),
     "vgg16": _torchvision("vgg16"),
     "mlp": lambda num_classes, shape: MLP(shape, num_classes),
+    # Compute-heavy enough per micro-batch that a pipeline's own overhead can be seen (benchmark).
+    "mlp_wide": lambda num_classes, shape: MLP(shape, num_classes, width=1024),
     "digits_cnn": lambda num_classes, shape: DigitsCNN(shape, num_classes),
     "skip_mlp": lambda num_classes, shape: SkipMLP(shape, num_classes),
     "small_resnet": lambda num_classes, shape: SmallResNet(shape, num_classes),

@@ -10,14 +10,17 @@ worlds are started, one after the other:
   model and global batch;
 - ``bundles`` (4 processes): two bundles of shape 1,1 with flat against hierarchical gradient sync.
 
-Inside a world every case runs once per round, in a fixed interleaved order, so slow drifts of a
-shared machine hit all cases alike: a barrier, untimed warm-up steps, then timed steps. Step time
+Inside a world every case runs once per round, in an order reversed every other round, so slow
+drifts of a shared machine hit all cases alike: a barrier, untimed warm-up steps, then timed steps. Step time
 is the median of the timed steps of the first rank (stage 0 of bundle 0) over all rounds, and
 throughput is global batch / median step time. After its steps every Bundle case times a copy of
 each rank's stage alone (no p2p, no gradient sync) on one micro-batch's forward+backward, one
 rank at a time while the others wait idle: ``t_s`` is the median over all repetitions, and
 pipeline efficiency is ``(M + S - 1) * max_s t_s / step time``. Ratios above 1 mean Bundle is
 faster.
+
+Every rank also records its CPU seconds per step (process time, all threads) and the stage
+probes their thread CPU time, to read results taken on a busy shared machine.
 """
 
 from __future__ import annotations
@@ -70,33 +73,45 @@ NUM_CLASSES = 10
 LR, MOMENTUM = 0.01, 0.9
 SEED = 0
 DATA_STEPS = 4  # distinct global batches fetched before timing and cycled through
-# small_resnet cut after its first residual block: the two halves take about equal time on a CPU
-# (the automatic parameter-balanced cut puts nearly all of the convolution time in stage 0).
-CNN_SPLIT = ("stem", "res.1")
+# The shipped small_resnet split [stem, res.0, res.1 | res.2, ...]: about equal halves on a CPU at
+# the sweep's small micro-batches (the automatic, parameter-balanced cut puts nearly all of the
+# convolution time in stage 0).
+CNN_PARTITION = "small_resnet_2stage"
 
 
 @dataclass(frozen=True)
 class Sizes:
     """Every size the benchmark uses; fixed per mode so that runs are comparable."""
 
-    # mlp is the registry model (4 hidden layers of width 256); a 3x11x11 input (363 features)
-    # makes the automatic split [flatten, hidden.0, hidden.1 | hidden.2, hidden.3, head] balanced.
-    mlp_image: int = 11
-    mlp_batch: int = 2048
+    # mlp_wide: 4 hidden layers of width 1024; a 3x18x18 input (972 features) makes the automatic
+    # split [flatten, hidden.0, hidden.1 | hidden.2, hidden.3, head] balanced (about 2M
+    # parameters each side), and a micro-batch's compute large next to one p2p message.
+    mlp_model: str = "mlp_wide"
+    mlp_image: int = 18
+    mlp_batch: int = 512
     mlp_micro: tuple[int, ...] = (1, 2, 4, 8, 16)
     cnn_batch: int = 64
     cnn_micro: tuple[int, ...] = (1, 2, 4, 8, 16)
     compare_micro: int = 8  # micro-batches of the Bundle-vs-torch and flat-vs-hierarchical cases
-    rounds: int = 5
+    rounds: int = 8
     warmup: int = 1  # untimed steps per case per round (one more in the first round)
-    steps: int = 12  # timed steps per case per round
+    steps: int = 15  # timed steps per case per round
     stage_reps: int = 9  # lone-stage timings per case per round (after one untimed)
 
 
 PRESETS = {
     "full": Sizes(),
-    "quick": Sizes(rounds=3, steps=8, stage_reps=5),
-    "smoke": Sizes(mlp_batch=256, cnn_batch=16, cnn_micro=(1, 8), rounds=1, steps=2, stage_reps=2),
+    "quick": Sizes(rounds=4, steps=10, stage_reps=5),
+    "smoke": Sizes(
+        mlp_model="mlp",
+        mlp_image=11,
+        mlp_batch=256,
+        cnn_batch=16,
+        cnn_micro=(1, 8),
+        rounds=1,
+        steps=2,
+        stage_reps=2,
+    ),
 }
 
 
@@ -111,7 +126,7 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, out_dir: str, args: tuple) -> None:
-    """Body of one spawned process: one thread, a gloo group, ``fn``, its result pickled to disk."""
+    """Body of one child process: one thread, a gloo group, ``fn``, its result pickled to disk."""
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore(
@@ -190,7 +205,7 @@ def make_cfg(
     spec: str | None = None,
 ) -> RunConfig:
     """The run configuration of one case (synthetic data, no evaluation)."""
-    if model == "mlp":
+    if model == sizes.mlp_model:
         image, batch = sizes.mlp_image, sizes.mlp_batch
     else:
         image, batch = 32, sizes.cnn_batch
@@ -223,8 +238,7 @@ def _fake(rows: int, meta: TensorMeta) -> torch.Tensor:
 
 
 def stage_probe(session: Session) -> Callable[[], tuple[float, float]]:
-    """Wall and thread-CPU seconds of one micro-batch's forward+backward through a copy of this
-    rank's stage alone (no p2p, no gradient sync)."""
+    """(wall, thread CPU) seconds of one micro-batch's fwd+bwd through a copy of this rank's stage."""
     runner, coord = session.runner, session.coord
     topo, tp = runner.topo, runner.transport
     module = copy.deepcopy(session.stage)
@@ -232,13 +246,14 @@ def stage_probe(session: Session) -> Callable[[], tuple[float, float]]:
     if runner.first:
         xs: tuple[torch.Tensor, ...] = (torch.randn(rows, *session.splits.input_shape),)
     else:
-        xs = tuple(_fake(rows, m) for m in tp.in_meta[:-1])  # the last one is the labels
+        xs = tuple(_fake(rows, m) for m in tp.in_meta)
     labels = torch.randint(0, session.splits.num_classes, (rows,))
     out_grads = tuple(_fake(rows, m) for m in tp.out_meta if m.has_grad)
     inv_batch = 1.0 / topo.global_batch
     first, last = runner.first, runner.last
 
     def once() -> tuple[float, float]:
+        """One timed forward+backward, without p2p or gradient sync."""
         inputs = tuple(
             x.detach().requires_grad_() if not first and x.is_floating_point() else x for x in xs
         )
@@ -264,6 +279,7 @@ def bundle_case(name: str, cfg: RunConfig, rank: int, *, probe: bool = True) -> 
     runner = session.runner
 
     def step(i: int) -> None:
+        """One synchronous Bundle training step."""
         runner.train_step(i, batches[i % DATA_STEPS])
 
     info = {
@@ -312,6 +328,7 @@ def torch_pipeline_case(name: str, cfg: RunConfig, rank: int, schedule: str) -> 
     inv_batch = 1.0 / cfg.train.batch_size
 
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Bundle's scaling: each micro-batch's summed loss over the global batch size."""
         return F.cross_entropy(out, y, reduction="sum") * inv_batch
 
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
@@ -323,6 +340,7 @@ def torch_pipeline_case(name: str, cfg: RunConfig, rank: int, schedule: str) -> 
     first, last = rank == 0, rank == num_stages - 1
 
     def step(i: int) -> None:
+        """One schedule step, then the optimizer."""
         x, y = batches[i % DATA_STEPS]
         args = (x,) if first else ()
         if last:
@@ -351,6 +369,7 @@ def ddp_case(name: str, cfg: RunConfig, rank: int, world: int) -> Case:
     batches = [(x[lo:hi].contiguous(), y[lo:hi].contiguous()) for x, y in global_batches(cfg)]
 
     def step(i: int) -> None:
+        """Forward, backward (DDP averages), optimizer."""
         x, y = batches[i % DATA_STEPS]
         F.cross_entropy(ddp(x), y).backward()
         opt.step()
@@ -359,45 +378,47 @@ def ddp_case(name: str, cfg: RunConfig, rank: int, world: int) -> Case:
     return Case(name, step, None, None, {"micro_batches": 1, "batch": cfg.train.batch_size})
 
 
-def build_cases(job: str, rank: int, world: int, sizes: Sizes, cnn_spec: str) -> list[Case]:
+def build_cases(job: str, rank: int, world: int, sizes: Sizes) -> list[Case]:
     """Every case of one world, in the order each round runs them."""
     cm = sizes.compare_micro
     if job == "pipeline":
-        ref = make_cfg(sizes, "mlp", micro=cm)
+        ref = make_cfg(sizes, sizes.mlp_model, micro=cm)
         cases = [
             bundle_case(f"mlp bundle 1f1b M={cm}", ref, rank),
             torch_pipeline_case(f"mlp torch 1f1b M={cm}", ref, rank, "1f1b"),
             bundle_case(
-                f"mlp bundle gpipe M={cm}", make_cfg(sizes, "mlp", micro=cm, schedule="gpipe"), rank
+                f"mlp bundle gpipe M={cm}",
+                make_cfg(sizes, sizes.mlp_model, micro=cm, schedule="gpipe"),
+                rank,
             ),
             torch_pipeline_case(f"mlp torch gpipe M={cm}", ref, rank, "gpipe"),
         ]
         cases += [
-            bundle_case(f"mlp bundle 1f1b M={m}", make_cfg(sizes, "mlp", micro=m), rank)
+            bundle_case(f"mlp bundle 1f1b M={m}", make_cfg(sizes, sizes.mlp_model, micro=m), rank)
             for m in sizes.mlp_micro
             if m != cm
         ]
         cases += [
             bundle_case(
                 f"cnn bundle 1f1b M={m}",
-                make_cfg(sizes, "small_resnet", micro=m, spec=cnn_spec),
+                make_cfg(sizes, "small_resnet", micro=m, spec=CNN_PARTITION),
                 rank,
             )
             for m in sizes.cnn_micro
         ]
-        dp = make_cfg(sizes, "mlp", micro=1, shape=(world,))
+        dp = make_cfg(sizes, sizes.mlp_model, micro=1, shape=(world,))
         return [*cases, bundle_case("bundle dp", dp, rank), ddp_case("torch ddp", dp, rank, world)]
     if job == "bundles":
         return [
             bundle_case(
                 f"bundle flat M={cm}",
-                make_cfg(sizes, "mlp", micro=cm, bundles=2, sync="flat"),
+                make_cfg(sizes, sizes.mlp_model, micro=cm, bundles=2, sync="flat"),
                 rank,
                 probe=False,
             ),
             bundle_case(
                 f"bundle hierarchical M={cm}",
-                make_cfg(sizes, "mlp", micro=cm, bundles=2, sync="hierarchical"),
+                make_cfg(sizes, sizes.mlp_model, micro=cm, bundles=2, sync="hierarchical"),
                 rank,
                 probe=False,
             ),
@@ -405,15 +426,15 @@ def build_cases(job: str, rank: int, world: int, sizes: Sizes, cnn_spec: str) ->
     raise ValueError(f"unknown job {job!r}")
 
 
-def world_main(rank: int, world: int, job: str, sizes: Sizes, cnn_spec: str) -> dict:
+def world_main(rank: int, world: int, job: str, sizes: Sizes) -> dict:
     """Run every case of ``job`` in interleaved rounds; this rank's raw timings."""
     torch.set_num_threads(1)
-    cases = build_cases(job, rank, world, sizes, cnn_spec)
+    cases = build_cases(job, rank, world, sizes)
     wall: dict[str, list[float]] = {c.name: [] for c in cases}
     cpu: dict[str, list[float]] = {c.name: [] for c in cases}
     stage: dict[str, list[tuple[float, float]]] = {c.name: [] for c in cases if c.probe}
     for r in range(sizes.rounds):
-        for c in cases:
+        for c in cases if r % 2 == 0 else cases[::-1]:  # ABBA: no case always goes first
             dist.barrier()
             for i in range(sizes.warmup + (1 if r == 0 else 0)):
                 c.step(i)
@@ -443,15 +464,12 @@ def world_main(rank: int, world: int, job: str, sizes: Sizes, cnn_spec: str) -> 
 
 
 def _rounded(values: list[float]) -> list[float]:
+    """Seconds to the microsecond, for the raw lists."""
     return [round(v, 6) for v in values]
 
 
 def summarize(results: list[dict]) -> dict[str, dict]:
-    """Per case: rank 0's step times, medians, throughput, and efficiency where stages were timed.
-
-    Also kept, to read a noisy machine: every rank's CPU seconds per step (process time, all
-    threads), the fastest step, and an efficiency from the fastest step and fastest stage times.
-    """
+    """Per case: rank 0's step times, medians, throughput, per-rank CPU, efficiency if probed."""
     out = {}
     lead = results[0]
     for name, times in lead["wall"].items():
@@ -502,12 +520,14 @@ def machine(load_start: tuple[float, ...]) -> dict:
 
 
 def _ms(values: list[float]) -> str:
+    """Seconds per rank as milliseconds: ``a/b`` for two ranks, the largest for more."""
     if len(values) > 2:
         return f"max {max(values) * 1e3:.1f}"
     return "/".join(f"{v * 1e3:.1f}" for v in values) or "-"
 
 
 def _row(name: str, e: dict) -> str:
+    """One table row of a case."""
     ideal = f"{e['ideal_step_s'] * 1e3:.1f}" if "ideal_step_s" in e else "-"
     eff = f"{e['efficiency']:.3f}" if "efficiency" in e else "-"
     return (
@@ -527,6 +547,7 @@ def render(report: dict, cases: dict[str, dict]) -> str:
     )
 
     def split(name: str) -> str:
+        """A case's stage blocks, ``a,b | c,d``."""
         return " | ".join(",".join(b) for b in cases[name]["stage_blocks"])
 
     pipeline = [
@@ -573,6 +594,7 @@ def render(report: dict, cases: dict[str, dict]) -> str:
 
 
 def _sweep(cases: dict[str, dict], prefix: str, micro: tuple[int, ...]) -> list[dict]:
+    """One row per micro-batch count of a sweep."""
     return [
         {
             "micro_batches": m,
@@ -633,7 +655,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the three worlds, print the table, write the JSON report."""
+    """Run both worlds, print the table, write the JSON report."""
     args = parse_args(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     sizes = PRESETS[mode]
@@ -643,13 +665,10 @@ def main(argv: list[str] | None = None) -> int:
         sizes = replace(sizes, rounds=args.rounds)
     torch.set_num_threads(1)
     start, load_start = time.perf_counter(), os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = Path(tmp) / "small_resnet_bench.yaml"
-        spec.write_text(f"model: small_resnet\nstages: [{', '.join(CNN_SPLIT)}]\n")
-        results = {
-            job: run_world(world, world_main, job, sizes, str(spec))
-            for job, world in (("pipeline", 2), ("bundles", 4))
-        }
+    results = {
+        job: run_world(world, world_main, job, sizes)
+        for job, world in (("pipeline", 2), ("bundles", 4))
+    }
     cases: dict[str, dict] = {}
     for res in results.values():
         cases.update(summarize(res))
@@ -663,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _jsonable(value: object) -> object:
+    """JSON fallback: tuples as lists."""
     if isinstance(value, tuple):
         return list(value)
     raise TypeError(f"not JSON serialisable: {value!r}")

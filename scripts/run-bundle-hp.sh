@@ -16,7 +16,7 @@ Runs one Bundle container for this node on an attachable overlay network. With n
 arguments every value is asked on stdin.
 
 positional arguments (all eight, in this order):
-  batch_size   batch size of one bundle (positive integer)
+  batch_size   global batch per step, over all bundles (positive integer)
   rank         rank of this node, 0 <= rank < world_size
   shape        bundle shape: replicas per stage, e.g. 1,1 or 4,2
   num_bundle   number of bundles (positive integer)
@@ -98,7 +98,7 @@ ask() {
 }
 
 if [[ ${#positionals[@]} -eq 0 ]]; then
-  ask batch_size "batch size of one bundle" 32
+  ask batch_size "global batch size (all bundles)" 32
   ask rank "rank of this node" 0
   ask shape "bundle shape (replicas per stage)" 1,1
   ask num_bundle "number of bundles" 1

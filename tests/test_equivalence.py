@@ -29,7 +29,13 @@ VARIANTS = list(itertools.product(("gpipe", "1f1b"), (1, 3), ("flat", "hierarchi
 def _config(shape, bundles, schedule, micro, sync, model) -> RunConfig:
     return RunConfig(
         parallel=ParallelConfig(
-            shape=shape, num_bundles=bundles, micro_batches=micro, schedule=schedule, grad_sync=sync
+            shape=shape,
+            num_bundles=bundles,
+            micro_batches=micro,
+            schedule=schedule,
+            grad_sync=sync,
+            # tiny buckets with 3 micro-batches: every parameter syncs in its own bucket
+            bucket_mb=0.001 if micro == 3 else 25.0,
         ),
         model=ModelConfig(name=model),
         data=DataConfig(dataset="synthetic", image_size=4, num_classes=5, synthetic_size=128),
