@@ -71,8 +71,20 @@ class StageRunner:
         self.last_backward = max(i for i, a in enumerate(self.actions) if a.op is Op.BACKWARD)
         self.inv_batch = 1.0 / topo.global_batch
         self.max_in_flight = peak_in_flight(self.actions)
-        self.where = "set-up"
+        # (step, what): formatted only when an error is reported, never in the hot path.
+        self._at: tuple[int, object] = (-1, "set-up")
         self.peak_in_flight = 0
+
+    @property
+    def where(self) -> str:
+        """What this replica was doing, for error messages."""
+        step, what = self._at
+        label = what if isinstance(what, str) else repr(what)
+        return label if step < 0 else f"step {step + 1} {label}"
+
+    @where.setter
+    def where(self, text: str) -> None:
+        self._at = (-1, text)
 
     def _post(self, pending: dict[int, Pending], k: int, recv, slots: int) -> None:
         if k < len(self.sizes) and k not in pending:
@@ -98,7 +110,7 @@ class StageRunner:
             self._post(grads_in, 0, tp.recv_grad, grad_slots)
         for i, a in enumerate(self.actions):
             k = a.micro
-            self.where = f"step {step + 1} {a!r}"
+            self._at = (step, a)
             if a.op is Op.RECV_ACT:
                 self._post(acts_in, k, tp.recv_act, act_slots)
                 xs = acts_in.pop(k).wait()
@@ -142,11 +154,11 @@ class StageRunner:
                 xs = [x for x in inputs.pop(k) if x.is_floating_point()]
                 g = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in xs)
                 sends.append(tp.send_grad(sizes[k], g))
-        self.where = f"step {step + 1} gradient sync"
+        self._at = (step, "gradient sync")
         for p in sends:
             p.wait()
         self.sync.finish()
-        self.where = f"step {step + 1} optimizer"
+        self._at = (step, "optimizer")
         self.optimizer.step()
         self.sync.zero_grad(self.optimizer)
         return loss_sum

@@ -29,20 +29,14 @@ import argparse
 import copy
 import json
 import math
-import multiprocessing as mp
 import os
-import pickle
 import platform
 import shlex
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -55,7 +49,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import models  # noqa: E402
-from bundle import data  # noqa: E402
+from bundle import data, localworld  # noqa: E402
 from bundle.config import (  # noqa: E402
     DataConfig,
     ModelConfig,
@@ -118,65 +112,9 @@ PRESETS = {
 # -- process worlds ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """An unused TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn: Callable, rank: int, world: int, port: int, out_dir: str, args: tuple) -> None:
-    """Body of one child process: one thread, a gloo group, ``fn``, its result pickled to disk."""
-    torch.set_num_threads(1)
-    try:
-        store = dist.TCPStore(
-            "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=120)
-        )
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
-        )
-        result: tuple = ("ok", fn(rank, world, *args))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = ("error", traceback.format_exc())
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
 def run_world(world: int, fn: Callable, *args, timeout: float = 600.0) -> list:
-    """``fn(rank, world, *args)`` on ``world`` gloo processes; their results, or an error."""
-    # Fork where there is one: children inherit the imported modules instead of importing torch
-    # again, which on a loaded 2-core machine takes seconds per process. The parent never runs a
-    # torch op or creates a process group, so there is no state to corrupt.
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out:
-        procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, port, out, args)) for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        try:
-            for p in procs:
-                p.join(max(deadline - time.monotonic(), 0.1))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        results = []
-        for r, p in enumerate(procs):
-            path = os.path.join(out, f"{r}.pkl")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} produced no result (exit code {p.exitcode})")
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status != "ok":
-                raise RuntimeError(f"rank {r} failed:\n{value}")
-            results.append(value)
-        return results
+    """``fn(rank, world, *args)`` on ``world`` gloo processes, forked: this parent runs no torch op."""
+    return localworld.run_world(world, fn, *args, timeout=timeout, start_method="fork")
 
 
 # -- cases ------------------------------------------------------------------------------------
@@ -563,7 +501,7 @@ def render(report: dict, cases: dict[str, dict]) -> str:
     lines = [
         f"Bundle benchmark ({r['mode']}): gloo over loopback, 1 thread per process, "
         f"{m['cpu_count']} CPUs, torch {m['torch']}, {m['platform']}",
-        f"mlp 3x{s['mlp_image']}x{s['mlp_image']} (4x256 hidden), global batch {s['mlp_batch']}, "
+        f"{s['mlp_model']} 3x{s['mlp_image']}x{s['mlp_image']}, global batch {s['mlp_batch']}, "
         f"split [{split(f'mlp bundle 1f1b M={cm}')}]",
         f"small_resnet 3x32x32, global batch {s['cnn_batch']}, split [{split(cnn_first)}]",
         f"{s['rounds']} interleaved rounds x {s['steps']} timed steps per case; medians. "

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.distributed import free_port
+from bundle.localworld import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import models
 from bundle import data
 from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from bundle.localworld import run_world
 from bundle.worker import build_session, make_topology, train_stream
-from tests.distributed import run_world
 
 STEPS = 3
 TOL = 1e-5
