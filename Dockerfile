@@ -15,9 +15,11 @@ WORKDIR /app
 # them to the installed versions makes pip keep them instead of pulling a second multi-GB build
 # (and fails the build if the base image falls outside the ranges).
 COPY requirements.txt /app/requirements.txt
+COPY docker/constraints.txt /app/docker/constraints.txt
 RUN python -c "import torch, torchvision; print(f'torch=={torch.__version__}'); print(f'torchvision=={torchvision.__version__}')" \
         > /tmp/base-constraints.txt \
-    && pip install --no-cache-dir -c /tmp/base-constraints.txt -r /app/requirements.txt \
+    && pip install --no-cache-dir -c /tmp/base-constraints.txt -c /app/docker/constraints.txt \
+        -r /app/requirements.txt \
     && rm /tmp/base-constraints.txt
 
 # Fixed uid so bind-mounted data and output directories can be granted to it on every node.

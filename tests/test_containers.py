@@ -442,3 +442,22 @@ def test_image_runs_the_entrypoint_as_non_root() -> None:
     assert users and users[-1].split(":")[0] not in {"root", "0"}
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {".git", "tests", "**/__pycache__"} <= set(ignored)
+
+
+def test_image_pins_fall_inside_the_requirement_ranges() -> None:
+    from packaging.requirements import Requirement
+
+    ranges = {
+        Requirement(line).name.lower(): Requirement(line).specifier
+        for line in (REPO / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    pins = [
+        Requirement(line)
+        for line in (REPO / "docker" / "constraints.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert pins
+    for pin in pins:
+        (version,) = [s.version for s in pin.specifier]
+        assert pin.name.lower() in ranges and ranges[pin.name.lower()].contains(version), pin

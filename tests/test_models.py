@@ -12,9 +12,9 @@ import models
 from bundle.errors import ConfigError
 from models import apply_blocks
 
-SMALL = ("mlp", "digits_cnn", "skip_mlp", "small_resnet")
+SMALL = ("mlp", "mlp_wide", "digits_cnn", "skip_mlp", "small_resnet")
 # Big torchvision nets run on 64x64 so the suite stays cheap; adaptive pooling makes that legal.
-SHAPES = {"digits_cnn": (1, 8, 8), "mlp": (1, 8, 8), "skip_mlp": (1, 8, 8)}
+SHAPES = {"digits_cnn": (1, 8, 8), "mlp": (1, 8, 8), "mlp_wide": (1, 8, 8), "skip_mlp": (1, 8, 8)}
 
 
 def shape_of(name: str) -> tuple[int, int, int]:
