@@ -203,3 +203,73 @@ def test_a_dead_or_stalled_worker_ends_the_job_with_a_clear_error(sig, tmp_path)
     else:
         assert "did not complete within 5s" in err, err
     assert not [w for w in workers if _alive(w)], "orphan worker processes"
+
+
+def test_nodes_with_different_settings_are_told_which(tmp_path):
+    port = str(free_port())
+    common = [
+        "main.py",
+        *SMALL,
+        "--itr",
+        "2",
+        "--world-size",
+        "2",
+        "--IP",
+        "127.0.0.1",
+        "--portNum",
+        port,
+    ]
+    node1 = start(*common, "--rank", "1", "--lr", "0.2")
+    node0 = start(*common, "--rank", "0")
+    (c0, _, e0), (c1, _, e1) = finish(node0, 120), finish(node1, 120)
+    assert c0 == 2 and c1 == 2, e0 + e1
+    for err in (e0, e1):
+        assert "different settings" in err and "train.lr" in err, err
+    assert "started ranks" not in e0 + e1
+
+
+def test_image_folder_resnet_with_a_partition_loader_workers_and_checkpoint(tmp_path):
+    from PIL import Image
+
+    for split, count in (("train", 12), ("val", 4)):
+        for c, color in enumerate(((200, 30, 30), (30, 200, 30), (30, 30, 200))):
+            d = tmp_path / "data" / split / f"class{c}"
+            d.mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (40 + i, 36), color).save(d / f"{i}.jpg")
+    ckpt, metrics = tmp_path / "model.pt", tmp_path / "m.jsonl"
+    code, _, err = finish(
+        start(
+            "main.py",
+            str(tmp_path / "data"),
+            "--model",
+            "resnet18",
+            "--partition",
+            "resnet18_2stage",
+            "--image-size",
+            "32",
+            "--batch-size",
+            "8",
+            "--micro-batches",
+            "2",
+            "--epochs",
+            "1",
+            "--workers",
+            "1",
+            "--checkpoint",
+            str(ckpt),
+            "--metrics-out",
+            str(metrics),
+        ),
+        timeout=240,
+    )
+    assert code == 0, err
+    s = summary(metrics)
+    assert s["steps"] == 4 and s["val_samples"] == 12 and 0.0 <= s["val_accuracy"] <= 1.0
+    import torch
+
+    import models
+
+    state = torch.load(ckpt, weights_only=True)
+    expected = models.build("resnet18", num_classes=3, input_shape=(3, 32, 32)).state_dict()
+    assert set(state) == set(expected)
