@@ -18,6 +18,14 @@ from bundle.errors import BundleError, ConfigError
 DEFAULTS = C.RunConfig()
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        # "(default: None)" and "(default: False)" say nothing; the help text says what unset means.
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         # One line, like every other input error; the full usage is one --help away.
@@ -28,7 +36,7 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     p = _Parser(
         prog="main.py",
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Formatter,
         argument_default=argparse.SUPPRESS if suppress else None,
     )
     d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
@@ -61,7 +69,7 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
         type=int,
         default=d(None),
         metavar="N",
-        help="with --DP-ONLY: number of data-parallel processes (default: shape total)",
+        help="with --DP-ONLY: number of data-parallel processes (unset: processes per node x nodes, else the shape total)",
     )
     g.add_argument(
         "--micro-batches",
@@ -106,14 +114,29 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
         metavar="STEPS",
         help="training steps (0: run --epochs whole epochs)",
     )
-    g.add_argument("--epochs", type=int, default=d(DEFAULTS.train.epochs))
+    g.add_argument(
+        "--epochs", type=int, default=d(DEFAULTS.train.epochs), help="whole epochs when --itr is 0"
+    )
     g.add_argument("--lr", type=float, default=d(DEFAULTS.train.lr), help="SGD learning rate")
-    g.add_argument("--momentum", type=float, default=d(DEFAULTS.train.momentum))
-    g.add_argument("--weight-decay", type=float, default=d(DEFAULTS.train.weight_decay))
+    g.add_argument(
+        "--momentum", type=float, default=d(DEFAULTS.train.momentum), help="SGD momentum"
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=d(DEFAULTS.train.weight_decay),
+        help="SGD weight decay",
+    )
     g.add_argument(
         "--seed", type=int, default=d(DEFAULTS.train.seed), help="model init and data order"
     )
-    g.add_argument("--log-every", type=int, default=d(DEFAULTS.train.log_every), metavar="STEPS")
+    g.add_argument(
+        "--log-every",
+        type=int,
+        default=d(DEFAULTS.train.log_every),
+        metavar="STEPS",
+        help="progress line (and metrics record) every this many steps",
+    )
     g.add_argument("--no-eval", action="store_true", default=d(False), help="skip validation")
     g.add_argument(
         "--checkpoint",
@@ -123,7 +146,11 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=d(DEFAULTS.model.name), help="registry name (see models/)")
+    g.add_argument(
+        "--model",
+        default=d(DEFAULTS.model.name),
+        help="digits_cnn, mlp, mlp_wide, skip_mlp, small_resnet, resnet18, resnet50, resnet101, vgg16",
+    )
     g.add_argument(
         "--partition",
         default=d(None),
@@ -137,10 +164,16 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
         help="default: imagefolder when DATA_DIR is given, else digits",
     )
     g.add_argument(
-        "--image-size", type=int, default=d(DEFAULTS.data.image_size), help="imagefolder/synthetic"
+        "--image-size",
+        type=int,
+        default=d(DEFAULTS.data.image_size),
+        help="input side for imagefolder and synthetic data",
     )
     g.add_argument(
-        "--num-classes", type=int, default=d(DEFAULTS.data.num_classes), help="synthetic only"
+        "--num-classes",
+        type=int,
+        default=d(DEFAULTS.data.num_classes),
+        help="classes of synthetic data",
     )
     g.add_argument(
         "--synthetic-size",
@@ -152,7 +185,7 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=d(DEFAULTS.data.workers),
-        help="data-loading processes per stage-0 process",
+        help="data-loading worker processes per process that reads inputs",
     )
 
     g = p.add_argument_group("launch")

@@ -208,3 +208,10 @@ def test_port_in_use_is_exit_2(busy_port):
     r = run_main("--portNum", busy_port)
     assert r.returncode == 2, r.stderr
     assert f"--portNum {busy_port}" in r.stderr and "in use" in r.stderr
+
+
+def test_help_names_every_registered_model():
+    import models
+
+    text = " ".join(main.build_parser().format_help().split())
+    assert all(name in text for name in models.available())
