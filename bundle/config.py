@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -166,11 +165,3 @@ class RunConfig:
         shared.pop("metrics_out")
         shared["train"].pop("checkpoint")
         return shared
-
-    def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.shared_view(), sort_keys=True).encode()).hexdigest()[
-            :16
-        ]
-
-    def summary(self) -> dict:
-        return asdict(self)

@@ -71,8 +71,7 @@ def _synthetic(cfg: DataConfig, seed: int) -> DataSplits:
 def _image_folder(cfg: DataConfig) -> DataSplits:
     from torchvision import datasets, transforms
 
-    if not cfg.root:
-        raise DataError("--dataset imagefolder needs a data directory (positional DATA_DIR)")
+    check_data(cfg)
     normalize = transforms.Normalize(_IMAGENET_MEAN, _IMAGENET_STD)
     size = cfg.image_size
     train_tf = transforms.Compose(
@@ -94,10 +93,6 @@ def _image_folder(cfg: DataConfig) -> DataSplits:
     splits = {}
     for name, tf in (("train", train_tf), ("val", val_tf)):
         path = os.path.join(cfg.root, name)
-        if not os.path.isdir(path):
-            raise DataError(
-                f"data directory {cfg.root!r} has no {name}/ subdirectory (ImageFolder layout: DIR/train/CLASS/*.jpg)"
-            )
         try:
             splits[name] = datasets.ImageFolder(path, transform=tf)
         except (FileNotFoundError, RuntimeError) as exc:

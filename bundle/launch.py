@@ -100,11 +100,6 @@ def device_for(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def describe(topo: Topology, rank: int) -> str:
-    c = topo.coord(rank)
-    return f"rank {rank} (node {topo.node_of(rank)}, bundle {c.bundle}, stage {c.stage}, replica {c.replica})"
-
-
 # -- the store --------------------------------------------------------------------------------
 
 
@@ -229,7 +224,7 @@ def worker_main(
     if cfg.launch.torchrun:
         # No node supervisor compared settings: every process compares its own.
         exchange_config(store, cfg, rank, topo.world_size, cfg.launch.init_timeout)
-    me = describe(topo, rank)
+    me = topo.describe(rank)
     start_abort_watch(store, rank, me)
     where: dict = {}
     try:
@@ -334,7 +329,7 @@ def supervise(cfg: RunConfig, topo: Topology) -> int:
                     step = progress[rank].value
                     at = f"step {step + 1}" if step >= 0 else "start-up"
                     failure = post_abort(
-                        store, f"{describe(topo, rank)} {_exit_text(p.exitcode)} during {at}"
+                        store, f"{topo.describe(rank)} {_exit_text(p.exitcode)} during {at}"
                     )
             if failure is None:
                 failure = _heartbeat(store, node, topo.num_nodes, beats) or read_abort(store)

@@ -179,6 +179,14 @@ class Topology:
     def node_ranks(self, node: int) -> tuple[int, ...]:
         return tuple(range(node * self.procs_per_node, (node + 1) * self.procs_per_node))
 
+    def describe(self, rank: int) -> str:
+        """``rank R (node n, bundle b, stage s, replica r)``: how errors name a process."""
+        c = self.coord(rank)
+        return (
+            f"rank {rank} (node {self.node_of(rank)}, bundle {c.bundle}, "
+            f"stage {c.stage}, replica {c.replica})"
+        )
+
     # -- groups ----------------------------------------------------------------------------------
 
     def stage_group(self, stage: int) -> tuple[int, ...]:

@@ -87,7 +87,7 @@ class StageRunner:
         self._at = (-1, text)
 
     def _post(self, pending: dict[int, Pending], k: int, recv, slots: int) -> None:
-        if k < len(self.sizes) and k not in pending:
+        if k < len(self.sizes):
             pending[k] = recv(self.sizes[k], k % slots)
 
     def train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
@@ -100,7 +100,8 @@ class StageRunner:
         grads_in: dict[int, Pending] = {}
         sends: list[Pending] = []
         loss_sum = torch.zeros((), device=self.device)
-        # Receives are posted before the work that precedes them, one micro-batch ahead. A
+        # Receives are posted before the work that precedes them: micro-batch 0 here, k + 1 as
+        # soon as k arrives, so every receive is in flight before its action waits on it. A
         # received activation stays alive until its backward, so activation buffers rotate over
         # one slot more than the schedule keeps in flight; gradients are used at once: two slots.
         act_slots, grad_slots = self.max_in_flight + 1, 2
@@ -112,7 +113,6 @@ class StageRunner:
             k = a.micro
             self._at = (step, a)
             if a.op is Op.RECV_ACT:
-                self._post(acts_in, k, tp.recv_act, act_slots)
                 xs = acts_in.pop(k).wait()
                 self._post(acts_in, k + 1, tp.recv_act, act_slots)
                 # A fresh autograd leaf over the reused buffer, so gradients never accumulate
@@ -134,7 +134,6 @@ class StageRunner:
             elif a.op is Op.SEND_ACT:
                 sends.append(tp.send_act(sizes[k], outputs[k]))
             elif a.op is Op.RECV_GRAD:
-                self._post(grads_in, k, tp.recv_grad, grad_slots)
                 grads[k] = grads_in.pop(k).wait()
                 self._post(grads_in, k + 1, tp.recv_grad, grad_slots)
             elif a.op is Op.BACKWARD:

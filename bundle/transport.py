@@ -91,15 +91,12 @@ class Transport:
         if key not in self._plans:
             topo, s, r = self.topo, self.stage, self.replica
             if direction == "prev":  # peers in stage s-1
-                peer_stage, transfers = s - 1, topo.recvs(s, r, rows)
+                transfers = topo.recvs(s, r, rows)
                 peers = tuple((t, topo.rank(self.bundle, s - 1, t.src)) for t in transfers)
             else:  # peers in stage s+1
-                peer_stage, transfers = s + 1, topo.sends(s, r, rows)
+                transfers = topo.sends(s, r, rows)
                 peers = tuple((t, topo.rank(self.bundle, s + 1, t.dst)) for t in transfers)
-            text = ", ".join(
-                f"rank {rank} (bundle {self.bundle}, stage {peer_stage}, replica {t.dst if peer_stage > s else t.src})"
-                for t, rank in peers
-            )
+            text = ", ".join(topo.describe(rank) for _, rank in peers)
             self._plans[key] = _Plan(split_ranges(rows, topo.shape[s])[r], peers, text)
         return self._plans[key]
 

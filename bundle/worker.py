@@ -224,12 +224,7 @@ def run(
                         f"step {step + 1}/{total}  loss {record['loss']:.4f}  {record['samples_per_s']:.1f} samples/s"
                     )
             loss_window.zero_()
-        epoch_done = (step + 1) % spe == 0 or step + 1 == total
-        if (
-            cfg.train.eval
-            and epoch_done
-            and ((step + 1) // spe < cfg.train.epochs or step + 1 == total)
-        ):
+        if cfg.train.eval and ((step + 1) % spe == 0 or step + 1 == total):
             runner.where = f"evaluation after step {step + 1}"
             acc, seen = evaluate(
                 runner, splits.val, topo, coord, B, cfg.data.workers, last_group, device

@@ -57,6 +57,11 @@ def finish(p: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:
     return p.returncode, out, err
 
 
+def two_nodes_on_loopback(port: str) -> list[str]:
+    """main.py and the original launch flags shared by both nodes (each adds its --rank)."""
+    return ["main.py", *SMALL, "--world-size", "2", "--IP", "127.0.0.1", "--portNum", port]
+
+
 def summary(path) -> dict:
     lines = [json.loads(ln) for ln in path.read_text().splitlines()]
     assert lines[-1]["summary"] is True
@@ -81,20 +86,13 @@ def test_embedded_default_trains_digits_to_90_percent(tmp_path):
 def test_two_nodes_from_the_original_flags(tmp_path):
     port = str(free_port())
     common = [
-        "main.py",
-        *SMALL,
+        *two_nodes_on_loopback(port),
         "--itr",
         "4",
         "--bundle-shape",
         "1,1",
         "--num-bundle",
         "2",
-        "--world-size",
-        "2",
-        "--IP",
-        "127.0.0.1",
-        "--portNum",
-        port,
     ]
     node1 = start(*common, "--rank", "1")
     node0 = start(*common, "--rank", "0", "--metrics-out", str(tmp_path / "m.jsonl"))
@@ -207,18 +205,7 @@ def test_a_dead_or_stalled_worker_ends_the_job_with_a_clear_error(sig, tmp_path)
 
 def test_nodes_with_different_settings_are_told_which(tmp_path):
     port = str(free_port())
-    common = [
-        "main.py",
-        *SMALL,
-        "--itr",
-        "2",
-        "--world-size",
-        "2",
-        "--IP",
-        "127.0.0.1",
-        "--portNum",
-        port,
-    ]
+    common = [*two_nodes_on_loopback(port), "--itr", "2"]
     node1 = start(*common, "--rank", "1", "--lr", "0.2")
     node0 = start(*common, "--rank", "0")
     (c0, _, e0), (c1, _, e1) = finish(node0, 120), finish(node1, 120)

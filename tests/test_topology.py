@@ -138,3 +138,8 @@ def test_invalid_layouts_name_the_flag(kwargs, key):
         Topology(**args)
     assert err.value.key == key
     assert key in str(err.value)
+
+
+def test_describe_names_node_bundle_stage_and_replica():
+    t = topo((4, 2), bundles=2, ppn=4)
+    assert t.describe(10) == "rank 10 (node 2, bundle 1, stage 1, replica 0)"
