@@ -229,14 +229,19 @@ def worker_main(
     where: dict = {}
     try:
         store_barrier(store, "start", topo.world_size, cfg.launch.init_timeout)
+        device = device_for(backend, local_rank)
+        # With NCCL, naming the device forms the world communicator now, with every rank: the
+        # first batch_isend_irecv on the default group may then involve only two ranks (NCCL
+        # requires all of a group's ranks in its first call otherwise), and sub-groups are split
+        # from it instead of being bootstrapped one by one.
         dist.init_process_group(
             backend,
             store=dist.PrefixStore("bundle/pg", store),
             rank=rank,
             world_size=topo.world_size,
             timeout=timedelta(seconds=cfg.launch.timeout),
+            device_id=device if backend == "nccl" else None,
         )
-        device = device_for(backend, local_rank)
         summary = worker.run(
             cfg,
             topo,
