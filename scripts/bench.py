@@ -10,14 +10,22 @@ worlds are started, one after the other:
   model and global batch;
 - ``bundles`` (4 processes): two bundles of shape 1,1 with flat against hierarchical gradient sync.
 
-Inside a world every case runs once per round, in an order reversed every other round, so slow
-drifts of a shared machine hit all cases alike: a barrier, untimed warm-up steps, then timed steps. Step time
-is the median of the timed steps of the first rank (stage 0 of bundle 0) over all rounds, and
-throughput is global batch / median step time. After its steps every Bundle case times a copy of
-each rank's stage alone (no p2p, no gradient sync) on one micro-batch's forward+backward, one
-rank at a time while the others wait idle: ``t_s`` is the median over all repetitions, and
-pipeline efficiency is ``(M + S - 1) * max_s t_s / step time``. Ratios above 1 mean Bundle is
-faster.
+Inside a world the cases come in groups: the cases compared with each other (Bundle and torch
+pipelining at M = 8; Bundle data-parallel and DDP; flat and hierarchical sync) form one group,
+every other case a group of its own. Each round runs every group once, in an order reversed every
+other round; a group runs untimed warm-up steps of each case, then its cases' timed steps
+interleaved step by step, in an order that alternates (A B, B A, ...), so the steps compared meet
+the same moment of a shared machine. Step time is the median of the timed steps of the first rank
+(stage 0 of bundle 0), and throughput is global batch / median step time. After its steps every
+Bundle case times a copy of each rank's stage alone (no p2p, no gradient sync) on one
+micro-batch's forward+backward, one rank at a time while the others wait idle: ``t_s`` is the
+median of those repetitions.
+
+Headline ratios are paired: a throughput ratio is the median over the ratios of two steps run
+side by side; pipeline efficiency is the median over rounds of ``(M + S - 1) * max_s t_s`` / the
+round's median step time, with ``t_s`` timed in that round. A burst of load from a neighbour then
+slows both sides of a pair, or falls out as one outlying pair, instead of landing on one side only.
+Ratios above 1 mean Bundle is faster.
 
 Every rank also records its CPU seconds per step (process time, all threads) and the stage
 probes their thread CPU time, to read results taken on a busy shared machine.
@@ -316,12 +324,12 @@ def ddp_case(name: str, cfg: RunConfig, rank: int, world: int) -> Case:
     return Case(name, step, None, None, {"micro_batches": 1, "batch": cfg.train.batch_size})
 
 
-def build_cases(job: str, rank: int, world: int, sizes: Sizes) -> list[Case]:
-    """Every case of one world, in the order each round runs them."""
+def build_groups(job: str, rank: int, world: int, sizes: Sizes) -> list[list[Case]]:
+    """Every case of one world, grouped: the cases of a group are compared with each other."""
     cm = sizes.compare_micro
     if job == "pipeline":
         ref = make_cfg(sizes, sizes.mlp_model, micro=cm)
-        cases = [
+        headline = [
             bundle_case(f"mlp bundle 1f1b M={cm}", ref, rank),
             torch_pipeline_case(f"mlp torch 1f1b M={cm}", ref, rank, "1f1b"),
             bundle_case(
@@ -331,12 +339,12 @@ def build_cases(job: str, rank: int, world: int, sizes: Sizes) -> list[Case]:
             ),
             torch_pipeline_case(f"mlp torch gpipe M={cm}", ref, rank, "gpipe"),
         ]
-        cases += [
+        sweep = [
             bundle_case(f"mlp bundle 1f1b M={m}", make_cfg(sizes, sizes.mlp_model, micro=m), rank)
             for m in sizes.mlp_micro
             if m != cm
         ]
-        cases += [
+        sweep += [
             bundle_case(
                 f"cnn bundle 1f1b M={m}",
                 make_cfg(sizes, "small_resnet", micro=m, spec=CNN_PARTITION),
@@ -345,44 +353,49 @@ def build_cases(job: str, rank: int, world: int, sizes: Sizes) -> list[Case]:
             for m in sizes.cnn_micro
         ]
         dp = make_cfg(sizes, sizes.mlp_model, micro=1, shape=(world,))
-        return [*cases, bundle_case("bundle dp", dp, rank), ddp_case("torch ddp", dp, rank, world)]
+        ddp = [bundle_case("bundle dp", dp, rank), ddp_case("torch ddp", dp, rank, world)]
+        return [headline, *([c] for c in sweep), ddp]
     if job == "bundles":
         return [
-            bundle_case(
-                f"bundle flat M={cm}",
-                make_cfg(sizes, sizes.mlp_model, micro=cm, bundles=2, sync="flat"),
-                rank,
-                probe=False,
-            ),
-            bundle_case(
-                f"bundle hierarchical M={cm}",
-                make_cfg(sizes, sizes.mlp_model, micro=cm, bundles=2, sync="hierarchical"),
-                rank,
-                probe=False,
-            ),
+            [
+                bundle_case(
+                    f"bundle {sync} M={cm}",
+                    make_cfg(sizes, sizes.mlp_model, micro=cm, bundles=2, sync=sync),
+                    rank,
+                    probe=False,
+                )
+                for sync in ("flat", "hierarchical")
+            ]
         ]
     raise ValueError(f"unknown job {job!r}")
 
 
 def world_main(rank: int, world: int, job: str, sizes: Sizes) -> dict:
-    """Run every case of ``job`` in interleaved rounds; this rank's raw timings."""
+    """Run every group of ``job`` in rounds, its cases' steps interleaved; this rank's timings."""
     torch.set_num_threads(1)
-    cases = build_cases(job, rank, world, sizes)
+    groups = build_groups(job, rank, world, sizes)
+    cases = [c for g in groups for c in g]
     wall: dict[str, list[float]] = {c.name: [] for c in cases}
     cpu: dict[str, list[float]] = {c.name: [] for c in cases}
     stage: dict[str, list[tuple[float, float]]] = {c.name: [] for c in cases if c.probe}
     for r in range(sizes.rounds):
-        for c in cases if r % 2 == 0 else cases[::-1]:  # ABBA: no case always goes first
+        for group in groups if r % 2 == 0 else groups[::-1]:  # ABBA: no group always goes first
             dist.barrier()
-            for i in range(sizes.warmup + (1 if r == 0 else 0)):
-                c.step(i)
+            for c in group:
+                for i in range(sizes.warmup + (1 if r == 0 else 0)):
+                    c.step(i)
             for i in range(sizes.steps):
-                w0, c0 = time.perf_counter(), time.process_time()
-                c.step(i)
-                wall[c.name].append(time.perf_counter() - w0)
-                cpu[c.name].append(time.process_time() - c0)
-            if c.probe is not None:  # one rank at a time: the others wait, idle, in a barrier
-                for turn in range(world):
+                # Step i of every case of the group back to back, in an order that alternates:
+                # the cases compared see the same moment of a shared machine.
+                for c in group if (r + i) % 2 == 0 else group[::-1]:
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    c.step(i)
+                    wall[c.name].append(time.perf_counter() - w0)
+                    cpu[c.name].append(time.process_time() - c0)
+            for c in group:
+                if c.probe is None:
+                    continue
+                for turn in range(world):  # one rank at a time: the others wait, idle, in a barrier
                     dist.barrier()
                     if rank == turn:
                         c.probe()
@@ -406,7 +419,13 @@ def _rounded(values: list[float]) -> list[float]:
     return [round(v, 6) for v in values]
 
 
-def summarize(results: list[dict]) -> dict[str, dict]:
+def _by_round(values: list[float], rounds: int) -> list[float]:
+    """Medians of ``values`` cut into ``rounds`` equal consecutive runs (one per round)."""
+    n = len(values) // rounds
+    return [statistics.median(values[r * n : (r + 1) * n]) for r in range(rounds)]
+
+
+def summarize(results: list[dict], rounds: int) -> dict[str, dict]:
     """Per case: rank 0's step times, medians, throughput, per-rank CPU, efficiency if probed."""
     out = {}
     lead = results[0]
@@ -419,6 +438,7 @@ def summarize(results: list[dict]) -> dict[str, dict]:
             "median_step_s": med,
             "samples_per_s": info["batch"] / med,
             "min_step_s": min(times),
+            "round_step_s": _by_round(times, rounds),
             "cpu_step_s": [statistics.median(r["cpu"][name]) for r in results],
             "step_s": _rounded(times),
         }
@@ -427,14 +447,19 @@ def summarize(results: list[dict]) -> dict[str, dict]:
             walls = [[w for w, _ in r["stage"][name]] for r in ranks]
             slots = info["micro_batches"] + info["stages"] - 1
             ideal = slots * max(statistics.median(w) for w in walls)
+            per_round = [_by_round(w, rounds) for w in walls]
+            round_ideal = [slots * max(t) for t in zip(*per_round, strict=True)]
             entry.update(
                 stage_s=[statistics.median(w) for w in walls],
                 stage_cpu_s=[statistics.median(c for _, c in r["stage"][name]) for r in ranks],
                 stage_raw_s=[_rounded(w) for w in walls],
                 stage_blocks=[r["info"][name]["stage_blocks"] for r in ranks],
                 ideal_step_s=ideal,
-                efficiency=ideal / med,
-                efficiency_best=slots * max(min(w) for w in walls) / min(times),
+                round_ideal_step_s=round_ideal,
+                efficiency=statistics.median(
+                    i / t for i, t in zip(round_ideal, entry["round_step_s"], strict=True)
+                ),
+                efficiency_pooled=ideal / med,
             )
         if name in lead["peak"]:
             entry["peak_in_flight_stage0"] = lead["peak"][name]
@@ -523,6 +548,9 @@ def render(report: dict, cases: dict[str, dict]) -> str:
         f" / torch {detail['torch_best']}; same schedule: "
         + ", ".join(f"{k} {v:.3f}" for k, v in detail["same_schedule"].items())
         + ")",
+        "                        torch's efficiency against the same ideal: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in detail["torch_efficiency"].items())
+        + f" (a step at the ideal would lead it {detail['ceiling']:.2f}x)",
         f"  dp_vs_ddp             {r['dp_vs_ddp']:.3f}",
         f"  hierarchical_vs_flat  {r['hierarchical_vs_flat']:.3f}",
         f"  peak in flight on stage 0, M={cm}: 1f1b {r['peak_inflight_1f1b']}, "
@@ -545,6 +573,15 @@ def _sweep(cases: dict[str, dict], prefix: str, micro: tuple[int, ...]) -> list[
     ]
 
 
+def paired(cases: dict[str, dict], ours: str, theirs: str) -> float:
+    """Throughput of ``ours`` / ``theirs``: the median of the ratios of steps run side by side."""
+    a, b = cases[ours], cases[theirs]
+    scale = a["global_batch"] / b["global_batch"]
+    return statistics.median(
+        scale * tb / ta for ta, tb in zip(a["step_s"], b["step_s"], strict=True)
+    )
+
+
 def build_report(
     mode: str, sizes: Sizes, cases: dict[str, dict], wall: float, load_start: tuple[float, ...]
 ) -> dict:
@@ -555,24 +592,43 @@ def build_report(
     theirs = {s: tput[f"mlp torch {s} M={cm}"] for s in ("1f1b", "gpipe")}
     ours_best = max(ours, key=ours.get)
     theirs_best = max(theirs, key=theirs.get)
+
+    def vs(s_ours: str, s_theirs: str) -> float:
+        return paired(cases, f"mlp bundle {s_ours} M={cm}", f"mlp torch {s_theirs} M={cm}")
+
+    # torch.distributed.pipelining against the same bubble-bound ideal (same split, same
+    # micro-batch size, stage times from the Bundle 1F1B case of the same round): no schedule
+    # of the same split can beat torch by more than 1 / this.
+    ideal = cases[f"mlp bundle 1f1b M={cm}"]["round_ideal_step_s"]
+    torch_eff = {
+        s: statistics.median(
+            i / t
+            for i, t in zip(ideal, cases[f"mlp torch {s} M={cm}"]["round_step_s"], strict=True)
+        )
+        for s in ("1f1b", "gpipe")
+    }
+
     return {
         "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
         "mode": mode,
         "machine": machine(load_start),
         "sizes": asdict(sizes),
         "pipeline_efficiency": cases[f"mlp bundle 1f1b M={cm}"]["efficiency"],
-        "vs_torch_pipelining": ours[ours_best] / theirs[theirs_best],
+        "vs_torch_pipelining": vs(ours_best, theirs_best),
         "vs_torch_pipelining_detail": {
             "bundle_samples_per_s": ours,
             "torch_samples_per_s": theirs,
             "bundle_best": ours_best,
             "torch_best": theirs_best,
-            "same_schedule": {s: ours[s] / theirs[s] for s in ours},
+            "same_schedule": {s: vs(s, s) for s in ours},
+            "pooled": ours[ours_best] / theirs[theirs_best],
+            "torch_efficiency": torch_eff,
+            "ceiling": 1 / max(torch_eff.values()),
         },
-        "dp_vs_ddp": tput["bundle dp"] / tput["torch ddp"],
+        "dp_vs_ddp": paired(cases, "bundle dp", "torch ddp"),
         "peak_inflight_1f1b": cases[f"mlp bundle 1f1b M={cm}"]["peak_in_flight_stage0"],
         "peak_inflight_gpipe": cases[f"mlp bundle gpipe M={cm}"]["peak_in_flight_stage0"],
-        "hierarchical_vs_flat": tput[f"bundle hierarchical M={cm}"] / tput[f"bundle flat M={cm}"],
+        "hierarchical_vs_flat": paired(cases, f"bundle hierarchical M={cm}", f"bundle flat M={cm}"),
         "sweep_mlp": _sweep(cases, "mlp bundle 1f1b", sizes.mlp_micro),
         "sweep_cnn": _sweep(cases, "cnn bundle 1f1b", sizes.cnn_micro),
         "raw": cases,
@@ -609,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     cases: dict[str, dict] = {}
     for res in results.values():
-        cases.update(summarize(res))
+        cases.update(summarize(res, sizes.rounds))
     report = build_report(mode, sizes, cases, time.perf_counter() - start, load_start)
     print(render(report, cases))
     print(f"wall time {report['wall_s']:.1f} s")
