@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -11,6 +12,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
 RATIOS = ("pipeline_efficiency", "vs_torch_pipelining", "dp_vs_ddp", "hierarchical_vs_flat")
 
 
@@ -47,9 +58,68 @@ def test_bench_smoke_reports_every_key(tmp_path: Path) -> None:
             assert _positive(row["efficiency"]), row
     assert [r["micro_batches"] for r in report["sweep_mlp"]] == [1, 2, 4, 8, 16]
 
+    detail = report["vs_torch_pipelining_detail"]
+    assert set(detail["torch_efficiency"]) == {"1f1b", "gpipe"}
+    assert all(_positive(v) for v in detail["torch_efficiency"].values())
+    assert detail["ceiling"] == pytest.approx(1 / max(detail["torch_efficiency"].values()))
+
     machine = report["machine"]
     assert machine["cpu_count"] >= 1 and machine["torch"] and machine["platform"]
     assert "bench.py" in report["command"] and "--smoke" in report["command"]
     assert report["raw"], "per-measurement numbers are missing"
     for name, entry in report["raw"].items():
         assert entry["step_s"] and all(_positive(t) for t in entry["step_s"]), name
+
+
+def test_bench_gpu_script_runs_on_cpu(tmp_path: Path) -> None:
+    """bench_gpu.py's CPU smoke: both sides train the same model, so their first losses agree."""
+    out = tmp_path / "gpu.json"
+    args = ["--device", "cpu", "--model", "resnet18", "--batch", "2", "--image", "32"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_gpu.py"), *args, "--rounds", "2"]
+        + ["--steps", "1", "--warmup", "0", "--json", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    loss = report["first_step_loss"]
+    assert loss["bundle"] == pytest.approx(loss["plain"], rel=1e-6), loss
+    assert set(report["images_per_s"]) == {"bundle", "plain"}
+    assert all(_positive(v) for v in report["images_per_s"].values())
+    assert _positive(report["ratio"])
+    assert [len(report["step_s"][k]) for k in ("bundle", "plain")] == [2, 2]
+    assert report["machine"]["device"] == "cpu" and "bench_gpu.py" in report["command"]
+
+
+def test_bench_gpu_script_refuses_missing_cuda() -> None:
+    """Without a GPU the default device is refused in one line, exit 2, not a traceback."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_gpu.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_paired_ratio_compares_steps_run_side_by_side() -> None:
+    """A slow moment that hits both sides of a pair cancels; the pooled medians would not."""
+    bench = _load_bench()
+    # Bundle is 10 % faster at every moment; the machine slows down 3x for the last three pairs.
+    torch_steps = [1.0, 1.0, 3.0, 3.0, 3.0]
+    cases = {
+        "ours": {"global_batch": 64, "step_s": [t / 1.1 for t in torch_steps]},
+        "theirs": {"global_batch": 64, "step_s": torch_steps},
+    }
+    assert bench.paired(cases, "ours", "theirs") == pytest.approx(1.1)
+    cases["ours"]["global_batch"] = 128  # twice the samples per step: twice the throughput
+    assert bench.paired(cases, "ours", "theirs") == pytest.approx(2.2)
+    assert bench._by_round([1, 2, 3, 10, 20, 30], 2) == [2, 20]
