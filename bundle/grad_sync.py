@@ -13,7 +13,7 @@ compute on the whole global batch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -160,23 +160,25 @@ class HierarchicalSync(GradSync):
         for b, left in enumerate(self._left):
             if left > 0:  # some parameters got no gradient in the last backward
                 works[b] = self._reduce(b)
-        for b, buf in enumerate(self.buffers):
-            if works[b] is not None:
-                works[b].wait()
-            works[b] = None
-            if self.is_master and self.masters_group is not None:
-                works[b] = dist.all_reduce(buf, group=self.masters_group, async_op=True)
-        for b, buf in enumerate(self.buffers):
-            if works[b] is not None:
-                works[b].wait()
-            works[b] = None
-            if self.bundle_group is not None:
-                works[b] = dist.broadcast(
-                    buf, src=self.bundle_master, group=self.bundle_group, async_op=True
-                )
+        master = self.is_master and self.masters_group is not None
+        self._then(works, self._allreduce if master else None)
+        self._then(works, self._broadcast if self.bundle_group is not None else None)
         for w in works:
             if w is not None:
                 w.wait()
+
+    def _then(self, works: list, start: Callable[[torch.Tensor], object] | None) -> None:
+        """Per bucket: wait for its previous operation, then start ``start(buffer)``, if any."""
+        for b, buf in enumerate(self.buffers):
+            if works[b] is not None:
+                works[b].wait()
+            works[b] = start(buf) if start is not None else None
+
+    def _allreduce(self, buf: torch.Tensor):
+        return dist.all_reduce(buf, group=self.masters_group, async_op=True)
+
+    def _broadcast(self, buf: torch.Tensor):
+        return dist.broadcast(buf, src=self.bundle_master, group=self.bundle_group, async_op=True)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         for buf in self.buffers:

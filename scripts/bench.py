@@ -425,6 +425,11 @@ def _by_round(values: list[float], rounds: int) -> list[float]:
     return [statistics.median(values[r * n : (r + 1) * n]) for r in range(rounds)]
 
 
+def _efficiency(round_ideal: list[float], round_step: list[float]) -> float:
+    """Median over rounds of the round's ideal step time / its measured median step time."""
+    return statistics.median(i / t for i, t in zip(round_ideal, round_step, strict=True))
+
+
 def summarize(results: list[dict], rounds: int) -> dict[str, dict]:
     """Per case: rank 0's step times, medians, throughput, per-rank CPU, efficiency if probed."""
     out = {}
@@ -456,9 +461,7 @@ def summarize(results: list[dict], rounds: int) -> dict[str, dict]:
                 stage_blocks=[r["info"][name]["stage_blocks"] for r in ranks],
                 ideal_step_s=ideal,
                 round_ideal_step_s=round_ideal,
-                efficiency=statistics.median(
-                    i / t for i, t in zip(round_ideal, entry["round_step_s"], strict=True)
-                ),
+                efficiency=_efficiency(round_ideal, entry["round_step_s"]),
                 efficiency_pooled=ideal / med,
             )
         if name in lead["peak"]:
@@ -601,10 +604,7 @@ def build_report(
     # of the same split can beat torch by more than 1 / this.
     ideal = cases[f"mlp bundle 1f1b M={cm}"]["round_ideal_step_s"]
     torch_eff = {
-        s: statistics.median(
-            i / t
-            for i, t in zip(ideal, cases[f"mlp torch {s} M={cm}"]["round_step_s"], strict=True)
-        )
+        s: _efficiency(ideal, cases[f"mlp torch {s} M={cm}"]["round_step_s"])
         for s in ("1f1b", "gpipe")
     }
 
