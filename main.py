@@ -145,6 +145,38 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
         help="write the trained model's state dict (full-model names) here at the end",
     )
 
+    g = p.add_argument_group("checkpoints and restarts")
+    ck = DEFAULTS.checkpoint
+    g.add_argument(
+        "--save-dir",
+        default=d(None),
+        metavar="DIR",
+        help="write resumable checkpoints to DIR/step-N (on multi-node jobs: a filesystem every node sees)",
+    )
+    g.add_argument(
+        "--save-every",
+        type=int,
+        default=d(ck.save_every),
+        metavar="STEPS",
+        help="checkpoint every this many steps (0: at the end of every epoch); always at the end",
+    )
+    g.add_argument(
+        "--keep", type=int, default=d(ck.keep), metavar="K", help="newest complete checkpoints kept"
+    )
+    g.add_argument(
+        "--resume",
+        default=d(None),
+        metavar="auto|DIR/step-N",
+        help="auto: the newest complete checkpoint in --save-dir (fresh start if none); or one checkpoint",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=d(DEFAULTS.launch.max_restarts),
+        metavar="N",
+        help="when a process or node fails, restart the whole job from the newest checkpoint up to N times",
+    )
+
     g = p.add_argument_group("model and data")
     g.add_argument(
         "--model",
@@ -337,6 +369,13 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
             timeout=args.timeout,
             init_timeout=args.init_timeout,
             torchrun=torchrun,
+            max_restarts=args.max_restarts,
+        ),
+        checkpoint=C.CheckpointConfig(
+            save_dir=args.save_dir,
+            save_every=args.save_every,
+            keep=args.keep,
+            resume=args.resume,
         ),
         metrics_out=args.metrics_out,
     )
@@ -351,27 +390,10 @@ def parse(argv: list[str] | None, env: dict[str, str]) -> C.RunConfig:
     return to_config(args, env)
 
 
-def check_model(cfg: C.RunConfig, num_stages: int) -> None:
-    """Unknown model or partition is an input error: resolve it on the meta device, no memory."""
-    import torch
-
-    import models
-    from bundle import partition
-    from bundle.data import input_spec
-
-    if cfg.model.name not in models.available():
-        raise ConfigError(
-            "--model", cfg.model.name, f"choose one of: {', '.join(models.available())}"
-        )
-    spec = partition.load_spec(cfg.model.partition) if cfg.model.partition else None
-    num_classes, input_shape = input_spec(cfg.data)
-    with torch.device("meta"):
-        model = models.build(cfg.model.name, num_classes=num_classes, input_shape=input_shape)
-    partition.resolve(spec, models.blocks(model), num_stages, cfg.model.name)
-
-
 def main(argv: list[str] | None = None) -> int:
-    from bundle import data, launch
+    from bundle import data, launch, preflight
+    from bundle.preemption import parse_fault
+    from bundle.supervisor import supervise
     from bundle.worker import make_topology
 
     env = dict(os.environ)
@@ -380,11 +402,15 @@ def main(argv: list[str] | None = None) -> int:
         topo = make_topology(cfg)
         launch.check_devices(cfg, topo)
         data.check_data(cfg.data)
-        check_model(cfg, topo.num_stages)
+        shapes = preflight.check_model(cfg, topo.num_stages)
+        preflight.check_paths(cfg)
+        parse_fault(env)
+        attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if cfg.launch.torchrun else 0
+        resume = preflight.check_resume(cfg, shapes, attempt)
         torchrun = launch.torchrun_env() if cfg.launch.torchrun else None
         if torchrun is not None:
-            return launch.run_torchrun(cfg, topo, torchrun)
-        return launch.supervise(cfg, topo)
+            return launch.run_torchrun(cfg, topo, torchrun, resume)
+        return supervise(cfg, topo, resume)
     except BundleError as exc:
         print(f"main.py: error: {exc}", file=sys.stderr)
         return 2

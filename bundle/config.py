@@ -116,6 +116,7 @@ class LaunchConfig:
     timeout: float = 30.0
     init_timeout: float = 300.0
     torchrun: bool = False
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         _positive("--world-size", self.num_nodes)
@@ -133,6 +134,25 @@ class LaunchConfig:
             raise ConfigError("--timeout", self.timeout, "must be > 0 seconds")
         if self.init_timeout <= 0:
             raise ConfigError("--init-timeout", self.init_timeout, "must be > 0 seconds")
+        _positive("--max-restarts", self.max_restarts, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Resumable checkpoints: where, how often, how many, and where to resume from."""
+
+    save_dir: str | None = None
+    save_every: int = 0  # 0: at the end of every epoch
+    keep: int = 3
+    resume: str | None = None  # "auto", a step-N directory, or None: start fresh
+
+    def __post_init__(self) -> None:
+        _positive("--save-every", self.save_every, 0)
+        _positive("--keep", self.keep)
+        if self.resume == "auto" and not self.save_dir:
+            raise ConfigError(
+                "--resume", "auto", "needs --save-dir (where to look for checkpoints)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +162,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics_out: str | None = None
 
     @property
@@ -164,4 +185,8 @@ class RunConfig:
         shared["launch"].pop("node_rank")
         shared.pop("metrics_out")
         shared["train"].pop("checkpoint")
+        # Paths may differ between nodes (mount points); the checkpoint each node resumes from is
+        # compared by step when training starts.
+        shared["checkpoint"].pop("save_dir")
+        shared["checkpoint"].pop("resume")
         return shared

@@ -3,11 +3,18 @@
 Every step draws one global batch from a permutation of the epoch seeded by ``(seed, epoch)``;
 the batch is cut into bundles, micro-batches and replica rows exactly as the topology cuts it, so a
 single process reading the same global batches sees the same samples in the same rows.
+
+The training stream names samples by *key* ``epoch * n + index``: a stream can start at any step,
+and the random augmentations of the ImageFolder training split (``SeededAugment``) are seeded by
+``(seed, epoch, index)`` alone, so a resumed run, any number of loader workers and an uninterrupted
+run all see the same crops. Every other dataset reads sample ``key % n``; plain indices are keys too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import signal
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -68,7 +75,30 @@ def _synthetic(cfg: DataConfig, seed: int) -> DataSplits:
     )
 
 
-def _image_folder(cfg: DataConfig) -> DataSplits:
+class SeededAugment(Dataset):
+    """``base[i]`` for key ``epoch * len(base) + i``, its random transforms seeded by the key.
+
+    The seed depends on ``(seed, epoch, i)`` only, never on the process, the loader worker or what
+    ran before; the caller's RNG state is left as it was.
+    """
+
+    def __init__(self, base: Dataset, seed: int) -> None:
+        self.base, self.seed = base, seed
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, key: int):
+        epoch, i = divmod(int(key), len(self.base))
+        digest = hashlib.blake2b(f"{self.seed}:{epoch}:{i}".encode(), digest_size=8).digest()
+        with torch.random.fork_rng(devices=[]):
+            # Not torch.manual_seed: that also reseeds every CUDA generator, which
+            # fork_rng(devices=[]) would not restore. The transforms draw from the CPU one only.
+            torch.default_generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+            return self.base[i]
+
+
+def _image_folder(cfg: DataConfig, seed: int) -> DataSplits:
     from torchvision import datasets, transforms
 
     check_data(cfg)
@@ -98,7 +128,8 @@ def _image_folder(cfg: DataConfig) -> DataSplits:
         except (FileNotFoundError, RuntimeError) as exc:
             raise DataError(f"data directory {path!r} holds no images: {exc}") from exc
     classes = len(splits["train"].classes)
-    return DataSplits(splits["train"], splits["val"], classes, (3, size, size))
+    train = SeededAugment(splits["train"], seed)
+    return DataSplits(train, splits["val"], classes, (3, size, size))
 
 
 def check_data(cfg: DataConfig) -> None:
@@ -122,7 +153,7 @@ def load(cfg: DataConfig, seed: int) -> DataSplits:
         return _digits()
     if cfg.dataset == "synthetic":
         return _synthetic(cfg, seed)
-    return _image_folder(cfg)
+    return _image_folder(cfg, seed)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -169,16 +200,30 @@ class Shard:
         return [batch[slice(*self.rows(len(batch), k))] for k in range(self.micro_batches)]
 
 
-def _fetch(dataset: Dataset, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fetch(dataset: Dataset, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (inputs, labels) of the samples named by ``keys`` (see the module docstring)."""
     if isinstance(dataset, TensorDataset):
         x, y = dataset.tensors
+        idx = keys % len(y)
         return x[idx], y[idx]
-    xs, ys = zip(*(dataset[int(i)] for i in idx), strict=True)
+    if not isinstance(dataset, SeededAugment):
+        keys = keys % len(dataset)
+    xs, ys = zip(*(dataset[int(k)] for k in keys), strict=True)
     return torch.stack(xs), torch.as_tensor(ys)
 
 
+class _BatchFetch(Dataset):
+    """Loader workers fetch whole micro-batches through ``_fetch``, exactly as ``workers=0`` does."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return _fetch(self.dataset, torch.tensor(keys, dtype=torch.long))
+
+
 class _Batches:
-    """A batch sampler over precomputed index tensors (DataLoader keeps their order with workers)."""
+    """A sampler over precomputed key tensors (DataLoader keeps their order with workers)."""
 
     def __init__(self, index_lists: Iterable[torch.Tensor]) -> None:
         self.index_lists = index_lists
@@ -187,18 +232,28 @@ class _Batches:
         return (idx.tolist() for idx in self.index_lists)
 
 
+def worker_init_fn(_worker_id: int) -> None:
+    # The training process handles SIGINT/SIGTERM itself (it finishes the step and saves a
+    # checkpoint); a Ctrl-C reaching the whole process group must not kill the loader mid-step.
+    # The workers still exit when the loader shuts down or their parent dies (DataLoader watchdog).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def micro_batches(
     dataset: Dataset, index_lists: Iterable[torch.Tensor], *, workers: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Fetch each index list as one (inputs, labels) pair, in order, with ``workers`` prefetching."""
+    """Fetch each key list as one (inputs, labels) pair, in order, with ``workers`` prefetching."""
     if workers == 0:
         for idx in index_lists:
             yield _fetch(dataset, idx)
         return
     yield from DataLoader(
-        dataset,
-        batch_sampler=_Batches(index_lists),
+        _BatchFetch(dataset),
+        sampler=_Batches(index_lists),
+        batch_size=None,  # each sampled item is already a whole micro-batch
         num_workers=workers,
+        worker_init_fn=worker_init_fn,
         prefetch_factor=4,
         pin_memory=torch.cuda.is_available(),  # lets the stage's non_blocking copy overlap
     )
@@ -206,6 +261,8 @@ def micro_batches(
 
 def labels_of(dataset: Dataset) -> torch.Tensor:
     """Every label of ``dataset``, without decoding a single image."""
+    if isinstance(dataset, SeededAugment):
+        return labels_of(dataset.base)
     if isinstance(dataset, TensorDataset):
         return dataset.tensors[1]
     if hasattr(dataset, "targets"):  # torchvision ImageFolder and friends
@@ -221,24 +278,30 @@ def stage_micro_batches(
         yield from micro_batches(dataset, index_lists, workers=workers)
         return
     labels = labels_of(dataset)
-    for idx in index_lists:
-        yield None, labels[idx]
+    for keys in index_lists:
+        yield None, labels[keys % len(labels)]
 
 
 def replica_indices(
-    shard: Shard, n: int, batch: int, seed: int, steps: int
+    shard: Shard, n: int, batch: int, seed: int, steps: int, *, start: int = 0
 ) -> Iterator[torch.Tensor]:
-    """This replica's index list of every micro-batch of ``steps`` training steps, lazily."""
+    """This replica's key list of every micro-batch of steps ``start .. steps-1``, lazily.
+
+    A key is ``epoch * n + index`` (``index`` from ``global_batch``); starting at ``start`` yields
+    exactly the tail of the stream from step 0, without drawing the earlier epochs' permutations.
+    """
     spe = steps_per_epoch(n, batch)
     if spe == 0:
         raise DataError(f"the training set has {n} samples, fewer than one batch of {batch}")
-    order, epoch = None, -1
-    for step in range(steps):
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    keys, epoch = None, -1
+    for step in range(start, steps):
         if step // spe != epoch:
             epoch = step // spe
-            order = epoch_order(n, seed, epoch)
+            keys = epoch_order(n, seed, epoch) + epoch * n
         t = step % spe
-        yield from shard.micro_indices(order[t * batch : (t + 1) * batch])
+        yield from shard.micro_indices(keys[t * batch : (t + 1) * batch])
 
 
 def input_spec(cfg: DataConfig) -> tuple[int, tuple[int, int, int]]:

@@ -37,3 +37,7 @@ class LaunchError(BundleError, RuntimeError):
 
 class PeerFailure(BundleError, RuntimeError):
     """Another process of the job failed; the message names its rank, stage and step."""
+
+
+class CheckpointError(BundleError, ValueError):
+    """A checkpoint is missing, incomplete, or does not fit the model being trained."""

@@ -1,10 +1,5 @@
-"""Start, watch and stop the job's processes: self-spawn from the original flags, or under torchrun.
-
-Self-spawn, per node::
-
-    main.py (node supervisor) --spawn--> one worker per local process
-      node 0 also hosts the job's TCPStore at --IP:--portNum; every node's supervisor
-      checks the config fingerprints there, heartbeats, and watches its workers.
+"""One training process of a job and the store it shares with the others: start-up, the
+rendezvous, failure reporting; started by the node supervisor (bundle/supervisor.py) or torchrun.
 
 Failure path: a worker that raises writes ``abort`` (rank, stage, step, error) to the store; a
 worker that dies is reported by its supervisor; a node that stops heart-beating is reported by
@@ -14,14 +9,12 @@ node 0. Every worker polls ``abort`` and exits non-zero; supervisors kill what i
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import signal
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
-from multiprocessing.connection import wait as wait_sentinels
 
 import torch
 import torch.distributed as dist
@@ -29,12 +22,11 @@ import torch.distributed as dist
 from bundle import log
 from bundle.config import RunConfig
 from bundle.errors import ConfigError, LaunchError, PeerFailure
+from bundle.preemption import Stopped, StopRequest, exit_code, stop_line
 from bundle.topology import Topology
 
 ABORT_KEY = "bundle/abort"
 _POLL_S = 0.5
-_HEARTBEAT_STALE_S = 20.0
-_KILL_GRACE_S = 5.0
 
 
 def resolve_backend(cfg: RunConfig) -> str:
@@ -205,9 +197,19 @@ def start_abort_watch(store: dist.Store, rank: int, me: str) -> None:
 
 
 def worker_main(
-    cfg: RunConfig, topo: Topology, rank: int, local_rank: int, host: str, port: int, progress=None
+    cfg: RunConfig,
+    topo: Topology,
+    rank: int,
+    local_rank: int,
+    host: str,
+    port: int,
+    progress=None,
+    *,
+    attempt: int = 0,
+    resume: str | None = None,
+    stop_shared=None,
 ) -> int:
-    """Body of every training process; returns its exit code."""
+    """Body of every training process; returns its exit code (128 + signal when stopped by one)."""
     from bundle import worker
 
     c = topo.coord(rank)
@@ -215,12 +217,19 @@ def worker_main(
         f"[rank {rank} b{c.bundle} s{c.stage}]",
         verbose=rank == topo.rank(0, topo.num_stages - 1, 0),
     )
+    # A supervised worker leaves saying so to its supervisor; under torchrun each one says it.
+    stop = StopRequest(shared=stop_shared, announce=stop_shared is None)
+    stop.install(on_second=lambda signum: os._exit(exit_code(signum)))
     backend = resolve_backend(cfg)
     if backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topo.procs_per_node))
     if backend == "gloo":
         pin_gloo_interface(host, port)
-    store = open_store(host, port, server=False, timeout=cfg.launch.init_timeout)
+    # Every attempt of a restarted job keeps its keys apart: the store outlives the attempts.
+    store = dist.PrefixStore(
+        attempt_prefix(attempt),
+        open_store(host, port, server=False, timeout=cfg.launch.init_timeout),
+    )
     if cfg.launch.torchrun:
         # No node supervisor compared settings: every process compares its own.
         exchange_config(store, cfg, rank, topo.world_size, cfg.launch.init_timeout)
@@ -252,11 +261,23 @@ def worker_main(
             arrive=lambda name: store_barrier(
                 store, name, topo.world_size, cfg.launch.init_timeout
             ),
+            attempt=attempt,
+            resume=resume,
+            stop=stop,
         )
         dist.barrier()
         if summary is not None:
             print(json.dumps(summary, sort_keys=True), flush=True)
         return 0
+    except Stopped as stopped:
+        if cfg.launch.torchrun and local_rank == 0:
+            launcher = "torchrun [the same torchrun options]"
+            print(
+                stop_line(stopped.signum, stopped.step, stopped.checkpoint, sys.argv[1:], launcher),
+                file=sys.stderr,
+                flush=True,
+            )
+        return stopped.code
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the other processes
         deadline = time.monotonic() + 2.0
         cause = None
@@ -278,125 +299,13 @@ def worker_main(
             dist.destroy_process_group()
 
 
-def _spawned(cfg, topo, rank, local_rank, host, port, progress) -> None:
-    os._exit(worker_main(cfg, topo, rank, local_rank, host, port, progress))
+def attempt_prefix(attempt: int) -> str:
+    return f"bundle/attempt{attempt}"
 
 
-# -- the node supervisor -----------------------------------------------------------------------
-
-
-def _exit_text(code: int) -> str:
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
-
-
-def supervise(cfg: RunConfig, topo: Topology) -> int:
-    """Self-spawn launch of this node's processes; returns the node's exit code."""
-    lc = cfg.launch
-    node = lc.node_rank
-    logger = log.setup(f"[node {node}]")
-    store = open_store(lc.master_addr, lc.master_port, server=node == 0, timeout=lc.init_timeout)
-    exchange_config(store, cfg, node, topo.num_nodes, lc.init_timeout)
-    ctx = mp.get_context("spawn")
-    procs, progress = {}, {}
-    for rank in topo.node_ranks(node):
-        progress[rank] = ctx.Value("q", -1, lock=False)
-        p = ctx.Process(
-            target=_spawned,
-            args=(
-                cfg,
-                topo,
-                rank,
-                topo.local_rank(rank),
-                lc.master_addr,
-                lc.master_port,
-                progress[rank],
-            ),
-            name=f"bundle-rank{rank}",
-        )
-        p.start()
-        procs[rank] = p
-    logger.info(
-        f"started ranks {min(procs)}..{max(procs)} (pids {', '.join(str(p.pid) for p in procs.values())})"
-    )
-    failure = None
-    beats: dict[int, tuple[int, float]] = {}
-    try:
-        running = dict(procs)
-        while running and failure is None:
-            wait_sentinels([p.sentinel for p in running.values()], timeout=_POLL_S)
-            for rank, p in list(running.items()):
-                if p.exitcode is None:
-                    continue
-                del running[rank]
-                if p.exitcode != 0:
-                    step = progress[rank].value
-                    at = f"step {step + 1}" if step >= 0 else "start-up"
-                    failure = post_abort(
-                        store, f"{topo.describe(rank)} {_exit_text(p.exitcode)} during {at}"
-                    )
-            if failure is None:
-                failure = _heartbeat(store, node, topo.num_nodes, beats) or read_abort(store)
-        if failure is None:
-            store.set(f"bundle/done/{node}", "1")
-            if node == 0:
-                # The store lives here: keep it up until every node has finished with it.
-                failure = _wait_done(store, topo.num_nodes, lc.timeout + lc.init_timeout)
-    except KeyboardInterrupt:
-        failure = post_abort(store, f"node {node} was interrupted")
-    finally:
-        _stop(procs.values(), grace=_KILL_GRACE_S if failure else 0.0)
-    if failure:
-        logger.error(f"job failed: {failure}")
-        return 1
-    return 0
-
-
-def _heartbeat(
-    store: dist.Store, node: int, nodes: int, beats: dict[int, tuple[int, float]]
-) -> str | None:
-    """Every node ticks its counter; node 0 reports a node whose counter stopped moving."""
-    store.add(f"bundle/hb/{node}", 1)
-    if node != 0:
-        return None
-    now = time.monotonic()
-    for other in range(1, nodes):
-        count = store.add(f"bundle/hb/{other}", 0)
-        last = beats.get(other)
-        if last is None or count != last[0]:
-            beats[other] = (count, now)
-        elif now - last[1] > _HEARTBEAT_STALE_S and not store.check([f"bundle/done/{other}"]):
-            return post_abort(
-                store, f"node {other} stopped responding for {_HEARTBEAT_STALE_S:.0f}s"
-            )
-    return None
-
-
-def _wait_done(store: dist.Store, nodes: int, timeout: float) -> str | None:
-    deadline = time.monotonic() + timeout
-    keys = [f"bundle/done/{i}" for i in range(nodes)]
-    while time.monotonic() < deadline:
-        if store.check(keys):
-            return None
-        if (msg := read_abort(store)) is not None:
-            return msg
-        time.sleep(_POLL_S)
-    return f"not every node reported completion within {timeout:.0f}s"
-
-
-def _stop(procs, *, grace: float) -> None:
-    """Join every child; after ``grace`` seconds terminate, then kill, the ones still running."""
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(_KILL_GRACE_S)
-        if p.is_alive():
-            p.kill()
-            p.join()
+def spawned(*args, **kwargs) -> None:
+    """Entry of a worker process started by the node supervisor."""
+    os._exit(worker_main(*args, **kwargs))
 
 
 # -- torchrun --------------------------------------------------------------------------------
@@ -409,7 +318,9 @@ def torchrun_env() -> dict[str, str] | None:
     return {k: os.environ[k] for k in keys}
 
 
-def run_torchrun(cfg: RunConfig, topo: Topology, env: dict[str, str]) -> int:
+def run_torchrun(cfg: RunConfig, topo: Topology, env: dict[str, str], resume: str | None) -> int:
+    """One worker of a torchrun job; torchrun's own restarts (``--max-restarts``) resume with
+    ``--resume auto``, and ``TORCHELASTIC_RESTART_COUNT`` numbers the attempt."""
     if int(env["WORLD_SIZE"]) != topo.world_size:
         raise ConfigError(
             "WORLD_SIZE",
@@ -423,4 +334,6 @@ def run_torchrun(cfg: RunConfig, topo: Topology, env: dict[str, str]) -> int:
         int(env["LOCAL_RANK"]),
         env["MASTER_ADDR"],
         int(env["MASTER_PORT"]),
+        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        resume=resume,
     )

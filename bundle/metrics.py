@@ -6,6 +6,11 @@ import json
 import os
 import time
 
+import torch
+import torch.distributed as dist
+
+from bundle import log
+
 
 class Meter:
     """Samples per second over steps after the first ``warmup`` ones (start-up is not throughput)."""
@@ -32,16 +37,85 @@ class Meter:
 
 
 class MetricsFile:
-    """Appends one JSON object per line; a ``None`` path writes nothing."""
+    """Appends one JSON object per line; a ``None`` path writes nothing.
 
-    def __init__(self, path: str | None) -> None:
+    A run resumed at step ``start`` keeps the records of steps up to ``start`` (those of an attempt
+    that went further and failed are dropped), so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, path: str | None, *, start: int = 0) -> None:
         self.path = path
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w"):
-                pass
+        if not path:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        kept = []
+        if start and os.path.exists(path):
+            with open(path) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+            kept = [r for r in records if not r.get("summary") and r.get("step", 0) <= start]
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in kept)
 
     def write(self, record: dict) -> None:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+class Progress:
+    """The last stage's loss windows, the progress lines and the metrics records of a run.
+
+    A window closes every ``log_every`` steps, at the end, and at every checkpoint, so a resumed
+    run logs the same losses as an uninterrupted one.
+    """
+
+    def __init__(
+        self,
+        *,
+        log_every: int,
+        total: int,
+        batch: int,
+        path: str | None,
+        group,
+        reporting: bool,
+        start: int = 0,
+    ) -> None:
+        self.log_every, self.total, self.batch = log_every, total, batch
+        self.group, self.reporting = group, reporting
+        self.metrics = MetricsFile(path if reporting else None, start=start)
+        self.meter = Meter()
+        self.window, self.steps = torch.zeros(()), 0
+        self.final_loss: float | None = None
+
+    def step(self, done: int, loss) -> None:
+        """After step ``done`` (1-based): add this replica's share of the loss."""
+        self.window = self.window.to(loss.device) + loss
+        self.steps += 1
+        self.meter.step(self.batch)
+        if done % self.log_every == 0 or done == self.total:
+            self.flush(done)
+
+    def flush(self, done: int) -> None:
+        """Close the loss window: sum it over the last stage's replicas and report it."""
+        if self.steps and self.group is not None:
+            dist.all_reduce(self.window, group=self.group)
+            record = {
+                "step": done,
+                "loss": self.window.item() / self.steps,
+                "samples_per_s": round(self.meter.samples_per_s, 2),
+            }
+            self.final_loss = record["loss"]
+            self.metrics.write(record)
+            if self.reporting:
+                log.get().info(
+                    f"step {done}/{self.total}  loss {record['loss']:.4f}  "
+                    f"{record['samples_per_s']:.1f} samples/s"
+                )
+        self.window.zero_()
+        self.steps = 0
+
+    def evaluated(self, done: int, accuracy: float, seen: int) -> None:
+        if self.group is not None:
+            self.metrics.write({"step": done, "val_accuracy": accuracy, "val_samples": seen})
+        if self.reporting:
+            log.get().info(f"step {done}: validation accuracy {accuracy:.4f} on {seen} samples")

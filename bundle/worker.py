@@ -9,10 +9,12 @@ import torch
 import torch.distributed as dist
 
 from bundle import checkpoint, data, log
+from bundle.checkpointer import Checkpointer
 from bundle.config import RunConfig
 from bundle.errors import DataError
 from bundle.grad_sync import FlatSync, GradSync, HierarchicalSync
-from bundle.metrics import Meter, MetricsFile
+from bundle.metrics import Progress
+from bundle.preemption import Stopped, StopRequest, StopVote, maybe_fail
 from bundle.topology import Coord, Topology
 from bundle.trainer import StageRunner, boundary_metas, build_stages, eval_rows
 from bundle.transport import Transport
@@ -29,8 +31,12 @@ def make_topology(cfg: RunConfig) -> Topology:
 
 
 def _groups(topo: Topology, coord: Coord, strategy: str) -> dict:
-    """Create every group on every rank in the same order (new_group is collective)."""
-    mine: dict = {}
+    """Create every group on every rank in the same order (new_group is collective).
+
+    ``control`` spans the job on gloo whatever the training backend: the per-step stop vote and
+    checkpoint coordination (CPU tensors, pickled plans) run there, apart from the training traffic.
+    """
+    mine: dict = {"control": dist.new_group(backend="gloo")}
     for s in range(topo.num_stages):
         g = dist.new_group(list(topo.stage_group(s)))
         if s == coord.stage:
@@ -77,7 +83,14 @@ class Session:
     stage: torch.nn.Module
     splits: data.DataSplits
     coord: Coord
-    last_group: dist.ProcessGroup | None
+    groups: dict
+    optimizer: torch.optim.Optimizer
+    layout: dict
+
+    @property
+    def last_group(self) -> dist.ProcessGroup | None:
+        """The last stage's group (losses and accuracy are summed there); None elsewhere."""
+        return self.groups["stage"] if self.coord.stage == len(self.layout["stages"]) - 1 else None
 
 
 def build_session(
@@ -94,6 +107,11 @@ def build_session(
     splits = data.load(cfg.data, cfg.train.seed)
     stages = build_stages(cfg, S, splits.input_shape, splits.num_classes)
     metas = boundary_metas(stages, splits.input_shape)
+    layout = {
+        "shape": list(topo.shape),
+        "num_bundles": topo.num_bundles,
+        "stages": [s.names[0] for s in stages],
+    }
     stage = stages[coord.stage].to(device)
     del stages
     arrive("model built")
@@ -124,9 +142,8 @@ def build_session(
         schedule=cfg.parallel.schedule,
         device=device,
     )
-    last_group = groups["stage"] if coord.stage == S - 1 else None
     arrive("ready to train")
-    return Session(runner, stage, splits, coord, last_group)
+    return Session(runner, stage, splits, coord, groups, optimizer, layout)
 
 
 def _shard(topo: Topology, coord: Coord, micro_batches: int) -> data.Shard:
@@ -143,7 +160,9 @@ def _reads_data(topo: Topology, coord: Coord) -> bool:
     return coord.stage in (0, topo.num_stages - 1)
 
 
-def train_stream(session: Session, topo: Topology, seed: int, total: int, workers: int):
+def train_stream(
+    session: Session, topo: Topology, seed: int, total: int, workers: int, *, start: int = 0
+):
     """Per step, this replica's M micro-batches: inputs on stage 0, labels on the last stage."""
     coord = session.coord
     if not _reads_data(topo, coord):
@@ -151,13 +170,45 @@ def train_stream(session: Session, topo: Topology, seed: int, total: int, worker
             yield None
     n = len(session.splits.train)
     lists = data.replica_indices(
-        _shard(topo, coord, topo.micro_batches), n, topo.global_batch, seed, total
+        _shard(topo, coord, topo.micro_batches), n, topo.global_batch, seed, total, start=start
     )
     stream = data.stage_micro_batches(
         session.splits.train, lists, first=coord.stage == 0, workers=workers
     )
     while True:
         yield [next(stream) for _ in range(topo.micro_batches)]
+
+
+def settings(cfg: RunConfig, session: Session) -> dict:
+    """What a checkpoint records of the run that wrote it (checked again on resume)."""
+    return {
+        **checkpoint.run_settings(cfg),
+        "format": checkpoint.FORMAT,
+        "num_classes": session.splits.num_classes,
+        "input_shape": list(session.splits.input_shape),
+        "layout": session.layout,
+        "torch": torch.__version__,
+    }
+
+
+def make_checkpointer(cfg: RunConfig, topo: Topology, rank: int, session: Session) -> Checkpointer:
+    return Checkpointer(
+        cfg.checkpoint,
+        topo=topo,
+        coord=session.coord,
+        rank=rank,
+        stage=session.stage,
+        optimizer=session.optimizer,
+        group=session.groups["control"],
+        stage_group=session.groups["stage"],
+        settings=settings(cfg, session),
+        steps_per_epoch=data.steps_per_epoch(len(session.splits.train), cfg.train.batch_size),
+    )
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of everything random in one step of one rank (dropout): resumes draw the same."""
+    return ((seed * 1_000_003 + step) * 1_009 + rank) % 2**63
 
 
 def run(
@@ -169,82 +220,98 @@ def run(
     progress=None,
     where: dict | None = None,
     arrive=None,
+    attempt: int = 0,
+    resume: str | None = None,
+    stop: StopRequest | None = None,
 ) -> dict | None:
     """Train and evaluate; the reporting rank returns the summary, every other rank None.
 
     ``progress`` (a shared integer) gets the current step for the node supervisor; ``where`` gets
-    the runner, whose ``where`` names the action in progress when an error escapes.
+    the runner, whose ``where`` names the action in progress when an error escapes. ``resume`` is
+    the checkpoint to start from, ``attempt`` counts restarts, and ``stop`` carries stop signals;
+    when the job stops for one, every rank raises ``Stopped`` after the checkpoint is written.
     """
     session = build_session(cfg, topo, rank, device, arrive=arrive)
-    runner, stage, splits, coord, last_group = (
-        session.runner,
-        session.stage,
-        session.splits,
-        session.coord,
-        session.last_group,
-    )
+    runner, coord = session.runner, session.coord
     if where is not None:
         where["runner"] = runner
     reporter = topo.rank(0, topo.num_stages - 1, 0)
-    logger = log.get()
-    n_train, B = len(splits.train), cfg.train.batch_size
-    spe = data.steps_per_epoch(n_train, B)
+    B = cfg.train.batch_size
+    spe = data.steps_per_epoch(len(session.splits.train), B)
     if spe == 0:
-        raise DataError(f"the training set has {n_train} samples, fewer than one batch of {B}")
+        raise DataError(
+            f"the training set has {len(session.splits.train)} samples, fewer than one batch of {B}"
+        )
     total = cfg.train.steps or cfg.train.epochs * spe
-    batches = train_stream(session, topo, cfg.train.seed, total, cfg.data.workers)
-    metrics = MetricsFile(cfg.metrics_out if rank == reporter else None)
-    meter, loss_window, t_start = Meter(), torch.zeros((), device=device), time.perf_counter()
+    saver = make_checkpointer(cfg, topo, rank, session)
+    runner.where = "resume"
+    start = saver.restore(resume)
+    batches = train_stream(session, topo, cfg.train.seed, total, cfg.data.workers, start=start)
+    report = Progress(
+        log_every=cfg.train.log_every,
+        total=total,
+        batch=B,
+        path=cfg.metrics_out,
+        group=session.last_group,
+        reporting=rank == reporter,
+        start=start,
+    )
+    vote = StopVote(stop or StopRequest(), session.groups["control"], cfg.launch.timeout)
     if rank == reporter:
-        logger.info(
+        log.get().info(
             f"training {cfg.model.name}: shape {','.join(map(str, topo.shape))} x {topo.num_bundles} bundle(s), "
             f"{topo.world_size} processes, batch {B} in {topo.micro_batches} micro-batch(es), "
-            f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync, {total} steps ({spe}/epoch)"
+            f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync, steps {start + 1}..{total} "
+            f"({spe}/epoch)"
         )
     summary: dict = {}
-    for step in range(total):
+    t_start = time.perf_counter()
+    for step in range(start, total):
         if progress is not None:
             progress.value = step
-        loss = runner.train_step(step, next(batches))
-        loss_window += loss
-        meter.step(B)
-        if (step + 1) % cfg.train.log_every == 0 or step + 1 == total:
-            if last_group is not None:
-                dist.all_reduce(loss_window, group=last_group)
-                n = (step % cfg.train.log_every) + 1
-                record = {
-                    "step": step + 1,
-                    "loss": loss_window.item() / n,
-                    "samples_per_s": round(meter.samples_per_s, 2),
-                }
-                summary["final_loss"] = record["loss"]
-                metrics.write(record)
-                if rank == reporter:
-                    logger.info(
-                        f"step {step + 1}/{total}  loss {record['loss']:.4f}  {record['samples_per_s']:.1f} samples/s"
-                    )
-            loss_window.zero_()
-        if cfg.train.eval and ((step + 1) % spe == 0 or step + 1 == total):
-            runner.where = f"evaluation after step {step + 1}"
+        maybe_fail(rank, step, attempt)
+        vote.begin()
+        torch.manual_seed(step_seed(cfg.train.seed, step, rank))
+        report.step(step + 1, runner.train_step(step, next(batches)))
+        done = step + 1
+        if cfg.train.eval and (done % spe == 0 or done == total):
+            runner.where = f"evaluation after step {done}"
             acc, seen = evaluate(
-                runner, splits.val, topo, coord, B, cfg.data.workers, last_group, device
+                runner,
+                session.splits.val,
+                topo,
+                coord,
+                B,
+                cfg.data.workers,
+                session.last_group,
+                device,
             )
             summary.update(val_accuracy=acc, val_samples=seen)
-            if last_group is not None:
-                metrics.write({"step": step + 1, "val_accuracy": acc, "val_samples": seen})
-            if rank == reporter:
-                logger.info(f"step {step + 1}: validation accuracy {acc:.4f} on {seen} samples")
+            report.evaluated(done, acc, seen)
+        signum = vote.decided()
+        if saver.due(done, total, stopping=bool(signum)):
+            report.flush(done)
+            runner.where = f"checkpoint after step {done}"
+            saver.save(done)
+        if signum and done < total:
+            raise Stopped(signum, done, saver.last_saved)
     elapsed = time.perf_counter() - t_start
-    if cfg.train.checkpoint:
+    # --checkpoint is a path on node 0 (other nodes may not name one): rank 0 decides.
+    final = [cfg.train.checkpoint]
+    dist.broadcast_object_list(final, src=0, group=session.groups["control"])
+    if final[0]:
         runner.where = "checkpoint"
-        checkpoint.save_distributed(cfg.train.checkpoint, stage, topo, coord)
+        checkpoint.save_distributed(final[0], session.stage, topo, coord)
     if rank != reporter:
         return None
     summary.update(
         summary=True,
         steps=total,
-        samples_per_s=round(meter.samples_per_s, 2),
+        start_step=start,
+        attempt=attempt,
+        samples_per_s=round(report.meter.samples_per_s, 2),
         elapsed_s=round(elapsed, 3),
+        save_stall_s=saver.stalls,
         world_size=topo.world_size,
         shape=list(topo.shape),
         num_bundles=topo.num_bundles,
@@ -253,9 +320,10 @@ def run(
         grad_sync=cfg.parallel.grad_sync,
         model=cfg.model.name,
         peak_in_flight=runner.peak_in_flight,
+        final_loss=report.final_loss,
     )
     summary.setdefault("val_accuracy", None)
-    metrics.write(summary)
+    report.metrics.write(summary)
     return summary
 
 

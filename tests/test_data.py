@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import random
+import signal
+
 import pytest
 import torch
+from torch.utils.data import Dataset
 
 from bundle import data
 from bundle.config import DataConfig
@@ -44,12 +48,13 @@ def test_digits_split_is_real_and_disjoint():
 
 def test_micro_batches_fetch_in_order_with_and_without_workers():
     ds = data.load(DataConfig(dataset="synthetic", image_size=4, synthetic_size=64), seed=0).train
-    lists = [torch.tensor([3, 1]), torch.tensor([7])]
+    lists = [torch.tensor([3, 1]), torch.tensor([7, 64 + 5])]  # 69: sample 5 in epoch 1
     direct = list(data.micro_batches(ds, lists, workers=0))
     pooled = list(data.micro_batches(ds, lists, workers=1))
     for (x0, y0), (x1, y1) in zip(direct, pooled, strict=True):
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
     assert torch.equal(direct[0][0], ds.tensors[0][[3, 1]])
+    assert torch.equal(direct[1][0], ds.tensors[0][[7, 5]])
 
 
 def test_imagefolder_errors_name_the_directory(tmp_path):
@@ -82,4 +87,98 @@ def test_replica_indices_follow_the_global_batches_across_epochs():
     lazy = list(data.replica_indices(shard, n=40, batch=12, seed=5, steps=7))  # 3 steps per epoch
     eager = [ix for t in range(7) for ix in shard.micro_indices(data.global_batch(40, 12, 5, t))]
     assert len(lazy) == 14
-    assert all(torch.equal(a, b) for a, b in zip(lazy, eager, strict=True))
+    # keys are epoch * n + index
+    assert all(torch.equal(a % 40, b) for a, b in zip(lazy, eager, strict=True))
+    assert [int(a.min()) // 40 for a in lazy] == [t // 3 for t in range(7) for _ in range(2)]
+
+
+def test_replica_indices_resume_at_any_step_without_replaying_earlier_epochs(monkeypatch):
+    shard = data.Shard(num_bundles=2, micro_batches=2, width=2, bundle=1, replica=1)
+    full = list(data.replica_indices(shard, n=40, batch=12, seed=5, steps=8))  # 3 steps per epoch
+    drawn = []
+    real_order = data.epoch_order
+    monkeypatch.setattr(
+        data,
+        "epoch_order",
+        lambda n, seed, epoch: drawn.append(epoch) or real_order(n, seed, epoch),
+    )
+    for start in (0, 1, 2, 3, 4, 6, 7, 8):  # 2 and 4 cross an epoch boundary, 3 and 6 start one
+        drawn.clear()
+        tail = list(data.replica_indices(shard, n=40, batch=12, seed=5, steps=8, start=start))
+        assert len(tail) == len(full) - 2 * start
+        assert all(torch.equal(a, b) for a, b in zip(tail, full[2 * start :], strict=True))
+        assert drawn == sorted({t // 3 for t in range(start, 8)})  # only the epochs it yields
+
+
+def _image_folder(root, seed=0) -> data.DataSplits:
+    """Three classes of noise JPEGs of varied sizes (noise, so every crop and flip shows)."""
+    from PIL import Image
+
+    rng = random.Random(0)
+    for split in ("train", "val"):
+        for c, cls in enumerate(("a", "b", "c")):
+            d = root / split / cls
+            d.mkdir(parents=True)
+            for i, size in enumerate([(40, 30), (23, 51), (64, 48)][: 2 + (c == 0)]):
+                img = Image.frombytes("RGB", size, rng.randbytes(size[0] * size[1] * 3))
+                img.save(d / f"{i}.jpg")
+    return data.load(DataConfig(dataset="imagefolder", root=str(root), image_size=16), seed=seed)
+
+
+def test_imagefolder_augmentations_are_a_function_of_seed_epoch_and_sample(tmp_path, monkeypatch):
+    splits = _image_folder(tmp_path)
+    train, n = splits.train, len(splits.train)
+    assert n == 7
+
+    def fetch(key):
+        with monkeypatch.context() as m:  # torch.manual_seed would also reseed CUDA, unrestored
+            m.setattr(torch.cuda, "manual_seed_all", pytest.fail)
+            return train[key]
+
+    for key in (0, 3, n + 3, 5 * n + 6):
+        torch.manual_seed(1)
+        x1, y1 = fetch(key)
+        torch.manual_seed(2)
+        state = torch.get_rng_state()
+        x2, y2 = fetch(key)
+        assert torch.equal(torch.get_rng_state(), state), "the caller's RNG state moved"
+        assert x1.shape == (3, 16, 16) and torch.equal(x1, x2) and y1 == y2
+    # the same samples in another epoch (or under another seed) get other crops and flips
+    assert any(not torch.equal(train[i][0], train[n + i][0]) for i in range(n))
+    other = _image_folder(tmp_path / "other", seed=1).train
+    assert any(not torch.equal(train[i][0], other[i][0]) for i in range(n))
+    # the last stage reads the labels of keys without decoding; the val split takes plain indices
+    keys = [torch.tensor([n + 4, 1, 2 * n])]
+    ((_, y_first),) = data.stage_micro_batches(train, keys, first=True, workers=0)
+    monkeypatch.setattr(train.base, "loader", pytest.fail)
+    ((none, y_last),) = data.stage_micro_batches(train, keys, first=False, workers=0)
+    assert none is None and torch.equal(y_first, y_last) and y_last.tolist() == [1, 0, 0]
+    ((xv, yv),) = data.micro_batches(splits.val, [torch.tensor([0, 6])], workers=0)
+    assert xv.shape == (2, 3, 16, 16) and yv.tolist() == [0, 2]
+
+
+def test_seeded_augmentations_are_the_same_with_loader_workers(tmp_path):
+    train = _image_folder(tmp_path).train
+    lists = [torch.tensor(k) for k in ([0, 8, 3], [15, 6], [1, 2, 22], [4], [13, 7, 5])]
+    direct = list(data.micro_batches(train, lists, workers=0))
+    pooled = list(data.micro_batches(train, lists, workers=2))
+    assert len(direct) == len(pooled) == len(lists)
+    for (x0, y0), (x1, y1) in zip(direct, pooled, strict=True):
+        assert torch.equal(x0, x1) and torch.equal(y0, y1)
+
+
+class _SignalProbe(Dataset):
+    """Reports, from inside a loader worker, whether SIGINT and SIGTERM are ignored there."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int):
+        ignored = [signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)]
+        return torch.tensor(ignored), 0
+
+
+def test_loader_workers_ignore_sigint_and_sigterm():
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # else the probe proves nothing
+    ((x, _),) = data.micro_batches(_SignalProbe(), [torch.tensor([0])], workers=1)
+    assert x.tolist() == [[True, True]]

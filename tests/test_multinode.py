@@ -163,3 +163,27 @@ def test_torchrun_two_hosts_match_single_process(tmp_path):
             "torchrun",
         )
     _check_against_reference(ckpt, argv)
+
+
+@pytest.mark.slow
+def test_two_hosts_recover_from_a_killed_worker_on_host_b(tmp_path):
+    """Rank 1 (host B) is SIGKILLed as step 3 begins; both supervisors restart the job from the
+    step-2 checkpoint on the shared --save-dir, and it ends where one process does."""
+    ckpt = tmp_path / "model.pt"
+    argv = [*CASES["pipeline-1,1"], *TRAIN, "--checkpoint", str(ckpt)]
+    recovery = ["--save-dir", str(tmp_path / "ckpt"), "--save-every", "1", "--max-restarts", "1"]
+    faulty = ["env", "BUNDLE_FAULT=1:3", sys.executable, str(MAIN), *argv, *recovery]
+    with NetnsPair() as hosts:
+        launch = [
+            "--world-size", "2", "--nproc-per-node", "1",
+            "--IP", hosts.addr_a, "--portNum", str(PORT),
+        ]  # fmt: skip
+        _run_two_nodes(
+            hosts,
+            lambda node: [*faulty, *launch, "--rank", str(node)],
+            tmp_path,
+            "recovery",
+        )
+    logs = (tmp_path / "node0.log").read_text() + (tmp_path / "node1.log").read_text()
+    assert logs.count("restart 1 of 1") == 2 and "killed by SIGKILL during step 3" in logs, logs
+    _check_against_reference(ckpt, argv)

@@ -1,0 +1,170 @@
+"""The training loop's checkpoint component: when to save, what one rank saves, and resume.
+
+Every rank takes part in every save and load (DCP is collective over the control group). Before a
+save, the replicas of each stage compare a checksum of their parameters and optimizer state, so
+the one copy DCP keeps of a replicated entry can never come from a drifted replica.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from bundle import checkpoint, log
+from bundle.config import CheckpointConfig
+from bundle.errors import CheckpointError
+from bundle.partition import Stage
+from bundle.topology import Coord, Topology
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Integer sum of the tensor's bit patterns: equal tensors agree whatever the summation order."""
+    flat = t.detach().contiguous().view(-1)
+    return flat.view(_BITS[flat.element_size()]).sum(dtype=torch.int64)
+
+
+class Checkpointer:
+    """``restore(path) -> step`` once before training; ``due(step)`` and ``save(step)`` after steps."""
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        topo: Topology,
+        coord: Coord,
+        rank: int,
+        stage: Stage,
+        optimizer: torch.optim.Optimizer,
+        group: dist.ProcessGroup,
+        stage_group: dist.ProcessGroup | None,
+        settings: dict,
+        steps_per_epoch: int,
+    ) -> None:
+        self.cfg, self.topo, self.coord, self.rank = cfg, topo, coord, rank
+        self.stage, self.optimizer, self.group = stage, optimizer, group
+        # Replicas to agree with: None where the stage has none.
+        self.stage_group = stage_group if len(topo.stage_group(coord.stage)) > 1 else None
+        self.settings = settings
+        self.every = cfg.save_every or steps_per_epoch
+        self.canonical = coord.bundle == 0 and coord.replica == 0
+        self.stalls: list[float] = []
+        self.last_saved: str | None = None
+
+    # -- what this rank holds ----------------------------------------------------------------
+
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        return {self.stage.full_name(n): p for n, p in self.stage.named_parameters()}
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        return {self.stage.full_name(n): b for n, b in self.stage.named_buffers()}
+
+    def _buffer_key(self, name: str) -> str:
+        return f"model.{name}" if self.canonical else f"replica.{self.rank}.{name}"
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """This rank's entries, keyed as the checkpoint stores them."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self._params().items():
+            out[f"model.{name}"] = p.detach()
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"optim.{name}.{key}"] = value
+        for name, b in self._buffers().items():
+            out[self._buffer_key(name)] = b
+        return out
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def due(self, step: int, total: int, *, stopping: bool = False) -> bool:
+        """Whether to save after ``step``: on the cadence, at the end, or when the job stops."""
+        return bool(self.cfg.save_dir) and (stopping or step % self.every == 0 or step == total)
+
+    def _agree(self, state: dict[str, torch.Tensor], step: int) -> None:
+        if self.stage_group is None:
+            return
+        names = [k for k in state if not k.startswith("replica.")]
+        sums = torch.stack([_checksum(state[k]) for k in names])
+        lo, hi = sums.clone(), sums.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.stage_group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.stage_group)
+        differ = (lo != hi).nonzero().flatten().tolist()
+        if differ:
+            raise CheckpointError(
+                f"replicas of stage {self.coord.stage} disagree after step {step} "
+                f"({len(differ)} entries, e.g. {names[differ[0]]}); no checkpoint written"
+            )
+
+    def save(self, step: int) -> str:
+        """Write ``step-N`` (collective); returns its path once it is complete on disk."""
+        t0 = time.perf_counter()
+        final = checkpoint.step_dir(self.cfg.save_dir, step)
+        tmp = final + ".tmp"
+        state = self.state()
+        self._agree(state, step)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier(group=self.group)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=self.group)
+        if self.rank == 0:
+            checkpoint.publish(tmp, final, {**self.settings, "step": step})
+            checkpoint.prune(self.cfg.save_dir, self.cfg.keep)
+        dist.barrier(group=self.group)
+        self.stalls.append(round(time.perf_counter() - t0, 4))
+        self.last_saved = final
+        return final
+
+    # -- resuming ----------------------------------------------------------------------------
+
+    def restore(self, path: str | None) -> int:
+        """Load this rank's entries from checkpoint ``path`` (None: fresh); returns its step."""
+        info = checkpoint.read_info(path) if path else {"step": 0}
+        step = int(info["step"])
+        self._same_everywhere(step, path)
+        if path is None:
+            return 0
+        stored = checkpoint.entries(path)
+        same_layout = info.get("layout") == self.settings["layout"]
+        params = self._params()
+        want = {f"model.{name}": p.detach() for name, p in params.items()}
+        momenta = {}
+        for name, p in params.items():
+            key = f"optim.{name}.momentum_buffer"
+            if key in stored:
+                momenta[p] = want[key] = torch.zeros_like(p)
+        for name, b in self._buffers().items():
+            mine = self._buffer_key(name)
+            want[mine if same_layout and mine in stored else f"model.{name}"] = b
+        missing = sorted(k for k in want if k not in stored)
+        if missing:
+            raise CheckpointError(f"{path} lacks {len(missing)} entries, e.g. {missing[:3]}")
+        dcp.load(want, storage_reader=checkpoint.SafeReader(path), process_group=self.group)
+        for p, buf in momenta.items():
+            self.optimizer.state[p]["momentum_buffer"] = buf
+        layout = "" if same_layout else f", written at {_describe(info.get('layout'))}"
+        log.get().info(f"resumed from {path} (step {step}{layout})")
+        return step
+
+    def _same_everywhere(self, step: int, path: str | None) -> None:
+        """Every rank must start from the same step (a --save-dir every node sees)."""
+        ends = torch.tensor([step, -step])
+        dist.all_reduce(ends, op=dist.ReduceOp.MAX, group=self.group)
+        if ends[0] != step or -ends[1] != step:
+            raise CheckpointError(
+                f"ranks start from different steps ({-int(ends[1])}..{int(ends[0])}; this one from "
+                f"{path or 'scratch'}): --save-dir must be one filesystem every node sees"
+            )
+
+
+def _describe(layout: dict | None) -> str:
+    if not layout:
+        return "an unknown layout"
+    shape = ",".join(map(str, layout["shape"]))
+    return f"shape {shape} x {layout['num_bundles']} bundle(s), stages at {', '.join(layout['stages'])}"

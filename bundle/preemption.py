@@ -1,0 +1,144 @@
+"""Stopping a job cleanly on SIGTERM/SIGINT, and the ``BUNDLE_FAULT`` hook that kills a rank.
+
+Every process of the job must stop after the *same* step, or the ones that go on wait forever on
+the ones that left. A signal reaches some processes and not others (one node's supervisor, the
+whole foreground process group, torchrun's forwarding), so each process only notes it, and the
+job decides together::
+
+    supervisor's first signal ──▶ shared value ─┐
+    this process's first signal ──▶ local flag ─┴─ max ─▶ all-reduce(MAX) over every rank,
+                                                           started as a step begins and read
+                                                           when it ends: stop after that step?
+
+All stop after the same step, save, and exit 128 + the signal (143 SIGTERM, 130 SIGINT). A second
+signal, more than ``DEBOUNCE_S`` after the first (one Ctrl-C reaches a process both from the
+terminal and from its launcher), stops at once.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from bundle.errors import ConfigError
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DEBOUNCE_S = 2.0
+FAULT_ENV = "BUNDLE_FAULT"
+
+
+def exit_code(signum: int) -> int:
+    return 128 + signum
+
+
+class StopRequest:
+    """The first stop signal this process has seen (0: none), set from signal handlers."""
+
+    def __init__(self, shared=None, *, announce: bool = True) -> None:
+        self.signum, self.first_at, self.shared = 0, 0.0, shared
+        self.announce = announce
+
+    def install(self, on_second) -> None:
+        """Handle SIGTERM and SIGINT: note the first, call ``on_second(signum)`` on a later one."""
+
+        def handle(signum, _frame) -> None:
+            now = time.monotonic()
+            if not self.signum:
+                self.signum, self.first_at = signum, now
+                if self.shared is not None:  # the supervisor's request reaches its workers
+                    self.shared.value = signum
+                if self.announce:
+                    # os.write, not logging: a handler may interrupt the logger holding its lock.
+                    name = signal.Signals(signum).name
+                    os.write(2, f"{name} received: finishing the step in progress\n".encode())
+            elif now - self.first_at > DEBOUNCE_S:
+                on_second(signum)
+
+        for sig in SIGNALS:
+            signal.signal(sig, handle)
+
+    @property
+    def value(self) -> int:
+        return max(self.signum, self.shared.value if self.shared is not None else 0)
+
+
+class StopVote:
+    """The job-wide decision to stop: one small all-reduce per step, overlapped with the step."""
+
+    def __init__(self, request: StopRequest, group: dist.ProcessGroup, timeout: float) -> None:
+        self.request, self.group = request, group
+        self.timeout = timedelta(seconds=timeout)
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.work = None
+
+    def begin(self) -> None:
+        self.flag.fill_(self.request.value)
+        self.work = dist.all_reduce(
+            self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True
+        )
+
+    def decided(self) -> int:
+        """The signal the job stops for after this step (0: go on)."""
+        self.work.wait(self.timeout)
+        return int(self.flag.item())
+
+
+class Stopped(Exception):
+    """Raised on every rank once the job has stopped for a signal (after saving, if it could)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+    @property
+    def code(self) -> int:
+        return exit_code(self.signum)
+
+
+def stop_line(
+    signum: int, step: int, checkpoint: str | None, argv: list[str], launcher: str
+) -> str:
+    """The one line a stopped job prints: where its checkpoint is and how to resume it."""
+    head = f"stopped by {signal.Signals(signum).name} after step {step}"
+    if not checkpoint:
+        return f"{head}; no checkpoint written (set --save-dir to make runs resumable)"
+    return f"{head}; checkpoint {checkpoint}; resume with: {resume_command(argv, launcher)}"
+
+
+def resume_command(argv: list[str], launcher: str) -> str:
+    """``launcher main.py ARGS --resume auto`` with any earlier --resume dropped."""
+    args, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = True
+        elif not a.startswith("--resume="):
+            args.append(a)
+    return " ".join([launcher, "main.py", *map(shlex.quote, args), "--resume", "auto"])
+
+
+def parse_fault(env: dict[str, str]) -> tuple[int, int] | None:
+    """``BUNDLE_FAULT=RANK:STEP`` -> (rank, step), checked before anything starts."""
+    text = env.get(FAULT_ENV)
+    if not text:
+        return None
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[1]) < 1:
+        raise ConfigError(FAULT_ENV, text, "must be RANK:STEP, e.g. 1:7 (global rank, step >= 1)")
+    return int(parts[0]), int(parts[1])
+
+
+def maybe_fail(rank: int, step: int, attempt: int) -> None:
+    """The fault hook: global rank RANK SIGKILLs itself as step STEP (1-based) begins, first attempt only."""
+    fault = parse_fault(os.environ)
+    if fault == (rank, step + 1) and attempt == 0:
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)

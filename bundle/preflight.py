@@ -1,0 +1,73 @@
+"""Checks made before any process starts: the model and partition, the paths the run writes,
+and the checkpoint it resumes from. Each failure is one typed error naming the flag."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+
+import models
+from bundle import checkpoint, partition
+from bundle.config import RunConfig
+from bundle.data import input_spec
+from bundle.errors import ConfigError
+
+
+def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
+    """Unknown model or partition is an input error: resolve it on the meta device, no memory.
+
+    Returns the shape of every entry of the model's state dict."""
+    if cfg.model.name not in models.available():
+        raise ConfigError(
+            "--model", cfg.model.name, f"choose one of: {', '.join(models.available())}"
+        )
+    spec = partition.load_spec(cfg.model.partition) if cfg.model.partition else None
+    num_classes, input_shape = input_spec(cfg.data)
+    with torch.device("meta"):
+        model = models.build(cfg.model.name, num_classes=num_classes, input_shape=input_shape)
+    partition.resolve(spec, models.blocks(model), num_stages, cfg.model.name)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Every directory the run writes to exists (created if missing) and takes a file."""
+    dirs = [("--save-dir", cfg.checkpoint.save_dir)]
+    for flag, path in (("--checkpoint", cfg.train.checkpoint), ("--metrics-out", cfg.metrics_out)):
+        if path:
+            dirs.append((flag, os.path.dirname(os.path.abspath(path))))
+    for flag, directory in dirs:
+        if not directory:
+            continue
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        except OSError as exc:
+            raise ConfigError(
+                flag, directory, f"must be a writable directory ({exc.strerror})"
+            ) from exc
+
+
+def check_resume(cfg: RunConfig, shapes: dict, attempt: int) -> str | None:
+    """The checkpoint this run starts from (None: fresh), refused before start if it does not fit."""
+    ck = cfg.checkpoint
+    # A restarted attempt (torchrun's restarts) resumes from the newest checkpoint.
+    resume = "auto" if attempt > 0 and ck.save_dir else ck.resume
+    path, notes = checkpoint.resolve(resume, ck.save_dir)
+    for note in notes:
+        print(f"main.py: note: {note}", file=sys.stderr)
+    if path is None:
+        return None
+    info = checkpoint.check_fits(path, cfg.model.name, shapes)
+    # Training settings may change on resume; say which did.
+    for key, value in checkpoint.run_settings(cfg).items():
+        if info.get(key) != value:
+            print(
+                f"main.py: note: resuming with --{key.replace('_', '-')} {value} "
+                f"(the checkpoint was written with {info.get(key)})",
+                file=sys.stderr,
+            )
+    return path

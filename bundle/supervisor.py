@@ -1,0 +1,229 @@
+"""The node supervisor of a self-spawned job: start, watch, restart and stop this node's workers.
+
+    main.py (node supervisor) --spawn--> one worker per local process, per attempt
+      node 0 also hosts the job's TCPStore at --IP:--portNum; every node's supervisor checks
+      the config fingerprints there, heartbeats, and watches its workers.
+
+An attempt ends in one of three ways. *Done*: every worker exited 0. *Stopped*: a stop signal
+reached the job, every worker saved and exited 128 + signal; the supervisor says how to resume
+and exits with the same code. *Failed*: a worker died or raised (recorded in the attempt's
+``abort`` key, which every node watches); every supervisor stops its workers, and while
+``--max-restarts`` allows, waits until every node has done so and starts the next attempt from the
+newest complete checkpoint. Each attempt's keys live under their own prefix of the one store.
+
+Why not torch.distributed.elastic's agent (which torchrun runs, and which Bundle supports as is):
+the original flags promise static node ranks and one command per node with no rendezvous
+service; this supervisor reports a failure by rank, stage and step on every node, detects a
+stalled node by heartbeat in 20 s, and compares the nodes' settings field by field.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import wait as wait_sentinels
+
+import torch.distributed as dist
+
+from bundle import checkpoint, log
+from bundle.config import RunConfig
+from bundle.errors import LaunchError
+from bundle.launch import (
+    attempt_prefix,
+    exchange_config,
+    open_store,
+    post_abort,
+    read_abort,
+    spawned,
+)
+from bundle.preemption import StopRequest, exit_code, stop_line
+from bundle.topology import Topology
+
+_POLL_S = 0.5
+_HEARTBEAT_STALE_S = 20.0
+_KILL_GRACE_S = 5.0
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
+    """Self-spawn launch of this node's processes; returns the node's exit code."""
+    lc = cfg.launch
+    node = lc.node_rank
+    logger = log.setup(f"[node {node}]")
+    store = open_store(lc.master_addr, lc.master_port, server=node == 0, timeout=lc.init_timeout)
+    exchange_config(store, cfg, node, topo.num_nodes, lc.init_timeout)
+    ctx = mp.get_context("spawn")
+    running: dict = {}
+
+    def kill_now(signum: int) -> None:
+        for p in running.values():
+            p.kill()
+        os.write(2, f"{signal.Signals(signum).name} again: stopped at once\n".encode())
+        os._exit(exit_code(signum))
+
+    stop = StopRequest(shared=ctx.Value("i", 0, lock=False))
+    stop.install(on_second=kill_now)
+    beats: dict[int, tuple[int, float]] = {}
+    try:
+        for attempt in range(lc.max_restarts + 1):
+            outcome, detail = _attempt(cfg, topo, store, ctx, attempt, resume, stop, running, beats)
+            if outcome == "done":
+                return 0
+            if outcome == "stopped" or stop.value:
+                signum = detail if outcome == "stopped" else stop.value
+                return _stopped(cfg, signum)
+            if attempt == lc.max_restarts:
+                logger.error(f"job failed: {detail}")
+                return 1
+            logger.warning(
+                f"attempt {attempt + 1} failed: {detail}; restart {attempt + 1} of "
+                f"{lc.max_restarts} from the newest checkpoint"
+            )
+            _rejoin(store, attempt, topo.num_nodes, lc.init_timeout, node, beats)
+            resume, notes = checkpoint.resolve(
+                "auto" if cfg.checkpoint.save_dir else None, cfg.checkpoint.save_dir
+            )
+            for note in notes:
+                logger.warning(note)
+        return 1
+    except (RuntimeError, LaunchError) as exc:  # the store's host (node 0) is gone
+        logger.error(
+            f"job failed: lost contact with node 0 (the job's store at {lc.master_addr}:"
+            f"{lc.master_port}): {exc}"
+        )
+        return 1
+
+
+def _attempt(cfg, topo, base, ctx, attempt, resume, stop, running, beats) -> tuple[str, object]:
+    """Run one attempt of this node's workers: ("done", None), ("stopped", signum) or ("failed", why)."""
+    lc = cfg.launch
+    node, logger = lc.node_rank, log.get()
+    store = dist.PrefixStore(attempt_prefix(attempt), base)
+    procs, progress = {}, {}
+    for rank in topo.node_ranks(node):
+        progress[rank] = ctx.Value("q", -1, lock=False)
+        p = ctx.Process(
+            target=spawned,
+            args=(cfg, topo, rank, topo.local_rank(rank), lc.master_addr, lc.master_port),
+            kwargs=dict(
+                progress=progress[rank], attempt=attempt, resume=resume, stop_shared=stop.shared
+            ),
+            name=f"bundle-rank{rank}",
+        )
+        p.start()
+        procs[rank] = p
+    running.clear()
+    running.update(procs)
+    logger.info(
+        f"started ranks {min(procs)}..{max(procs)} (pids {', '.join(str(p.pid) for p in procs.values())})"
+        + (f", attempt {attempt + 1}" if attempt else "")
+    )
+    failure, stopped = None, 0
+    stop_codes = {exit_code(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        live = dict(procs)
+        while live and failure is None:
+            wait_sentinels([p.sentinel for p in live.values()], timeout=_POLL_S)
+            for rank, p in list(live.items()):
+                if p.exitcode is None:
+                    continue
+                del live[rank]
+                if p.exitcode in stop_codes:
+                    stopped = max(stopped, p.exitcode - 128)
+                elif p.exitcode != 0:
+                    step = progress[rank].value
+                    at = f"step {step + 1}" if step >= 0 else "start-up"
+                    failure = post_abort(
+                        store, f"{topo.describe(rank)} {_exit_text(p.exitcode)} during {at}"
+                    )
+            if failure is None:
+                failure = _heartbeat(base, store, node, topo.num_nodes, beats) or read_abort(store)
+        if failure is None:
+            store.set(f"bundle/done/{node}", "1")
+            if node == 0:
+                # The store lives here: keep it up until every node has finished with it.
+                failure = _wait_done(store, topo.num_nodes, lc.timeout + lc.init_timeout)
+    finally:
+        _stop(procs.values(), grace=_KILL_GRACE_S if failure else 0.0)
+        running.clear()
+    if failure:
+        return "failed", failure
+    return ("stopped", stopped) if stopped else ("done", None)
+
+
+def _stopped(cfg: RunConfig, signum: int) -> int:
+    """Say where the checkpoint is and how to resume; the exit code is 128 + signal."""
+    path = None
+    if cfg.checkpoint.save_dir:
+        path, _ = checkpoint.latest(cfg.checkpoint.save_dir)
+    step = checkpoint.read_info(path)["step"] if path else "?"
+    print(stop_line(signum, step, path, sys.argv[1:], "python"), file=sys.stderr, flush=True)
+    return exit_code(signum)
+
+
+def _rejoin(store, attempt: int, nodes: int, timeout: float, node: int, beats) -> None:
+    """Wait until every node has stopped this attempt's workers, so no one starts the next alone."""
+    key = f"{attempt_prefix(attempt)}/stopped"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while (back := store.add(key, 0)) < nodes:
+        if time.monotonic() > deadline:
+            raise LaunchError(
+                f"only {back} of {nodes} nodes were ready to restart within {timeout:.0f}s"
+            )
+        store.add(f"bundle/hb/{node}", 1)
+        time.sleep(_POLL_S)
+
+
+def _heartbeat(
+    base: dist.Store, store: dist.Store, node: int, nodes: int, beats: dict[int, tuple[int, float]]
+) -> str | None:
+    """Every node ticks its counter; node 0 reports a node whose counter stopped moving."""
+    base.add(f"bundle/hb/{node}", 1)
+    if node != 0:
+        return None
+    now = time.monotonic()
+    for other in range(1, nodes):
+        count = base.add(f"bundle/hb/{other}", 0)
+        last = beats.get(other)
+        if last is None or count != last[0]:
+            beats[other] = (count, now)
+        elif now - last[1] > _HEARTBEAT_STALE_S and not store.check([f"bundle/done/{other}"]):
+            return post_abort(
+                store, f"node {other} stopped responding for {_HEARTBEAT_STALE_S:.0f}s"
+            )
+    return None
+
+
+def _wait_done(store: dist.Store, nodes: int, timeout: float) -> str | None:
+    deadline = time.monotonic() + timeout
+    keys = [f"bundle/done/{i}" for i in range(nodes)]
+    while time.monotonic() < deadline:
+        if store.check(keys):
+            return None
+        if (msg := read_abort(store)) is not None:
+            return msg
+        time.sleep(_POLL_S)
+    return f"not every node reported completion within {timeout:.0f}s"
+
+
+def _stop(procs, *, grace: float) -> None:
+    """Join every child; after ``grace`` seconds kill the ones still running, by pid.
+
+    Not SIGTERM first: a worker takes SIGTERM as a request to finish its step and save.
+    """
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()

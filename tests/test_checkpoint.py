@@ -1,0 +1,156 @@
+"""Checkpoint files without processes: which step-N is complete, pruning, the safe index reader,
+fit checks, export, the fault hook, the stop line, and path checks before start."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import main
+from bundle import checkpoint
+from bundle.errors import CheckpointError, ConfigError
+from bundle.preemption import parse_fault, resume_command, stop_line
+
+
+def write(save_dir, step: int, state: dict | None = None, *, complete: bool = True) -> str:
+    """A step-N directory as the engine writes it (one process, no process group)."""
+    state = state or {"model.fc.weight": torch.full((2, 3), float(step))}
+    tmp = checkpoint.step_dir(str(save_dir), step) + ".tmp"
+    os.makedirs(tmp)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+    final = checkpoint.step_dir(str(save_dir), step)
+    checkpoint.publish(tmp, final, {"step": step, "model": "net"})
+    if not complete:
+        os.unlink(os.path.join(final, ".metadata"))
+    return final
+
+
+def test_latest_skips_incomplete_and_orders_steps_numerically(tmp_path):
+    write(tmp_path, 9)
+    newest = write(tmp_path, 10)
+    damaged = write(tmp_path, 12, complete=False)
+    (tmp_path / "step-13.tmp").mkdir()  # a save killed mid-write
+    (tmp_path / "notes").mkdir()
+    assert checkpoint.latest(str(tmp_path)) == (newest, [damaged])
+    path, notes = checkpoint.resolve("auto", str(tmp_path))
+    assert path == newest and "skipping incomplete" in notes[0] and damaged in notes[0]
+
+
+def test_auto_without_checkpoints_starts_fresh_and_says_so(tmp_path):
+    assert checkpoint.resolve("auto", str(tmp_path / "none")) == (
+        None,
+        [f"no complete checkpoint in {tmp_path / 'none'}: starting from step 0"],
+    )
+    assert checkpoint.resolve(None, None) == (None, [])
+
+
+def test_an_explicit_incomplete_checkpoint_is_refused(tmp_path):
+    damaged = write(tmp_path, 4, complete=False)
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        checkpoint.resolve(damaged, None)
+
+
+def test_prune_keeps_the_newest_complete_ones(tmp_path):
+    for step in (2, 4, 6, 8, 10):
+        write(tmp_path, step)
+    write(tmp_path, 12, complete=False)
+    (tmp_path / "step-14.tmp").mkdir()
+    checkpoint.prune(str(tmp_path), keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-10", "step-8"]
+
+
+def test_publishing_a_step_again_replaces_it(tmp_path):
+    write(tmp_path, 3)
+    tmp = tmp_path / "step-3.tmp"
+    tmp.mkdir()
+    dcp.save(
+        {"model.fc.weight": torch.ones(2, 3)},
+        storage_writer=dcp.FileSystemWriter(str(tmp)),
+        no_dist=True,
+    )
+    checkpoint.publish(str(tmp), str(tmp_path / "step-3"), {"step": 3, "model": "net"})
+    out = tmp_path / "w.pt"
+    checkpoint.export(str(tmp_path / "step-3"), str(out))
+    assert torch.equal(torch.load(out, weights_only=True)["fc.weight"], torch.ones(2, 3))
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("echo owned",))
+
+
+def test_the_index_is_read_without_unpickling_code(tmp_path):
+    path = write(tmp_path, 1)
+    assert checkpoint.entries(path) == {"model.fc.weight": ((2, 3), torch.float32)}
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Boom(), f)
+    with pytest.raises(CheckpointError, match="posix.system is not allowed"):
+        checkpoint.entries(path)
+
+
+def test_check_fits_names_what_differs(tmp_path):
+    path = write(tmp_path, 5)
+    assert checkpoint.check_fits(path, "net", {"fc.weight": (2, 3)})["step"] == 5
+    with pytest.raises(CheckpointError, match="of model 'net', not 'other'"):
+        checkpoint.check_fits(path, "other", {"fc.weight": (2, 3)})
+    with pytest.raises(
+        CheckpointError, match=r"fc.weight is \[2, 3\] in the checkpoint but \[4, 3\]"
+    ):
+        checkpoint.check_fits(path, "net", {"fc.weight": (4, 3)})
+    with pytest.raises(CheckpointError, match="no entry for fc.bias"):
+        checkpoint.check_fits(path, "net", {"fc.weight": (2, 3), "fc.bias": (2,)})
+
+
+def test_export_writes_the_model_entries_by_their_names(tmp_path):
+    state = {
+        "model.fc.weight": torch.randn(2, 3),
+        "model.bn.running_mean": torch.randn(3),
+        "optim.fc.weight.momentum_buffer": torch.randn(2, 3),
+        "replica.3.bn.running_mean": torch.randn(3),
+    }
+    path = write(tmp_path, 7, {k: v.clone() for k, v in state.items()})
+    out = tmp_path / "model.pt"
+    checkpoint.export(path, str(out))
+    got = torch.load(out, weights_only=True)
+    assert set(got) == {"fc.weight", "bn.running_mean"}
+    assert torch.equal(got["fc.weight"], state["model.fc.weight"])
+    assert json.loads((tmp_path / "step-7" / "bundle.json").read_text())["step"] == 7
+
+
+def test_fault_hook_is_checked_before_start():
+    assert parse_fault({}) is None
+    assert parse_fault({"BUNDLE_FAULT": "1:7"}) == (1, 7)
+    for bad in ("1", "a:2", "1:0", "1:2:3"):
+        with pytest.raises(ConfigError, match="BUNDLE_FAULT"):
+            parse_fault({"BUNDLE_FAULT": bad})
+
+
+def test_stop_line_names_the_checkpoint_and_the_resume_command():
+    argv = ["--itr", "100", "--resume", "d/step-3", "--save-dir", "my dir", "--resume=auto"]
+    assert resume_command(argv, "python") == (
+        "python main.py --itr 100 --save-dir 'my dir' --resume auto"
+    )
+    line = stop_line(15, 42, "d/step-42", argv, "python")
+    assert line.startswith("stopped by SIGTERM after step 42; checkpoint d/step-42; resume with: ")
+    assert "\n" not in line
+    assert "no checkpoint written" in stop_line(2, 5, None, argv, "python")
+
+
+@pytest.mark.parametrize("flag", ["--save-dir", "--checkpoint", "--metrics-out"])
+def test_unwritable_paths_are_exit_2_before_start(tmp_path, flag, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    path = str(blocker / "sub") if flag == "--save-dir" else str(blocker / "sub" / "out")
+    assert main.main([flag, path, "--itr", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err and "writable directory" in err, err
+
+
+def test_resume_auto_needs_a_save_dir():
+    with pytest.raises(ConfigError, match="--resume"):
+        main.parse(["--resume", "auto"], env={})

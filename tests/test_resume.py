@@ -1,0 +1,275 @@
+"""Exact resume end to end: a killed worker, a restart, a SIGTERM, torchrun's restarts, two nodes.
+
+Every run here is compared with the same run uninterrupted: the final ``--checkpoint`` must be
+bit-identical (``torch.equal``), and the loss of every step the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from bundle.localworld import free_port
+from tests.test_e2e import ROOT, SMALL, finish, start
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+# shape 1,2: the rear stage has two replicas, so their agreement check and DCP's de-duplication
+# of replicated entries are both exercised.
+RUN = [*SMALL, "--bundle-shape", "1,2", "--itr", str(STEPS), "--save-every", "3"]
+
+
+def losses(path) -> dict[int, float]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r and not r.get("summary")}
+
+
+def assert_identical(a, b) -> None:
+    sa, sb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert set(sa) == set(sb)
+    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not different, f"not bit-identical: {different}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("uninterrupted")
+    code, _, err = finish(
+        start(
+            "main.py",
+            *RUN,
+            "--save-dir",
+            str(d / "ckpt"),
+            "--checkpoint",
+            str(d / "a.pt"),
+            "--metrics-out",
+            str(d / "m.jsonl"),
+            "--portNum",
+            str(free_port()),
+        )
+    )
+    assert code == 0, err
+    return d
+
+
+def test_a_killed_worker_restarts_from_the_checkpoint_bit_identical(uninterrupted, tmp_path):
+    t0 = time.monotonic()
+    code, out, err = finish(
+        start(
+            "main.py",
+            *RUN,
+            "--save-dir",
+            str(tmp_path / "ckpt"),
+            "--max-restarts",
+            "1",
+            "--checkpoint",
+            str(tmp_path / "b.pt"),
+            "--metrics-out",
+            str(tmp_path / "m.jsonl"),
+            "--portNum",
+            str(free_port()),
+            env={**os.environ, "BUNDLE_FAULT": "1:7"},
+        )
+    )
+    assert code == 0, err
+    assert "killed by SIGKILL during step 7" in err and "restart 1 of 1" in err, err
+    assert "resumed from" in err and "step-6" in err, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (summary["attempt"], summary["start_step"]) == (1, 6)
+    assert_identical(uninterrupted / "a.pt", tmp_path / "b.pt")
+    assert losses(tmp_path / "m.jsonl") == losses(uninterrupted / "m.jsonl")
+    print(f"\nkill-and-recover run: {time.monotonic() - t0:.1f}s")
+
+
+def test_sigterm_saves_exits_143_and_resumes_bit_identical(tmp_path):
+    save_dir, log = tmp_path / "ckpt", tmp_path / "err.log"
+    long_run = [*SMALL, "--bundle-shape", "1,2", "--save-every", "5", "--save-dir", str(save_dir)]
+    with open(log, "w") as err_file:
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "main.py",
+                *long_run,
+                "--itr",
+                "1000000",
+                "--portNum",
+                str(free_port()),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(save_dir.glob("step-*")):  # a checkpoint exists: training is under way
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        os.kill(p.pid, signal.SIGTERM)
+        code = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    err = log.read_text()
+    assert code == 143, err
+    line = [ln for ln in err.splitlines() if ln.startswith("stopped by SIGTERM after step")]
+    assert len(line) == 1, err
+    stopped_at = int(line[0].split("after step ")[1].split(";")[0])
+    path = save_dir / f"step-{stopped_at}"
+    assert f"checkpoint {path}; resume with: python main.py" in line[0]
+    assert line[0].endswith("--resume auto") and (path / ".metadata").exists()
+    assert "Traceback" not in err
+    # Resume to a few steps past the stop; the same run uninterrupted must end identical.
+    total = str(stopped_at + 4)
+    port = str(free_port())
+    code, _, err = finish(
+        start(
+            "main.py",
+            *long_run,
+            "--itr",
+            total,
+            "--resume",
+            "auto",
+            "--checkpoint",
+            str(tmp_path / "resumed.pt"),
+            "--portNum",
+            port,
+        )
+    )
+    assert code == 0 and f"resumed from {path}" in err, err
+    code, _, err = finish(
+        start(
+            "main.py",
+            *long_run[:-1],
+            str(tmp_path / "other"),
+            "--itr",
+            total,
+            "--checkpoint",
+            str(tmp_path / "straight.pt"),
+            "--portNum",
+            port,
+        )
+    )
+    assert code == 0, err
+    assert_identical(tmp_path / "straight.pt", tmp_path / "resumed.pt")
+
+
+def test_sigint_to_the_process_group_stops_with_130(tmp_path):
+    """Ctrl-C reaches the supervisor and every worker at once: still one stop, one checkpoint."""
+    save_dir = tmp_path / "ckpt"
+    p = start(
+        "main.py",
+        *SMALL,
+        "--itr",
+        "1000000",
+        "--save-every",
+        "5",
+        "--save-dir",
+        str(save_dir),
+        "--portNum",
+        str(free_port()),
+    )
+    deadline = time.monotonic() + 120
+    while not any(save_dir.glob("step-*")):
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGINT)
+    code, _, err = finish(p, 60)
+    assert code == 130, err
+    assert "stopped by SIGINT after step" in err and "Traceback" not in err, err
+    from bundle import checkpoint
+
+    newest, skipped = checkpoint.latest(str(save_dir))
+    assert newest is not None and not skipped
+    assert f"checkpoint {newest};" in err
+
+
+def test_torchrun_restarts_resume_bit_identical(uninterrupted, tmp_path):
+    code, _, err = finish(
+        start(
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "1",
+            "main.py",
+            *RUN,
+            "--save-dir",
+            str(tmp_path / "ckpt"),
+            "--resume",
+            "auto",
+            "--checkpoint",
+            str(tmp_path / "t.pt"),
+            env={**os.environ, "BUNDLE_FAULT": "2:5"},
+        ),
+        timeout=240,
+    )
+    assert code == 0, err
+    assert "resumed from" in err, err
+    assert_identical(uninterrupted / "a.pt", tmp_path / "t.pt")
+
+
+def test_two_nodes_on_loopback_recover_from_a_killed_worker_on_node_1(tmp_path):
+    port = str(free_port())
+    two = [*SMALL, "--bundle-shape", "1,1", "--num-bundle", "2", "--itr", "8", "--save-every", "2"]
+    ref = start("main.py", *two, "--checkpoint", str(tmp_path / "ref.pt"), "--portNum", port)
+    code, _, err = finish(ref)
+    assert code == 0, err
+    common = [
+        "main.py",
+        *two,
+        "--world-size",
+        "2",
+        "--IP",
+        "127.0.0.1",
+        "--portNum",
+        str(free_port()),
+        "--save-dir",
+        str(tmp_path / "ckpt"),
+        "--max-restarts",
+        "1",
+    ]
+    env = {**os.environ, "BUNDLE_FAULT": "3:5"}  # rank 3 lives on node 1
+    node1 = start(*common, "--rank", "1", env=env)
+    node0 = start(*common, "--rank", "0", "--checkpoint", str(tmp_path / "b.pt"), env=env)
+    (c0, _, e0), (c1, _, e1) = finish(node0, 240), finish(node1, 240)
+    assert (c0, c1) == (0, 0), e0 + e1
+    assert "restart 1 of 1" in e0 and "restart 1 of 1" in e1, e0 + e1
+    assert_identical(tmp_path / "ref.pt", tmp_path / "b.pt")
+
+
+def test_incomplete_newest_is_skipped_and_another_model_is_refused(uninterrupted, tmp_path):
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(uninterrupted / "ckpt", save_dir)
+    newest = max(save_dir.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    damaged = save_dir / f"step-{int(newest.name.split('-')[1]) + 5}"
+    shutil.copytree(newest, damaged)
+    (damaged / ".metadata").unlink()  # as if killed before DCP wrote its index
+    import main
+    from bundle import preflight
+
+    cfg = main.parse([*RUN, "--save-dir", str(save_dir), "--resume", "auto"], env={})
+    shapes = preflight.check_model(cfg, 2)
+    assert preflight.check_resume(cfg, shapes, attempt=0) == str(newest)
+    # Refused before anything starts, in one line: another model, then another head size.
+    for extra, words in (
+        (["--model", "skip_mlp"], "is of model 'mlp', not 'skip_mlp'"),
+        (["--num-classes", "7"], "in the checkpoint but [7,"),
+    ):
+        code, _, err = finish(
+            start("main.py", *RUN, *extra, "--save-dir", str(save_dir), "--resume", "auto"), 60
+        )
+        assert code == 2 and words in err, err
+        assert len(err.strip().splitlines()) == 2 and "skipping incomplete" in err, err
