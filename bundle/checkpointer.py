@@ -87,9 +87,12 @@ class Checkpointer:
         return bool(self.cfg.save_dir) and (stopping or step % self.every == 0 or step == total)
 
     def _agree(self, state: dict[str, torch.Tensor], step: int) -> None:
+        """Replicas must hold the same parameters and optimizer state (not buffers: BatchNorm
+        statistics differ between replicas by design)."""
         if self.stage_group is None:
             return
-        names = [k for k in state if not k.startswith("replica.")]
+        params = {f"model.{name}" for name in self._params()}
+        names = [k for k in state if k in params or k.startswith("optim.")]
         sums = torch.stack([_checksum(state[k]) for k in names])
         lo, hi = sums.clone(), sums.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.stage_group)

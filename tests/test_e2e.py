@@ -215,15 +215,20 @@ def test_nodes_with_different_settings_are_told_which(tmp_path):
     assert "started ranks" not in e0 + e1
 
 
-def test_image_folder_resnet_with_a_partition_loader_workers_and_checkpoint(tmp_path):
+def image_folder(root) -> None:
+    """Three classes of plain-coloured JPEGs of varied sizes: 12 per class to train, 4 to validate."""
     from PIL import Image
 
     for split, count in (("train", 12), ("val", 4)):
         for c, color in enumerate(((200, 30, 30), (30, 200, 30), (30, 30, 200))):
-            d = tmp_path / "data" / split / f"class{c}"
+            d = root / split / f"class{c}"
             d.mkdir(parents=True)
             for i in range(count):
                 Image.new("RGB", (40 + i, 36), color).save(d / f"{i}.jpg")
+
+
+def test_image_folder_resnet_with_a_partition_loader_workers_and_checkpoint(tmp_path):
+    image_folder(tmp_path / "data")
     ckpt, metrics = tmp_path / "model.pt", tmp_path / "m.jsonl"
     code, _, err = finish(
         start(
