@@ -170,6 +170,12 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
         help="auto: the newest complete checkpoint in --save-dir (fresh start if none); or one checkpoint",
     )
     g.add_argument(
+        "--async-save",
+        action="store_true",
+        default=d(False),
+        help="copy the state to memory and write checkpoints while training goes on",
+    )
+    g.add_argument(
         "--max-restarts",
         type=int,
         default=d(DEFAULTS.launch.max_restarts),
@@ -376,6 +382,7 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
             save_every=args.save_every,
             keep=args.keep,
             resume=args.resume,
+            async_save=args.async_save,
         ),
         metrics_out=args.metrics_out,
     )

@@ -3,6 +3,10 @@
 Every rank takes part in every save and load (DCP is collective over the control group). Before a
 save, the replicas of each stage compare a checksum of their parameters and optimizer state, so
 the one copy DCP keeps of a replicated entry can never come from a drifted replica.
+
+With ``--async-save`` a save copies the state to memory and returns; DCP writes it from a thread,
+over a gloo group of its own (the training thread keeps using the others), and the checkpoint is
+published (``bundle.json``, renamed from ``step-N.tmp``) when the next save begins or the run ends.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Checkpointer:
         stage_group: dist.ProcessGroup | None,
         settings: dict,
         steps_per_epoch: int,
+        async_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.cfg, self.topo, self.coord, self.rank = cfg, topo, coord, rank
         self.stage, self.optimizer, self.group = stage, optimizer, group
@@ -54,6 +59,8 @@ class Checkpointer:
         self.settings = settings
         self.every = cfg.save_every or steps_per_epoch
         self.canonical = coord.bundle == 0 and coord.replica == 0
+        self.async_group = async_group
+        self.pending: tuple | None = None  # an asynchronous save in flight
         self.stalls: list[float] = []
         self.last_saved: str | None = None
 
@@ -104,8 +111,13 @@ class Checkpointer:
                 f"({len(differ)} entries, e.g. {names[differ[0]]}); no checkpoint written"
             )
 
-    def save(self, step: int) -> str:
-        """Write ``step-N`` (collective); returns its path once it is complete on disk."""
+    def save(self, step: int, *, block: bool = True) -> None:
+        """Write ``step-N`` (collective); with ``block``, it is complete on disk on return.
+
+        The time training waits for it is appended to ``stalls`` (an asynchronous save's wait for
+        its writes, where training has to wait, is added to its own entry).
+        """
+        self.wait()
         t0 = time.perf_counter()
         final = checkpoint.step_dir(self.cfg.save_dir, step)
         tmp = final + ".tmp"
@@ -115,14 +127,53 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier(group=self.group)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=self.group)
+        writer = dcp.FileSystemWriter(tmp)
+        if self.async_group is None:
+            dcp.save(state, storage_writer=writer, process_group=self.group)
+            self._publish(tmp, final, step)
+            dist.barrier(group=self.group)
+        else:
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
+            self.pending = (future, tmp, final, step)
+        self.stalls.append(round(time.perf_counter() - t0, 4))
+        if block:
+            self.wait()
+
+    def poll(self) -> None:
+        """Between steps: finish an asynchronous save whose writes are done (no collective)."""
+        if self.pending is not None and self.pending[0].done():
+            self._collect()
+
+    def wait(self) -> None:
+        """Let an asynchronous save in flight finish; on return it is complete on disk."""
+        if self.async_group is None:
+            return
+        t0 = time.perf_counter()
+        waited = self.pending is not None
+        if waited:
+            self._collect()
+        # Every rank calls wait at the same points, pending or not, so this barrier pairs up.
+        dist.barrier(group=self.group)
+        if waited:
+            self.stalls[-1] = round(self.stalls[-1] + time.perf_counter() - t0, 4)
+
+    def _collect(self) -> None:
+        """The asynchronous save's writes are done (or failed: raise): publish it.
+
+        DCP's coordinator (rank 0) writes ``.metadata`` after every rank's data, so once rank 0's
+        save has returned the checkpoint is whole, whatever the other ranks are doing.
+        """
+        future, *written = self.pending
+        self.pending = None
+        future.result()  # raises what the writer thread raised
+        self._publish(*written)
+
+    def _publish(self, tmp: str, final: str, step: int) -> None:
+        """Rank 0 adds bundle.json and renames step-N.tmp to step-N; older ones are pruned."""
         if self.rank == 0:
             checkpoint.publish(tmp, final, {**self.settings, "step": step})
             checkpoint.prune(self.cfg.save_dir, self.cfg.keep)
-        dist.barrier(group=self.group)
-        self.stalls.append(round(time.perf_counter() - t0, 4))
         self.last_saved = final
-        return final
 
     # -- resuming ----------------------------------------------------------------------------
 

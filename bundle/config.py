@@ -145,6 +145,7 @@ class CheckpointConfig:
     save_every: int = 0  # 0: at the end of every epoch
     keep: int = 3
     resume: str | None = None  # "auto", a step-N directory, or None: start fresh
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         _positive("--save-every", self.save_every, 0)

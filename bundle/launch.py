@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -318,7 +319,9 @@ def torchrun_env() -> dict[str, str] | None:
     return {k: os.environ[k] for k in keys}
 
 
-def run_torchrun(cfg: RunConfig, topo: Topology, env: dict[str, str], resume: str | None) -> int:
+def run_torchrun(
+    cfg: RunConfig, topo: Topology, env: dict[str, str], resume: str | None
+) -> NoReturn:
     """One worker of a torchrun job; torchrun's own restarts (``--max-restarts``) resume with
     ``--resume auto``, and ``TORCHELASTIC_RESTART_COUNT`` numbers the attempt."""
     if int(env["WORLD_SIZE"]) != topo.world_size:
@@ -327,7 +330,7 @@ def run_torchrun(cfg: RunConfig, topo: Topology, env: dict[str, str], resume: st
             env["WORLD_SIZE"],
             f"shape {','.join(map(str, topo.shape))} x {topo.num_bundles} bundle(s) needs {topo.world_size} processes",
         )
-    return worker_main(
+    code = worker_main(
         cfg,
         topo,
         int(env["RANK"]),
@@ -337,3 +340,8 @@ def run_torchrun(cfg: RunConfig, topo: Topology, env: dict[str, str], resume: st
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         resume=resume,
     )
+    # Leave as a self-spawned worker does, without interpreter teardown: it may destroy the store
+    # client while the abort-watch thread is inside a call on it (std::terminate, SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

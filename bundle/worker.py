@@ -30,13 +30,16 @@ def make_topology(cfg: RunConfig) -> Topology:
     )
 
 
-def _groups(topo: Topology, coord: Coord, strategy: str) -> dict:
+def _groups(topo: Topology, coord: Coord, strategy: str, *, async_save: bool) -> dict:
     """Create every group on every rank in the same order (new_group is collective).
 
     ``control`` spans the job on gloo whatever the training backend: the per-step stop vote and
     checkpoint coordination (CPU tensors, pickled plans) run there, apart from the training traffic.
+    ``async`` does the same for the writes of asynchronous saves, which run in a thread of their own.
     """
     mine: dict = {"control": dist.new_group(backend="gloo")}
+    if async_save:
+        mine["async"] = dist.new_group(backend="gloo")
     for s in range(topo.num_stages):
         g = dist.new_group(list(topo.stage_group(s)))
         if s == coord.stage:
@@ -115,7 +118,7 @@ def build_session(
     stage = stages[coord.stage].to(device)
     del stages
     arrive("model built")
-    groups = _groups(topo, coord, cfg.parallel.grad_sync)
+    groups = _groups(topo, coord, cfg.parallel.grad_sync, async_save=cfg.checkpoint.async_save)
     sync = _make_sync(cfg, topo, coord, stage, groups, device)
     transport = Transport(
         topo=topo,
@@ -203,6 +206,7 @@ def make_checkpointer(cfg: RunConfig, topo: Topology, rank: int, session: Sessio
         stage_group=session.groups["stage"],
         settings=settings(cfg, session),
         steps_per_epoch=data.steps_per_epoch(len(session.splits.train), cfg.train.batch_size),
+        async_group=session.groups.get("async"),
     )
 
 
@@ -289,10 +293,11 @@ def run(
             summary.update(val_accuracy=acc, val_samples=seen)
             report.evaluated(done, acc, seen)
         signum = vote.decided()
+        saver.poll()
         if saver.due(done, total, stopping=bool(signum)):
             report.flush(done)
             runner.where = f"checkpoint after step {done}"
-            saver.save(done)
+            saver.save(done, block=bool(signum) or done == total)
         if signum and done < total:
             raise Stopped(signum, done, saver.last_saved)
     elapsed = time.perf_counter() - t_start
