@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from bundle import checkpoint, log
 from bundle.config import RunConfig
-from bundle.errors import LaunchError
+from bundle.errors import LaunchError, PeerFailure
 from bundle.launch import (
     attempt_prefix,
     exchange_config,
@@ -38,6 +38,7 @@ from bundle.launch import (
     post_abort,
     read_abort,
     spawned,
+    store_barrier,
 )
 from bundle.preemption import StopRequest, exit_code, stop_line
 from bundle.topology import Topology
@@ -71,10 +72,9 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
 
     stop = StopRequest(shared=ctx.Value("i", 0, lock=False))
     stop.install(on_second=kill_now)
-    beats: dict[int, tuple[int, float]] = {}
     try:
         for attempt in range(lc.max_restarts + 1):
-            outcome, detail = _attempt(cfg, topo, store, ctx, attempt, resume, stop, running, beats)
+            outcome, detail = _attempt(cfg, topo, store, ctx, attempt, resume, stop, running)
             if outcome == "done":
                 return 0
             if outcome == "stopped" or stop.value:
@@ -87,7 +87,12 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
                 f"attempt {attempt + 1} failed: {detail}; restart {attempt + 1} of "
                 f"{lc.max_restarts} from the newest checkpoint"
             )
-            _rejoin(store, attempt, topo.num_nodes, lc.init_timeout, node, beats)
+            try:  # every node has stopped this attempt's workers: no one starts the next alone
+                restart = f"{attempt_prefix(attempt)}/restart"
+                store_barrier(store, restart, topo.num_nodes, lc.init_timeout)
+            except PeerFailure as exc:
+                logger.error(f"job failed: {detail}; no restart: {exc}")
+                return 1
             resume, notes = checkpoint.resolve(
                 "auto" if cfg.checkpoint.save_dir else None, cfg.checkpoint.save_dir
             )
@@ -102,7 +107,7 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
         return 1
 
 
-def _attempt(cfg, topo, base, ctx, attempt, resume, stop, running, beats) -> tuple[str, object]:
+def _attempt(cfg, topo, base, ctx, attempt, resume, stop, running) -> tuple[str, object]:
     """Run one attempt of this node's workers: ("done", None), ("stopped", signum) or ("failed", why)."""
     lc = cfg.launch
     node, logger = lc.node_rank, log.get()
@@ -127,6 +132,7 @@ def _attempt(cfg, topo, base, ctx, attempt, resume, stop, running, beats) -> tup
         + (f", attempt {attempt + 1}" if attempt else "")
     )
     failure, stopped = None, 0
+    beats: dict[int, tuple[int, float]] = {}
     stop_codes = {exit_code(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         live = dict(procs)
@@ -167,20 +173,6 @@ def _stopped(cfg: RunConfig, signum: int) -> int:
     step = checkpoint.read_info(path)["step"] if path else "?"
     print(stop_line(signum, step, path, sys.argv[1:], "python"), file=sys.stderr, flush=True)
     return exit_code(signum)
-
-
-def _rejoin(store, attempt: int, nodes: int, timeout: float, node: int, beats) -> None:
-    """Wait until every node has stopped this attempt's workers, so no one starts the next alone."""
-    key = f"{attempt_prefix(attempt)}/stopped"
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout
-    while (back := store.add(key, 0)) < nodes:
-        if time.monotonic() > deadline:
-            raise LaunchError(
-                f"only {back} of {nodes} nodes were ready to restart within {timeout:.0f}s"
-            )
-        store.add(f"bundle/hb/{node}", 1)
-        time.sleep(_POLL_S)
 
 
 def _heartbeat(

@@ -47,6 +47,19 @@ def start(*args, **kw) -> subprocess.Popen:
     )
 
 
+def start_logged(log, *args, **kw) -> subprocess.Popen:
+    """A long run: stderr goes to the file ``log`` (a pipe nobody reads would fill and block it)."""
+    with open(log, "w") as err_file:
+        return subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            start_new_session=True,
+            **kw,
+        )
+
+
 def finish(p: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:
     try:
         out, err = p.communicate(timeout=timeout)
@@ -153,29 +166,21 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
 def test_a_dead_or_stalled_worker_ends_the_job_with_a_clear_error(sig, tmp_path):
     metrics, log = tmp_path / "m.jsonl", tmp_path / "err.log"
-    with open(log, "w") as err_file:
-        p = subprocess.Popen(
-            [
-                sys.executable,
-                "main.py",
-                *SMALL,
-                "--itr",
-                "100000",
-                "--bundle-shape",
-                "1,2",
-                "--timeout",
-                "5",
-                "--portNum",
-                str(free_port()),
-                "--metrics-out",
-                str(metrics),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=err_file,
-            text=True,
-            start_new_session=True,
-        )
+    p = start_logged(
+        log,
+        "main.py",
+        *SMALL,
+        "--itr",
+        "100000",
+        "--bundle-shape",
+        "1,2",
+        "--timeout",
+        "5",
+        "--portNum",
+        str(free_port()),
+        "--metrics-out",
+        str(metrics),
+    )
     try:
         _wait_for(lambda: "(pids " in log.read_text(), 120, "the workers to start")
         workers = [int(x) for x in log.read_text().split("(pids ")[1].split(")")[0].split(", ")]

@@ -10,15 +10,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from bundle.localworld import free_port
-from tests.test_e2e import ROOT, SMALL, finish, image_folder, start
+from tests.test_e2e import SMALL, finish, image_folder, start, start_logged
 
 pytestmark = pytest.mark.slow
 
@@ -96,106 +94,66 @@ def test_a_killed_worker_restarts_from_the_checkpoint_bit_identical(
     print(f"\nkill-and-recover run: {time.monotonic() - t0:.1f}s")
 
 
-def test_sigterm_saves_exits_143_and_resumes_bit_identical(tmp_path):
+def stop_during_training(sig, tmp_path, *args, to_group=False) -> tuple[int, str]:
+    """Start a long run, send ``sig`` once its first checkpoint exists; its exit code and stderr."""
     save_dir, log = tmp_path / "ckpt", tmp_path / "err.log"
-    long_run = [*SMALL, "--bundle-shape", "1,2", "--save-every", "5", "--save-dir", str(save_dir)]
-    with open(log, "w") as err_file:
-        p = subprocess.Popen(
-            [
-                sys.executable,
-                "main.py",
-                *long_run,
-                "--itr",
-                "1000000",
-                "--portNum",
-                str(free_port()),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=err_file,
-            start_new_session=True,
-        )
+    p = start_logged(log, "main.py", *args, "--itr", "1000000", "--save-dir", str(save_dir))
     try:
         deadline = time.monotonic() + 120
         while not any(save_dir.glob("step-*")):  # a checkpoint exists: training is under way
             assert p.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        os.kill(p.pid, signal.SIGTERM)
+        (os.killpg if to_group else os.kill)(p.pid, sig)
         code = p.wait(timeout=60)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     err = log.read_text()
+    assert "Traceback" not in err, err
+    return code, err
+
+
+def test_sigterm_saves_exits_143_and_resumes_bit_identical(tmp_path):
+    long_run = [*SMALL, "--bundle-shape", "1,2", "--save-every", "5", "--portNum", str(free_port())]
+    code, err = stop_during_training(signal.SIGTERM, tmp_path, *long_run)
     assert code == 143, err
     line = [ln for ln in err.splitlines() if ln.startswith("stopped by SIGTERM after step")]
     assert len(line) == 1, err
     stopped_at = int(line[0].split("after step ")[1].split(";")[0])
-    path = save_dir / f"step-{stopped_at}"
+    path = tmp_path / "ckpt" / f"step-{stopped_at}"
     assert f"checkpoint {path}; resume with: python main.py" in line[0]
     assert line[0].endswith("--resume auto") and (path / ".metadata").exists()
-    assert "Traceback" not in err
     # Resume to a few steps past the stop; the same run uninterrupted must end identical.
     total = str(stopped_at + 4)
-    port = str(free_port())
-    code, _, err = finish(
-        start(
-            "main.py",
-            *long_run,
-            "--itr",
-            total,
-            "--resume",
-            "auto",
-            "--checkpoint",
-            str(tmp_path / "resumed.pt"),
-            "--portNum",
-            port,
+    for name, extra in (("resumed", ["--resume", "auto"]), ("straight", [])):
+        save_dir = tmp_path / ("ckpt" if extra else "other")
+        code, _, err = finish(
+            start(
+                "main.py",
+                *long_run,
+                "--itr",
+                total,
+                "--save-dir",
+                str(save_dir),
+                "--checkpoint",
+                str(tmp_path / f"{name}.pt"),
+                *extra,
+            )
         )
-    )
-    assert code == 0 and f"resumed from {path}" in err, err
-    code, _, err = finish(
-        start(
-            "main.py",
-            *long_run[:-1],
-            str(tmp_path / "other"),
-            "--itr",
-            total,
-            "--checkpoint",
-            str(tmp_path / "straight.pt"),
-            "--portNum",
-            port,
-        )
-    )
-    assert code == 0, err
+        assert code == 0, err
+        assert f"resumed from {path}" in err or not extra, err
     assert_identical(tmp_path / "straight.pt", tmp_path / "resumed.pt")
 
 
 def test_sigint_to_the_process_group_stops_with_130(tmp_path):
     """Ctrl-C reaches the supervisor and every worker at once: still one stop, one checkpoint."""
-    save_dir = tmp_path / "ckpt"
-    p = start(
-        "main.py",
-        *SMALL,
-        "--itr",
-        "1000000",
-        "--save-every",
-        "5",
-        "--save-dir",
-        str(save_dir),
-        "--portNum",
-        str(free_port()),
-    )
-    deadline = time.monotonic() + 120
-    while not any(save_dir.glob("step-*")):
-        assert p.poll() is None and time.monotonic() < deadline
-        time.sleep(0.2)
-    os.killpg(p.pid, signal.SIGINT)
-    code, _, err = finish(p, 60)
-    assert code == 130, err
-    assert "stopped by SIGINT after step" in err and "Traceback" not in err, err
+    args = [*SMALL, "--save-every", "5", "--portNum", str(free_port())]
+    code, err = stop_during_training(signal.SIGINT, tmp_path, *args, to_group=True)
+    assert code == 130 and "stopped by SIGINT after step" in err, err
     from bundle import checkpoint
 
-    newest, skipped = checkpoint.latest(str(save_dir))
+    newest, skipped = checkpoint.latest(str(tmp_path / "ckpt"))
     assert newest is not None and not skipped
     assert f"checkpoint {newest};" in err
 
