@@ -30,6 +30,7 @@ import re
 import shutil
 import sys
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -255,7 +256,9 @@ def export(path: str, out: str) -> None:
         for k, (shape, dtype) in entries(path).items()
         if k.startswith("model.")
     }
-    dcp.load(want, storage_reader=SafeReader(path), no_dist=True)
+    with warnings.catch_warnings():  # one process on purpose: no "assuming single process" note
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(want, storage_reader=SafeReader(path), no_dist=True)
     save(out, {k.removeprefix("model."): v for k, v in want.items()})
 
 

@@ -135,6 +135,13 @@ class LaunchConfig:
         if self.init_timeout <= 0:
             raise ConfigError("--init-timeout", self.init_timeout, "must be > 0 seconds")
         _positive("--max-restarts", self.max_restarts, 0)
+        if self.torchrun and self.max_restarts:
+            raise ConfigError(
+                "--max-restarts",
+                self.max_restarts,
+                "under torchrun, restarts are torchrun's: torchrun --max-restarts N ... main.py "
+                "--save-dir DIR --resume auto",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

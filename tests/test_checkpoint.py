@@ -16,6 +16,9 @@ from bundle import checkpoint
 from bundle.errors import CheckpointError, ConfigError
 from bundle.preemption import parse_fault, resume_command, stop_line
 
+# The files are written and read in this one process on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 
 def write(save_dir, step: int, state: dict | None = None, *, complete: bool = True) -> str:
     """A step-N directory as the engine writes it (one process, no process group)."""
@@ -154,3 +157,9 @@ def test_unwritable_paths_are_exit_2_before_start(tmp_path, flag, capsys):
 def test_resume_auto_needs_a_save_dir():
     with pytest.raises(ConfigError, match="--resume"):
         main.parse(["--resume", "auto"], env={})
+
+
+def test_max_restarts_under_torchrun_points_to_torchrun():
+    env = {"RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    with pytest.raises(ConfigError, match="torchrun --max-restarts N"):
+        main.parse(["--max-restarts", "1"], env=env)
