@@ -61,8 +61,8 @@ def _train(cfg: RunConfig, rank: int, resume: str | None, until: int):
 def _save(rank: int, world: int, save_dir: str):
     cfg = _cfg((2, 1), 2, "flat", SAVED_AT, save_dir)
     session, saver, _, _ = _train(cfg, rank, None, SAVED_AT)
-    path = saver.save(SAVED_AT)
-    return path, _state(session)
+    saver.save(SAVED_AT)
+    return saver.last_saved, _state(session)
 
 
 def _resume(rank: int, world: int, target: str, path: str, save_dir: str):
