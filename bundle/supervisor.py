@@ -99,11 +99,10 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
             for note in notes:
                 logger.warning(note)
         return 1
-    except (RuntimeError, LaunchError) as exc:  # the store's host (node 0) is gone
-        logger.error(
-            f"job failed: lost contact with node 0 (the job's store at {lc.master_addr}:"
-            f"{lc.master_port}): {exc}"
-        )
+    except (RuntimeError, LaunchError) as exc:  # a store call failed: its host, node 0, is gone
+        store_at = f"the job's store at {lc.master_addr}:{lc.master_port}"
+        lost = f"lost contact with node 0 ({store_at})" if node else store_at
+        logger.error(f"job failed: {lost}: {exc}")
         return 1
 
 
