@@ -78,18 +78,19 @@ class Progress:
         path: str | None,
         group,
         reporting: bool,
+        device: torch.device,
         start: int = 0,
     ) -> None:
         self.log_every, self.total, self.batch = log_every, total, batch
         self.group, self.reporting = group, reporting
         self.metrics = MetricsFile(path if reporting else None, start=start)
         self.meter = Meter()
-        self.window, self.steps = torch.zeros(()), 0
+        self.window, self.steps = torch.zeros((), device=device), 0
         self.final_loss: float | None = None
 
     def step(self, done: int, loss) -> None:
         """After step ``done`` (1-based): add this replica's share of the loss."""
-        self.window = self.window.to(loss.device) + loss
+        self.window += loss
         self.steps += 1
         self.meter.step(self.batch)
         if done % self.log_every == 0 or done == self.total:

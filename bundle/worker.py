@@ -258,6 +258,7 @@ def run(
         path=cfg.metrics_out,
         group=session.last_group,
         reporting=rank == reporter,
+        device=device,
         start=start,
     )
     vote = StopVote(stop or StopRequest(), session.groups["control"], cfg.launch.timeout)

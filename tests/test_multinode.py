@@ -107,6 +107,14 @@ def _run_two_nodes(hosts: NetnsPair, node_argv, tmp_path: Path, label: str) -> N
         pytest.fail(f"nodes did not both exit 0 within {NODE_TIMEOUT:.0f}s:\n{outputs}")
 
 
+def _original_flags(hosts: NetnsPair, node: int) -> list[str]:
+    """The original launch flags of node ``node``, one process per host, master on host A."""
+    return [
+        "--world-size", "2", "--nproc-per-node", "1",
+        "--IP", hosts.addr_a, "--portNum", str(PORT), "--rank", str(node),
+    ]  # fmt: skip
+
+
 def _check_against_reference(ckpt: Path, argv: list[str]) -> None:
     assert ckpt.exists(), "rank 0 wrote no checkpoint"
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
@@ -124,13 +132,9 @@ def test_two_hosts_match_single_process(case, tmp_path):
     ckpt = tmp_path / "model.pt"
     argv = [*CASES[case], *TRAIN, "--checkpoint", str(ckpt)]
     with NetnsPair() as hosts:
-        launch = [
-            "--world-size", "2", "--nproc-per-node", "1",
-            "--IP", hosts.addr_a, "--portNum", str(PORT),
-        ]  # fmt: skip
         _run_two_nodes(
             hosts,
-            lambda node: [sys.executable, str(MAIN), *argv, *launch, "--rank", str(node)],
+            lambda node: [sys.executable, str(MAIN), *argv, *_original_flags(hosts, node)],
             tmp_path,
             case,
         )
@@ -174,13 +178,9 @@ def test_two_hosts_recover_from_a_killed_worker_on_host_b(tmp_path):
     recovery = ["--save-dir", str(tmp_path / "ckpt"), "--save-every", "1", "--max-restarts", "1"]
     faulty = ["env", "BUNDLE_FAULT=1:3", sys.executable, str(MAIN), *argv, *recovery]
     with NetnsPair() as hosts:
-        launch = [
-            "--world-size", "2", "--nproc-per-node", "1",
-            "--IP", hosts.addr_a, "--portNum", str(PORT),
-        ]  # fmt: skip
         _run_two_nodes(
             hosts,
-            lambda node: [*faulty, *launch, "--rank", str(node)],
+            lambda node: [*faulty, *_original_flags(hosts, node)],
             tmp_path,
             "recovery",
         )
