@@ -51,6 +51,7 @@ class Checkpointer:
         settings: dict,
         steps_per_epoch: int,
         async_group: dist.ProcessGroup | None = None,
+        extra: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.cfg, self.topo, self.coord, self.rank = cfg, topo, coord, rank
         self.stage, self.optimizer, self.group = stage, optimizer, group
@@ -60,6 +61,8 @@ class Checkpointer:
         self.every = cfg.save_every or steps_per_epoch
         self.canonical = coord.bundle == 0 and coord.replica == 0
         self.async_group = async_group
+        # Entries the same on every rank (the loss scale), saved and restored in place.
+        self.extra = extra or {}
         self.pending: tuple | None = None  # an asynchronous save in flight
         self.stalls: list[float] = []
         self.last_saved: str | None = None
@@ -85,6 +88,7 @@ class Checkpointer:
                     out[f"optim.{name}.{key}"] = value
         for name, b in self._buffers().items():
             out[self._buffer_key(name)] = b
+        out.update(self.extra)
         return out
 
     # -- saving ------------------------------------------------------------------------------
@@ -196,6 +200,8 @@ class Checkpointer:
         for name, b in self._buffers().items():
             mine = self._buffer_key(name)
             want[mine if same_layout and mine in stored else f"model.{name}"] = b
+        # A checkpoint of a run without them (another precision) leaves their initial values.
+        want.update({k: v for k, v in self.extra.items() if k in stored})
         missing = sorted(k for k in want if k not in stored)
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} entries, e.g. {missing[:3]}")

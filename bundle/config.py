@@ -11,6 +11,8 @@ from bundle.schedule import SCHEDULES
 BACKENDS = ("auto", "nccl", "gloo")
 GRAD_SYNCS = ("flat", "hierarchical")
 DATASETS = ("digits", "imagefolder", "synthetic")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTES = ("never", "except-last", "always")
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -54,6 +56,26 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return sum(self.shape) * self.num_bundles
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeConfig:
+    """How each stage computes: precision, activation recompute, memory format, TF32."""
+
+    precision: str = "fp32"  # bf16/fp16: autocast with fp32 master weights and optimizer state
+    recompute: str = "never"  # activation checkpointing of each stage's blocks
+    channels_last: bool = False
+    tf32: bool = True  # CUDA only: fp32 matmuls and convolutions in TF32
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                "--precision", self.precision, f"choose one of: {', '.join(PRECISIONS)}"
+            )
+        if self.recompute not in RECOMPUTES:
+            raise ConfigError(
+                "--recompute", self.recompute, f"choose one of: {', '.join(RECOMPUTES)}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +139,7 @@ class LaunchConfig:
     init_timeout: float = 300.0
     torchrun: bool = False
     max_restarts: int = 0
+    share_gpus: bool = False  # testing: several nccl processes per GPU (round-robin)
 
     def __post_init__(self) -> None:
         _positive("--world-size", self.num_nodes)
@@ -171,6 +194,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
     metrics_out: str | None = None
 
     @property

@@ -24,6 +24,7 @@ import torch.nn as nn
 import yaml
 
 from bundle.errors import ConfigError, PartitionError
+from bundle.memory import run_recomputed
 from models import Block, apply_blocks
 from models import blocks as model_blocks
 
@@ -175,9 +176,15 @@ class Stage(nn.Module):
             raise PartitionError("a stage needs at least one block")
         self.names: tuple[str, ...] = tuple(name for name, _ in blocks)
         self.blocks = nn.ModuleList(module for _, module in blocks)
+        # Set by the runner per micro-batch: keep only each block's inputs, recompute the rest.
+        self.recompute = False
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = apply_blocks(list(zip(self.names, self.blocks, strict=True)), *inputs)
+        blocks = list(zip(self.names, self.blocks, strict=True))
+        if self.recompute and torch.is_grad_enabled():
+            out = run_recomputed(blocks, *inputs)
+        else:
+            out = apply_blocks(blocks, *inputs)
         return out if isinstance(out, tuple) else (out,)
 
     def full_name(self, name: str) -> str:

@@ -10,6 +10,8 @@ import models
 from bundle import partition
 from bundle.config import RunConfig
 from bundle.grad_sync import GradSync
+from bundle.partition import Stage
+from bundle.precision import LossScaler, Policy
 from bundle.schedule import Op, actions, peak_in_flight
 from bundle.topology import Coord, Topology, split_sizes
 from bundle.transport import Pending, TensorMeta, Transport
@@ -28,15 +30,16 @@ def build_stages(
 
 @torch.no_grad()
 def boundary_metas(
-    stages: list[nn.Module], input_shape: tuple[int, ...]
+    stages: list[nn.Module], input_shape: tuple[int, ...], policy: Policy
 ) -> list[tuple[TensorMeta, ...]]:
-    """Shapes and dtypes crossing each stage boundary, from one dummy row on the CPU, once."""
+    """What crosses each stage boundary: shapes from one dummy row on the CPU, once; dtype and
+    layout from the precision policy, which every rank holds alike."""
     modes = [s.training for s in stages]
     metas, x = [], (torch.zeros(1, *input_shape),)
     try:
         for s in stages[:-1]:
             x = s.eval()(*x)
-            metas.append(tuple(TensorMeta.of(t) for t in x))
+            metas.append(tuple(policy.boundary(TensorMeta.of(t)) for t in x))
     finally:
         for s, mode in zip(stages, modes, strict=True):
             s.train(mode)
@@ -61,9 +64,18 @@ class StageRunner:
         optimizer: torch.optim.Optimizer,
         schedule: str,
         device: torch.device,
+        stage: Stage,
+        policy: Policy | None = None,
+        scaler: LossScaler | None = None,
     ) -> None:
         self.topo, self.coord, self.sync, self.transport = topo, coord, sync, transport
-        self.optimizer, self.device = optimizer, device
+        self.optimizer, self.device, self.stage = optimizer, device, stage
+        self.policy, self.scaler = policy or Policy(device_type=device.type), scaler
+        self.recompute = [
+            self.policy.recomputes(k, topo.micro_batches) for k in range(topo.micro_batches)
+        ]
+        # Counts saved-for-backward bytes during steps when set (see bundle.memory.SavedBytes).
+        self.saved_bytes = None
         self.first = coord.stage == 0
         self.last = coord.stage == topo.num_stages - 1
         self.sizes = topo.micro_sizes(coord.bundle)
@@ -92,7 +104,13 @@ class StageRunner:
 
     def train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
         """One synchronous step; returns this replica's share of the global mean loss (last stage)."""
-        tp, sizes = self.transport, self.sizes
+        if self.saved_bytes is None:
+            return self._train_step(step, micro_data)
+        with self.saved_bytes.tracking():
+            return self._train_step(step, micro_data)
+
+    def _train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
+        tp, sizes, policy = self.transport, self.sizes, self.policy
         inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         grads: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -115,21 +133,26 @@ class StageRunner:
             if a.op is Op.RECV_ACT:
                 xs = acts_in.pop(k).wait()
                 self._post(acts_in, k + 1, tp.recv_act, act_slots)
-                # A fresh autograd leaf over the reused buffer, so gradients never accumulate
-                # across micro-batches or steps.
+                # A fresh autograd leaf over the reused buffer (in its wire form, so its gradient
+                # is too), so gradients never accumulate across micro-batches or steps.
                 inputs[k] = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
             elif a.op is Op.FORWARD:
                 if self.first:
-                    inputs[k] = (micro_data[k][0].to(self.device, non_blocking=True),)
-                with self.sync.no_sync():
-                    out = self.sync.module(*inputs[k])
+                    xs = (policy.prepare_input(micro_data[k][0], self.device),)
+                    inputs[k] = xs
+                else:
+                    xs = tuple(m.from_wire(x) for m, x in zip(tp.in_meta, inputs[k], strict=True))
+                self.stage.recompute = self.recompute[k]
+                with self.sync.no_sync(), policy.autocast():
+                    out = self.sync.module(*xs)
                 if self.last:
                     labels = micro_data[k][1].to(self.device, non_blocking=True)
-                    loss = F.cross_entropy(out[0], labels, reduction="sum") * self.inv_batch
+                    # The loss in fp32, outside autocast.
+                    loss = F.cross_entropy(out[0].float(), labels, reduction="sum") * self.inv_batch
                     loss_sum += loss.detach()
-                    outputs[k] = (loss,)
+                    outputs[k] = (self.scaler.scaled(loss) if self.scaler else loss,)
                 else:
-                    outputs[k] = tuple(o.contiguous() for o in out)
+                    outputs[k] = tuple(m.to_wire(o) for m, o in zip(tp.out_meta, out, strict=True))
                 self.peak_in_flight = max(self.peak_in_flight, len(outputs))
             elif a.op is Op.SEND_ACT:
                 sends.append(tp.send_act(sizes[k], outputs[k]))
@@ -158,17 +181,28 @@ class StageRunner:
             p.wait()
         self.sync.finish()
         self._at = (step, "optimizer")
-        self.optimizer.step()
+        if self.scaler is None or self.scaler.unscale_and_agree(self.stage.parameters()):
+            self.optimizer.step()
         self.sync.zero_grad(self.optimizer)
         return loss_sum
 
     @torch.no_grad()
     def eval_batch(self, rows: int, micro: MicroBatch | None) -> torch.Tensor:
         """Forward-only pass of one bundle batch of ``rows`` rows; returns [correct, total] (last stage)."""
-        xs = (micro[0].to(self.device),) if self.first else self.transport.recv_act(rows).wait()
-        out = self.sync.module(*xs)
+        tp, policy = self.transport, self.policy
+        if self.first:
+            xs = (policy.prepare_input(micro[0], self.device),)
+        else:
+            xs = tuple(
+                m.from_wire(x) for m, x in zip(tp.in_meta, tp.recv_act(rows).wait(), strict=True)
+            )
+        self.stage.recompute = False
+        with policy.autocast():
+            out = self.sync.module(*xs)
         if not self.last:
-            self.transport.send_act(rows, tuple(o.contiguous() for o in out)).wait()
+            tp.send_act(
+                rows, tuple(m.to_wire(o) for m, o in zip(tp.out_meta, out, strict=True))
+            ).wait()
             return torch.zeros(2, dtype=torch.float64, device=self.device)
         labels = micro[1].to(self.device)
         correct = (out[0].argmax(dim=1) == labels).sum().to(torch.float64)

@@ -1,8 +1,10 @@
 """Point-to-point activations forward and gradients backward between stages of any widths.
 
 Each replica sends exactly the rows its peer owns (the topology's row plan): no padding, no relay
-through a master, no host copy on the GPU path. Several tensors may cross one boundary. Receives land in slices of one buffer per tensor, so the stage
-sees a contiguous tensor without a concatenation.
+through a master, no host copy on the GPU path. Several tensors may cross one boundary. Receives
+land in slices of one buffer per tensor, so the stage sees a contiguous tensor without a
+concatenation. Tensors travel in their wire form (``TensorMeta.to_wire``): the dtype and layout of
+the run's precision policy, the same on both sides by construction.
 """
 
 from __future__ import annotations
@@ -19,10 +21,17 @@ from bundle.topology import Topology, Transfer, split_ranges
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """Shape without the batch dimension, and dtype, of one tensor crossing a stage boundary."""
+    """One tensor crossing a stage boundary: shape without the batch dimension, dtype, layout.
+
+    ``channels_last`` images travel as NHWC rows (the bytes of a channels-last tensor, which is
+    not contiguous in torch's sense and which gloo refuses): the sender permutes to NHWC, which
+    copies nothing when the tensor is already channels-last, and the receiver sees its NHWC
+    buffer as an NCHW tensor in channels-last layout, again without a copy.
+    """
 
     tail: tuple[int, ...]
     dtype: torch.dtype
+    channels_last: bool = False
 
     @property
     def has_grad(self) -> bool:
@@ -31,6 +40,23 @@ class TensorMeta:
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
         return TensorMeta(tuple(t.shape[1:]), t.dtype)
+
+    def wire_shape(self, rows: int) -> tuple[int, ...]:
+        if self.channels_last:
+            c, h, w = self.tail
+            return (rows, h, w, c)
+        return (rows, *self.tail)
+
+    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor as it is sent: this dtype, contiguous in this layout (differentiable)."""
+        t = t.to(self.dtype)
+        if self.channels_last:
+            return t.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1)
+        return t.contiguous()
+
+    def from_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """A received (or sent) wire tensor as the stage sees it."""
+        return t.permute(0, 3, 1, 2) if self.channels_last else t
 
 
 @dataclass(frozen=True)
@@ -59,6 +85,20 @@ class Pending:
             ) from exc
         self.works = []
         return self.tensors
+
+
+def _check_wire(
+    tensors: tuple[torch.Tensor, ...], meta: tuple[TensorMeta, ...], rows: int, peers: str
+) -> None:
+    """A send must match the receiver's buffers exactly: the wire moves bytes, not values."""
+    ok = len(tensors) == len(meta) and all(
+        t.dtype == m.dtype and tuple(t.shape) == m.wire_shape(rows) and t.is_contiguous()
+        for t, m in zip(tensors, meta, strict=False)
+    )
+    if not ok:
+        got = [(tuple(t.shape), t.dtype, t.is_contiguous()) for t in tensors]
+        want = [(m.wire_shape(rows), m.dtype, True) for m in meta]
+        raise TypeError(f"send to {peers}: tensors {got} do not match the boundary {want}")
 
 
 class Transport:
@@ -110,7 +150,7 @@ class Transport:
         if key not in self._buffers:
             lo, hi = self._plan(direction, rows).rows
             self._buffers[key] = tuple(
-                torch.empty((hi - lo, *m.tail), dtype=m.dtype, device=self.device) for m in meta
+                torch.empty(m.wire_shape(hi - lo), dtype=m.dtype, device=self.device) for m in meta
             )
         return self._buffers[key]
 
@@ -131,6 +171,7 @@ class Transport:
                 ops += [dist.P2POp(dist.irecv, b[t.start - lo : t.stop - lo], peer) for b in bufs]
         else:
             bufs = ()
+            _check_wire(send, meta, hi - lo, plan.peer_text)
             for t, peer in plan.peers:
                 ops += [dist.P2POp(dist.isend, x[t.start - lo : t.stop - lo], peer) for x in send]
         works = dist.batch_isend_irecv(ops) if ops else []

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bundle import checkpoint, data, log
+from bundle import checkpoint, data, log, precision
 from bundle.checkpointer import Checkpointer
 from bundle.config import RunConfig
 from bundle.errors import DataError
 from bundle.grad_sync import FlatSync, GradSync, HierarchicalSync
 from bundle.metrics import Progress
+from bundle.precision import Policy
 from bundle.preemption import Stopped, StopRequest, StopVote, maybe_fail
 from bundle.topology import Coord, Topology
 from bundle.trainer import StageRunner, boundary_metas, build_stages, eval_rows
@@ -109,14 +110,17 @@ def build_session(
     S = topo.num_stages
     splits = data.load(cfg.data, cfg.train.seed)
     stages = build_stages(cfg, S, splits.input_shape, splits.num_classes)
-    metas = boundary_metas(stages, splits.input_shape)
+    policy = Policy.of(cfg.compute, device)
+    metas = boundary_metas(stages, splits.input_shape, policy)
     layout = {
         "shape": list(topo.shape),
         "num_bundles": topo.num_bundles,
         "stages": [s.names[0] for s in stages],
     }
-    stage = stages[coord.stage].to(device)
+    stage = policy.prepare_stage(stages[coord.stage].to(device))
     del stages
+    if device.type == "cuda":
+        precision.set_tf32(cfg.compute.tf32)
     arrive("model built")
     groups = _groups(topo, coord, cfg.parallel.grad_sync, async_save=cfg.checkpoint.async_save)
     sync = _make_sync(cfg, topo, coord, stage, groups, device)
@@ -144,6 +148,10 @@ def build_session(
         optimizer=optimizer,
         schedule=cfg.parallel.schedule,
         device=device,
+        stage=stage,
+        policy=policy,
+        # The skip decision spans the job: the default group holds every rank.
+        scaler=policy.make_scaler(device),
     )
     arrive("ready to train")
     return Session(runner, stage, splits, coord, groups, optimizer, layout)
@@ -207,6 +215,7 @@ def make_checkpointer(cfg: RunConfig, topo: Topology, rank: int, session: Sessio
         settings=settings(cfg, session),
         steps_per_epoch=data.steps_per_epoch(len(session.splits.train), cfg.train.batch_size),
         async_group=session.groups.get("async"),
+        extra=session.runner.scaler.state() if session.runner.scaler else None,
     )
 
 
@@ -266,8 +275,8 @@ def run(
         log.get().info(
             f"training {cfg.model.name}: shape {','.join(map(str, topo.shape))} x {topo.num_bundles} bundle(s), "
             f"{topo.world_size} processes, batch {B} in {topo.micro_batches} micro-batch(es), "
-            f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync, steps {start + 1}..{total} "
-            f"({spe}/epoch)"
+            f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync, {precision.describe(cfg.compute)}, "
+            f"steps {start + 1}..{total} ({spe}/epoch)"
         )
     summary: dict = {}
     t_start = time.perf_counter()
@@ -326,8 +335,13 @@ def run(
         grad_sync=cfg.parallel.grad_sync,
         model=cfg.model.name,
         peak_in_flight=runner.peak_in_flight,
+        precision=cfg.compute.precision,
+        recompute=cfg.compute.recompute,
+        channels_last=cfg.compute.channels_last,
         final_loss=report.final_loss,
     )
+    if runner.scaler is not None:
+        summary.update(skipped_steps=runner.scaler.skipped, loss_scale=runner.scaler.scale)
     summary.setdefault("val_accuracy", None)
     report.metrics.write(summary)
     return summary

@@ -3,6 +3,15 @@
 For every shape x bundles x schedule x micro-batches x sync strategy, K steps of SGD with momentum
 and weight decay give the same parameters (1e-5) on every replica of every stage. Global batches
 are chosen so that bundle, micro-batch and replica row splits are uneven.
+
+Every shape also runs mixed precision against a single process under the same autocast (fp16
+with ``torch.amp.GradScaler``), and recompute against the same fp32 reference at 1e-5. Mixed
+precision cannot match to 1e-5: the hybrid rounds each micro-batch's (and each replica's) weight
+gradient to the compute dtype before the fp32 sum, where one process rounds once over the whole
+batch. Those differences are a few units of the dtype's roundoff ``u`` of each step's update, so
+the parameters must agree within ``8 u`` of how far training moved them (u = 2^-8 for bf16, 2^-11
+for fp16; measured: at most 1.4 u). A hybrid that did not compute in the dtype at all is caught by
+``_autocast_took_effect``: its distance from the fp32 reference must exceed the fp32 tolerance.
 """
 
 from __future__ import annotations
@@ -16,17 +25,38 @@ import torch.nn.functional as F
 
 import models
 from bundle import data
-from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from bundle.config import (
+    ComputeConfig,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
 from bundle.localworld import run_world
 from bundle.worker import build_session, make_topology, train_stream
 
 STEPS = 3
 TOL = 1e-5
 SHAPES = [(1,), (2,), (1, 1), (2, 1), (1, 2), (2, 3), (1, 1, 1), (2, 2, 1)]
-VARIANTS = list(itertools.product(("gpipe", "1f1b"), (1, 3), ("flat", "hierarchical")))
+# (schedule, micro-batches, sync, precision, recompute)
+VARIANTS = [
+    *(
+        (sch, m, sync, "fp32", "never")
+        for sch, m, sync in itertools.product(("gpipe", "1f1b"), (1, 3), ("flat", "hierarchical"))
+    ),
+    ("1f1b", 3, "flat", "bf16", "never"),
+    ("1f1b", 3, "hierarchical", "bf16", "except-last"),
+    ("gpipe", 3, "flat", "fp16", "never"),
+    ("1f1b", 3, "hierarchical", "fp32", "always"),
+]
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _config(shape, bundles, schedule, micro, sync, model) -> RunConfig:
+def _config(
+    shape, bundles, schedule, micro, sync, model, precision="fp32", recompute="never"
+) -> RunConfig:
     return RunConfig(
         parallel=ParallelConfig(
             shape=shape,
@@ -43,11 +73,15 @@ def _config(shape, bundles, schedule, micro, sync, model) -> RunConfig:
         train=TrainConfig(
             batch_size=23, steps=STEPS, lr=0.1, momentum=0.9, weight_decay=0.01, seed=7, eval=False
         ),
+        compute=ComputeConfig(precision=precision, recompute=recompute),
     )
 
 
-def reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
-    """One process, the unsplit model, the same global batches, mean loss over each batch."""
+def reference(cfg: RunConfig, steps: int | None = None) -> dict[str, torch.Tensor]:
+    """One process, the unsplit model, the same global batches, mean loss over each batch.
+
+    Mixed precision: the forward under the same autocast, the loss in fp32, fp16 through
+    ``torch.amp.GradScaler`` (the anchor Bundle's loss scaling follows)."""
     splits = data.load(cfg.data, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     model = models.build(
@@ -60,20 +94,26 @@ def reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
         weight_decay=cfg.train.weight_decay,
     )
     x, y = splits.train.tensors
-    for step in range(cfg.train.steps):
+    precision = cfg.compute.precision
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    for step in range(cfg.train.steps if steps is None else steps):
         idx = data.global_batch(len(y), cfg.train.batch_size, cfg.train.seed, step)
         opt.zero_grad()
-        F.cross_entropy(model(x[idx]), y[idx]).backward()
-        opt.step()
+        with torch.autocast("cpu", dtype=DTYPES.get(precision), enabled=precision in DTYPES):
+            out = model(x[idx])
+        scaler.scale(F.cross_entropy(out.float(), y[idx])).backward()
+        scaler.step(opt)
+        scaler.update()
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def _hybrid(rank: int, world: int, shape, bundles) -> list[str]:
     """Runs every variant in one world of processes; rank 0 returns the mismatches found."""
     failures, refs = [], {}
-    for schedule, micro, sync in VARIANTS:
+    for schedule, micro, sync, precision, recompute in VARIANTS:
         model = "skip_mlp" if len(shape) > 1 and micro == 3 else "mlp"
-        cfg = _config(shape, bundles, schedule, micro, sync, model)
+        cfg = _config(shape, bundles, schedule, micro, sync, model, precision, recompute)
+        name = f"{schedule} M={micro} {sync} {precision} recompute {recompute} {model}"
         topo = make_topology(cfg)
         session = build_session(cfg, topo, rank, torch.device("cpu"))
         batches = train_stream(session, topo, cfg.train.seed, STEPS, 0)
@@ -84,23 +124,32 @@ def _hybrid(rank: int, world: int, shape, bundles) -> list[str]:
         dist.gather_object((topo.coord(rank), mine), gathered, dst=0)
         if rank != 0:
             continue
-        if model not in refs:
-            refs[model] = reference(cfg)
-        ref = refs[model]
-        seen = set()
-        for coord, params in gathered:
-            for name, value in params.items():
-                seen.add(name)
-                err = (value - ref[name]).abs().max().item()
-                if err > TOL:
-                    failures.append(
-                        f"{schedule} M={micro} {sync} {model} {coord}: {name} off by {err:.2e}"
-                    )
-        if seen != set(ref):
-            failures.append(
-                f"{schedule} M={micro} {sync}: parameters not covered: {set(ref) - seen}"
+        for key in {(model, "fp32"), (model, precision), (model, "init")} - set(refs):
+            fp = "fp32" if key[1] == "init" else key[1]
+            refs[key] = reference(
+                _config((1,), 1, "gpipe", 1, "flat", model, fp), 0 if key[1] == "init" else None
             )
+        ref, init = refs[(model, precision)], refs[(model, "init")]
+        tol = TOL
+        if precision in UNIT_ROUNDOFF:
+            moved = max((ref[k] - init[k]).abs().max().item() for k in ref)
+            tol = 8 * UNIT_ROUNDOFF[precision] * moved
+        hybrid = {}
+        for coord, params in gathered:
+            for key, value in params.items():
+                hybrid.setdefault(key, value)
+                err = (value - ref[key]).abs().max().item()
+                if err > tol:
+                    failures.append(f"{name} {coord}: {key} off by {err:.2e} (tolerance {tol:.2e})")
+        if set(hybrid) != set(ref):
+            failures.append(f"{name}: parameters not covered: {set(ref) - set(hybrid)}")
+        elif precision != "fp32" and not _autocast_took_effect(hybrid, refs[(model, "fp32")]):
+            failures.append(f"{name}: matches the fp32 reference; the compute dtype was not used")
     return failures
+
+
+def _autocast_took_effect(hybrid: dict, fp32_ref: dict) -> bool:
+    return max((hybrid[k] - fp32_ref[k]).abs().max().item() for k in fp32_ref) > TOL
 
 
 @pytest.mark.slow

@@ -1,0 +1,100 @@
+"""Activation memory: recompute of a stage's blocks, and an exact count of what backward keeps.
+
+Recompute wraps each block in non-reentrant ``torch.utils.checkpoint``: the forward keeps only
+the block's inputs, and backward runs the block again to rebuild what it needs. Running a block
+again in training mode would update BatchNorm's running statistics a second time (pytorch issue
+96136), so the recomputation runs with ``track_running_stats`` off: it normalises with the same
+batch statistics and leaves the buffers (and ``num_batches_tracked``) alone.
+
+``SavedBytes`` counts, with ``saved_tensors_hooks``, the bytes of tensors saved for backward
+that are alive at once (storages counted once, parameters not at all): the activation memory of
+a schedule, exactly, without timing anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+
+from models import Block
+
+
+@contextlib.contextmanager
+def _statistics_frozen(norms: Sequence[_BatchNorm]) -> Iterator[None]:
+    saved = [m.track_running_stats for m in norms]
+    for m in norms:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m, flag in zip(norms, saved, strict=True):
+            m.track_running_stats = flag
+
+
+def run_recomputed(blocks: Sequence[Block], *inputs: torch.Tensor) -> torch.Tensor | tuple:
+    """Apply ``blocks`` in order, each one checkpointed (its inputs kept, the rest recomputed)."""
+    x: torch.Tensor | tuple = inputs if len(inputs) > 1 else inputs[0]
+    for _, block in blocks:
+        norms = [m for m in block.modules() if isinstance(m, _BatchNorm)]
+        args = x if isinstance(x, tuple) else (x,)
+        x = checkpoint(
+            block,
+            *args,
+            use_reentrant=False,
+            context_fn=lambda norms=norms: (contextlib.nullcontext(), _statistics_frozen(norms)),
+        )
+    return x
+
+
+class SavedBytes:
+    """Peak bytes of saved-for-backward tensors alive at once, while ``tracking()`` is entered."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._live: dict[int, int] = {}  # storage -> saved tensors holding it
+        self.current = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def _pack(self, t: torch.Tensor) -> _Held:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        held = _Held(t)
+        if key in self._params or t.device.type == "meta":
+            return held
+        count = self._live.get(key, 0)
+        self._live[key] = count + 1
+        if count == 0:
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        # Autograd drops the packed value when the saved tensor is freed (after its backward).
+        weakref.finalize(held, self._release, key, storage.nbytes())
+        return held
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._live[key] -= 1
+        if self._live[key] == 0:
+            del self._live[key]
+            self.current -= nbytes
+
+    def tracking(self) -> contextlib.AbstractContextManager:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _Held.unpack)
+
+
+class _Held:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    @staticmethod
+    def unpack(held: _Held) -> torch.Tensor:
+        return held.t
