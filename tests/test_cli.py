@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
+import typing
 
 import pytest
+import yaml
 
 import main
+from bundle import config as C
+from bundle import options
 from bundle.errors import ConfigError
 
 ROOT = main.__file__.rsplit("/", 1)[0]
@@ -101,13 +106,94 @@ def test_yaml_values_apply_and_the_command_line_wins(tmp_path):
 
 @pytest.mark.parametrize(
     "text, match",
-    [("bogus: 1\n", "bogus"), ("schedule: zigzag\n", "zigzag"), ("lr: fast\n", "fast")],
+    [
+        ("bogus: 1\n", "bogus"),
+        ("schedule: zigzag\n", "zigzag"),
+        ("lr: fast\n", "fast"),
+        ("precision: fp8\n", "precision"),
+        ("no-tf32: maybe\n", "no-tf32"),
+        ("batch-size: 3.5\n", "batch-size"),
+        ("lr: null\n", "lr"),
+    ],
 )
 def test_yaml_errors_name_the_key(tmp_path, text, match):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
         cfg(["--config", str(path)])
+
+
+def test_speed_and_memory_flags_fill_compute_and_launch():
+    c = cfg([])
+    assert c.compute == C.ComputeConfig(
+        precision="fp32", recompute="never", channels_last=False, tf32=True
+    )
+    assert c.launch.share_gpus is False
+    argv = ["--precision", "bf16", "--recompute", "except-last", "--channels-last", "--no-tf32"]
+    c = cfg([*argv, "--share-gpus"])
+    assert c.compute == C.ComputeConfig(
+        precision="bf16", recompute="except-last", channels_last=True, tf32=False
+    )
+    assert c.launch.share_gpus is True
+
+
+def test_speed_and_memory_yaml_keys(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "precision: fp16\nrecompute: always\nchannels_last: true\nno-tf32: true\nshare-gpus: true\n"
+    )
+    c = cfg(["--config", str(path), "--precision", "bf16"])
+    assert c.compute == C.ComputeConfig(
+        precision="bf16", recompute="always", channels_last=True, tf32=False
+    )
+    assert c.launch.share_gpus is True
+
+
+@pytest.mark.parametrize(
+    "argv", [["--precision", "fp8"], ["--recompute", "sometimes"], ["--no-tf32=yes"]]
+)
+def test_bad_speed_and_memory_flag_is_one_line_and_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cfg(argv)
+    assert exc.value.code == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("main.py: error:"), lines
+    assert argv[0].split("=")[0] in lines[0]
+
+
+# RunConfig fields no option fills, on purpose: set from torchrun's environment in to_config.
+NOT_OPTIONS = {"launch.torchrun"}
+
+
+def leaf_fields(cls: type, prefix: str = "") -> set[str]:
+    hints = typing.get_type_hints(cls)
+    out: set[str] = set()
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            out |= leaf_fields(kind, f"{prefix}{f.name}.")
+        else:
+            out.add(prefix + f.name)
+    return out
+
+
+def test_the_option_table_is_the_single_source(tmp_path):
+    # Unset options give exactly the dataclass defaults: no default is restated anywhere.
+    assert cfg([]) == C.RunConfig()
+    # Every field is some option's (or deliberately none), and no two options fill one field.
+    filled = [o.field for o in options.OPTIONS if o.field]
+    assert len(filled) == len(set(filled))
+    assert set(filled) | NOT_OPTIONS == leaf_fields(C.RunConfig)
+    assert not set(filled) & NOT_OPTIONS
+    # Every entry is in --help, and (but --config) a YAML key whose unset value is the default.
+    text = main.build_parser().format_help()
+    for opt in options.OPTIONS:
+        assert (opt.flag if opt.flag.startswith("-") else opt.metavar) in text, opt.flag
+    values = {opt.flag.lstrip("-"): opt.unset for opt in options.OPTIONS if opt.yaml}
+    assert [o.flag for o in options.OPTIONS if not o.yaml] == ["--config"]
+    path = tmp_path / "unset.yaml"
+    path.write_text(yaml.safe_dump(values))
+    assert cfg(["--config", str(path)]) == C.RunConfig()
 
 
 def test_help_is_grouped_and_lists_every_flag():
@@ -118,6 +204,7 @@ def test_help_is_grouped_and_lists_every_flag():
         "model and data",
         "launch",
         "configuration and output",
+        "speed and memory",
     ):
         assert f"{group}:" in text
     for flag in (
@@ -180,6 +267,8 @@ BAD = {
     "missing data dir": (["/nonexistent/data"], "does not exist"),
     "rank beyond world": (["--rank", "2", "--world-size", "2"], "--rank"),
     "bad schedule": (["--schedule", "zigzag"], "--schedule"),
+    "bad precision": (["--precision", "fp8"], "--precision"),
+    "channels-last on an MLP": (["--model", "mlp", "--channels-last"], "--channels-last"),
 }
 
 

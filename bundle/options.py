@@ -1,0 +1,267 @@
+"""Every command-line option, declared once: parser, YAML keys and RunConfig all derive from it."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import types
+import typing
+from dataclasses import KW_ONLY, dataclass
+from operator import attrgetter
+from typing import Any
+
+from bundle import config as C
+from bundle.errors import ConfigError
+
+_DEFAULTS = C.RunConfig()
+_FROM_FIELD: Any = object()  # an option's unset value is its field's dataclass default
+
+
+@functools.cache
+def _annotation(path: str) -> Any:
+    """The resolved type of a RunConfig field, ``"train.lr"`` -> ``float``."""
+    owner: Any = C.RunConfig
+    for name in path.split("."):
+        owner = typing.get_type_hints(owner)[name]
+    return owner
+
+
+def _scalar(annotation: Any) -> type:
+    """``str | None`` -> ``str``; ``tuple[int, ...]`` -> ``tuple``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (annotation,) = (a for a in typing.get_args(annotation) if a is not type(None))
+    return typing.get_origin(annotation) or annotation
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: its spelling, the RunConfig field it fills, and how --help shows it.
+
+    Type and unset value come from the field, so the dataclass stays the one place that knows
+    them. An option without a field (``--DP-ONLY``, ``--config``) is a mode that main.to_config
+    reads itself and names its own ``kind``.
+    """
+
+    group: str | None  # argparse group title; None: the parser's own (the positional)
+    flag: str  # names the argparse dest and the YAML key; without dashes: a positional
+    field: str | None  # "section.name" in RunConfig; None: a mode main.to_config reads
+    _: KW_ONLY
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    aliases: tuple[str, ...] = ()
+    negate: bool = False  # "--no-X": given sets the (bool) field to False
+    kind: type | None = None  # only for options without a field
+    default: Any = _FROM_FIELD  # only where unset must not be the field's default
+    yaml: bool = True  # accepted as a --config key
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """YAML keys, normalised to '_' (a file may spell them with '-' or '_')."""
+        return tuple(f.lstrip("-").replace("-", "_") for f in (self.flag, *self.aliases))
+
+    @property
+    def value_type(self) -> type:
+        return self.kind if self.field is None else _scalar(_annotation(self.field))
+
+    @property
+    def unset(self) -> Any:
+        """The value args holds when neither the command line nor YAML gives the option."""
+        if self.default is not _FROM_FIELD:
+            return self.default
+        if self.field is None:
+            return False if self.kind is bool else None
+        value = attrgetter(self.field)(_DEFAULTS)
+        if self.negate:
+            return not value
+        # A tuple field is spelled "1,1" on the command line, so its unset value is too.
+        return ",".join(map(str, value)) if isinstance(value, tuple) else value
+
+    def to_field(self, value: Any) -> Any:
+        if self.negate:
+            return not value
+        return C.parse_shape(value) if self.value_type is tuple else value
+
+    def from_yaml(self, value: Any, where: str) -> Any:
+        """A YAML value as the command line would have given it."""
+        kind = self.value_type
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(where, value, "must be true or false")
+            return value
+        if value is None and self.unset is None:
+            return None
+        if kind is tuple and isinstance(value, list):
+            value = ",".join(map(str, value))
+        parse = str if kind is tuple else kind
+        wrong = ConfigError(where, value, f"must be {parse.__name__}")
+        if isinstance(value, (bool, list, dict)) or value is None:
+            raise wrong
+        # Through str, as from the command line: YAML's 3.7 is then no int (int() would truncate
+        # it) and its "1e-3" (a string to YAML 1.1) a float.
+        try:
+            value = parse(str(value))
+        except ValueError as exc:
+            raise wrong from exc
+        if self.choices and value not in self.choices:
+            raise ConfigError(where, value, f"choose one of: {', '.join(self.choices)}")
+        return value
+
+    def add_to(self, group: Any, *, suppress: bool) -> None:
+        kw: dict[str, Any] = {
+            "help": self.help,
+            "default": argparse.SUPPRESS if suppress else self.unset,
+        }
+        if self.value_type is bool:
+            kw["action"] = "store_true"
+        else:
+            # A tuple stays text until to_field, so that a bad shape is a ConfigError naming it.
+            kind = str if self.value_type is tuple else self.value_type
+            kw.update(type=kind, metavar=self.metavar, choices=self.choices)
+        if not self.flag.startswith("-"):
+            kw["nargs"] = "?"
+        group.add_argument(self.flag, *self.aliases, **kw)
+
+
+PAR, TRAIN, CKPT, MODEL = "parallelism", "training", "checkpoints and restarts", "model and data"
+SPEED, LAUNCH, OUT = "speed and memory", "launch", "configuration and output"
+
+# fmt: off
+OPTIONS: tuple[Option, ...] = (
+    Option(None, "data", "data.root", metavar="DATA_DIR",
+           help="ImageFolder directory with train/ and val/ (implies --dataset imagefolder)"),
+
+    Option(PAR, "--bundle-shape", "parallel.shape", metavar="W0,W1,...",
+           help="replicas per stage of one bundle, e.g. 1,1 (front+rear) or 4,2"),
+    Option(PAR, "--num-bundle", "parallel.num_bundles", metavar="N",
+           help="bundles in the whole job"),
+    Option(PAR, "--DP-ONLY", None, kind=bool,
+           help="pure data parallelism: one stage over all processes"),
+    Option(PAR, "--num-hp", None, kind=int, metavar="N",
+           help="with --DP-ONLY: number of data-parallel processes "
+                "(unset: processes per node x nodes, else the shape total)"),
+    Option(PAR, "--micro-batches", "parallel.micro_batches", metavar="M",
+           help="micro-batches per bundle batch"),
+    Option(PAR, "--schedule", "parallel.schedule", choices=C.SCHEDULES, help="pipeline schedule"),
+    Option(PAR, "--grad-sync", "parallel.grad_sync", choices=C.GRAD_SYNCS,
+           help="flat: DDP allreduce per stage; "
+                "hierarchical: reduce in bundle, allreduce masters, broadcast"),
+    Option(PAR, "--bucket-mb", "parallel.bucket_mb", metavar="MB",
+           help="gradient bucket size; a bucket's sync starts as soon as its gradients are ready"),
+
+    Option(TRAIN, "--batch-size", "train.batch_size", metavar="B",
+           help="global batch per step, over all bundles"),
+    Option(TRAIN, "--itr", "train.steps", metavar="STEPS",
+           help="training steps (0: run --epochs whole epochs)"),
+    Option(TRAIN, "--epochs", "train.epochs", help="whole epochs when --itr is 0"),
+    Option(TRAIN, "--lr", "train.lr", help="SGD learning rate"),
+    Option(TRAIN, "--momentum", "train.momentum", help="SGD momentum"),
+    Option(TRAIN, "--weight-decay", "train.weight_decay", help="SGD weight decay"),
+    Option(TRAIN, "--seed", "train.seed", help="model init and data order"),
+    Option(TRAIN, "--log-every", "train.log_every", metavar="STEPS",
+           help="progress line (and metrics record) every this many steps"),
+    Option(TRAIN, "--no-eval", "train.eval", negate=True, help="skip validation"),
+    Option(TRAIN, "--checkpoint", "train.checkpoint", metavar="FILE",
+           help="write the trained model's state dict (full-model names) here at the end"),
+
+    Option(CKPT, "--save-dir", "checkpoint.save_dir", metavar="DIR",
+           help="write resumable checkpoints to DIR/step-N "
+                "(on multi-node jobs: a filesystem every node sees)"),
+    Option(CKPT, "--save-every", "checkpoint.save_every", metavar="STEPS",
+           help="checkpoint every this many steps (0: at the end of every epoch); "
+                "always at the end"),
+    Option(CKPT, "--keep", "checkpoint.keep", metavar="K", help="newest complete checkpoints kept"),
+    Option(CKPT, "--resume", "checkpoint.resume", metavar="auto|DIR/step-N",
+           help="auto: the newest complete checkpoint in --save-dir (fresh start if none); "
+                "or one checkpoint"),
+    Option(CKPT, "--async-save", "checkpoint.async_save",
+           help="copy the state to memory and write checkpoints while training goes on"),
+    Option(CKPT, "--max-restarts", "launch.max_restarts", metavar="N",
+           help="when a process or node fails, "
+                "restart the whole job from the newest checkpoint up to N times"),
+
+    Option(MODEL, "--model", "model.name",
+           help="digits_cnn, mlp, mlp_wide, skip_mlp, small_resnet, "
+                "resnet18, resnet50, resnet101, vgg16"),
+    Option(MODEL, "--partition", "model.partition", metavar="NAME|FILE.yaml",
+           help="split points from partitions/NAME.yaml or a YAML file "
+                "(default: balanced by parameters)"),
+    # Unset, the data set follows DATA_DIR (main.to_config), so the field's default cannot stand.
+    Option(MODEL, "--dataset", "data.dataset", choices=C.DATASETS, default=None,
+           help="default: imagefolder when DATA_DIR is given, else digits"),
+    Option(MODEL, "--image-size", "data.image_size",
+           help="input side for imagefolder and synthetic data"),
+    Option(MODEL, "--num-classes", "data.num_classes", help="classes of synthetic data"),
+    Option(MODEL, "--synthetic-size", "data.synthetic_size", help="synthetic samples"),
+    Option(MODEL, "--workers", "data.workers",
+           help="data-loading worker processes per process that reads inputs"),
+
+    Option(SPEED, "--precision", "compute.precision", choices=C.PRECISIONS,
+           help="mixed precision: autocast to bf16 or fp16 (fp16 with dynamic loss scaling), "
+                "fp32 master weights and optimizer state; activations cross stages in that dtype"),
+    Option(SPEED, "--recompute", "compute.recompute", choices=C.RECOMPUTES,
+           help="activation recompute of each stage's blocks: except-last keeps the last "
+                "micro-batch's activations (its backward follows at once)"),
+    Option(SPEED, "--channels-last", "compute.channels_last",
+           help="CNNs: stages, inputs and boundary tensors in channels-last memory format"),
+    Option(SPEED, "--no-tf32", "compute.tf32", negate=True,
+           help="CUDA: fp32 matmuls and convolutions use TF32 unless this is given"),
+
+    # torchrun's environment overrides the node layout (main.to_config).
+    Option(LAUNCH, "--rank", "launch.node_rank", metavar="NODE", help="this node's rank"),
+    Option(LAUNCH, "--world-size", "launch.num_nodes", metavar="NODES", help="number of nodes"),
+    Option(LAUNCH, "--IP", "launch.master_addr", metavar="HOST", help="master node address"),
+    Option(LAUNCH, "--portNum", "launch.master_port", metavar="PORT", help="master port"),
+    Option(LAUNCH, "--nproc-per-node", "launch.nproc_per_node", metavar="N",
+           help="processes on each node (0: all processes spread evenly over the nodes)"),
+    Option(LAUNCH, "--backend", "launch.backend", choices=C.BACKENDS,
+           help="auto: nccl with one GPU per process when CUDA is present, else gloo on CPU"),
+    Option(LAUNCH, "--timeout", "launch.timeout", metavar="S",
+           help="seconds any wait on a peer may take before the job fails"),
+    Option(LAUNCH, "--init-timeout", "launch.init_timeout", metavar="S",
+           help="seconds to wait for every node to join"),
+    Option(LAUNCH, "--share-gpus", "launch.share_gpus",
+           help="testing: allow more nccl processes per node than GPUs, placed round-robin, "
+                "several per GPU (sets NCCL_MULTI_RANK_GPU_ENABLE=1)"),
+
+    # A config file naming another would be a second precedence order; it is no YAML key.
+    Option(OUT, "--config", None, kind=str, metavar="FILE.yaml", yaml=False,
+           help="YAML of option values (keys as the long options, '-' or '_'); "
+                "the command line wins"),
+    Option(OUT, "--metrics-out", "metrics_out", metavar="FILE.jsonl",
+           help="JSON lines of progress; the last line is the run summary"),
+)
+# fmt: on
+
+BY_YAML_KEY: dict[str, Option] = {k: o for o in OPTIONS if o.yaml for k in o.keys}
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, suppress: bool = False) -> None:
+    """Every option, in table order; suppress: unset options stay out of the namespace."""
+    groups: dict[str | None, Any] = {None: parser}
+    for opt in OPTIONS:
+        if opt.group not in groups:
+            groups[opt.group] = parser.add_argument_group(opt.group)
+        opt.add_to(groups[opt.group], suppress=suppress)
+
+
+def field_values(args: argparse.Namespace) -> dict[str, Any]:
+    """``{"train": {"lr": 0.05, ...}, ..., "metrics_out": None}`` from every option with a field."""
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        if opt.field is not None:
+            *section, name = opt.field.split(".")
+            target = values.setdefault(section[0], {}) if section else values
+            target[name] = opt.to_field(getattr(args, opt.dest))
+    return values
+
+
+def build(values: dict[str, Any]) -> C.RunConfig:
+    """RunConfig from field_values' shape: each section's dict becomes its dataclass."""
+    return C.RunConfig(
+        **{k: _annotation(k)(**v) if isinstance(v, dict) else v for k, v in values.items()}
+    )
