@@ -27,6 +27,7 @@ from bundle.preemption import Stopped, StopRequest, exit_code, stop_line
 from bundle.topology import Topology
 
 ABORT_KEY = "bundle/abort"
+MULTI_RANK_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
 _POLL_S = 0.5
 
 
@@ -37,16 +38,16 @@ def resolve_backend(cfg: RunConfig) -> str:
 
 
 def check_devices(cfg: RunConfig, topo: Topology) -> None:
-    """More processes per node than devices is an input error, found before anything starts."""
+    """More processes per node than devices is an input error, found before anything starts,
+    unless ``--share-gpus`` asks for several processes on one device (for testing)."""
     if resolve_backend(cfg) != "nccl":
         return
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if topo.procs_per_node > found:
-        raise ConfigError(
-            "--nproc-per-node",
-            topo.procs_per_node,
-            f"the nccl backend drives one CUDA device per process and this node has {found}",
-        )
+    if found == 0 or (topo.procs_per_node > found and not cfg.launch.share_gpus):
+        allowed = f"the nccl backend drives one CUDA device per process and this node has {found}"
+        if found:
+            allowed += "; --share-gpus runs several processes per GPU (to test with fewer GPUs)"
+        raise ConfigError("--nproc-per-node", topo.procs_per_node, allowed)
 
 
 def _interface_of(address: str) -> str | None:
@@ -86,11 +87,31 @@ def pin_gloo_interface(master: str, port: int) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
-def device_for(backend: str, local_rank: int) -> torch.device:
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def allow_shared_gpu() -> None:
+    """Let NCCL place several ranks of one communicator on one GPU (NCCL 2.30 and later).
+
+    NCCL otherwise refuses two ranks on one device at communicator creation. With
+    NCCL_MULTI_RANK_GPU_ENABLE=1 they share it, point-to-point through CUDA IPC; it is not
+    compatible with NCCL_NVLS_ENABLE=1. Before 2.30 the way was a distinct NCCL_HOSTID per process,
+    which makes NCCL take every peer for another host and use its socket transport. NCCL reads its
+    environment when it first initialises, so this must run in the worker before the process
+    group is created; a value the user set is kept.
+    """
+    os.environ.setdefault(MULTI_RANK_GPU_ENV, "1")
+
+
+def device_for(backend: str, local_rank: int, *, share_gpus: bool = False) -> torch.device:
+    """This process's device, made current: ``cuda:local_rank`` with nccl; with ``share_gpus``,
+    ``cuda:(local_rank % devices)`` (round-robin, NCCL's multi-rank mode allowed); else the CPU.
+    """
+    if backend != "nccl":
+        return torch.device("cpu")
+    index = local_rank
+    if share_gpus:
+        allow_shared_gpu()
+        index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 # -- the store --------------------------------------------------------------------------------
@@ -239,7 +260,9 @@ def worker_main(
     where: dict = {}
     try:
         store_barrier(store, "start", topo.world_size, cfg.launch.init_timeout)
-        device = device_for(backend, local_rank)
+        # --share-gpus sets NCCL's multi-rank switch here, in the worker itself (self-spawned or
+        # under torchrun alike), before NCCL first reads its environment.
+        device = device_for(backend, local_rank, share_gpus=cfg.launch.share_gpus)
         # With NCCL, naming the device forms the world communicator now, with every rank: the
         # first batch_isend_irecv on the default group may then involve only two ranks (NCCL
         # requires all of a group's ranks in its first call otherwise), and sub-groups are split

@@ -1,4 +1,4 @@
-"""Run a function on N gloo/CPU processes on loopback: the harness of tests and benchmarks.
+"""Run a function on N loopback processes, gloo/CPU or NCCL/CUDA: the test and benchmark harness.
 
 Every child is joined or, past the timeout, killed by its own handle; a child's exception comes
 back to the caller with its traceback.
@@ -15,6 +15,10 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def free_port() -> int:
@@ -24,8 +28,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, out_dir: str, args: tuple) -> None:
-    """One child: one thread, a gloo group, ``fn``, its result pickled to disk."""
+def _bind_gpu(rank: int, world: int, device: str | None) -> torch.device:
+    """An NCCL child's device, made current before its process group exists.
+
+    ``device`` puts every child on that one GPU; without it, children go round-robin over the
+    visible ones. Children that share a GPU need NCCL's multi-rank mode (bundle.launch).
+    """
+    import torch
+
+    from bundle.launch import allow_shared_gpu
+
+    count = torch.cuda.device_count()
+    if device is None:
+        dev = torch.device("cuda", rank % count)
+        shared = world > count
+    else:
+        dev = torch.device(device)
+        shared = world > 1
+    if shared:
+        allow_shared_gpu()
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _entry(
+    fn: Callable,
+    rank: int,
+    world: int,
+    port: int,
+    out_dir: str,
+    args: tuple,
+    backend: str,
+    device: str | None,
+) -> None:
+    """One child: one thread, a process group, ``fn``, its result pickled to disk."""
     import torch
     import torch.distributed as dist
 
@@ -34,8 +70,15 @@ def _entry(fn: Callable, rank: int, world: int, port: int, out_dir: str, args: t
         store = dist.TCPStore(
             "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=120)
         )
+        # Naming the device forms NCCL's world communicator with every rank now, as a job's
+        # workers do (bundle.launch.worker_main): point-to-point between two ranks may come first.
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=120),
+            device_id=_bind_gpu(rank, world, device) if backend == "nccl" else None,
         )
         result: tuple = ("ok", fn(rank, world, *args))
         dist.barrier()
@@ -47,18 +90,31 @@ def _entry(fn: Callable, rank: int, world: int, port: int, out_dir: str, args: t
 
 
 def run_world(
-    world: int, fn: Callable, *args, timeout: float = 600.0, start_method: str = "spawn"
+    world: int,
+    fn: Callable,
+    *args,
+    timeout: float = 600.0,
+    start_method: str = "spawn",
+    backend: str = "gloo",
+    device: str | None = None,
 ) -> list:
     """``fn(rank, world, *args)`` on ``world`` processes; their results in rank order, or an error.
 
     ``start_method="fork"`` saves re-importing torch in every child (seconds each on a loaded
     machine); only use it from a parent that has run no torch op and holds no process group.
+
+    ``backend="nccl"`` binds each child to a CUDA device before its group is created: ``device``
+    (e.g. ``"cuda:0"``, every child on one GPU) or round-robin over the visible GPUs; ``fn``
+    finds it as the current device. Several children on one GPU need NCCL 2.30 or later.
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: {backend!r} is not valid; choose gloo or nccl")
     ctx = mp.get_context(start_method if start_method in mp.get_all_start_methods() else "spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, port, out, args)) for r in range(world)
+            ctx.Process(target=_entry, args=(fn, r, world, port, out, args, backend, device))
+            for r in range(world)
         ]
         for p in procs:
             p.start()

@@ -1,0 +1,123 @@
+"""Device checks and placement of bundle/launch.py, with the CUDA device count faked (no GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from bundle import launch
+from bundle.config import LaunchConfig, ParallelConfig, RunConfig
+from bundle.errors import ConfigError
+from bundle.worker import make_topology
+
+ENV = launch.MULTI_RANK_GPU_ENV
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this node has ``n`` CUDA devices; returns the devices made current, in order."""
+    current: list[int] = []
+
+    def fake(n: int) -> list[int]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(int(d)))
+        return current
+
+    monkeypatch.setenv(ENV, "unset")  # records the original, so teardown restores it
+    monkeypatch.delenv(ENV)
+    return fake
+
+
+def _cfg(procs: int, *, share: bool = False, backend: str = "nccl") -> RunConfig:
+    return RunConfig(
+        parallel=ParallelConfig(shape=(procs,)),
+        launch=LaunchConfig(backend=backend, share_gpus=share),
+    )
+
+
+def _check(cfg: RunConfig) -> None:
+    launch.check_devices(cfg, make_topology(cfg))
+
+
+def test_more_processes_than_gpus_is_refused_and_names_share_gpus(gpus):
+    gpus(2)
+    with pytest.raises(ConfigError) as err:
+        _check(_cfg(4))
+    assert err.value.key == "--nproc-per-node" and err.value.value == 4
+    assert "has 2" in str(err.value) and "--share-gpus" in str(err.value)
+
+
+def test_share_gpus_allows_more_processes_than_gpus(gpus):
+    gpus(2)
+    _check(_cfg(4, share=True))
+    gpus(1)
+    _check(_cfg(3, share=True))
+
+
+def test_one_process_per_gpu_needs_no_sharing(gpus):
+    gpus(4)
+    _check(_cfg(4))
+    _check(_cfg(2))
+
+
+def test_no_gpu_is_refused_even_when_sharing(gpus):
+    gpus(0)
+    for share in (False, True):
+        with pytest.raises(ConfigError) as err:
+            _check(_cfg(2, share=share))
+        assert err.value.key == "--nproc-per-node" and "has 0" in str(err.value)
+        assert "--share-gpus" not in str(err.value)  # sharing cannot help without a GPU
+
+
+def test_gloo_never_counts_gpus(gpus):
+    gpus(0)
+    _check(_cfg(8, backend="gloo"))
+    _check(_cfg(8, share=True, backend="gloo"))
+
+
+def test_auto_backend_checks_devices_only_when_it_picks_nccl(gpus):
+    gpus(0)
+    _check(_cfg(4, backend="auto"))  # gloo: no CUDA here
+    gpus(2)
+    with pytest.raises(ConfigError):
+        _check(_cfg(4, backend="auto"))  # nccl, 4 processes on 2 GPUs
+    _check(_cfg(4, share=True, backend="auto"))
+
+
+def test_placement_is_one_gpu_per_local_rank_by_default(gpus):
+    current = gpus(4)
+    devices = [launch.device_for("nccl", r) for r in range(4)]
+    assert devices == [torch.device("cuda", r) for r in range(4)]
+    assert current == [0, 1, 2, 3]
+    assert ENV not in os.environ
+
+
+def test_shared_placement_is_round_robin_and_enables_multi_rank_nccl(gpus):
+    current = gpus(2)
+    devices = [launch.device_for("nccl", r, share_gpus=True) for r in range(5)]
+    assert [d.index for d in devices] == [0, 1, 0, 1, 0]
+    assert all(d.type == "cuda" for d in devices)
+    assert current == [0, 1, 0, 1, 0]  # each made current before its process group exists
+    assert os.environ[ENV] == "1"
+
+
+def test_all_ranks_on_one_gpu(gpus):
+    current = gpus(1)
+    assert {launch.device_for("nccl", r, share_gpus=True).index for r in range(4)} == {0}
+    assert current == [0, 0, 0, 0]
+
+
+def test_a_multi_rank_setting_from_the_user_is_kept(gpus, monkeypatch):
+    gpus(1)
+    monkeypatch.setenv(ENV, "0")
+    launch.device_for("nccl", 1, share_gpus=True)
+    assert os.environ[ENV] == "0"
+
+
+def test_gloo_places_on_the_cpu_and_touches_nothing(gpus):
+    current = gpus(2)
+    assert launch.device_for("gloo", 3, share_gpus=True) == torch.device("cpu")
+    assert current == [] and ENV not in os.environ

@@ -1,0 +1,121 @@
+"""Gradient equivalence over NCCL on CUDA: every rank on one GPU, compared with the CPU reference.
+
+The check of test_equivalence.py on the GPU path: ``batch_isend_irecv`` between stages, DDP with
+``device_ids`` (flat) and reduce/allreduce/broadcast started from gradient hooks (hierarchical).
+Shapes ``1,1`` and ``2,1`` and two bundles of ``1,1``; 1F1B with 3 and 1 micro-batches. All ranks
+share ``cuda:0`` through NCCL's multi-rank mode (NCCL 2.30 and later), so one GPU runs it. TF32
+is off, so fp32 on the GPU matches the CPU reference at 1e-5; parameters are compared on the CPU.
+Where there is no GPU these skip; how run_world places NCCL children is still checked, on fakes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bundle import launch, localworld
+from bundle.config import ComputeConfig, RunConfig
+from bundle.worker import build_session, make_topology, train_stream
+from tests.test_equivalence import STEPS, TOL, _config, reference
+
+DEVICE = "cuda:0"
+CASES = [((1, 1), 1), ((2, 1), 1), ((1, 1), 2)]  # (shape, bundles)
+VARIANTS = list(itertools.product((3, 1), ("flat", "hierarchical")))  # (micro-batches, sync)
+NCCL_MULTI_RANK = (2, 30, 0)
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (torch.cuda.is_available() is False)"
+    if not dist.is_nccl_available():
+        return "this torch build has no NCCL"
+    found = torch.cuda.nccl.version()
+    if found < NCCL_MULTI_RANK:
+        return f"several ranks on one GPU need NCCL >= 2.30; this torch has NCCL {found}"
+    return None
+
+
+SKIP = _skip_reason()
+
+
+def _gpu_config(shape, bundles, micro: int, sync: str) -> RunConfig:
+    model = "skip_mlp" if micro == 3 else "mlp"  # two tensors cross the boundary with M = 3
+    cfg = _config(shape, bundles, "1f1b", micro, sync, model)
+    return replace(cfg, compute=ComputeConfig(precision="fp32", tf32=False))
+
+
+def _mismatches(label: str, gathered: list, ref: dict[str, torch.Tensor]) -> list[str]:
+    out, seen = [], set()
+    for coord, params in gathered:
+        for name, value in params.items():
+            seen.add(name)
+            err = (value - ref[name]).abs().max().item()
+            if err > TOL:
+                out.append(f"{label} {coord}: {name} off by {err:.2e}")
+    if seen != set(ref):
+        out.append(f"{label}: parameters not covered: {set(ref) - seen}")
+    return out
+
+
+def _nccl(rank: int, world: int, shape, bundles) -> list[str]:
+    """Every variant in one world of processes on one GPU; rank 0 returns the mismatches."""
+    device = torch.device(DEVICE)
+    cpu = dist.new_group(backend="gloo")  # the results travel as CPU tensors
+    failures: list[str] = []
+    refs: dict[str, dict[str, torch.Tensor]] = {}
+    for micro, sync in VARIANTS:
+        cfg = _gpu_config(shape, bundles, micro, sync)
+        topo = make_topology(cfg)
+        session = build_session(cfg, topo, rank, device)
+        batches = train_stream(session, topo, cfg.train.seed, STEPS, 0)
+        for step in range(STEPS):
+            session.runner.train_step(step, next(batches))
+        torch.cuda.synchronize(device)
+        mine = {k: v.detach().cpu() for k, v in session.stage.full_state_dict().items()}
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object((topo.coord(rank), mine), gathered, dst=0, group=cpu)
+        if rank != 0:
+            continue
+        if cfg.model.name not in refs:
+            refs[cfg.model.name] = reference(cfg)
+        label = f"nccl 1f1b M={micro} {sync} {cfg.model.name}"
+        failures += _mismatches(label, gathered, refs[cfg.model.name])
+    return failures
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+@pytest.mark.parametrize(
+    "shape,bundles", CASES, ids=lambda c: ",".join(map(str, c)) if isinstance(c, tuple) else f"x{c}"
+)
+def test_nccl_hybrid_equals_single_process(shape, bundles):
+    world = sum(shape) * bundles
+    results = localworld.run_world(world, _nccl, shape, bundles, backend="nccl", device=DEVICE)
+    assert results[0] == [], "\n".join(results[0])
+
+
+def test_children_share_one_gpu_with_nccl_multi_rank_mode(monkeypatch):
+    """run_world's placement of NCCL children, with the device count faked (no GPU needed)."""
+    current: list[int] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d).index))
+    monkeypatch.setenv(launch.MULTI_RANK_GPU_ENV, "unset")  # teardown restores the original
+    monkeypatch.delenv(launch.MULTI_RANK_GPU_ENV)
+
+    # one child per GPU: round-robin, no sharing, NCCL left as it is
+    assert [localworld._bind_gpu(r, 2, None).index for r in range(2)] == [0, 1]
+    assert launch.MULTI_RANK_GPU_ENV not in os.environ
+    # every child on cuda:0
+    assert {localworld._bind_gpu(r, 4, DEVICE).index for r in range(4)} == {0}
+    assert os.environ[launch.MULTI_RANK_GPU_ENV] == "1"
+    assert current == [0, 1, 0, 0, 0, 0]
+
+
+def test_run_world_names_a_bad_backend():
+    with pytest.raises(ValueError, match="mpi"):
+        localworld.run_world(1, print, backend="mpi")
