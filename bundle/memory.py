@@ -1,10 +1,12 @@
 """Activation memory: recompute of a stage's blocks, and an exact count of what backward keeps.
 
-Recompute wraps each block in non-reentrant ``torch.utils.checkpoint``: the forward keeps only
-the block's inputs, and backward runs the block again to rebuild what it needs. Running a block
+Recompute runs a stage's blocks as one non-reentrant ``torch.utils.checkpoint`` unit per
+micro-batch, as torchgpipe does: the forward keeps only the stage's inputs, and the micro-batch's
+backward runs the stage again to rebuild what it needs, so at most one micro-batch's activations
+exist in full at any time (while its backward runs). Running a block
 again in training mode would update BatchNorm's running statistics a second time (pytorch issue
-96136), so the recomputation runs with ``track_running_stats`` off: it normalises with the same
-batch statistics and leaves the buffers (and ``num_batches_tracked``) alone.
+96136), so the recomputation runs with momentum 0: it normalises with the same batch statistics
+and leaves the buffers (and ``num_batches_tracked``) as the forward left them.
 
 ``SavedBytes`` counts, with ``saved_tensors_hooks``, the bytes of tensors saved for backward
 that are alive at once (storages counted once, parameters not at all): the activation memory of
@@ -22,34 +24,38 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
-from models import Block
+from models import Block, apply_blocks
 
 
 @contextlib.contextmanager
 def _statistics_frozen(norms: Sequence[_BatchNorm]) -> Iterator[None]:
-    saved = [m.track_running_stats for m in norms]
+    """Momentum 0 leaves the running statistics as they are; the step counter is put back.
+
+    (Turning ``track_running_stats`` off instead would change which tensors the recomputation
+    saves, and checkpoint refuses a recomputation that saves differently.)"""
+    saved = [(m.momentum, m.num_batches_tracked) for m in norms]
+    counts = [n.clone() if n is not None else None for _, n in saved]
     for m in norms:
-        m.track_running_stats = False
+        m.momentum = 0.0
     try:
         yield
     finally:
-        for m, flag in zip(norms, saved, strict=True):
-            m.track_running_stats = flag
+        for m, (momentum, n), count in zip(norms, saved, counts, strict=True):
+            m.momentum = momentum
+            if n is not None:
+                n.copy_(count)
 
 
 def run_recomputed(blocks: Sequence[Block], *inputs: torch.Tensor) -> torch.Tensor | tuple:
-    """Apply ``blocks`` in order, each one checkpointed (its inputs kept, the rest recomputed)."""
-    x: torch.Tensor | tuple = inputs if len(inputs) > 1 else inputs[0]
-    for _, block in blocks:
-        norms = [m for m in block.modules() if isinstance(m, _BatchNorm)]
-        args = x if isinstance(x, tuple) else (x,)
-        x = checkpoint(
-            block,
-            *args,
-            use_reentrant=False,
-            context_fn=lambda norms=norms: (contextlib.nullcontext(), _statistics_frozen(norms)),
-        )
-    return x
+    """Apply ``blocks`` as one checkpointed unit: keep the stage's inputs, recompute the rest."""
+    norms = [m for _, block in blocks for m in block.modules() if isinstance(m, _BatchNorm)]
+    return checkpoint(
+        apply_blocks,
+        blocks,
+        *inputs,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), _statistics_frozen(norms)),
+    )
 
 
 class SavedBytes:

@@ -176,7 +176,7 @@ class Stage(nn.Module):
             raise PartitionError("a stage needs at least one block")
         self.names: tuple[str, ...] = tuple(name for name, _ in blocks)
         self.blocks = nn.ModuleList(module for _, module in blocks)
-        # Set by the runner per micro-batch: keep only each block's inputs, recompute the rest.
+        # Set by the runner per micro-batch: keep only the stage's inputs, recompute the rest.
         self.recompute = False
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -8,12 +8,14 @@ import sys
 import tempfile
 
 import torch
+from torch import nn
 
 import models
 from bundle import checkpoint, partition
 from bundle.config import RunConfig
 from bundle.data import input_spec
 from bundle.errors import ConfigError
+from bundle.precision import DTYPES
 
 
 def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
@@ -29,7 +31,34 @@ def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = models.build(cfg.model.name, num_classes=num_classes, input_shape=input_shape)
     partition.resolve(spec, models.blocks(model), num_stages, cfg.model.name)
+    if cfg.compute.channels_last and not any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        raise ConfigError(
+            "--channels-last with --model",
+            cfg.model.name,
+            "needs a CNN (a model with 2-d convolutions)",
+        )
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def check_precision(cfg: RunConfig, backend: str) -> None:
+    """bf16/fp16 must run on the devices the backend trains on: tried on one small op here."""
+    precision = cfg.compute.precision
+    if precision == "fp32":
+        return
+    dtype = DTYPES[precision]
+    if backend == "nccl":
+        if precision == "bf16" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("--precision", precision, "this GPU has no bf16; use fp16")
+        return
+    try:
+        with torch.autocast("cpu", dtype=dtype):
+            out = nn.functional.conv2d(torch.ones(1, 2, 3, 3), torch.ones(2, 2, 1, 1))
+        if out.dtype != dtype:
+            raise RuntimeError(f"autocast computed in {out.dtype}")
+    except RuntimeError as exc:
+        raise ConfigError(
+            "--precision", precision, f"the CPU (gloo backend) cannot run it ({exc}); use fp32"
+        ) from exc
 
 
 def check_paths(cfg: RunConfig) -> None:
