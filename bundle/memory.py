@@ -10,7 +10,11 @@ and leaves the buffers (and ``num_batches_tracked``) as the forward left them.
 
 ``SavedBytes`` counts, with ``saved_tensors_hooks``, the bytes of tensors saved for backward
 that are alive at once (storages counted once, parameters not at all): the activation memory of
-a schedule, exactly, without timing anything.
+a schedule, exactly, without timing anything. What a recomputation rebuilds is invisible to those
+hooks (checkpoint keeps it apart), so for a recomputed micro-batch the meter also measures, at its
+forward, what a plain forward would have saved, and counts that on top of everything alive when
+the micro-batch's backward starts: ``peak`` is then the peak with recompute's transient included,
+and ``kept_peak`` what stays saved between forwards and backwards.
 """
 
 from __future__ import annotations
@@ -64,11 +68,29 @@ class SavedBytes:
     def __init__(self, module: nn.Module) -> None:
         self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
         self._live: dict[int, int] = {}  # storage -> saved tensors holding it
+        self._rebuilt: dict[int, int] = {}  # micro-batch -> bytes its recomputation rebuilds
         self.current = 0
-        self.peak = 0
+        self.kept_peak = 0  # saved between forward and backward
+        self.peak = 0  # with recomputation's transient
 
     def reset_peak(self) -> None:
-        self.peak = self.current
+        self.peak = self.kept_peak = self.current
+
+    def recomputed_forward(self, micro: int, stage: nn.Module, run) -> None:
+        """Measure what recomputing ``micro`` will rebuild: ``run()`` once more, plainly.
+
+        Untimed measurement only: a second forward, with BatchNorm statistics left alone.
+        """
+        inner = SavedBytes(stage)
+        inner._params |= set(self._live)  # what is already counted (the stage's inputs) once
+        norms = [m for m in stage.modules() if isinstance(m, _BatchNorm)]
+        with inner.tracking(), _statistics_frozen(norms):
+            out = run()
+        del out
+        self._rebuilt[micro] = inner.peak
+
+    def backward_starts(self, micro: int) -> None:
+        self.peak = max(self.peak, self.current + self._rebuilt.pop(micro, 0))
 
     def _pack(self, t: torch.Tensor) -> _Held:
         storage = t.untyped_storage()
@@ -80,6 +102,7 @@ class SavedBytes:
         self._live[key] = count + 1
         if count == 0:
             self.current += storage.nbytes()
+            self.kept_peak = max(self.kept_peak, self.current)
             self.peak = max(self.peak, self.current)
         # Autograd drops the packed value when the saved tensor is freed (after its backward).
         weakref.finalize(held, self._release, key, storage.nbytes())

@@ -204,8 +204,9 @@ OPTIONS: tuple[Option, ...] = (
            help="mixed precision: autocast to bf16 or fp16 (fp16 with dynamic loss scaling), "
                 "fp32 master weights and optimizer state; activations cross stages in that dtype"),
     Option(SPEED, "--recompute", "compute.recompute", choices=C.RECOMPUTES,
-           help="activation recompute of each stage's blocks: except-last keeps the last "
-                "micro-batch's activations (its backward follows at once)"),
+           help="keep only each stage's inputs per micro-batch and recompute its activations in "
+                "backward; except-last keeps the micro-batches whose backward follows their "
+                "forward at once (1F1B's last stage), where recompute would save nothing"),
     Option(SPEED, "--channels-last", "compute.channels_last",
            help="CNNs: stages, inputs and boundary tensors in channels-last memory format"),
     Option(SPEED, "--no-tf32", "compute.tf32", negate=True,

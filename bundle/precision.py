@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bundle.config import ComputeConfig
+from bundle.schedule import Action, backward_follows_forward
 from bundle.transport import TensorMeta
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,15 +60,16 @@ class Policy:
         dtype = self.compute_dtype if meta.dtype.is_floating_point else meta.dtype
         return TensorMeta(meta.tail, dtype, self.channels_last and len(meta.tail) == 3)
 
-    def recomputes(self, micro: int, micro_batches: int) -> bool:
-        """Whether micro-batch ``micro``'s forward keeps only its blocks' inputs.
+    def recomputes(self, acts: list[Action], micro_batches: int) -> list[bool]:
+        """Per micro-batch, whether its forward keeps only the stage's inputs.
 
-        The last micro-batch is the stage's last forward in both schedules: by its backward every
-        other micro-batch's activations are gone, so recomputing it would not lower the peak.
+        ``except-last`` keeps the micro-batches whose backward comes right after their forward
+        (torchgpipe's "except last", for its schedule): recomputing those lowers no peak.
         """
-        if self.recompute == "always":
-            return True
-        return self.recompute == "except-last" and micro < micro_batches - 1
+        if self.recompute == "never":
+            return [False] * micro_batches
+        keep = backward_follows_forward(acts) if self.recompute == "except-last" else set()
+        return [k not in keep for k in range(micro_batches)]
 
     def prepare_stage(self, stage: nn.Module) -> nn.Module:
         return stage.to(memory_format=torch.channels_last) if self.channels_last else stage
@@ -94,10 +96,12 @@ def describe(cfg: ComputeConfig) -> str:
 
 
 def set_tf32(enabled: bool) -> None:
-    """fp32 matmuls and convolutions on CUDA in TF32 (PyTorch's default for convolutions only)."""
-    mode = "tf32" if enabled else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = mode
-    torch.backends.cudnn.conv.fp32_precision = mode
+    """fp32 matmuls and convolutions on CUDA in TF32 (PyTorch's default: convolutions only)."""
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9; the allow_tf32 flags are deprecated
+        matmul.fp32_precision = conv.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
 
 
 class LossScaler:

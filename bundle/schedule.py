@@ -114,3 +114,18 @@ def peak_in_flight(acts: list[Action]) -> int:
         elif a.op is Op.BACKWARD:
             live -= 1
     return peak
+
+
+def backward_follows_forward(acts: list[Action]) -> set[int]:
+    """Micro-batches whose backward is the stage's next compute after their forward.
+
+    Their activations never coexist with another micro-batch's, so recomputing them would rebuild
+    at the backward exactly what keeping them holds: ``--recompute except-last`` keeps these (every
+    micro-batch of 1F1B's last stage; with one micro-batch, that one).
+    """
+    computes = [a for a in acts if a.op in (Op.FORWARD, Op.BACKWARD)]
+    return {
+        a.micro
+        for a, b in zip(computes, computes[1:], strict=False)
+        if a.op is Op.FORWARD and b.op is Op.BACKWARD and b.micro == a.micro
+    }

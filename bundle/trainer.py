@@ -10,6 +10,7 @@ import models
 from bundle import partition
 from bundle.config import RunConfig
 from bundle.grad_sync import GradSync
+from bundle.memory import SavedBytes
 from bundle.partition import Stage
 from bundle.precision import LossScaler, Policy
 from bundle.schedule import Op, actions, peak_in_flight
@@ -71,15 +72,13 @@ class StageRunner:
         self.topo, self.coord, self.sync, self.transport = topo, coord, sync, transport
         self.optimizer, self.device, self.stage = optimizer, device, stage
         self.policy, self.scaler = policy or Policy(device_type=device.type), scaler
-        self.recompute = [
-            self.policy.recomputes(k, topo.micro_batches) for k in range(topo.micro_batches)
-        ]
-        # Counts saved-for-backward bytes during steps when set (see bundle.memory.SavedBytes).
-        self.saved_bytes = None
         self.first = coord.stage == 0
         self.last = coord.stage == topo.num_stages - 1
         self.sizes = topo.micro_sizes(coord.bundle)
         self.actions = actions(schedule, coord.stage, topo.num_stages, topo.micro_batches)
+        self.recompute = self.policy.recomputes(self.actions, topo.micro_batches)
+        # Counts saved-for-backward bytes during steps when set (see bundle.memory.SavedBytes).
+        self.saved_bytes: SavedBytes | None = None
         self.last_backward = max(i for i, a in enumerate(self.actions) if a.op is Op.BACKWARD)
         self.inv_batch = 1.0 / topo.global_batch
         self.max_in_flight = peak_in_flight(self.actions)
@@ -145,6 +144,8 @@ class StageRunner:
                 self.stage.recompute = self.recompute[k]
                 with self.sync.no_sync(), policy.autocast():
                     out = self.sync.module(*xs)
+                if self.saved_bytes is not None and self.recompute[k]:
+                    self._measure_recompute(k, xs)
                 if self.last:
                     labels = micro_data[k][1].to(self.device, non_blocking=True)
                     # The loss in fp32, outside autocast.
@@ -161,6 +162,8 @@ class StageRunner:
                 self._post(grads_in, k + 1, tp.recv_grad, grad_slots)
             elif a.op is Op.BACKWARD:
                 out = outputs.pop(k)
+                if self.saved_bytes is not None:
+                    self.saved_bytes.backward_starts(k)
                 last = i == self.last_backward
                 if self.last:
                     self.sync.backward(out, None, last=last)
@@ -185,6 +188,14 @@ class StageRunner:
             self.optimizer.step()
         self.sync.zero_grad(self.optimizer)
         return loss_sum
+
+    def _measure_recompute(self, k: int, xs: tuple[torch.Tensor, ...]) -> None:
+        def plain() -> tuple[torch.Tensor, ...]:
+            self.stage.recompute = False
+            with self.policy.autocast():
+                return self.stage(*xs)
+
+        self.saved_bytes.recomputed_forward(k, self.stage, plain)
 
     @torch.no_grad()
     def eval_batch(self, rows: int, micro: MicroBatch | None) -> torch.Tensor:

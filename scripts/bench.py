@@ -10,9 +10,15 @@ worlds are started, one after the other:
   model and global batch;
 - ``bundles`` (4 processes): two bundles of shape 1,1 with flat against hierarchical gradient sync.
 
+The ``pipeline`` world also times bf16 against fp32 (small_resnet and the MLP) and recompute=always
+against never (small_resnet), at shape 1,1, 1F1B, M = 8, in groups of their own; after its timed
+rounds it counts exactly, on separate untimed steps, the bytes each stage keeps saved for backward
+at their peak over a step (``bundle.memory.SavedBytes``), for small_resnet under GPipe and under
+1F1B with each recompute mode.
+
 Inside a world the cases come in groups: the cases compared with each other (Bundle and torch
-pipelining at M = 8; Bundle data-parallel and DDP; flat and hierarchical sync) form one group,
-every other case a group of its own. Each round runs every group once, in an order reversed every
+pipelining at M = 8; Bundle data-parallel and DDP; flat and hierarchical sync; small_resnet fp32,
+bf16 and recompute; MLP fp32 and bf16) form one group, every other case a group of its own. Each round runs every group once, in an order reversed every
 other round; a group runs untimed warm-up steps of each case, then its cases' timed steps
 interleaved step by step, in an order that alternates (A B, B A, ...), so the steps compared meet
 the same moment of a shared machine. Step time is the median of the timed steps of the first rank
@@ -25,7 +31,8 @@ Headline ratios are paired: a throughput ratio is the median over the ratios of 
 side by side; pipeline efficiency is the median over rounds of ``(M + S - 1) * max_s t_s`` / the
 round's median step time, with ``t_s`` timed in that round. A burst of load from a neighbour then
 slows both sides of a pair, or falls out as one outlying pair, instead of landing on one side only.
-Ratios above 1 mean Bundle is faster.
+Ratios above 1 mean Bundle is faster (bf16_vs_fp32: bf16 faster; recompute_cost is a step-time
+ratio, above 1 when recomputing is slower).
 
 Every rank also records its CPU seconds per step (process time, all threads) and the stage
 probes their thread CPU time, to read results taken on a busy shared machine.
@@ -53,12 +60,16 @@ import torch.nn.functional as F
 from torch import nn
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "scripts"):  # the engine, and bench_memory beside this file
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import bench_memory  # noqa: E402
 
 import models  # noqa: E402
 from bundle import data, localworld  # noqa: E402
 from bundle.config import (  # noqa: E402
+    ComputeConfig,
     DataConfig,
     ModelConfig,
     ParallelConfig,
@@ -149,6 +160,8 @@ def make_cfg(
     schedule: str = "1f1b",
     sync: str = "flat",
     spec: str | None = None,
+    precision: str = "fp32",
+    recompute: str = "never",
 ) -> RunConfig:
     """The run configuration of one case (synthetic data, no evaluation)."""
     if model == sizes.mlp_model:
@@ -173,6 +186,7 @@ def make_cfg(
         train=TrainConfig(
             batch_size=batch, steps=DATA_STEPS, lr=LR, momentum=MOMENTUM, seed=SEED, eval=False
         ),
+        compute=ComputeConfig(precision=precision, recompute=recompute),
     )
 
 
@@ -354,7 +368,33 @@ def build_groups(job: str, rank: int, world: int, sizes: Sizes) -> list[list[Cas
         ]
         dp = make_cfg(sizes, sizes.mlp_model, micro=1, shape=(world,))
         ddp = [bundle_case("bundle dp", dp, rank), ddp_case("torch ddp", dp, rank, world)]
-        return [headline, *([c] for c in sweep), ddp]
+        # New groups only, no stage probes: the groups above stay as they were.
+        cnn = {"model": "small_resnet", "micro": cm, "spec": CNN_PARTITION}
+        compute = [
+            bundle_case(f"cnn bundle fp32 M={cm}", make_cfg(sizes, **cnn), rank, probe=False),
+            bundle_case(
+                f"cnn bundle bf16 M={cm}",
+                make_cfg(sizes, **cnn, precision="bf16"),
+                rank,
+                probe=False,
+            ),
+            bundle_case(
+                f"cnn bundle recompute M={cm}",
+                make_cfg(sizes, **cnn, recompute="always"),
+                rank,
+                probe=False,
+            ),
+        ]
+        mlp_bf16 = [
+            bundle_case(
+                f"mlp bundle {p} M={cm}",
+                make_cfg(sizes, sizes.mlp_model, micro=cm, precision=p),
+                rank,
+                probe=False,
+            )
+            for p in ("fp32", "bf16")
+        ]
+        return [headline, *([c] for c in sweep), ddp, compute, mlp_bf16]
     if job == "bundles":
         return [
             [
@@ -368,6 +408,23 @@ def build_groups(job: str, rank: int, world: int, sizes: Sizes) -> list[list[Cas
             ]
         ]
     raise ValueError(f"unknown job {job!r}")
+
+
+def _memory_case(rank: int, sizes: Sizes) -> Callable[[str, str], Case]:
+    """Builds the small_resnet Case bench_memory counts, for a schedule and recompute mode."""
+
+    def case_for(schedule: str, recompute: str) -> Case:
+        cfg = make_cfg(
+            sizes,
+            "small_resnet",
+            micro=sizes.compare_micro,
+            spec=CNN_PARTITION,
+            schedule=schedule,
+            recompute=recompute,
+        )
+        return bundle_case(f"{schedule} {recompute}", cfg, rank, probe=False)
+
+    return case_for
 
 
 def world_main(rank: int, world: int, job: str, sizes: Sizes) -> dict:
@@ -408,6 +465,7 @@ def world_main(rank: int, world: int, job: str, sizes: Sizes) -> dict:
         "stage": stage,
         "peak": peak,
         "info": {c.name: c.info for c in cases},
+        "activation": bench_memory.count(_memory_case(rank, sizes)) if job == "pipeline" else {},
     }
 
 
@@ -470,12 +528,23 @@ def summarize(results: list[dict], rounds: int) -> dict[str, dict]:
     return out
 
 
+def cpu_bf16() -> list[str]:
+    """The native bf16 flags of this CPU (avx512_bf16, amx_bf16) in /proc/cpuinfo; [] if none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+    flags = {f for line in lines if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+
+
 def machine(load_start: tuple[float, ...]) -> dict:
     """Where the numbers were taken, with the load average of the shared machine around them."""
     return {
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_bf16": cpu_bf16(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads_per_process": 1,
@@ -525,10 +594,15 @@ def render(report: dict, cases: dict[str, dict]) -> str:
     ]
     cnn_first = f"cnn bundle 1f1b M={s['cnn_micro'][0]}"
     others = ["bundle dp", "torch ddp", f"bundle flat M={cm}", f"bundle hierarchical M={cm}"]
+    compute = [
+        *(f"cnn bundle {k} M={cm}" for k in ("fp32", "bf16", "recompute")),
+        *(f"mlp bundle {k} M={cm}" for k in ("fp32", "bf16")),
+    ]
     detail = r["vs_torch_pipelining_detail"]
     lines = [
         f"Bundle benchmark ({r['mode']}): gloo over loopback, 1 thread per process, "
-        f"{m['cpu_count']} CPUs, torch {m['torch']}, {m['platform']}",
+        f"{m['cpu_count']} CPUs, torch {m['torch']}, {m['platform']}, "
+        f"CPU bf16: {', '.join(m['cpu_bf16']) or 'none'}",
         f"{s['mlp_model']} 3x{s['mlp_image']}x{s['mlp_image']}, global batch {s['mlp_batch']}, "
         f"split [{split(f'mlp bundle 1f1b M={cm}')}]",
         f"small_resnet 3x32x32, global batch {s['cnn_batch']}, split [{split(cnn_first)}]",
@@ -558,6 +632,18 @@ def render(report: dict, cases: dict[str, dict]) -> str:
         f"  hierarchical_vs_flat  {r['hierarchical_vs_flat']:.3f}",
         f"  peak in flight on stage 0, M={cm}: 1f1b {r['peak_inflight_1f1b']}, "
         f"gpipe {r['peak_inflight_gpipe']}",
+        "",
+        f"precision and recompute, shape 1,1, 1f1b, M={cm} (2 processes; cnn = small_resnet; "
+        "recompute = always, fp32)",
+        header,
+        *(_row(name, cases[name]) for name in compute),
+        "",
+        "  bf16_vs_fp32          "
+        + ", ".join(f"{k} {v:.3f}" for k, v in r["bf16_vs_fp32"].items())
+        + "  (throughput bf16 / fp32; > 1: bf16 faster)",
+        f"  recompute_cost        {r['recompute_cost']:.3f}  (step time always / never: "
+        "> 1 means recompute is slower; not the '> 1: Bundle faster' direction)",
+        *bench_memory.render(r, cm),
     ]
     return "\n".join(lines)
 
@@ -586,7 +672,12 @@ def paired(cases: dict[str, dict], ours: str, theirs: str) -> float:
 
 
 def build_report(
-    mode: str, sizes: Sizes, cases: dict[str, dict], wall: float, load_start: tuple[float, ...]
+    mode: str,
+    sizes: Sizes,
+    cases: dict[str, dict],
+    activation: dict,
+    wall: float,
+    load_start: tuple[float, ...],
 ) -> dict:
     """The JSON document: headline ratios, sweeps, and every raw number behind them."""
     cm = sizes.compare_micro
@@ -629,6 +720,12 @@ def build_report(
         "peak_inflight_1f1b": cases[f"mlp bundle 1f1b M={cm}"]["peak_in_flight_stage0"],
         "peak_inflight_gpipe": cases[f"mlp bundle gpipe M={cm}"]["peak_in_flight_stage0"],
         "hierarchical_vs_flat": paired(cases, f"bundle hierarchical M={cm}", f"bundle flat M={cm}"),
+        "bf16_vs_fp32": {
+            model: paired(cases, f"{prefix} bundle bf16 M={cm}", f"{prefix} bundle fp32 M={cm}")
+            for model, prefix in (("small_resnet", "cnn"), (sizes.mlp_model, "mlp"))
+        },
+        "recompute_cost": paired(cases, f"cnn bundle fp32 M={cm}", f"cnn bundle recompute M={cm}"),
+        **activation,
         "sweep_mlp": _sweep(cases, "mlp bundle 1f1b", sizes.mlp_micro),
         "sweep_cnn": _sweep(cases, "cnn bundle 1f1b", sizes.cnn_micro),
         "raw": cases,
@@ -666,12 +763,16 @@ def main(argv: list[str] | None = None) -> int:
     cases: dict[str, dict] = {}
     for res in results.values():
         cases.update(summarize(res, sizes.rounds))
-    report = build_report(mode, sizes, cases, time.perf_counter() - start, load_start)
+    # Each pipeline rank counted its own stage: stage 0 first.
+    activation = bench_memory.report([r["activation"] for r in results["pipeline"]])
+    wall = time.perf_counter() - start
+    report = build_report(mode, sizes, cases, activation, wall, load_start)
     print(render(report, cases))
     print(f"wall time {report['wall_s']:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
-    bad = [k for k, v in report.items() if isinstance(v, float) and not math.isfinite(v)]
+    floats = [*report.items(), *report["bf16_vs_fp32"].items()]
+    bad = [k for k, v in floats if isinstance(v, float) and not math.isfinite(v)]
     return 1 if bad else 0
 
 

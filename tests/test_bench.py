@@ -31,7 +31,8 @@ def _positive(value: object) -> bool:
 
 @pytest.mark.slow
 def test_bench_smoke_reports_every_key(tmp_path: Path) -> None:
-    """The smoke run writes every headline key: finite positive ratios, exact peaks, both sweeps."""
+    """The smoke run writes every headline key: finite positive ratios, exact peaks, both sweeps,
+    bf16 and recompute ratios, per-stage activation bytes (recompute=always lowest on stage 0)."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench.py"), "--smoke", "--json", str(out)],
@@ -63,8 +64,28 @@ def test_bench_smoke_reports_every_key(tmp_path: Path) -> None:
     assert all(_positive(v) for v in detail["torch_efficiency"].values())
     assert detail["ceiling"] == pytest.approx(1 / max(detail["torch_efficiency"].values()))
 
+    bf16 = report["bf16_vs_fp32"]
+    assert set(bf16) == {"small_resnet", "mlp"} and all(_positive(v) for v in bf16.values()), bf16
+    assert _positive(report["recompute_cost"]), report["recompute_cost"]
+    kept, peak = report["peak_activation_bytes"], report["peak_with_recompute_bytes"]
+    cases = {f"{s} recompute={r}" for s, r in _load_bench().bench_memory.CASES}
+    assert set(kept) == set(peak) == cases
+    for name in cases:
+        assert len(kept[name]) == 2 and all(isinstance(b, int) and b > 0 for b in kept[name])
+        assert all(p >= k for p, k in zip(peak[name], kept[name], strict=True)), name
+    never, always = kept["1f1b recompute=never"], kept["1f1b recompute=always"]
+    assert always[0] < never[0] and peak["1f1b recompute=never"] == never  # nothing rebuilt
+    # except-last: 1F1B's stage 0 recomputes every micro-batch, its last stage none.
+    assert kept["1f1b recompute=except-last"] == [always[0], never[1]]
+    assert kept["gpipe recompute=never"][0] > never[0]  # 8 micro-batches held against 2
+    assert report["recompute_activation_ratio"] == pytest.approx(always[0] / never[0])
+    assert report["recompute_peak_ratio"] > report["recompute_activation_ratio"]
+    assert "recompute_activation_ratio" in proc.stdout and "recompute is slower" in proc.stdout
+
     machine = report["machine"]
     assert machine["cpu_count"] >= 1 and machine["torch"] and machine["platform"]
+    assert set(machine["cpu_bf16"]) <= {"avx512_bf16", "amx_bf16"}
+    assert "CPU bf16:" in proc.stdout
     assert "bench.py" in report["command"] and "--smoke" in report["command"]
     assert report["raw"], "per-measurement numbers are missing"
     for name, entry in report["raw"].items():

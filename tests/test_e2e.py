@@ -130,6 +130,12 @@ def test_torchrun_launch(tmp_path):
             "3",
             "--bundle-shape",
             "2,1",
+            "--precision",
+            "fp16",
+            "--recompute",
+            "except-last",
+            "--micro-batches",
+            "2",
             "--metrics-out",
             str(tmp_path / "m.jsonl"),
         )
@@ -137,15 +143,29 @@ def test_torchrun_launch(tmp_path):
     assert code == 0, err
     s = summary(tmp_path / "m.jsonl")
     assert (s["world_size"], s["shape"]) == (3, [2, 1])
+    assert (s["precision"], s["recompute"], s["skipped_steps"]) == ("fp16", "except-last", 0)
 
 
 def test_dp_only(tmp_path):
+    """Also: the speed and memory options from a YAML file."""
+    config = tmp_path / "run.yaml"
+    config.write_text("precision: bf16\nchannels-last: true\nrecompute: always\n")
     code, _, err = finish(
-        start("main.py", "--DP-ONLY", "--epochs", "2", "--metrics-out", str(tmp_path / "m.jsonl"))
+        start(
+            "main.py",
+            "--DP-ONLY",
+            "--epochs",
+            "2",
+            "--config",
+            str(config),
+            "--metrics-out",
+            str(tmp_path / "m.jsonl"),
+        )
     )
     assert code == 0, err
     s = summary(tmp_path / "m.jsonl")
     assert s["shape"] == [2] and s["val_accuracy"] > 0.5
+    assert (s["precision"], s["channels_last"], s["recompute"]) == ("bf16", True, "always")
 
 
 def _alive(pid: int) -> bool:

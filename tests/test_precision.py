@@ -17,6 +17,7 @@ from bundle.errors import ConfigError
 from bundle.localworld import run_world
 from bundle.memory import SavedBytes
 from bundle.precision import LossScaler, Policy
+from bundle.schedule import actions
 from bundle.transport import TensorMeta, _check_wire
 from bundle.worker import build_session, make_checkpointer, make_topology, train_stream
 from tests.test_equivalence import TOL, _config
@@ -59,11 +60,19 @@ def test_a_send_that_disagrees_with_the_receivers_buffers_is_refused():
             _check_wire((bad,), meta, 2, "rank 1")
 
 
-def test_recompute_keeps_only_except_last():
-    always, last = Policy(recompute="always"), Policy(recompute="except-last")
-    assert [always.recomputes(k, 3) for k in range(3)] == [True, True, True]
-    assert [last.recomputes(k, 3) for k in range(3)] == [True, True, False]
-    assert not Policy().recomputes(0, 3) and not last.recomputes(0, 1)
+def test_except_last_keeps_what_recomputing_would_rebuild_at_once():
+    def plan(mode: str, schedule: str, stage: int, micro: int) -> list[bool]:
+        return Policy(recompute=mode).recomputes(actions(schedule, stage, 2, micro), micro)
+
+    # 1F1B's last stage runs each backward right after its forward: nothing to gain there.
+    assert plan("except-last", "1f1b", 1, 3) == [False, False, False]
+    # Stage 0 holds two micro-batches at once, and its last forward precedes another backward.
+    assert plan("except-last", "1f1b", 0, 3) == [True, True, True]
+    # GPipe as run here (backwards in forward order): keeping the last would double the peak.
+    assert plan("except-last", "gpipe", 1, 3) == [True, True, True]
+    assert plan("except-last", "gpipe", 0, 1) == [False]  # one micro-batch
+    assert plan("always", "1f1b", 1, 3) == [True, True, True]
+    assert plan("never", "gpipe", 0, 3) == [False, False, False]
 
 
 def _bn_stage() -> partition.Stage:
