@@ -86,11 +86,10 @@ class Policy:
 
 def describe(cfg: ComputeConfig) -> str:
     """``bf16, recompute always, channels-last`` (only what is not the default, after fp32)."""
-    c = cfg
-    parts = [c.precision]
-    if c.recompute != "never":
-        parts.append(f"recompute {c.recompute}")
-    if c.channels_last:
+    parts = [cfg.precision]
+    if cfg.recompute != "never":
+        parts.append(f"recompute {cfg.recompute}")
+    if cfg.channels_last:
         parts.append("channels-last")
     return ", ".join(parts)
 

@@ -10,16 +10,16 @@ worlds are started, one after the other:
   model and global batch;
 - ``bundles`` (4 processes): two bundles of shape 1,1 with flat against hierarchical gradient sync.
 
-The ``pipeline`` world also times bf16 against fp32 (small_resnet and the MLP) and recompute=always
-against never (small_resnet), at shape 1,1, 1F1B, M = 8, in groups of their own; after its timed
-rounds it counts exactly, on separate untimed steps, the bytes each stage keeps saved for backward
-at their peak over a step (``bundle.memory.SavedBytes``), for small_resnet under GPipe and under
-1F1B with each recompute mode.
+The ``pipeline`` world also times bf16 against fp32 (small_resnet and the MLP), and recompute=always
+and channels-last against neither (small_resnet), at shape 1,1, 1F1B, M = 8, in groups of their
+own; after its timed rounds ``bench_memory`` counts exactly, on separate untimed steps, the bytes
+each stage holds saved for backward at their peak over a step, for small_resnet under GPipe and
+1F1B with the recompute modes.
 
 Inside a world the cases come in groups: the cases compared with each other (Bundle and torch
 pipelining at M = 8; Bundle data-parallel and DDP; flat and hierarchical sync; small_resnet fp32,
-bf16 and recompute; MLP fp32 and bf16) form one group, every other case a group of its own. Each round runs every group once, in an order reversed every
-other round; a group runs untimed warm-up steps of each case, then its cases' timed steps
+bf16, recompute and channels-last; MLP fp32 and bf16) form one group, every other case a group of
+its own. Each round runs every group once, in an order reversed every other round; a group runs untimed warm-up steps of each case, then its cases' timed steps
 interleaved step by step, in an order that alternates (A B, B A, ...), so the steps compared meet
 the same moment of a shared machine. Step time is the median of the timed steps of the first rank
 (stage 0 of bundle 0), and throughput is global batch / median step time. After its steps every
@@ -31,8 +31,8 @@ Headline ratios are paired: a throughput ratio is the median over the ratios of 
 side by side; pipeline efficiency is the median over rounds of ``(M + S - 1) * max_s t_s`` / the
 round's median step time, with ``t_s`` timed in that round. A burst of load from a neighbour then
 slows both sides of a pair, or falls out as one outlying pair, instead of landing on one side only.
-Ratios above 1 mean Bundle is faster (bf16_vs_fp32: bf16 faster; recompute_cost is a step-time
-ratio, above 1 when recomputing is slower).
+Ratios above 1 mean Bundle is faster (bf16_vs_fp32: bf16 faster; channels_last_vs_default:
+channels-last faster; recompute_cost is a step-time ratio, above 1 when recomputing is slower).
 
 Every rank also records its CPU seconds per step (process time, all threads) and the stage
 probes their thread CPU time, to read results taken on a busy shared machine.
@@ -45,13 +45,10 @@ import copy
 import json
 import math
 import os
-import platform
-import shlex
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -65,6 +62,7 @@ for _path in (REPO, REPO / "scripts"):  # the engine, and bench_memory beside th
         sys.path.insert(0, str(_path))
 
 import bench_memory  # noqa: E402
+from bench_report import build_report, render, summarize  # noqa: E402
 
 import models  # noqa: E402
 from bundle import data, localworld  # noqa: E402
@@ -162,6 +160,7 @@ def make_cfg(
     spec: str | None = None,
     precision: str = "fp32",
     recompute: str = "never",
+    channels_last: bool = False,
 ) -> RunConfig:
     """The run configuration of one case (synthetic data, no evaluation)."""
     if model == sizes.mlp_model:
@@ -186,7 +185,9 @@ def make_cfg(
         train=TrainConfig(
             batch_size=batch, steps=DATA_STEPS, lr=LR, momentum=MOMENTUM, seed=SEED, eval=False
         ),
-        compute=ComputeConfig(precision=precision, recompute=recompute),
+        compute=ComputeConfig(
+            precision=precision, recompute=recompute, channels_last=channels_last
+        ),
     )
 
 
@@ -384,6 +385,12 @@ def build_groups(job: str, rank: int, world: int, sizes: Sizes) -> list[list[Cas
                 rank,
                 probe=False,
             ),
+            bundle_case(
+                f"cnn bundle channels-last M={cm}",
+                make_cfg(sizes, **cnn, channels_last=True),
+                rank,
+                probe=False,
+            ),
         ]
         mlp_bf16 = [
             bundle_case(
@@ -466,270 +473,6 @@ def world_main(rank: int, world: int, job: str, sizes: Sizes) -> dict:
         "peak": peak,
         "info": {c.name: c.info for c in cases},
         "activation": bench_memory.count(_memory_case(rank, sizes)) if job == "pipeline" else {},
-    }
-
-
-# -- report -----------------------------------------------------------------------------------
-
-
-def _rounded(values: list[float]) -> list[float]:
-    """Seconds to the microsecond, for the raw lists."""
-    return [round(v, 6) for v in values]
-
-
-def _by_round(values: list[float], rounds: int) -> list[float]:
-    """Medians of ``values`` cut into ``rounds`` equal consecutive runs (one per round)."""
-    n = len(values) // rounds
-    return [statistics.median(values[r * n : (r + 1) * n]) for r in range(rounds)]
-
-
-def _efficiency(round_ideal: list[float], round_step: list[float]) -> float:
-    """Median over rounds of the round's ideal step time / its measured median step time."""
-    return statistics.median(i / t for i, t in zip(round_ideal, round_step, strict=True))
-
-
-def summarize(results: list[dict], rounds: int) -> dict[str, dict]:
-    """Per case: rank 0's step times, medians, throughput, per-rank CPU, efficiency if probed."""
-    out = {}
-    lead = results[0]
-    for name, times in lead["wall"].items():
-        info = lead["info"][name]
-        med = statistics.median(times)
-        entry = {
-            "micro_batches": info["micro_batches"],
-            "global_batch": info["batch"],
-            "median_step_s": med,
-            "samples_per_s": info["batch"] / med,
-            "min_step_s": min(times),
-            "round_step_s": _by_round(times, rounds),
-            "cpu_step_s": [statistics.median(r["cpu"][name]) for r in results],
-            "step_s": _rounded(times),
-        }
-        if name in lead["stage"]:
-            ranks = results[: info["stages"]]
-            walls = [[w for w, _ in r["stage"][name]] for r in ranks]
-            slots = info["micro_batches"] + info["stages"] - 1
-            ideal = slots * max(statistics.median(w) for w in walls)
-            per_round = [_by_round(w, rounds) for w in walls]
-            round_ideal = [slots * max(t) for t in zip(*per_round, strict=True)]
-            entry.update(
-                stage_s=[statistics.median(w) for w in walls],
-                stage_cpu_s=[statistics.median(c for _, c in r["stage"][name]) for r in ranks],
-                stage_raw_s=[_rounded(w) for w in walls],
-                stage_blocks=[r["info"][name]["stage_blocks"] for r in ranks],
-                ideal_step_s=ideal,
-                round_ideal_step_s=round_ideal,
-                efficiency=_efficiency(round_ideal, entry["round_step_s"]),
-                efficiency_pooled=ideal / med,
-            )
-        if name in lead["peak"]:
-            entry["peak_in_flight_stage0"] = lead["peak"][name]
-        out[name] = entry
-    return out
-
-
-def cpu_bf16() -> list[str]:
-    """The native bf16 flags of this CPU (avx512_bf16, amx_bf16) in /proc/cpuinfo; [] if none."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
-    flags = {f for line in lines if line.startswith("flags") for f in line.split(":", 1)[1].split()}
-    return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-
-
-def machine(load_start: tuple[float, ...]) -> dict:
-    """Where the numbers were taken, with the load average of the shared machine around them."""
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_bf16": cpu_bf16(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads_per_process": 1,
-        "backend": "gloo",
-        "loadavg_start": list(load_start),
-        "loadavg_end": list(os.getloadavg()),
-    }
-
-
-def _ms(values: list[float]) -> str:
-    """Seconds per rank as milliseconds: ``a/b`` for two ranks, the largest for more."""
-    if len(values) > 2:
-        return f"max {max(values) * 1e3:.1f}"
-    return "/".join(f"{v * 1e3:.1f}" for v in values) or "-"
-
-
-def _row(name: str, e: dict) -> str:
-    """One table row of a case."""
-    ideal = f"{e['ideal_step_s'] * 1e3:.1f}" if "ideal_step_s" in e else "-"
-    eff = f"{e['efficiency']:.3f}" if "efficiency" in e else "-"
-    return (
-        f"{name:<26}{e['micro_batches']:>3}{e['median_step_s'] * 1e3:>9.1f}"
-        f"{_ms(e['cpu_step_s']):>13}{_ms(e.get('stage_s', [])):>13}{ideal:>9}"
-        f"{e['samples_per_s']:>10.0f}{eff:>7}"
-    )
-
-
-def render(report: dict, cases: dict[str, dict]) -> str:
-    """The human-readable table."""
-    m, s, r = report["machine"], report["sizes"], report
-    cm = s["compare_micro"]
-    header = (
-        f"{'case':<26}{'M':>3}{'step ms':>9}{'cpu ms':>13}{'t_s ms':>13}{'ideal ms':>9}"
-        f"{'samples/s':>10}{'eff':>7}"
-    )
-
-    def split(name: str) -> str:
-        """A case's stage blocks, ``a,b | c,d``."""
-        return " | ".join(",".join(b) for b in cases[name]["stage_blocks"])
-
-    pipeline = [
-        *(f"mlp bundle 1f1b M={k}" for k in s["mlp_micro"]),
-        f"mlp bundle gpipe M={cm}",
-        f"mlp torch 1f1b M={cm}",
-        f"mlp torch gpipe M={cm}",
-        *(f"cnn bundle 1f1b M={k}" for k in s["cnn_micro"]),
-    ]
-    cnn_first = f"cnn bundle 1f1b M={s['cnn_micro'][0]}"
-    others = ["bundle dp", "torch ddp", f"bundle flat M={cm}", f"bundle hierarchical M={cm}"]
-    compute = [
-        *(f"cnn bundle {k} M={cm}" for k in ("fp32", "bf16", "recompute")),
-        *(f"mlp bundle {k} M={cm}" for k in ("fp32", "bf16")),
-    ]
-    detail = r["vs_torch_pipelining_detail"]
-    lines = [
-        f"Bundle benchmark ({r['mode']}): gloo over loopback, 1 thread per process, "
-        f"{m['cpu_count']} CPUs, torch {m['torch']}, {m['platform']}, "
-        f"CPU bf16: {', '.join(m['cpu_bf16']) or 'none'}",
-        f"{s['mlp_model']} 3x{s['mlp_image']}x{s['mlp_image']}, global batch {s['mlp_batch']}, "
-        f"split [{split(f'mlp bundle 1f1b M={cm}')}]",
-        f"small_resnet 3x32x32, global batch {s['cnn_batch']}, split [{split(cnn_first)}]",
-        f"{s['rounds']} interleaved rounds x {s['steps']} timed steps per case; medians. "
-        "step: rank 0 wall; cpu: process CPU per step and rank;",
-        "t_s: one micro-batch fwd+bwd of each stage alone; eff = (M+S-1) max t_s / step. "
-        f"load average {m['loadavg_start'][0]:.1f} at start, {m['loadavg_end'][0]:.1f} at end",
-        "",
-        "pipeline, shape 1,1 (2 processes)",
-        header,
-        *(_row(name, cases[name]) for name in pipeline),
-        "",
-        "data parallel, shape 2 (2 processes); two bundles of shape 1,1 (4 processes)",
-        header,
-        *(_row(name, cases[name]) for name in others),
-        "",
-        "ratios (> 1: Bundle faster)",
-        f"  pipeline_efficiency   {r['pipeline_efficiency']:.3f}  (mlp bundle 1f1b M={cm})",
-        f"  vs_torch_pipelining   {r['vs_torch_pipelining']:.3f}  (bundle {detail['bundle_best']}"
-        f" / torch {detail['torch_best']}; same schedule: "
-        + ", ".join(f"{k} {v:.3f}" for k, v in detail["same_schedule"].items())
-        + ")",
-        "                        torch's efficiency against the same ideal: "
-        + ", ".join(f"{k} {v:.3f}" for k, v in detail["torch_efficiency"].items())
-        + f" (a step at the ideal would lead it {detail['ceiling']:.2f}x)",
-        f"  dp_vs_ddp             {r['dp_vs_ddp']:.3f}",
-        f"  hierarchical_vs_flat  {r['hierarchical_vs_flat']:.3f}",
-        f"  peak in flight on stage 0, M={cm}: 1f1b {r['peak_inflight_1f1b']}, "
-        f"gpipe {r['peak_inflight_gpipe']}",
-        "",
-        f"precision and recompute, shape 1,1, 1f1b, M={cm} (2 processes; cnn = small_resnet; "
-        "recompute = always, fp32)",
-        header,
-        *(_row(name, cases[name]) for name in compute),
-        "",
-        "  bf16_vs_fp32          "
-        + ", ".join(f"{k} {v:.3f}" for k, v in r["bf16_vs_fp32"].items())
-        + "  (throughput bf16 / fp32; > 1: bf16 faster)",
-        f"  recompute_cost        {r['recompute_cost']:.3f}  (step time always / never: "
-        "> 1 means recompute is slower; not the '> 1: Bundle faster' direction)",
-        *bench_memory.render(r, cm),
-    ]
-    return "\n".join(lines)
-
-
-def _sweep(cases: dict[str, dict], prefix: str, micro: tuple[int, ...]) -> list[dict]:
-    """One row per micro-batch count of a sweep."""
-    return [
-        {
-            "micro_batches": m,
-            "samples_per_s": cases[f"{prefix} M={m}"]["samples_per_s"],
-            "efficiency": cases[f"{prefix} M={m}"]["efficiency"],
-            "median_step_s": cases[f"{prefix} M={m}"]["median_step_s"],
-            "ideal_step_s": cases[f"{prefix} M={m}"]["ideal_step_s"],
-        }
-        for m in micro
-    ]
-
-
-def paired(cases: dict[str, dict], ours: str, theirs: str) -> float:
-    """Throughput of ``ours`` / ``theirs``: the median of the ratios of steps run side by side."""
-    a, b = cases[ours], cases[theirs]
-    scale = a["global_batch"] / b["global_batch"]
-    return statistics.median(
-        scale * tb / ta for ta, tb in zip(a["step_s"], b["step_s"], strict=True)
-    )
-
-
-def build_report(
-    mode: str,
-    sizes: Sizes,
-    cases: dict[str, dict],
-    activation: dict,
-    wall: float,
-    load_start: tuple[float, ...],
-) -> dict:
-    """The JSON document: headline ratios, sweeps, and every raw number behind them."""
-    cm = sizes.compare_micro
-    tput = {name: e["samples_per_s"] for name, e in cases.items()}
-    ours = {s: tput[f"mlp bundle {s} M={cm}"] for s in ("1f1b", "gpipe")}
-    theirs = {s: tput[f"mlp torch {s} M={cm}"] for s in ("1f1b", "gpipe")}
-    ours_best = max(ours, key=ours.get)
-    theirs_best = max(theirs, key=theirs.get)
-
-    def vs(s_ours: str, s_theirs: str) -> float:
-        return paired(cases, f"mlp bundle {s_ours} M={cm}", f"mlp torch {s_theirs} M={cm}")
-
-    # torch.distributed.pipelining against the same bubble-bound ideal (same split, same
-    # micro-batch size, stage times from the Bundle 1F1B case of the same round): no schedule
-    # of the same split can beat torch by more than 1 / this.
-    ideal = cases[f"mlp bundle 1f1b M={cm}"]["round_ideal_step_s"]
-    torch_eff = {
-        s: _efficiency(ideal, cases[f"mlp torch {s} M={cm}"]["round_step_s"])
-        for s in ("1f1b", "gpipe")
-    }
-
-    return {
-        "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
-        "mode": mode,
-        "machine": machine(load_start),
-        "sizes": asdict(sizes),
-        "pipeline_efficiency": cases[f"mlp bundle 1f1b M={cm}"]["efficiency"],
-        "vs_torch_pipelining": vs(ours_best, theirs_best),
-        "vs_torch_pipelining_detail": {
-            "bundle_samples_per_s": ours,
-            "torch_samples_per_s": theirs,
-            "bundle_best": ours_best,
-            "torch_best": theirs_best,
-            "same_schedule": {s: vs(s, s) for s in ours},
-            "pooled": ours[ours_best] / theirs[theirs_best],
-            "torch_efficiency": torch_eff,
-            "ceiling": 1 / max(torch_eff.values()),
-        },
-        "dp_vs_ddp": paired(cases, "bundle dp", "torch ddp"),
-        "peak_inflight_1f1b": cases[f"mlp bundle 1f1b M={cm}"]["peak_in_flight_stage0"],
-        "peak_inflight_gpipe": cases[f"mlp bundle gpipe M={cm}"]["peak_in_flight_stage0"],
-        "hierarchical_vs_flat": paired(cases, f"bundle hierarchical M={cm}", f"bundle flat M={cm}"),
-        "bf16_vs_fp32": {
-            model: paired(cases, f"{prefix} bundle bf16 M={cm}", f"{prefix} bundle fp32 M={cm}")
-            for model, prefix in (("small_resnet", "cnn"), (sizes.mlp_model, "mlp"))
-        },
-        "recompute_cost": paired(cases, f"cnn bundle fp32 M={cm}", f"cnn bundle recompute M={cm}"),
-        **activation,
-        "sweep_mlp": _sweep(cases, "mlp bundle 1f1b", sizes.mlp_micro),
-        "sweep_cnn": _sweep(cases, "cnn bundle 1f1b", sizes.cnn_micro),
-        "raw": cases,
-        "wall_s": wall,
     }
 
 
