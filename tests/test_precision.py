@@ -183,7 +183,9 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
 
 
 def _boundary(rank: int, world: int, compute: ComputeConfig) -> dict:
-    cfg = _config((1, 1), 1, "1f1b", 2, "flat", "small_resnet")
+    # Two rear replicas: the front sends each its rows of the NHWC wire tensor, and the rear's
+    # hierarchical sync runs over channels-last parameters.
+    cfg = _config((1, 2), 1, "1f1b", 2, "hierarchical", "small_resnet")
     cfg = dataclasses.replace(
         cfg,
         data=dataclasses.replace(cfg.data, image_size=8),
@@ -218,14 +220,16 @@ def _loss_step(rank: int, world: int) -> list:
 
 @pytest.mark.slow
 def test_channels_last_and_bf16_cross_the_boundary():
-    front, rear = run_world(2, _loss_step)
+    front, rear, rear_twin = run_world(3, _loss_step)
     fp32, cl, bf16_cl = ({**f["params"], **r["params"]} for f, r in zip(front, rear, strict=True))
     for k in fp32:
         assert (fp32[k] - cl[k]).abs().max().item() <= TOL, k  # same math, another layout
+    for mine, twin in zip(rear, rear_twin, strict=True):  # replicas stay identical
+        assert all(torch.equal(v, twin["params"][k]) for k, v in mine["params"].items())
     assert max((fp32[k] - bf16_cl[k]).abs().max().item() for k in fp32) > TOL
     assert all(front[1]["channels_last"]) and all(rear[2]["channels_last"])
     assert not any(front[0]["channels_last"])
-    # The rear's receive buffers: NCHW fp32, NHWC fp32, NHWC bf16 (64 channels at 4x4).
+    # The rear's receive buffers: NCHW fp32, NHWC fp32, NHWC bf16 (32 channels at 4x4).
     (dtype0, shape0), (dtype1, shape1), (dtype2, shape2) = (r["buffers"][0] for r in rear)
     assert (dtype0, dtype1, dtype2) == (torch.float32, torch.float32, torch.bfloat16)
     assert shape0[1:] == (32, 4, 4) and shape1[1:] == shape2[1:] == (4, 4, 32)
