@@ -170,6 +170,9 @@ def run_settings(cfg) -> dict:
         "lr": cfg.train.lr,
         "momentum": cfg.train.momentum,
         "weight_decay": cfg.train.weight_decay,
+        "precision": cfg.compute.precision,
+        "recompute": cfg.compute.recompute,
+        "channels_last": cfg.compute.channels_last,
     }
 
 

@@ -122,7 +122,9 @@ class HierarchicalSync(GradSync):
             )
             offset = 0
             for p in group:
-                p.grad = buf[offset : offset + p.numel()].view_as(p)
+                # The parameter's own strides (channels-last kernels too): autograd accumulates
+                # into a gradient laid out like its parameter without a strided copy.
+                p.grad = buf.as_strided(p.size(), p.stride(), offset)
                 offset += p.numel()
                 self._bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._ready)

@@ -4,9 +4,10 @@ Recompute runs a stage's blocks as one non-reentrant ``torch.utils.checkpoint`` 
 micro-batch, as torchgpipe does: the forward keeps only the stage's inputs, and the micro-batch's
 backward runs the stage again to rebuild what it needs, so at most one micro-batch's activations
 exist in full at any time (while its backward runs). Running a block
-again in training mode would update BatchNorm's running statistics a second time (pytorch issue
-96136), so the recomputation runs with momentum 0: it normalises with the same batch statistics
-and leaves the buffers (and ``num_batches_tracked``) as the forward left them.
+again in training mode would update the running statistics of BatchNorm (and of InstanceNorm
+that tracks them) a second time (pytorch issue 96136), so the recomputation runs those layers with
+momentum 0: they normalise with the same batch statistics and leave the buffers (and
+``num_batches_tracked``) as the forward left them.
 
 ``SavedBytes`` counts, with ``saved_tensors_hooks``, the bytes of tensors saved for backward
 that are alive at once (storages counted once, parameters not at all): the activation memory of
@@ -25,14 +26,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
 from models import Block, apply_blocks
 
 
 @contextlib.contextmanager
-def _statistics_frozen(norms: Sequence[_BatchNorm]) -> Iterator[None]:
+def _statistics_frozen(norms: Sequence[_NormBase]) -> Iterator[None]:
     """Momentum 0 leaves the running statistics as they are; the step counter is put back.
 
     (Turning ``track_running_stats`` off instead would change which tensors the recomputation
@@ -52,7 +53,7 @@ def _statistics_frozen(norms: Sequence[_BatchNorm]) -> Iterator[None]:
 
 def run_recomputed(blocks: Sequence[Block], *inputs: torch.Tensor) -> torch.Tensor | tuple:
     """Apply ``blocks`` as one checkpointed unit: keep the stage's inputs, recompute the rest."""
-    norms = [m for _, block in blocks for m in block.modules() if isinstance(m, _BatchNorm)]
+    norms = [m for _, block in blocks for m in block.modules() if isinstance(m, _NormBase)]
     return checkpoint(
         apply_blocks,
         blocks,
@@ -79,11 +80,11 @@ class SavedBytes:
     def recomputed_forward(self, micro: int, stage: nn.Module, run) -> None:
         """Measure what recomputing ``micro`` will rebuild: ``run()`` once more, plainly.
 
-        Untimed measurement only: a second forward, with BatchNorm statistics left alone.
+        Untimed measurement only: a second forward, with running statistics left alone.
         """
         inner = SavedBytes(stage)
         inner._params |= set(self._live)  # what is already counted (the stage's inputs) once
-        norms = [m for m in stage.modules() if isinstance(m, _BatchNorm)]
+        norms = [m for m in stage.modules() if isinstance(m, _NormBase)]
         with inner.tracking(), _statistics_frozen(norms):
             out = run()
         del out

@@ -57,7 +57,8 @@ class Policy:
 
     def boundary(self, meta: TensorMeta) -> TensorMeta:
         """How one tensor crosses a boundary: floats in the compute dtype, images in the layout."""
-        dtype = self.compute_dtype if meta.dtype.is_floating_point else meta.dtype
+        # fp32 activations travel in the compute dtype; other dtypes (integers, fp64) as they are.
+        dtype = self.compute_dtype if meta.dtype == torch.float32 else meta.dtype
         return TensorMeta(meta.tail, dtype, self.channels_last and len(meta.tail) == 3)
 
     def recomputes(self, acts: list[Action], micro_batches: int) -> list[bool]:
@@ -127,12 +128,16 @@ class LossScaler:
         # Tensors so that a checkpoint holds them like any other entry.
         self.scale_t = torch.tensor(init_scale, dtype=torch.float64)
         self.growth_t = torch.tensor(0, dtype=torch.int64)
+        self.skipped_t = torch.tensor(0, dtype=torch.int64)  # over the whole run, resumes too
         self._found = torch.zeros(1, device=device)
-        self.skipped = 0
 
     @property
     def scale(self) -> float:
         return float(self.scale_t)
+
+    @property
+    def skipped(self) -> int:
+        return int(self.skipped_t)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
@@ -154,7 +159,7 @@ class LossScaler:
 
     def _update(self, ok: bool) -> None:
         if not ok:
-            self.skipped += 1
+            self.skipped_t += 1
             self.scale_t.mul_(self.backoff_factor)
             self.growth_t.zero_()
             return
@@ -165,4 +170,8 @@ class LossScaler:
 
     def state(self) -> dict[str, torch.Tensor]:
         """Checkpoint entries (the same on every rank)."""
-        return {"precision.loss_scale": self.scale_t, "precision.growth_tracker": self.growth_t}
+        return {
+            "precision.loss_scale": self.scale_t,
+            "precision.growth_tracker": self.growth_t,
+            "precision.skipped_steps": self.skipped_t,
+        }

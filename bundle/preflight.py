@@ -93,7 +93,8 @@ def check_resume(cfg: RunConfig, shapes: dict, attempt: int) -> str | None:
     info = checkpoint.check_fits(path, cfg.model.name, shapes)
     # Training settings may change on resume; say which did.
     for key, value in checkpoint.run_settings(cfg).items():
-        if info.get(key) != value:
+        # (A setting older checkpoints did not record is not reported.)
+        if key in info and info[key] != value:
             print(
                 f"main.py: note: resuming with --{key.replace('_', '-')} {value} "
                 f"(the checkpoint was written with {info.get(key)})",

@@ -34,6 +34,8 @@ def test_policy_sets_boundary_dtype_and_layout_for_both_sides():
     assert bf16_cl.boundary(flat) == TensorMeta((32,), torch.bfloat16, False)  # not an image
     assert Policy("fp32", "cpu").boundary(IMAGE) == IMAGE
     assert Policy("fp16", "cpu").boundary(IMAGE).dtype == torch.float16
+    wide = TensorMeta((4,), torch.float64)  # only fp32 activations change dtype
+    assert Policy("bf16", "cpu").boundary(wide) == Policy("fp32", "cpu").boundary(wide) == wide
 
 
 def test_channels_last_wire_form_is_the_tensors_own_bytes():
@@ -99,6 +101,24 @@ def test_recompute_matches_and_updates_batchnorm_statistics_once():
             assert (v - recomputed[k]).abs().max().item() <= TOL, k
         else:
             assert torch.equal(v, recomputed[k]), k  # num_batches_tracked
+
+
+def test_recompute_updates_instance_norm_statistics_once():
+    def stage() -> partition.Stage:
+        torch.manual_seed(0)
+        conv = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3), torch.nn.InstanceNorm2d(4, track_running_stats=True)
+        )
+        return partition.Stage([("conv", conv), ("relu", torch.nn.ReLU())])
+
+    x = torch.randn(2, 3, 8, 8)
+    plain, recomputed = _step(stage(), x, False), _step(stage(), x, True)
+    for k, v in plain.items():
+        assert (
+            torch.allclose(v, recomputed[k], atol=TOL)
+            if v.is_floating_point()
+            else torch.equal(v, recomputed[k])
+        ), k
 
 
 def test_plain_checkpoint_would_update_batchnorm_twice():
@@ -169,6 +189,7 @@ def _poisoned_skip(rank: int, world: int, save_dir: str) -> dict:
         "skipped": runner.scaler.skipped,
         "moved": moved,
         "restored_scale": fresh.runner.scaler.scale,
+        "restored_skipped": fresh.runner.scaler.skipped,
     }
 
 
@@ -179,7 +200,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
         assert r["unchanged"], f"rank {rank} stepped on an overflowed step"
         assert r["scale"] == 2.0**15 and r["skipped"] == 1, (rank, r)
         assert r["moved"], f"rank {rank} did not step after the skip"
-        assert r["restored_scale"] == 2.0**15, (rank, r)
+        assert r["restored_scale"] == 2.0**15 and r["restored_skipped"] == 1, (rank, r)
 
 
 def _boundary(rank: int, world: int, compute: ComputeConfig) -> dict:
@@ -202,6 +223,10 @@ def _boundary(rank: int, world: int, compute: ComputeConfig) -> dict:
     return {
         "params": {k: v.detach() for k, v in session.stage.full_state_dict().items()},
         "buffers": [(t.dtype, t.shape) for t in bufs],
+        # Gradients laid out like their parameters (hierarchical sync's bucket views too).
+        "grad_layouts": [
+            p.grad is None or p.grad.stride() == p.stride() for p in session.stage.parameters()
+        ],
         "channels_last": [
             p.is_contiguous(memory_format=torch.channels_last)
             for p in session.stage.parameters()
@@ -226,6 +251,7 @@ def test_channels_last_and_bf16_cross_the_boundary():
         assert (fp32[k] - cl[k]).abs().max().item() <= TOL, k  # same math, another layout
     for mine, twin in zip(rear, rear_twin, strict=True):  # replicas stay identical
         assert all(torch.equal(v, twin["params"][k]) for k, v in mine["params"].items())
+        assert all(mine["grad_layouts"]) and all(twin["grad_layouts"])
     assert max((fp32[k] - bf16_cl[k]).abs().max().item() for k in fp32) > TOL
     assert all(front[1]["channels_last"]) and all(rear[2]["channels_last"])
     assert not any(front[0]["channels_last"])

@@ -12,6 +12,7 @@ import shutil
 import signal
 import time
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -215,7 +216,7 @@ def test_two_nodes_on_loopback_recover_from_a_killed_worker_on_node_1(tmp_path):
     assert_identical(tmp_path / "ref.pt", tmp_path / "b.pt")
 
 
-def test_incomplete_newest_is_skipped_and_another_model_is_refused(uninterrupted, tmp_path):
+def test_incomplete_newest_is_skipped_and_another_model_is_refused(uninterrupted, tmp_path, capsys):
     save_dir = tmp_path / "ckpt"
     shutil.copytree(uninterrupted / "ckpt", save_dir)
     newest = max(save_dir.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -228,6 +229,13 @@ def test_incomplete_newest_is_skipped_and_another_model_is_refused(uninterrupted
     cfg = main.parse([*RUN, "--save-dir", str(save_dir), "--resume", "auto"], env={})
     shapes = preflight.check_model(cfg, 2)
     assert preflight.check_resume(cfg, shapes, attempt=0) == str(newest)
+    # Another precision resumes, and says so.
+    bf16 = main.parse([*RUN, "--save-dir", str(save_dir), "--precision", "bf16"], env={})
+    capsys.readouterr()
+    preflight.check_resume(replace(bf16, checkpoint=cfg.checkpoint), shapes, attempt=0)
+    assert "resuming with --precision bf16 (the checkpoint was written with fp32)" in (
+        capsys.readouterr().err
+    )
     # Refused before anything starts, in one line: another model, then another head size.
     for extra, words in (
         (["--model", "skip_mlp"], "is of model 'mlp', not 'skip_mlp'"),
