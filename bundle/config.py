@@ -27,6 +27,20 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def parse_steps(key: str, text: str | None) -> tuple[int, int] | None:
+    """``"3:4"`` -> ``(3, 4)``: steps A to B, 1-based and inclusive (``"3"`` is ``3:3``)."""
+    if text is None:
+        return None
+    first, sep, last = str(text).partition(":")
+    try:
+        a, b = int(first), int(last if sep else first)
+    except ValueError:
+        raise ConfigError(key, text, "give steps as A:B, e.g. 3:4") from None
+    if not 1 <= a <= b:
+        raise ConfigError(key, text, "steps A:B need 1 <= A <= B")
+    return a, b
+
+
 def _positive(key: str, value: int, minimum: int = 1) -> None:
     if not isinstance(value, int) or value < minimum:
         raise ConfigError(key, value, f"must be an integer >= {minimum}")
@@ -187,6 +201,31 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ObserveConfig:
+    """What a run records beyond its progress lines: trace, kernel profile, TensorBoard."""
+
+    trace: str | None = None  # Chrome/Perfetto trace of every rank, written by rank 0
+    trace_steps: str | None = None  # "A:B"; None: the two steps after the first
+    profile_steps: str | None = None  # "A:B": torch.profiler traces per rank
+    profile_dir: str = "profile"
+    tensorboard: str | None = None
+
+    def __post_init__(self) -> None:
+        parse_steps("--trace-steps", self.trace_steps)
+        parse_steps("--profile-steps", self.profile_steps)
+
+    def trace_range(self, start: int, total: int) -> tuple[int, int] | None:
+        """The traced steps (1-based) of a run doing steps ``start + 1 .. total``; None: no trace."""
+        if not self.trace:
+            return None
+        # By default the two steps after the first of this attempt (start-up is no steady state).
+        return parse_steps("--trace-steps", self.trace_steps) or (
+            min(start + 2, total),
+            min(start + 3, total),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -195,6 +234,7 @@ class RunConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
     metrics_out: str | None = None
 
     @property
@@ -221,4 +261,9 @@ class RunConfig:
         # compared by step when training starts.
         shared["checkpoint"].pop("save_dir")
         shared["checkpoint"].pop("resume")
+        # Whether to trace must agree (every rank records and sends its slices); where to write
+        # is rank 0's business, as is where TensorBoard and profiles go.
+        shared["observe"]["trace"] = self.observe.trace is not None
+        shared["observe"].pop("tensorboard")
+        shared["observe"].pop("profile_dir")
         return shared

@@ -288,6 +288,7 @@ def worker_main(
             attempt=attempt,
             resume=resume,
             stop=stop,
+            store=store,
         )
         dist.barrier()
         if summary is not None:

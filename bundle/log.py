@@ -22,3 +22,8 @@ def setup(prefix: str, *, verbose: bool = True) -> logging.Logger:
 
 def get() -> logging.Logger:
     return _LOGGER
+
+
+def notice(message: str) -> None:
+    """A line every process prints whatever its verbosity (what one process alone writes)."""
+    _LOGGER.warning(message)

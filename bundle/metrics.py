@@ -9,7 +9,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from bundle import log
+from bundle.board import Board
+from bundle.console import Console
+from bundle.timing import Breakdown, table
 
 
 class Meter:
@@ -63,10 +65,13 @@ class MetricsFile:
 
 
 class Progress:
-    """The last stage's loss windows, the progress lines and the metrics records of a run.
+    """The last stage's loss windows and what a run reports of them: progress on the console,
+    metrics records, TensorBoard scalars and the per-stage time breakdown.
 
     A window closes every ``log_every`` steps, at the end, and at every checkpoint, so a resumed
-    run logs the same losses as an uninterrupted one.
+    run logs the same losses as an uninterrupted one. ``step``, ``flush`` and ``finish`` are
+    called by every rank (the breakdown is gathered from all of them); only the reporting rank
+    writes.
     """
 
     def __init__(
@@ -80,10 +85,19 @@ class Progress:
         reporting: bool,
         device: torch.device,
         start: int = 0,
+        breakdown: Breakdown | None = None,
+        board: Board | None = None,
+        console: Console | None = None,
+        lr=None,
     ) -> None:
         self.log_every, self.total, self.batch = log_every, total, batch
         self.group, self.reporting = group, reporting
         self.metrics = MetricsFile(path if reporting else None, start=start)
+        self.breakdown, self.lr = breakdown, lr
+        self.board = board or Board(None)
+        self.console = console or Console(
+            total=total, start=start, steps_per_epoch=total, enabled=reporting
+        )
         self.meter = Meter()
         self.window, self.steps = torch.zeros((), device=device), 0
         self.final_loss: float | None = None
@@ -93,11 +107,13 @@ class Progress:
         self.window += loss
         self.steps += 1
         self.meter.step(self.batch)
+        self.console.advance(done)
         if done % self.log_every == 0 or done == self.total:
             self.flush(done)
 
     def flush(self, done: int) -> None:
         """Close the loss window: sum it over the last stage's replicas and report it."""
+        times = self.breakdown.window() if self.breakdown is not None and self.steps else None
         if self.steps and self.group is not None:
             dist.all_reduce(self.window, group=self.group)
             record = {
@@ -105,18 +121,43 @@ class Progress:
                 "loss": self.window.item() / self.steps,
                 "samples_per_s": round(self.meter.samples_per_s, 2),
             }
+            if self.lr is not None:
+                record["lr"] = self.lr()
+            if times is not None:
+                record["breakdown"] = times
             self.final_loss = record["loss"]
-            self.metrics.write(record)
-            if self.reporting:
-                log.get().info(
-                    f"step {done}/{self.total}  loss {record['loss']:.4f}  "
-                    f"{record['samples_per_s']:.1f} samples/s"
-                )
+            self._emit(record)
+            self.console.window(done, record)
         self.window.zero_()
         self.steps = 0
 
-    def evaluated(self, done: int, accuracy: float, seen: int) -> None:
+    def evaluated(self, done: int, top1: float, top5: float | None, seen: int) -> None:
         if self.group is not None:
-            self.metrics.write({"step": done, "val_accuracy": accuracy, "val_samples": seen})
+            self._emit({"step": done, "val_accuracy": top1, "val_top5": top5, "val_samples": seen})
+        top5_text = "" if top5 is None else f", top-5 {top5:.4f}"
+        self.console.line(
+            f"step {done}: validation accuracy {top1:.4f}{top5_text} on {seen} samples"
+        )
+
+    def finish(self, summary: dict | None) -> dict | None:
+        """The run's breakdown (every rank takes part); the reporting rank completes ``summary``,
+        writes it and shows the breakdown as a table."""
+        times = self.breakdown.run() if self.breakdown is not None else None
+        self.console.close()
+        if not self.reporting or summary is None:
+            self.board.close()
+            return None
+        summary["breakdown"] = times
+        self.metrics.write(summary)
+        self.board.write(summary)
+        self.board.close()
+        if times is not None:
+            self.console.line("where each step's time went, per stage:")
+            for line in table(times):
+                self.console.line(line)
+        return summary
+
+    def _emit(self, record: dict) -> None:
         if self.reporting:
-            log.get().info(f"step {done}: validation accuracy {accuracy:.4f} on {seen} samples")
+            self.metrics.write(record)
+            self.board.write(record)

@@ -129,6 +129,7 @@ class Option:
 
 PAR, TRAIN, CKPT, MODEL = "parallelism", "training", "checkpoints and restarts", "model and data"
 SPEED, LAUNCH, OUT = "speed and memory", "launch", "configuration and output"
+SEE = "observing a run"
 
 # fmt: off
 OPTIONS: tuple[Option, ...] = (
@@ -235,6 +236,20 @@ OPTIONS: tuple[Option, ...] = (
                 "the command line wins"),
     Option(OUT, "--metrics-out", "metrics_out", metavar="FILE.jsonl",
            help="JSON lines of progress; the last line is the run summary"),
+
+    Option(SEE, "--trace", "observe.trace", metavar="FILE.json",
+           help="a Chrome/Perfetto trace of every process's actions on one time axis "
+                "(open in ui.perfetto.dev or chrome://tracing)"),
+    Option(SEE, "--trace-steps", "observe.trace_steps", metavar="A:B",
+           help="steps the trace covers (default: the two steps after the first)"),
+    Option(SEE, "--profile-steps", "observe.profile_steps", metavar="A:B",
+           help="also record torch.profiler traces of these steps, one per process, "
+                "in --profile-dir"),
+    Option(SEE, "--profile-dir", "observe.profile_dir", metavar="DIR",
+           help="where --profile-steps writes rank<N>.json"),
+    Option(SEE, "--tensorboard", "observe.tensorboard", metavar="DIR",
+           help="TensorBoard scalars (loss, accuracy, samples/s, learning rate, per-stage "
+                "time breakdown); view with tensorboard --logdir DIR"),
 )
 # fmt: on
 

@@ -14,6 +14,7 @@ from bundle.memory import SavedBytes
 from bundle.partition import Stage
 from bundle.precision import LossScaler, Policy
 from bundle.schedule import Op, actions, peak_in_flight
+from bundle.timing import MARK_OF_OP, Mark, StepTimer
 from bundle.topology import Coord, Topology, split_sizes
 from bundle.transport import Pending, TensorMeta, Transport
 
@@ -68,6 +69,7 @@ class StageRunner:
         stage: Stage,
         policy: Policy | None = None,
         scaler: LossScaler | None = None,
+        timer: StepTimer | None = None,
     ) -> None:
         self.topo, self.coord, self.sync, self.transport = topo, coord, sync, transport
         self.optimizer, self.device, self.stage = optimizer, device, stage
@@ -76,6 +78,9 @@ class StageRunner:
         self.last = coord.stage == topo.num_stages - 1
         self.sizes = topo.micro_sizes(coord.bundle)
         self.actions = actions(schedule, coord.stage, topo.num_stages, topo.micro_batches)
+        # Each action ends with a lap of the step timer (see bundle.timing).
+        self.timer = timer or StepTimer()
+        self._marks = [MARK_OF_OP[a.op] for a in self.actions]
         self.recompute = self.policy.recomputes(self.actions, topo.micro_batches)
         # Counts saved-for-backward bytes during steps when set (see bundle.memory.SavedBytes).
         self.saved_bytes: SavedBytes | None = None
@@ -102,14 +107,24 @@ class StageRunner:
             pending[k] = recv(self.sizes[k], k % slots)
 
     def train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
-        """One synchronous step; returns this replica's share of the global mean loss (last stage)."""
-        if self.saved_bytes is None:
-            return self._train_step(step, micro_data)
-        with self.saved_bytes.tracking():
-            return self._train_step(step, micro_data)
+        """One synchronous step; returns this replica's share of the global mean loss (last stage).
+
+        The step's time is charged to the timer; a caller that began the timer's step (to count
+        fetching ``micro_data``) also ends it.
+        """
+        mine = not self.timer.is_open
+        self.timer.begin(step)
+        try:
+            if self.saved_bytes is None:
+                return self._train_step(step, micro_data)
+            with self.saved_bytes.tracking():
+                return self._train_step(step, micro_data)
+        finally:
+            if mine:
+                self.timer.end()
 
     def _train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
-        tp, sizes, policy = self.transport, self.sizes, self.policy
+        tp, sizes, policy, lap = self.transport, self.sizes, self.policy, self.timer.lap
         inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         grads: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -179,14 +194,18 @@ class StageRunner:
                 xs = [x for x in inputs.pop(k) if x.is_floating_point()]
                 g = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in xs)
                 sends.append(tp.send_grad(sizes[k], g))
+            lap(self._marks[i], k)
         self._at = (step, "gradient sync")
         for p in sends:
             p.wait()
+        lap(Mark.SEND_WAIT)
         self.sync.finish()
+        lap(Mark.SYNC)
         self._at = (step, "optimizer")
         if self.scaler is None or self.scaler.unscale_and_agree(self.stage.parameters()):
             self.optimizer.step()
         self.sync.zero_grad(self.optimizer)
+        lap(Mark.OPTIMIZER)
         return loss_sum
 
     def _measure_recompute(self, k: int, xs: tuple[torch.Tensor, ...]) -> None:
@@ -199,7 +218,10 @@ class StageRunner:
 
     @torch.no_grad()
     def eval_batch(self, rows: int, micro: MicroBatch | None) -> torch.Tensor:
-        """Forward-only pass of one bundle batch of ``rows`` rows; returns [correct, total] (last stage)."""
+        """Forward-only pass of one bundle batch of ``rows`` rows.
+
+        Returns [top-1 correct, top-5 correct, rows] on the last stage, zeros elsewhere.
+        """
         tp, policy = self.transport, self.policy
         if self.first:
             xs = (policy.prepare_input(micro[0], self.device),)
@@ -214,12 +236,21 @@ class StageRunner:
             tp.send_act(
                 rows, tuple(m.to_wire(o) for m, o in zip(tp.out_meta, out, strict=True))
             ).wait()
-            return torch.zeros(2, dtype=torch.float64, device=self.device)
+            return torch.zeros(3, dtype=torch.float64, device=self.device)
         labels = micro[1].to(self.device)
-        correct = (out[0].argmax(dim=1) == labels).sum().to(torch.float64)
-        return torch.stack(
-            [correct, torch.tensor(float(len(labels)), dtype=torch.float64, device=self.device)]
-        )
+        hits = top_k_correct(out[0], labels, (1, 5))
+        rows_t = torch.tensor([float(len(labels))], dtype=torch.float64, device=self.device)
+        return torch.cat([hits, rows_t])
+
+
+def top_k_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]) -> torch.Tensor:
+    """For each k, the rows whose label is among their k highest logits (float64, on the device).
+
+    A k beyond the number of classes counts every row.
+    """
+    top = logits.topk(min(max(ks), logits.shape[1]), dim=1).indices
+    hit = top == labels[:, None]
+    return torch.stack([hit[:, :k].any(dim=1).sum() for k in ks]).to(torch.float64)
 
 
 def eval_rows(batch_len: int, topo: Topology, bundle: int) -> int | None:

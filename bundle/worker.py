@@ -8,14 +8,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bundle import checkpoint, data, log, precision
+from bundle import checkpoint, data, log, observe, precision, timing
 from bundle.checkpointer import Checkpointer
 from bundle.config import RunConfig
 from bundle.errors import DataError
 from bundle.grad_sync import FlatSync, GradSync, HierarchicalSync
-from bundle.metrics import Progress
 from bundle.precision import Policy
 from bundle.preemption import Stopped, StopRequest, StopVote, maybe_fail
+from bundle.timing import Mark
 from bundle.topology import Coord, Topology
 from bundle.trainer import StageRunner, boundary_metas, build_stages, eval_rows
 from bundle.transport import Transport
@@ -152,6 +152,7 @@ def build_session(
         policy=policy,
         # The skip decision spans the job: the default group holds every rank.
         scaler=policy.make_scaler(device),
+        timer=timing.make_timer(device),
     )
     arrive("ready to train")
     return Session(runner, stage, splits, coord, groups, optimizer, layout)
@@ -236,6 +237,7 @@ def run(
     attempt: int = 0,
     resume: str | None = None,
     stop: StopRequest | None = None,
+    store=None,
 ) -> dict | None:
     """Train and evaluate; the reporting rank returns the summary, every other rank None.
 
@@ -243,12 +245,13 @@ def run(
     the runner, whose ``where`` names the action in progress when an error escapes. ``resume`` is
     the checkpoint to start from, ``attempt`` counts restarts, and ``stop`` carries stop signals;
     when the job stops for one, every rank raises ``Stopped`` after the checkpoint is written.
+    ``store`` (the job's) serves to line up the clocks of a ``--trace``.
     """
     session = build_session(cfg, topo, rank, device, arrive=arrive)
     runner, coord = session.runner, session.coord
     if where is not None:
         where["runner"] = runner
-    reporter = topo.rank(0, topo.num_stages - 1, 0)
+    reporter = observe.reporter_rank(topo)
     B = cfg.train.batch_size
     spe = data.steps_per_epoch(len(session.splits.train), B)
     if spe == 0:
@@ -260,15 +263,11 @@ def run(
     runner.where = "resume"
     start = saver.restore(resume)
     batches = train_stream(session, topo, cfg.train.seed, total, cfg.data.workers, start=start)
-    report = Progress(
-        log_every=cfg.train.log_every,
-        total=total,
-        batch=B,
-        path=cfg.metrics_out,
-        group=session.last_group,
-        reporting=rank == reporter,
-        device=device,
-        start=start,
+    timer = runner.timer
+    timer.trace = cfg.observe.trace_range(start, total)
+    profiler = observe.make_profiler(cfg, rank, device)
+    report = observe.make_progress(
+        cfg, topo, rank, session, total=total, steps_per_epoch=spe, start=start, device=device
     )
     vote = StopVote(stop or StopRequest(), session.groups["control"], cfg.launch.timeout)
     if rank == reporter:
@@ -284,13 +283,25 @@ def run(
         if progress is not None:
             progress.value = step
         maybe_fail(rank, step, attempt)
+        timer.begin(step)
         vote.begin()
         torch.manual_seed(step_seed(cfg.train.seed, step, rank))
-        report.step(step + 1, runner.train_step(step, next(batches)))
+        profiler.before(step)
+        timer.lap(Mark.OTHER)
+        micro_data = next(batches)
+        timer.lap(Mark.DATA)
+        loss = runner.train_step(step, micro_data)
         done = step + 1
+        # The vote was cast when the step began; its result is only read here.
+        signum = vote.decided()
+        saver.poll()
+        timer.lap(Mark.OTHER)
+        timer.end()
+        profiler.after(step)
+        report.step(done, loss)
         if cfg.train.eval and (done % spe == 0 or done == total):
             runner.where = f"evaluation after step {done}"
-            acc, seen = evaluate(
+            top1, top5, seen = evaluate(
                 runner,
                 session.splits.val,
                 topo,
@@ -299,18 +310,21 @@ def run(
                 cfg.data.workers,
                 session.last_group,
                 device,
+                session.splits.num_classes,
             )
-            summary.update(val_accuracy=acc, val_samples=seen)
-            report.evaluated(done, acc, seen)
-        signum = vote.decided()
-        saver.poll()
+            summary.update(val_accuracy=top1, val_top5=top5, val_samples=seen)
+            report.evaluated(done, top1, top5, seen)
         if saver.due(done, total, stopping=bool(signum)):
             report.flush(done)
             runner.where = f"checkpoint after step {done}"
             saver.save(done, block=bool(signum) or done == total)
         if signum and done < total:
+            profiler.close()
             raise Stopped(signum, done, saver.last_saved)
     elapsed = time.perf_counter() - t_start
+    profiler.close()
+    runner.where = "trace"
+    observe.finish_trace(cfg, topo, rank, session, store)
     # --checkpoint is a path on node 0 (other nodes may not name one): rank 0 decides.
     final = [cfg.train.checkpoint]
     dist.broadcast_object_list(final, src=0, group=session.groups["control"])
@@ -318,6 +332,7 @@ def run(
         runner.where = "checkpoint"
         checkpoint.save_distributed(final[0], session.stage, topo, coord)
     if rank != reporter:
+        report.finish(None)
         return None
     summary.update(
         summary=True,
@@ -343,8 +358,10 @@ def run(
     if runner.scaler is not None:
         summary.update(skipped_steps=runner.scaler.skipped, loss_scale=runner.scaler.scale)
     summary.setdefault("val_accuracy", None)
-    report.metrics.write(summary)
-    return summary
+    summary.setdefault("val_top5", None)
+    if cfg.observe.trace:
+        summary["trace"] = cfg.observe.trace
+    return report.finish(summary)
 
 
 def evaluate(
@@ -356,8 +373,10 @@ def evaluate(
     workers: int,
     last_group,
     device,
-) -> tuple[float, int]:
-    """Accuracy over the validation set in global batches of ``batch`` rows, pipelined forward-only."""
+    num_classes: int,
+) -> tuple[float, float | None, int]:
+    """Top-1 and top-5 accuracy (top-5 None with 5 classes or fewer) over the validation set in
+    global batches of ``batch`` rows, pipelined forward-only."""
     stage = runner.sync.module
     stage.eval()
     n = len(dataset)
@@ -369,12 +388,15 @@ def evaluate(
         shard = _shard(topo, coord, 1)
         lists = [shard.micro_indices(ix)[0] for ix, _ in usable]
         stream = data.stage_micro_batches(dataset, lists, first=coord.stage == 0, workers=workers)
-    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    counts = torch.zeros(3, dtype=torch.float64, device=device)
     for _ix, rows in usable:
         counts += runner.eval_batch(rows, next(stream) if stream else None)
     stage.train()
     if last_group is None:
-        return 0.0, 0
+        return 0.0, None, 0
     dist.all_reduce(counts, group=last_group)
-    correct, total = counts.tolist()
-    return (correct / total if total else 0.0), int(total)
+    top1, top5, total = counts.tolist()
+    if not total:
+        return 0.0, None, 0
+    # With 5 classes or fewer every row is in its top 5: no figure worth reporting.
+    return top1 / total, (top5 / total if num_classes > 5 else None), int(total)

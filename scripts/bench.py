@@ -74,6 +74,7 @@ from bundle.config import (  # noqa: E402
     RunConfig,
     TrainConfig,
 )
+from bundle.timing import Mark, StepTimer  # noqa: E402
 from bundle.topology import split_sizes  # noqa: E402
 from bundle.trainer import build_stages  # noqa: E402
 from bundle.transport import TensorMeta  # noqa: E402
@@ -231,10 +232,30 @@ def stage_probe(session: Session) -> Callable[[], tuple[float, float]]:
     return once
 
 
-def bundle_case(name: str, cfg: RunConfig, rank: int, *, probe: bool = True) -> Case:
-    """A Bundle run on this rank: its session, with data fetched ahead of the timed steps."""
+class NoTimer(StepTimer):
+    """Step timing off: the baseline of ``timer_overhead``."""
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def lap(self, mark: Mark, micro: int = -1) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+def bundle_case(
+    name: str, cfg: RunConfig, rank: int, *, probe: bool = True, timed: bool = True
+) -> Case:
+    """A Bundle run on this rank: its session, with data fetched ahead of the timed steps.
+
+    ``timed=False`` runs it without the per-action step timer every run has.
+    """
     topo = make_topology(cfg)
     session = build_session(cfg, topo, rank, CPU)
+    if not timed:
+        session.runner.timer = NoTimer()
     stream = train_stream(session, topo, cfg.train.seed, DATA_STEPS, 0)
     batches = [next(stream) for _ in range(DATA_STEPS)]
     runner = session.runner
@@ -401,7 +422,12 @@ def build_groups(job: str, rank: int, world: int, sizes: Sizes) -> list[list[Cas
             )
             for p in ("fp32", "bf16")
         ]
-        return [headline, *([c] for c in sweep), ddp, compute, mlp_bf16]
+        mlp = make_cfg(sizes, sizes.mlp_model, micro=cm)
+        timers = [
+            bundle_case(f"mlp bundle timers on M={cm}", mlp, rank, probe=False),
+            bundle_case(f"mlp bundle timers off M={cm}", mlp, rank, probe=False, timed=False),
+        ]
+        return [headline, *([c] for c in sweep), ddp, compute, mlp_bf16, timers]
     if job == "bundles":
         return [
             [

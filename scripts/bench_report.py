@@ -145,7 +145,7 @@ def render(report: dict, cases: dict[str, dict]) -> str:
     others = ["bundle dp", "torch ddp", f"bundle flat M={cm}", f"bundle hierarchical M={cm}"]
     compute = [
         *(f"cnn bundle {k} M={cm}" for k in ("fp32", "bf16", "recompute", "channels-last")),
-        *(f"mlp bundle {k} M={cm}" for k in ("fp32", "bf16")),
+        *(f"mlp bundle {k} M={cm}" for k in ("fp32", "bf16", "timers on", "timers off")),
     ]
     detail = r["vs_torch_pipelining_detail"]
     lines = [
@@ -190,6 +190,8 @@ def render(report: dict, cases: dict[str, dict]) -> str:
         "  bf16_vs_fp32          "
         + ", ".join(f"{k} {v:.3f}" for k, v in r["bf16_vs_fp32"].items())
         + "  (throughput bf16 / fp32; > 1: bf16 faster)",
+        f"  timer_overhead        {r['timer_overhead']:+.3f}  (step time with / without the "
+        "per-action timers - 1)",
         f"  recompute_cost        {r['recompute_cost']:.3f}  (step time always / never: "
         "> 1 means recompute is slower; not the '> 1: Bundle faster' direction)",
         f"  channels_last_vs_default {r['channels_last_vs_default']:.3f}  (small_resnet "
@@ -279,6 +281,11 @@ def build_report(
         "channels_last_vs_default": paired(
             cases, f"cnn bundle channels-last M={cm}", f"cnn bundle fp32 M={cm}"
         ),
+        # Step time with the per-action timer every run has over the same steps without it, - 1.
+        "timer_overhead": paired(
+            cases, f"mlp bundle timers off M={cm}", f"mlp bundle timers on M={cm}"
+        )
+        - 1,
         **activation,
         "sweep_mlp": _sweep(cases, "mlp bundle 1f1b", sizes.mlp_micro),
         "sweep_cnn": _sweep(cases, "cnn bundle 1f1b", sizes.cnn_micro),

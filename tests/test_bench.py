@@ -67,6 +67,7 @@ def test_bench_smoke_reports_every_key(tmp_path: Path) -> None:
     bf16 = report["bf16_vs_fp32"]
     assert set(bf16) == {"small_resnet", "mlp"} and all(_positive(v) for v in bf16.values()), bf16
     assert _positive(report["recompute_cost"]), report["recompute_cost"]
+    assert isinstance(report["timer_overhead"], float) and report["timer_overhead"] > -1
     assert _positive(report["channels_last_vs_default"]), report["channels_last_vs_default"]
     kept, peak = report["peak_activation_bytes"], report["peak_with_recompute_bytes"]
     cases = {f"{s} recompute={r}" for s, r in _load_bench().bench_memory.CASES}

@@ -1,0 +1,85 @@
+"""What a run shows of itself, built once per process from the config: the progress reporter
+(console, metrics file, TensorBoard, per-stage breakdown), the kernel profiler, and at the end the
+merged trace."""
+
+from __future__ import annotations
+
+import torch
+
+from bundle import timing
+from bundle.board import Board
+from bundle.config import RunConfig, parse_steps
+from bundle.console import Console
+from bundle.metrics import Progress
+from bundle.topology import Topology
+from bundle.trace import KernelProfiler, write_trace
+
+
+def reporter_rank(topo: Topology) -> int:
+    """The process that reports: replica 0 of the last stage of bundle 0 (it sees the loss)."""
+    return topo.rank(0, topo.num_stages - 1, 0)
+
+
+def make_progress(
+    cfg: RunConfig,
+    topo: Topology,
+    rank: int,
+    session,
+    *,
+    total: int,
+    steps_per_epoch: int,
+    start: int,
+    device: torch.device,
+) -> Progress:
+    reporting = rank == reporter_rank(topo)
+    return Progress(
+        log_every=cfg.train.log_every,
+        total=total,
+        batch=cfg.train.batch_size,
+        path=cfg.metrics_out,
+        group=session.last_group,
+        reporting=reporting,
+        device=device,
+        start=start,
+        breakdown=timing.Breakdown(
+            session.runner.timer,
+            group=session.groups["control"],
+            rank=rank,
+            reporter=reporter_rank(topo),
+            stage_of=[topo.coord(r).stage for r in range(topo.world_size)],
+            ideal=timing.ideal_bubble(topo.num_stages, topo.micro_batches),
+        ),
+        board=Board(cfg.observe.tensorboard if reporting else None, start=start),
+        console=Console(
+            total=total, start=start, steps_per_epoch=steps_per_epoch, enabled=reporting
+        ),
+        lr=lambda: session.optimizer.param_groups[0]["lr"],
+    )
+
+
+def make_profiler(cfg: RunConfig, rank: int, device: torch.device) -> KernelProfiler:
+    steps = parse_steps("--profile-steps", cfg.observe.profile_steps)
+    return KernelProfiler(steps, cfg.observe.profile_dir, rank, device)
+
+
+def finish_trace(cfg: RunConfig, topo: Topology, rank: int, session, store) -> None:
+    """Collective when tracing: every rank sends its traced slices to rank 0, which writes them."""
+    timer = session.runner.timer
+    if timer.trace is None:
+        return
+    write_trace(
+        cfg.observe.trace,
+        timer.slices,
+        rank=rank,
+        topo=topo,
+        group=session.groups["control"],
+        store=store,
+        timeout=cfg.launch.timeout,
+        info={
+            "shape": list(topo.shape),
+            "num_bundles": topo.num_bundles,
+            "micro_batches": topo.micro_batches,
+            "schedule": cfg.parallel.schedule,
+            "steps": list(timer.trace),
+        },
+    )

@@ -1,0 +1,290 @@
+"""Observing a run: the step timer and its breakdown, the merged trace, TensorBoard, top-5."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bundle import timing
+from bundle.schedule import actions
+from bundle.timing import CATEGORIES, CudaStepTimer, Mark, StepTimer, breakdown
+from bundle.trainer import top_k_correct
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class FakeClock:
+    """perf_counter_ns that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1_000
+
+    def __call__(self) -> int:
+        return self.now
+
+    def tick(self, ns: int) -> None:
+        self.now += ns
+
+
+def _run_step(timer: StepTimer, clock: FakeClock, step: int, ms: dict[Mark, int]) -> None:
+    timer.begin(step)
+    for mark, t in ms.items():
+        clock.tick(t * 1_000_000)
+        timer.lap(mark, 0 if mark is Mark.FORWARD else -1)
+    timer.end()
+
+
+STEP = {Mark.DATA: 1, Mark.FORWARD: 3, Mark.SEND_ACT: 2, Mark.SEND_WAIT: 4, Mark.OPTIMIZER: 5}
+
+
+def _expected_row(steps: int) -> list[float]:
+    per = {"data": 1, "forward": 3, "send": 6, "optimizer": 5}
+    return [steps, steps * 0.015] + [steps * per.get(c, 0) * 1e-3 for c in CATEGORIES]
+
+
+def test_timer_charges_each_lap_to_its_category_and_leaves_warmup_out_of_the_run(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(timing, "perf_counter_ns", clock)
+    timer = StepTimer(trace=(2, 2))
+    for step in range(3):
+        _run_step(timer, clock, step, STEP)
+    assert timer.take_window() == pytest.approx(_expected_row(3))
+    assert timer.take_window() == pytest.approx([0.0] * timing.ROW)
+    assert timer.run == pytest.approx(_expected_row(2))  # the first step is warm-up
+    # Only step 2 (1-based) is traced: contiguous slices, one per lap, in order.
+    assert [(Mark(m), micro, step) for m, micro, step, _, _ in timer.slices] == [
+        (m, 0 if m is Mark.FORWARD else -1, 1) for m in STEP
+    ]
+    ends = [s[4] for s in timer.slices]
+    assert [s[3] for s in timer.slices[1:]] == ends[:-1]
+    assert ends[-1] - timer.slices[0][3] == 15_000_000
+
+
+def test_cuda_timer_reads_its_events_once_per_window(monkeypatch):
+    """The CUDA timer's arithmetic on events that read a fake clock: the host timer's rows, one
+    synchronisation per window plus one at the start of each traced step."""
+    clock = FakeClock()
+    syncs = []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            self.t = None
+
+        def record(self) -> None:
+            self.t = clock.now
+
+        def synchronize(self) -> None:
+            syncs.append("window")
+
+        def elapsed_time(self, end: Event) -> float:
+            return (end.t - self.t) / 1e6
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append("trace"))
+    monkeypatch.setattr(timing, "perf_counter_ns", clock)
+    timer = CudaStepTimer(torch.device("cuda", 0), trace=(2, 2))
+    for step in range(3):
+        _run_step(timer, clock, step, STEP)
+    assert syncs == ["trace"]  # no synchronisation inside untraced steps
+    assert timer.take_window() == pytest.approx(_expected_row(3))
+    assert syncs == ["trace", "window"]
+    assert timer.run == pytest.approx(_expected_row(2))
+    assert [Mark(s[0]) for s in timer.slices] == list(STEP)
+    assert timer.slices[-1][4] - timer.slices[0][3] == 15_000_000
+    assert len(timer._pool) == 3 * (1 + len(STEP))  # events are reused, not leaked, next window
+    _run_step(timer, clock, 3, STEP)
+    timer.take_window()
+    assert len(timer._pool) == 3 * (1 + len(STEP))
+
+
+def test_breakdown_is_per_stage_mean_and_max_with_the_bubble():
+    cat = {c: i for i, c in enumerate(CATEGORIES)}
+
+    def row(steps: int, wall: float, **secs: float) -> list[float]:
+        r = [steps, wall] + [0.0] * len(CATEGORIES)
+        for k, v in secs.items():
+            r[2 + cat[k]] = v
+        return r
+
+    rows = [
+        row(2, 0.2, forward=0.1, wait_grad=0.1),  # stage 0: bubble 0.5
+        row(2, 0.4, forward=0.1, wait_grad=0.2, send=0.1),  # stage 0: bubble 0.75
+        row(2, 0.3, forward=0.2, wait_act=0.1),  # stage 1: bubble 1/3
+    ]
+    got = breakdown(rows, [0, 0, 1], ideal=0.2)
+    s0, s1 = got["stages"]
+    assert got["ideal_bubble"] == 0.2 and s0["processes"] == 2 and s1["processes"] == 1
+    assert s0["step_s"] == pytest.approx({"mean": 0.15, "max": 0.2})
+    assert s0["seconds"]["wait_grad"] == pytest.approx({"mean": 0.075, "max": 0.1})
+    assert s0["bubble"] == pytest.approx({"mean": 0.625, "max": 0.75})
+    assert s1["bubble"] == pytest.approx({"mean": 1 / 3, "max": 1 / 3})
+    assert breakdown([row(0, 0.0)], [0], 0.0) is None
+    lines = timing.table(got)
+    assert len(lines) == 4 and "wait_grad" in lines[0] and "150.00" in lines[1]
+
+
+def test_top_k_counts_a_hand_built_case():
+    logits = torch.tensor(
+        [
+            [9.0, 1, 2, 3, 4, 5, 6],  # label 0: top-1
+            [1.0, 9, 8, 7, 6, 5, 4],  # label 4: 5th highest -> top-5 only
+            [1.0, 9, 8, 7, 6, 5, 4],  # label 6: 7th -> neither
+            [0.0, 1, 2, 3, 4, 5, 6],  # label 3: 4th -> top-5 only
+        ]
+    )
+    labels = torch.tensor([0, 4, 6, 3])
+    assert top_k_correct(logits, labels, (1, 5)).tolist() == [1.0, 3.0]
+    assert top_k_correct(logits[:, :3], torch.tensor([0, 1, 2, 2]), (1, 5)).tolist() == [3.0, 4.0]
+
+
+def test_console_bar_on_a_terminal_and_plain_lines_otherwise(caplog):
+    from bundle.console import Console
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    bar = Console(total=20, start=0, steps_per_epoch=10, enabled=True, stream=screen)
+    bar.advance(12)
+    bar.window(12, {"loss": 1.5, "samples_per_s": 99.0, "lr": 0.1})
+    bar.close()
+    text = screen.getvalue()
+    assert "12/20" in text and "epoch 2" in text and "loss 1.5000" in text and "99.0" in text
+
+    plain = io.StringIO()
+    lines = Console(total=20, start=0, steps_per_epoch=10, enabled=True, stream=plain)
+    with caplog.at_level("INFO", logger="bundle"):
+        lines.advance(12)
+        lines.window(12, {"loss": 1.5, "samples_per_s": 99.0})
+    lines.close()
+    assert plain.getvalue() == ""
+    assert [r.getMessage() for r in caplog.records] == ["step 12/20  loss 1.5000  99.0 samples/s"]
+
+
+def test_bad_trace_steps_are_refused_before_start():
+    out = subprocess.run(
+        [sys.executable, "main.py", "--trace", "t.json", "--trace-steps", "4:2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out
+    assert "--trace-steps" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def _slices(trace: dict) -> dict[int, list[dict]]:
+    by_rank: dict[int, list[dict]] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            by_rank.setdefault(e["pid"], []).append(e)
+    return by_rank
+
+
+@pytest.mark.slow
+def test_a_run_shows_where_its_time_goes(tmp_path):
+    """Shape 2,1 (two fronts feed one rear), 1F1B, M = 4: the trace, breakdown and TensorBoard
+    files of one run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    shape, M, steps, batch = (2, 1), 4, 9, 64
+    cmd = [sys.executable, str(REPO / "main.py"), "--bundle-shape", "2,1"]
+    cmd += ["--micro-batches", str(M), "--itr", str(steps), "--batch-size", str(batch)]
+    # One window, closed after the last step: no reporting inside the steps the meter times.
+    cmd += ["--log-every", "100", "--trace", "trace.json", "--trace-steps", "3:4"]
+    cmd += ["--tensorboard", "tb", "--metrics-out", "m.jsonl", "--timeout", "60"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "where each step's time went" in out.stderr
+
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_name"
+    }
+    assert names == {
+        0: "bundle 0 stage 0 replica 0",
+        1: "bundle 0 stage 0 replica 1",
+        2: "bundle 0 stage 1 replica 0",
+    }
+    by_rank = _slices(trace)
+    assert sorted(by_rank) == [0, 1, 2]
+    stage_of = {0: 0, 1: 0, 2: 1}
+    for rank, slices in by_rank.items():
+        # Each rank's slices follow its schedule, step by step, on intervals that do not overlap.
+        expected = []
+        for _ in (3, 4):
+            acts = actions("1f1b", stage_of[rank], len(shape), M)
+            expected += [
+                "other",
+                "data",
+                *(timing.LABELS[timing.MARK_OF_OP[a.op]] + f" {a.micro}" for a in acts),
+            ]
+            expected += ["send wait", "sync", "optimizer", "other"]
+        slices.sort(key=lambda e: e["ts"])
+        assert [e["name"] for e in slices] == expected, rank
+        assert {e["args"]["step"] for e in slices} == {3, 4}
+        for a, b in zip(slices, slices[1:], strict=False):
+            assert b["ts"] >= a["ts"] + a["dur"] - 1e-3, (rank, a, b)
+
+    def starts(ranks, name, step):
+        return [
+            e["ts"]
+            for r in ranks
+            for e in by_rank[r]
+            if e["name"] == name and e["args"]["step"] == step
+        ]
+
+    # A receive's wait ends after every send it waits for began (clocks lined up by rank 0).
+    checked = 0
+    for rank, slices in by_rank.items():
+        for e in slices:
+            kind, _, k = e["name"].rpartition(" ")
+            if kind == "wait act":
+                senders, send = [0, 1], f"send act {k}"
+            elif kind == "wait grad":
+                senders, send = [2], f"send grad {k}"
+            else:
+                continue
+            begun = starts(senders, send, e["args"]["step"])
+            assert len(begun) == len(senders)
+            assert e["ts"] + e["dur"] >= max(begun) - 1e-3, (rank, e, begun)
+            checked += 1
+    assert checked == 2 * M * 3  # rear: M act waits; each front: M grad waits; 2 steps
+
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    windows = [r for r in records if "loss" in r and not r.get("summary")]
+    assert [w["step"] for w in windows] == [9]
+    assert all(w["lr"] == pytest.approx(0.05) and "breakdown" in w for w in windows)
+    summary = records[-1]
+    assert summary["summary"] and summary["trace"] == "trace.json"
+    assert 0.0 <= summary["val_accuracy"] <= summary["val_top5"] <= 1.0
+    report = summary["breakdown"]
+    assert report["ideal_bubble"] == pytest.approx((2 - 1) / (M + 2 - 1))
+    assert [s["processes"] for s in report["stages"]] == [2, 1]
+    for st in report["stages"]:
+        # Every second of a step is in exactly one category: they add up to the step's wall time.
+        total = sum(v["mean"] for v in st["seconds"].values())
+        assert total == pytest.approx(st["step_s"]["mean"], rel=0.05), st
+        assert st["seconds"]["forward"]["mean"] > 0 and st["seconds"]["backward"]["mean"] > 0
+    # ... and that wall time is the step time the throughput meter saw, measured apart.
+    rear = report["stages"][1]["step_s"]["mean"]
+    assert rear == pytest.approx(batch / summary["samples_per_s"], rel=0.05)
+    assert report["stages"][1]["seconds"]["wait_act"]["mean"] > 0  # the rear waits for the fronts
+
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    tags = set(tb.Tags()["scalars"])
+    want = {"train/loss", "train/samples_per_s", "train/lr", "val/top1", "val/top5"}
+    want |= {f"stage{s}/{c}_s" for s in (0, 1) for c in ("forward", "backward", "wait_act")}
+    want |= {"stage1/bubble", "pipeline/ideal_bubble"}
+    assert want <= tags, want - tags
+    assert [e.step for e in tb.Scalars("train/loss")] == [9]
