@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = preflight.check_model(cfg, topo.num_stages)
         preflight.check_precision(cfg, launch.resolve_backend(cfg))
         preflight.check_paths(cfg)
+        preflight.check_observed_steps(cfg)
         parse_fault(env)
         attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if cfg.launch.torchrun else 0
         resume = preflight.check_resume(cfg, shapes, attempt)

@@ -12,7 +12,7 @@ from torch import nn
 
 import models
 from bundle import checkpoint, partition
-from bundle.config import RunConfig
+from bundle.config import RunConfig, parse_steps
 from bundle.data import input_spec
 from bundle.errors import ConfigError
 from bundle.precision import DTYPES
@@ -63,8 +63,15 @@ def check_precision(cfg: RunConfig, backend: str) -> None:
 
 def check_paths(cfg: RunConfig) -> None:
     """Every directory the run writes to exists (created if missing) and takes a file."""
-    dirs = [("--save-dir", cfg.checkpoint.save_dir)]
-    for flag, path in (("--checkpoint", cfg.train.checkpoint), ("--metrics-out", cfg.metrics_out)):
+    dirs = [("--save-dir", cfg.checkpoint.save_dir), ("--tensorboard", cfg.observe.tensorboard)]
+    if cfg.observe.profile_steps:
+        dirs.append(("--profile-dir", cfg.observe.profile_dir))
+    files = (
+        ("--checkpoint", cfg.train.checkpoint),
+        ("--metrics-out", cfg.metrics_out),
+        ("--trace", cfg.observe.trace),
+    )
+    for flag, path in files:
         if path:
             dirs.append((flag, os.path.dirname(os.path.abspath(path))))
     for flag, directory in dirs:
@@ -78,6 +85,18 @@ def check_paths(cfg: RunConfig) -> None:
             raise ConfigError(
                 flag, directory, f"must be a writable directory ({exc.strerror})"
             ) from exc
+
+
+def check_observed_steps(cfg: RunConfig) -> None:
+    """Traced or profiled steps lie inside a run of ``--itr`` steps (epochs are counted later)."""
+    steps = cfg.train.steps
+    for flag, text in (
+        ("--trace-steps", cfg.observe.trace_steps),
+        ("--profile-steps", cfg.observe.profile_steps),
+    ):
+        span = parse_steps(flag, text)
+        if steps and span and span[1] > steps:
+            raise ConfigError(flag, text, f"goes beyond the run's {steps} steps (--itr)")
 
 
 def check_resume(cfg: RunConfig, shapes: dict, attempt: int) -> str | None:

@@ -269,6 +269,10 @@ BAD = {
     "bad schedule": (["--schedule", "zigzag"], "--schedule"),
     "bad precision": (["--precision", "fp8"], "--precision"),
     "channels-last on an MLP": (["--model", "mlp", "--channels-last"], "--channels-last"),
+    "traced steps beyond the run": (
+        ["--itr", "3", "--trace", "t.json", "--trace-steps", "3:4"],
+        "--trace-steps",
+    ),
 }
 
 
