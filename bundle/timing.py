@@ -128,6 +128,8 @@ class CudaStepTimer(StepTimer):
     slices share the time axis of the other processes' traces.
     """
 
+    PENDING = 256  # steps of events held before they are read anyway (callers that never window)
+
     def __init__(self, device: torch.device, *, trace: tuple[int, int] | None = None) -> None:
         super().__init__(trace=trace)
         self.device = device
@@ -159,8 +161,11 @@ class CudaStepTimer(StepTimer):
 
     def end(self) -> None:
         self.is_open = False
+        if len(self._steps) >= self.PENDING:
+            self._drain()
 
-    def take_window(self) -> list[float]:
+    def _drain(self) -> None:
+        """Read the recorded events into the window's and run's totals (one synchronisation)."""
         if self._used:
             self._pool[self._used - 1].synchronize()
         for step, host, laps in self._steps:
@@ -175,6 +180,9 @@ class CudaStepTimer(StepTimer):
                 prev = end
             self._close(per_mark, int(prev))
         self._steps, self._used = [], 0
+
+    def take_window(self) -> list[float]:
+        self._drain()
         return super().take_window()
 
 

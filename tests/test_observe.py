@@ -101,6 +101,12 @@ def test_cuda_timer_reads_its_events_once_per_window(monkeypatch):
     _run_step(timer, clock, 3, STEP)
     timer.take_window()
     assert len(timer._pool) == 3 * (1 + len(STEP))
+    # A caller that never closes windows (a benchmark loop) still has its events read and reused.
+    monkeypatch.setattr(CudaStepTimer, "PENDING", 2)
+    for step in range(4, 10):
+        _run_step(timer, clock, step, STEP)
+    assert len(timer._pool) == 3 * (1 + len(STEP)) and len(timer._steps) == 0
+    assert timer.take_window() == pytest.approx(_expected_row(6))
 
 
 def test_breakdown_is_per_stage_mean_and_max_with_the_bubble():
