@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         data.check_data(cfg.data)
         shapes = preflight.check_model(cfg, topo.num_stages)
         preflight.check_precision(cfg, launch.resolve_backend(cfg))
+        preflight.check_lr_schedule(cfg)
         preflight.check_paths(cfg)
         parse_fault(env)
         attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if cfg.launch.torchrun else 0

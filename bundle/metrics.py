@@ -87,10 +87,13 @@ class Progress:
         self.meter = Meter()
         self.window, self.steps = torch.zeros((), device=device), 0
         self.final_loss: float | None = None
+        self.lr: float | None = None
 
-    def step(self, done: int, loss) -> None:
-        """After step ``done`` (1-based): add this replica's share of the loss."""
+    def step(self, done: int, loss, *, lr: float | None = None) -> None:
+        """After step ``done`` (1-based): add this replica's share of the loss; ``lr``: the
+        learning rate it ran at."""
         self.window += loss
+        self.lr = lr
         self.steps += 1
         self.meter.step(self.batch)
         if done % self.log_every == 0 or done == self.total:
@@ -105,11 +108,14 @@ class Progress:
                 "loss": self.window.item() / self.steps,
                 "samples_per_s": round(self.meter.samples_per_s, 2),
             }
+            if self.lr is not None:
+                record["lr"] = self.lr
             self.final_loss = record["loss"]
             self.metrics.write(record)
             if self.reporting:
+                lr = f"  lr {self.lr:.4g}" if self.lr is not None else ""
                 log.get().info(
-                    f"step {done}/{self.total}  loss {record['loss']:.4f}  "
+                    f"step {done}/{self.total}  loss {record['loss']:.4f}{lr}  "
                     f"{record['samples_per_s']:.1f} samples/s"
                 )
         self.window.zero_()
