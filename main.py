@@ -66,8 +66,11 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
     The table fills every field; what follows are the rules between options that no one entry
     can state.
     """
+    from bundle.partition import split_model_name
+
     values = options.field_values(args)
-    parallel, data, launch = values["parallel"], values["data"], values["launch"]
+    parallel, data, launch, model = (values[k] for k in ("parallel", "data", "launch", "model"))
+    model["name"], model["partition"] = split_model_name(model["name"], model["partition"])
     if "LOCAL_WORLD_SIZE" in env and "RANK" in env:
         # torchrun has laid out the nodes already; its environment beats the node flags.
         nproc = int(env["LOCAL_WORLD_SIZE"])

@@ -25,7 +25,10 @@ def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
     Returns the shape of every entry of the model's state dict."""
     if cfg.model.name not in models.available():
         raise ConfigError(
-            "--model", cfg.model.name, f"choose one of: {', '.join(models.available())}"
+            "--model",
+            cfg.model.name,
+            f"choose one of: {', '.join(models.available())}; "
+            f"or one cut by its partitions/ file: {', '.join(partition.available_specs())}",
         )
     spec = partition.load_spec(cfg.model.partition) if cfg.model.partition else None
     num_classes, input_shape = input_spec(cfg.data)
