@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ import main
 from bundle import config as C
 from bundle.errors import ConfigError
 from bundle.lr_schedule import LRSchedule, Milestone, parse_milestones, warmup_steps
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(**kw) -> C.TrainConfig:
@@ -152,3 +155,17 @@ def test_bad_schedule_is_one_line_and_exit_2(name, capsys, monkeypatch):
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("main.py: error:") and needle in lines[0], lines[0]
+
+
+def test_the_imagenet_config_is_pytorch_examples_recipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "train" / "n01440764").mkdir(parents=True)
+    c = main.parse(["--config", "configs/imagenet-resnet50.yaml", str(tmp_path)], {})
+    assert (c.model.name, c.data.dataset, c.data.root) == ("resnet50", "imagefolder", str(tmp_path))
+    t = c.train
+    assert (t.batch_size, t.lr, t.momentum, t.weight_decay, t.epochs) == (256, 0.1, 0.9, 1e-4, 90)
+    # ImageNet's 1,281,167 training images make 5004 steps of 256 per epoch.
+    spe = 1_281_167 // 256
+    s = LRSchedule.of(t, steps_per_epoch=spe, total=90 * spe)
+    for step in (0, 30 * spe - 1, 30 * spe, 60 * spe - 1, 60 * spe, 90 * spe - 1):
+        assert math.isclose(s.at(step), 0.1 * 0.1 ** (step // spe // 30)), step
