@@ -6,9 +6,9 @@ the ``./run-bundle-hp.sh`` example written inline in the text. Placeholders are 
 value`` where it shows ``--flag = {...}``; ``--model`` for its ``--modela`` typo; this machine's
 data directory for its ImageNet paths) and runs are kept small: ``--image-size 32``, a free port
 and, where the command trains whole epochs, ``--epochs 1`` appended (through ``BUNDLE_EXTRA_ARGS``
-and ``BUNDLE_PORT`` for the container script). Containers
-are the image's entrypoint running this tree's main.py, with Docker faked; the overlay network's
-name of rank 0's container, ``bundle-rank0``, is this machine.
+and ``BUNDLE_PORT`` for the container script). Containers are the image's entrypoint running this
+tree's main.py, with Docker faked; the overlay network's name of rank 0's container,
+``bundle-rank0``, is this machine.
 """
 
 from __future__ import annotations
