@@ -30,7 +30,7 @@ lint: $(VENV)/.dev
 	$(RUN) -m ruff check .
 	$(RUN) -m ruff format --check .
 	$(WITH_VENV) hadolint Dockerfile
-	$(WITH_VENV) shellcheck scripts/*.sh scripts/slurm/bundle.sbatch docker/entrypoint.sh
+	$(WITH_VENV) shellcheck scripts/*.sh scripts/slurm/bundle.sbatch docker/entrypoint.sh .ci/run
 
 # Without ensurepip (Debian's python3 without python3-venv) the system's pip serves the venv.
 $(BIN)/python:
