@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +138,27 @@ def test_outside_a_job_step_the_flags_stand():
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     c = main.parse(["--bundle-shape", "1,1"], {**step_env(), **torchrun})
     assert c.launch.torchrun and c.launch.num_nodes == 1
+
+
+def test_the_sbatch_examples_fit_their_allocations(monkeypatch):
+    """Every `sbatch ... bundle.sbatch ARGS` of the script and the README, under the allocation
+    it asks for (its own options over the #SBATCH lines), uses every GPU."""
+    monkeypatch.chdir(REPO)  # --config paths are relative to the repository
+    script = SBATCH.read_text()
+    defaults = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.M))
+    text = (script + (REPO / "README.md").read_text()).replace("\\\n", " ")
+    examples = re.findall(r"sbatch ((?:--[\w-]+ \S+ )*)scripts/slurm/bundle\.sbatch ([^\n]*)", text)
+    assert len(examples) >= 3, examples
+    for options, args in examples:
+        asked = {**defaults, **dict(re.findall(r"--([\w-]+) (\S+)", options))}
+        nodes, gpus = asked["nodes"], asked["gpus-per-node"]
+        env = step_env(
+            SLURM_NODEID="0",
+            SLURM_STEP_NUM_NODES=nodes,
+            SLURM_STEP_NUM_TASKS=nodes,
+            SLURM_GPUS_ON_NODE=gpus,
+        )
+        assert main.parse(shlex.split(args), env).parallel.world_size == int(nodes) * int(gpus)
 
 
 def test_scontrol_names_the_master_where_it_exists(fake_slurm, tmp_path):
