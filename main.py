@@ -66,9 +66,15 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
     The table fills every field; what follows are the rules between options that no one entry
     can state.
     """
+    from bundle import slurm
+    from bundle.partition import split_model_name
+
     values = options.field_values(args)
-    parallel, data, launch = values["parallel"], values["data"], values["launch"]
-    if "LOCAL_WORLD_SIZE" in env and "RANK" in env:
+    parallel, data, launch, model = (values[k] for k in ("parallel", "data", "launch", "model"))
+    model["name"], model["partition"] = split_model_name(model["name"], model["partition"])
+    torchrun = "LOCAL_WORLD_SIZE" in env and "RANK" in env
+    allocation = None if torchrun else slurm.allocation(env)  # srun torchrun ...: torchrun's
+    if torchrun:
         # torchrun has laid out the nodes already; its environment beats the node flags.
         nproc = int(env["LOCAL_WORLD_SIZE"])
         launch.update(
@@ -77,13 +83,19 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
             num_nodes=max(1, int(env["WORLD_SIZE"]) // nproc),
             node_rank=int(env.get("GROUP_RANK", int(env["RANK"]) // nproc)),
         )
+    elif allocation is not None:
+        # srun started one main.py per node: the job step's layout beats the node flags.
+        launch.update(allocation.launch_fields(launch["nproc_per_node"]))
     if args.DP_ONLY:
         nproc, nodes = launch["nproc_per_node"], launch["num_nodes"]
         total = sum(parallel["shape"]) * parallel["num_bundles"]
         procs = args.num_hp or (nproc * nodes if nproc else total)
         parallel.update(shape=(procs,), num_bundles=1)
     data["dataset"] = data["dataset"] or ("imagefolder" if data["root"] else "digits")
-    return options.build(values)
+    cfg = options.build(values)
+    if allocation is not None:
+        allocation.check_fits(cfg)
+    return cfg
 
 
 def parse(argv: list[str] | None, env: dict[str, str]) -> C.RunConfig:
@@ -109,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         data.check_data(cfg.data)
         shapes = preflight.check_model(cfg, topo.num_stages)
         preflight.check_precision(cfg, launch.resolve_backend(cfg))
+        preflight.check_lr_schedule(cfg)
         preflight.check_paths(cfg)
         preflight.check_observed_steps(cfg)
         parse_fault(env)

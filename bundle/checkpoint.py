@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from bundle.errors import CheckpointError
+from bundle.lr_schedule import spell
 from bundle.topology import Coord, Topology
 
 INFO = "bundle.json"
@@ -160,7 +161,10 @@ def publish(tmp: str, final: str, info: dict) -> None:
 
 
 def run_settings(cfg) -> dict:
-    """The training settings a checkpoint records of the run that wrote it (``cfg``: RunConfig)."""
+    """The training settings a checkpoint records of the run that wrote it (``cfg``: RunConfig).
+
+    The learning-rate schedule is among them: it is a function of the step, so these settings and
+    the step are all of its state."""
     return {
         "model": cfg.model.name,
         "dataset": cfg.data.dataset,
@@ -170,6 +174,12 @@ def run_settings(cfg) -> dict:
         "lr": cfg.train.lr,
         "momentum": cfg.train.momentum,
         "weight_decay": cfg.train.weight_decay,
+        "nesterov": cfg.train.nesterov,
+        "lr_schedule": cfg.train.lr_schedule,
+        "lr_steps": spell(cfg.train.lr_steps),
+        "lr_gamma": cfg.train.lr_gamma,
+        "warmup_epochs": cfg.train.warmup_epochs,
+        "label_smoothing": cfg.train.label_smoothing,
         "precision": cfg.compute.precision,
         "recompute": cfg.compute.recompute,
         "channels_last": cfg.compute.channels_last,

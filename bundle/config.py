@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from bundle.errors import ConfigError
+from bundle.lr_schedule import LR_SCHEDULES, Milestone, spell
 from bundle.schedule import SCHEDULES
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -123,6 +124,12 @@ class TrainConfig:
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
+    nesterov: bool = False
+    lr_schedule: str = "constant"  # see bundle/lr_schedule.py
+    lr_steps: tuple[Milestone, ...] = ()  # step schedule: epochs, or steps ("500s")
+    lr_gamma: float = 0.1
+    warmup_epochs: float = 0.0
+    label_smoothing: float = 0.0
     seed: int = 0
     log_every: int = 10
     eval: bool = True
@@ -139,6 +146,44 @@ class TrainConfig:
             raise ConfigError("--momentum", self.momentum, "must be in [0, 1)")
         if self.weight_decay < 0:
             raise ConfigError("--weight-decay", self.weight_decay, "must be >= 0")
+        if self.nesterov and not self.momentum:
+            raise ConfigError("--nesterov with --momentum", self.momentum, "needs a momentum > 0")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError("--label-smoothing", self.label_smoothing, "must be in [0, 1)")
+        self._check_lr_schedule()
+
+    def _check_lr_schedule(self) -> None:
+        """What the schedule's flags say alone, and against a run counted in the same unit; a
+        run counted in the other unit is checked with the data's size (preflight)."""
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(
+                "--lr-schedule", self.lr_schedule, f"choose one of: {', '.join(LR_SCHEDULES)}"
+            )
+        if self.lr_schedule == "step" and not self.lr_steps:
+            raise ConfigError("--lr-steps", "", "--lr-schedule step needs its milestones")
+        if self.lr_steps and self.lr_schedule != "step":
+            raise ConfigError(
+                "--lr-steps", spell(self.lr_steps), "only --lr-schedule step takes milestones"
+            )
+        if self.lr_gamma <= 0:
+            raise ConfigError("--lr-gamma", self.lr_gamma, "must be > 0")
+        if self.warmup_epochs < 0:
+            raise ConfigError("--warmup-epochs", self.warmup_epochs, "must be >= 0")
+        unit, end = ("step", self.steps) if self.steps else ("epoch", self.epochs)
+        run = f"--itr {self.steps}" if self.steps else f"--epochs {self.epochs}"
+        late = [m for m in self.lr_steps if m.unit == unit and m.at >= end]
+        if late:
+            raise ConfigError(
+                "--lr-steps",
+                spell(self.lr_steps),
+                f"every milestone must come before the run ends ({late[0]} is not, with {run})",
+            )
+        if not self.steps and self.warmup_epochs >= self.epochs:
+            raise ConfigError(
+                "--warmup-epochs",
+                self.warmup_epochs,
+                f"the warm-up must end before the run does ({run})",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -148,6 +148,18 @@ def check_data(cfg: DataConfig) -> None:
             )
 
 
+def train_size(cfg: DataConfig) -> int:
+    """Samples in the training split, without reading them (ImageFolder's own scan of DIR/train)."""
+    if cfg.dataset == "synthetic":
+        return cfg.synthetic_size
+    if cfg.dataset == "digits":
+        return len(_digits().train)
+    from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+
+    check_data(cfg)
+    return len(make_dataset(os.path.join(cfg.root, "train"), extensions=IMG_EXTENSIONS))
+
+
 def load(cfg: DataConfig, seed: int) -> DataSplits:
     if cfg.dataset == "digits":
         return _digits()

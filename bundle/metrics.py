@@ -101,10 +101,13 @@ class Progress:
         self.meter = Meter()
         self.window, self.steps = torch.zeros((), device=device), 0
         self.final_loss: float | None = None
+        self.lr: float | None = None
 
-    def step(self, done: int, loss) -> None:
-        """After step ``done`` (1-based): add this replica's share of the loss."""
+    def step(self, done: int, loss, *, lr: float | None = None) -> None:
+        """After step ``done`` (1-based): add this replica's share of the loss; ``lr``: the
+        learning rate it ran at."""
         self.window += loss
+        self.lr = lr
         self.steps += 1
         self.meter.step(self.batch)
         self.console.advance(done)

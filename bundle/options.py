@@ -11,6 +11,7 @@ from operator import attrgetter
 from typing import Any
 
 from bundle import config as C
+from bundle import lr_schedule
 from bundle.errors import ConfigError
 
 _DEFAULTS = C.RunConfig()
@@ -54,6 +55,7 @@ class Option:
     kind: type | None = None  # only for options without a field
     default: Any = _FROM_FIELD  # only where unset must not be the field's default
     yaml: bool = True  # accepted as a --config key
+    parse: Any = None  # a tuple field's text -> its value (unset: C.parse_shape)
 
     @property
     def dest(self) -> str:
@@ -84,7 +86,7 @@ class Option:
     def to_field(self, value: Any) -> Any:
         if self.negate:
             return not value
-        return C.parse_shape(value) if self.value_type is tuple else value
+        return (self.parse or C.parse_shape)(value) if self.value_type is tuple else value
 
     def from_yaml(self, value: Any, where: str) -> Any:
         """A YAML value as the command line would have given it."""
@@ -161,7 +163,22 @@ OPTIONS: tuple[Option, ...] = (
     Option(TRAIN, "--epochs", "train.epochs", help="whole epochs when --itr is 0"),
     Option(TRAIN, "--lr", "train.lr", help="SGD learning rate"),
     Option(TRAIN, "--momentum", "train.momentum", help="SGD momentum"),
-    Option(TRAIN, "--weight-decay", "train.weight_decay", help="SGD weight decay"),
+    Option(TRAIN, "--weight-decay", "train.weight_decay", aliases=("--wd",),
+           help="SGD weight decay"),
+    Option(TRAIN, "--nesterov", "train.nesterov", help="SGD with Nesterov momentum"),
+    Option(TRAIN, "--lr-schedule", "train.lr_schedule", choices=lr_schedule.LR_SCHEDULES,
+           help="learning rate per step: constant; step: times --lr-gamma at each of --lr-steps; "
+                "cosine: down towards 0 at the end of the run (after any warm-up)"),
+    Option(TRAIN, "--lr-steps", "train.lr_steps", metavar="E1,E2,...|S1s,S2s,...",
+           parse=lr_schedule.parse_milestones, default=None,
+           help="milestones of --lr-schedule step: after these epochs (30,60,80), "
+                "or with an s after these steps (500s,900s)"),
+    Option(TRAIN, "--lr-gamma", "train.lr_gamma", help="factor of each step of --lr-schedule step"),
+    Option(TRAIN, "--warmup-epochs", "train.warmup_epochs", metavar="E",
+           help=f"linear warm-up from {lr_schedule.WARMUP_START} x --lr to --lr over the first E "
+                "epochs (fractions allowed), before any schedule"),
+    Option(TRAIN, "--label-smoothing", "train.label_smoothing", metavar="EPS",
+           help="cross-entropy label smoothing"),
     Option(TRAIN, "--seed", "train.seed", help="model init and data order"),
     Option(TRAIN, "--log-every", "train.log_every", metavar="STEPS",
            help="progress line (and metrics record) every this many steps"),
@@ -187,7 +204,8 @@ OPTIONS: tuple[Option, ...] = (
 
     Option(MODEL, "--model", "model.name",
            help="digits_cnn, mlp, mlp_wide, skip_mlp, small_resnet, "
-                "resnet18, resnet50, resnet101, vgg16"),
+                "resnet18, resnet50, resnet101, vgg16; or MODEL_SPLIT, the model with "
+                "partitions/MODEL_SPLIT.yaml (the original's resnet101_trial0..4)"),
     Option(MODEL, "--partition", "model.partition", metavar="NAME|FILE.yaml",
            help="split points from partitions/NAME.yaml or a YAML file "
                 "(default: balanced by parameters)"),
@@ -213,8 +231,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(SPEED, "--no-tf32", "compute.tf32", negate=True,
            help="CUDA: fp32 matmuls and convolutions use TF32 unless this is given"),
 
-    # torchrun's environment overrides the node layout (main.to_config).
-    Option(LAUNCH, "--rank", "launch.node_rank", metavar="NODE", help="this node's rank"),
+    # torchrun's or a Slurm step's environment overrides the node layout (main.to_config).
+    Option(LAUNCH, "--rank", "launch.node_rank", metavar="NODE", aliases=("--node-rank",),
+           help="this node's rank"),
     Option(LAUNCH, "--world-size", "launch.num_nodes", metavar="NODES", help="number of nodes"),
     Option(LAUNCH, "--IP", "launch.master_addr", metavar="HOST", help="master node address"),
     Option(LAUNCH, "--portNum", "launch.master_port", metavar="PORT", help="master port"),

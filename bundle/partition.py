@@ -25,7 +25,7 @@ import yaml
 
 from bundle.errors import ConfigError, PartitionError
 from bundle.memory import run_recomputed
-from models import Block, apply_blocks
+from models import Block, apply_blocks, available
 from models import blocks as model_blocks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +78,28 @@ def load_spec(ref: str) -> PartitionSpec:
             f"{path}: key 'stages' must be a non-empty list of names, got {stages!r}"
         )
     return PartitionSpec(model=model, starts=tuple(stages))
+
+
+def split_model_name(name: str, partition: str | None) -> tuple[str, str | None]:
+    """The original's model names: ``MODEL_SPLIT`` is ``MODEL`` cut by ``partitions/MODEL_SPLIT.yaml``
+    (``resnet101_trial4``), when that spec is written for the registered ``MODEL``.
+
+    Returns (model, partition); any other name is returned as it is, to be checked as a model.
+    """
+    path = PARTITIONS_DIR / f"{name}.yaml"
+    if name in available() or not path.is_file():
+        return name, partition
+    model = load_spec(name).model
+    if model not in available() or not name.startswith(f"{model}_"):
+        return name, partition
+    if partition not in (None, name):
+        raise ConfigError(
+            "--partition",
+            partition,
+            f"--model {name} is {model} cut by partitions/{name}.yaml; "
+            f"leave --partition out, or give --model {model}",
+        )
+    return model, name
 
 
 def valid_points(names: Sequence[str]) -> list[str]:

@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 import models
-from bundle import checkpoint, partition
+from bundle import checkpoint, data, partition
 from bundle.config import RunConfig, parse_steps
 from bundle.data import input_spec
-from bundle.errors import ConfigError
+from bundle.errors import ConfigError, DataError
+from bundle.lr_schedule import LRSchedule, needs_epoch_length
 from bundle.precision import DTYPES
 
 
@@ -24,7 +25,10 @@ def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
     Returns the shape of every entry of the model's state dict."""
     if cfg.model.name not in models.available():
         raise ConfigError(
-            "--model", cfg.model.name, f"choose one of: {', '.join(models.available())}"
+            "--model",
+            cfg.model.name,
+            f"choose one of: {', '.join(models.available())}; "
+            f"or one cut by its partitions/ file: {', '.join(partition.available_specs())}",
         )
     spec = partition.load_spec(cfg.model.partition) if cfg.model.partition else None
     num_classes, input_shape = input_spec(cfg.data)
@@ -59,6 +63,19 @@ def check_precision(cfg: RunConfig, backend: str) -> None:
         raise ConfigError(
             "--precision", precision, f"the CPU (gloo backend) cannot run it ({exc}); use fp32"
         ) from exc
+
+
+def check_lr_schedule(cfg: RunConfig) -> None:
+    """Milestones and warm-up in epochs against a run in steps, or the other way round: every one
+    must end inside the run. (In one unit, TrainConfig has checked them already.)"""
+    if not needs_epoch_length(cfg.train):
+        return
+    n, batch = data.train_size(cfg.data), cfg.train.batch_size
+    spe = data.steps_per_epoch(n, batch)
+    if spe == 0:
+        raise DataError(f"the training set has {n} samples, fewer than one batch of {batch}")
+    total = cfg.train.steps or cfg.train.epochs * spe
+    LRSchedule.of(cfg.train, steps_per_epoch=spe, total=total)
 
 
 def check_paths(cfg: RunConfig) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,10 +72,15 @@ class StageRunner:
         policy: Policy | None = None,
         scaler: LossScaler | None = None,
         timer: StepTimer | None = None,
+        label_smoothing: float = 0.0,
     ) -> None:
         self.topo, self.coord, self.sync, self.transport = topo, coord, sync, transport
         self.optimizer, self.device, self.stage = optimizer, device, stage
         self.policy, self.scaler = policy or Policy(device_type=device.type), scaler
+        # Summed over the rows, scaled by 1 / global batch below: the global mean, shared out.
+        self.criterion = functools.partial(
+            F.cross_entropy, reduction="sum", label_smoothing=label_smoothing
+        )
         self.first = coord.stage == 0
         self.last = coord.stage == topo.num_stages - 1
         self.sizes = topo.micro_sizes(coord.bundle)
@@ -164,7 +171,7 @@ class StageRunner:
                 if self.last:
                     labels = micro_data[k][1].to(self.device, non_blocking=True)
                     # The loss in fp32, outside autocast.
-                    loss = F.cross_entropy(out[0].float(), labels, reduction="sum") * self.inv_batch
+                    loss = self.criterion(out[0].float(), labels) * self.inv_batch
                     loss_sum += loss.detach()
                     outputs[k] = (self.scaler.scaled(loss) if self.scaler else loss,)
                 else:

@@ -13,6 +13,7 @@ from bundle.checkpointer import Checkpointer
 from bundle.config import RunConfig
 from bundle.errors import DataError
 from bundle.grad_sync import FlatSync, GradSync, HierarchicalSync
+from bundle.lr_schedule import LRSchedule
 from bundle.precision import Policy
 from bundle.preemption import Stopped, StopRequest, StopVote, maybe_fail
 from bundle.timing import Mark
@@ -139,6 +140,7 @@ def build_session(
         lr=cfg.train.lr,
         momentum=cfg.train.momentum,
         weight_decay=cfg.train.weight_decay,
+        nesterov=cfg.train.nesterov,
     )
     runner = StageRunner(
         topo=topo,
@@ -153,6 +155,7 @@ def build_session(
         # The skip decision spans the job: the default group holds every rank.
         scaler=policy.make_scaler(device),
         timer=timing.make_timer(device),
+        label_smoothing=cfg.train.label_smoothing,
     )
     arrive("ready to train")
     return Session(runner, stage, splits, coord, groups, optimizer, layout)
@@ -259,6 +262,7 @@ def run(
             f"the training set has {len(session.splits.train)} samples, fewer than one batch of {B}"
         )
     total = cfg.train.steps or cfg.train.epochs * spe
+    lr_schedule = LRSchedule.of(cfg.train, steps_per_epoch=spe, total=total)
     saver = make_checkpointer(cfg, topo, rank, session)
     runner.where = "resume"
     start = saver.restore(resume)
@@ -286,6 +290,7 @@ def run(
         timer.begin(step)
         vote.begin()
         torch.manual_seed(step_seed(cfg.train.seed, step, rank))
+        lr_schedule.apply(session.optimizer, step)
         profiler.before(step)
         timer.lap(Mark.OTHER)
         micro_data = next(batches)

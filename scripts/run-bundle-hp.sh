@@ -11,15 +11,17 @@ readonly POSITIONAL_NAMES=(batch_size rank shape num_bundle world_size model dat
 usage() {
   cat <<EOF
 usage: $PROG [options] [batch_size rank shape num_bundle world_size model data_path itr] [-- main.py args...]
+       $PROG [options] batch_size rank shape num_bundle IP portNum world_size model data_path itr [-- ...]
 
 Runs one Bundle container for this node on an attachable overlay network. With no positional
 arguments every value is asked on stdin.
 
-positional arguments (all eight, in this order):
+positional arguments (all eight, in this order; or the original's ten, with IP and portNum):
   batch_size   global batch per step, over all bundles (positive integer)
   rank         rank of this node, 0 <= rank < world_size
   shape        bundle shape: replicas per stage, e.g. 1,1 or 4,2
   num_bundle   number of bundles (positive integer)
+  IP, portNum  the master's address and port (ten-argument form; default bundle-rank0, --port)
   world_size   number of nodes (positive integer)
   model        model name, passed to --model
   data_path    absolute path of an existing data directory, mounted read-only at /data
@@ -55,6 +57,7 @@ subnet=${BUNDLE_SUBNET:-10.10.0.0/16}
 port=${BUNDLE_PORT:-29500}
 gpus=${BUNDLE_GPUS:-all}
 dry_run=0
+master=""
 extra=()
 if [[ -n ${BUNDLE_EXTRA_ARGS:-} ]]; then
   read -r -a extra <<<"$BUNDLE_EXTRA_ARGS"
@@ -106,13 +109,20 @@ if [[ ${#positionals[@]} -eq 0 ]]; then
   ask model "model name" resnet50
   ask data_path "absolute path of the data directory"
   ask itr "number of training steps" 100
+elif [[ ${#positionals[@]} -eq 10 ]]; then
+  # The original README's usage line: the master's IP and port after num_bundle.
+  batch_size=${positionals[0]} rank=${positionals[1]} shape=${positionals[2]}
+  num_bundle=${positionals[3]} master=${positionals[4]} port=${positionals[5]}
+  world_size=${positionals[6]} model=${positionals[7]} data_path=${positionals[8]}
+  itr=${positionals[9]}
 elif [[ ${#positionals[@]} -ne ${#POSITIONAL_NAMES[@]} ]]; then
-  die_usage "expected ${#POSITIONAL_NAMES[@]} positional arguments, got ${#positionals[@]}"
+  die_usage "expected ${#POSITIONAL_NAMES[@]} (or 10) positional arguments, got ${#positionals[@]}"
 else
   batch_size=${positionals[0]} rank=${positionals[1]} shape=${positionals[2]}
   num_bundle=${positionals[3]} world_size=${positionals[4]} model=${positionals[5]}
   data_path=${positionals[6]} itr=${positionals[7]}
 fi
+master=${master:-bundle-rank0}
 
 for name in batch_size num_bundle world_size itr; do
   is_posint "${!name}" || die_usage "$name must be a positive integer, got '${!name}'"
@@ -135,8 +145,8 @@ fi
   || die_usage "subnet must be an IPv4 CIDR such as 10.10.0.0/16, got '$subnet'"
 [[ -n $image && $image =~ ^[^[:space:]]+$ ]] || die_usage "bad image '$image'"
 [[ $gpus =~ ^[^[:space:]]+$ ]] || die_usage "bad --gpus value '$gpus'"
+[[ $master =~ ^[A-Za-z0-9][A-Za-z0-9_.:-]*$ ]] || die_usage "bad IP '$master'"
 
-readonly master=bundle-rank0
 readonly name=bundle-rank${rank}
 
 # The docker flag order is fixed (tests/test_containers.py compares the exact command):

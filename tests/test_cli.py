@@ -308,3 +308,16 @@ def test_help_names_every_registered_model():
 
     text = " ".join(main.build_parser().format_help().split())
     assert all(name in text for name in models.available())
+
+
+def test_the_originals_model_names_are_a_model_and_its_split():
+    for trial in range(5):
+        name = f"resnet101_trial{trial}"
+        assert cfg(["--model", name]).model == C.ModelConfig(name="resnet101", partition=name)
+    assert cfg(["--model", "resnet50_2stage", "--partition", "resnet50_2stage"]).model == (
+        C.ModelConfig(name="resnet50", partition="resnet50_2stage")
+    )
+    # A registered name stays itself, even where a partition file shares its prefix.
+    assert cfg(["--model", "mlp_wide"]).model == C.ModelConfig(name="mlp_wide")
+    with pytest.raises(ConfigError, match="--partition: 'resnet101_trial1'.*--model resnet101$"):
+        cfg(["--model", "resnet101_trial4", "--partition", "resnet101_trial1"])

@@ -1,4 +1,4 @@
-"""README stays true: its set-up and test commands are the ones CI runs; its flags exist."""
+"""README stays true: its two commands are the Makefile's and CI's; its flags exist."""
 
 from __future__ import annotations
 
@@ -12,15 +12,19 @@ README = (ROOT / "README.md").read_text()
 
 
 def commands() -> list[str]:
-    block = README.split("## Set-up, run, test", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    block = README.split("## Run and test", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     return [line.strip() for line in block.strip().splitlines()]
 
 
-def test_readme_gives_exactly_set_up_run_and_test():
-    setup, run, test = commands()
-    assert run == "python main.py"
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert setup in ci and test in ci
+def test_readme_gives_exactly_run_and_test_and_ci_runs_the_same_test():
+    assert commands() == ["make run", "make test"]
+    makefile = (ROOT / "Makefile").read_text()
+    recipes = dict(re.findall(r"^(\w+):.*\n\t(.*)", makefile, re.M))
+    assert "main.py $(ARGS)" in recipes["run"] and "-m pytest" in recipes["test"]
+    # The venv reuses the system's packages: PyTorch is not installed a second time.
+    assert "--system-site-packages" in makefile
+    ci = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "make test" in ci and "make lint" in ci
 
 
 def test_main_flags_named_in_the_readme_exist():

@@ -17,20 +17,29 @@ from dataclasses import replace
 import pytest
 import torch
 
+import main
 from bundle.localworld import free_port
+from bundle.lr_schedule import LRSchedule
 from tests.test_e2e import SMALL, finish, image_folder, start, start_logged
 
 pytestmark = pytest.mark.slow
 
 STEPS = 10
+# A recipe whose rate changes every step: 4 warm-up steps (16 steps per epoch), then cosine.
+RECIPE = ["--lr-schedule", "cosine", "--warmup-epochs", "0.25", "--nesterov"]
+RECIPE += ["--label-smoothing", "0.1"]
 # shape 1,2: the rear stage has two replicas, so their agreement check and DCP's de-duplication
 # of replicated entries are both exercised.
-RUN = [*SMALL, "--bundle-shape", "1,2", "--itr", str(STEPS), "--save-every", "3"]
+RUN = [*SMALL, "--bundle-shape", "1,2", "--itr", str(STEPS), "--save-every", "3", *RECIPE]
+
+
+def records(path, key: str) -> dict[int, float]:
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["step"]: r[key] for r in lines if key in r and not r.get("summary")}
 
 
 def losses(path) -> dict[int, float]:
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r and not r.get("summary")}
+    return records(path, "loss")
 
 
 def assert_identical(a, b) -> None:
@@ -93,6 +102,13 @@ def test_a_killed_worker_restarts_from_the_checkpoint_bit_identical(
     assert f"resumed from {tmp_path / 'ckpt'}/step-{summary['start_step']}" in err, err
     assert_identical(uninterrupted / "a.pt", tmp_path / "b.pt")
     assert losses(tmp_path / "m.jsonl") == losses(uninterrupted / "m.jsonl")
+    # Both ran every step at its scheduled rate, the resumed one from where it stopped.
+    schedule = LRSchedule.of(main.parse(RUN, {}).train, steps_per_epoch=16, total=STEPS)
+    assert schedule.warmup == 4 and len({schedule.at(t) for t in range(STEPS)}) == STEPS
+    expected = {t + 1: schedule.at(t) for t in range(STEPS)}
+    assert (
+        records(tmp_path / "m.jsonl", "lr") == records(uninterrupted / "m.jsonl", "lr") == expected
+    )
     print(f"\nkill-and-recover run: {time.monotonic() - t0:.1f}s")
 
 
@@ -223,7 +239,6 @@ def test_incomplete_newest_is_skipped_and_another_model_is_refused(uninterrupted
     damaged = save_dir / f"step-{int(newest.name.split('-')[1]) + 5}"
     shutil.copytree(newest, damaged)
     (damaged / ".metadata").unlink()  # as if killed before DCP wrote its index
-    import main
     from bundle import preflight
 
     cfg = main.parse([*RUN, "--save-dir", str(save_dir), "--resume", "auto"], env={})

@@ -1,0 +1,46 @@
+# Two commands from a fresh clone:
+#
+#   make run     train the default job (ARGS="..." passes main.py flags: make run ARGS="--bundle-shape 2,1")
+#   make test    run the test suite (ARGS="..." passes pytest arguments: make test ARGS='-m "not slow"')
+#
+# Both create a virtual environment in .venv on first use and install what it lacks; later calls
+# only run. The environment sees the system's packages, so an installed PyTorch is used as it is
+# instead of being downloaded again (pip installs only what is missing or outside the ranges of
+# requirements.txt).
+
+# The interpreter whose packages (PyTorch) the environment reuses.
+PYTHON ?= $(shell command -v python 2>/dev/null || command -v python3)
+VENV ?= .venv
+ARGS ?=
+
+BIN := $(VENV)/bin
+# The linters pip installs (hadolint, shellcheck) are found on PATH, by the tests too.
+WITH_VENV := PATH="$(CURDIR)/$(BIN):$$PATH"
+RUN := $(WITH_VENV) $(BIN)/python
+
+.PHONY: run test lint
+
+run: $(VENV)/.runtime
+	$(RUN) main.py $(ARGS)
+
+test: $(VENV)/.dev
+	$(RUN) -m pytest -q -ra $(ARGS)
+
+lint: $(VENV)/.dev
+	$(RUN) -m ruff check .
+	$(RUN) -m ruff format --check .
+	$(WITH_VENV) hadolint Dockerfile
+	$(WITH_VENV) shellcheck scripts/*.sh scripts/slurm/bundle.sbatch docker/entrypoint.sh .ci/run
+
+# Without ensurepip (Debian's python3 without python3-venv) the system's pip serves the venv.
+$(BIN)/python:
+	$(PYTHON) -m venv --system-site-packages $(VENV) \
+	  || $(PYTHON) -m venv --system-site-packages --without-pip $(VENV)
+
+$(VENV)/.runtime: requirements.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.dev: requirements-dev.txt requirements.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	touch $@ $(VENV)/.runtime

@@ -1,0 +1,1 @@
+scripts/run-bundle-hp.sh
