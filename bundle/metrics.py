@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -88,7 +89,7 @@ class Progress:
         breakdown: Breakdown | None = None,
         board: Board | None = None,
         console: Console | None = None,
-        lr=None,
+        lr: Callable[[], float] | None = None,  # the learning rate now
     ) -> None:
         self.log_every, self.total, self.batch = log_every, total, batch
         self.group, self.reporting = group, reporting
@@ -101,13 +102,10 @@ class Progress:
         self.meter = Meter()
         self.window, self.steps = torch.zeros((), device=device), 0
         self.final_loss: float | None = None
-        self.lr: float | None = None
 
-    def step(self, done: int, loss, *, lr: float | None = None) -> None:
-        """After step ``done`` (1-based): add this replica's share of the loss; ``lr``: the
-        learning rate it ran at."""
+    def step(self, done: int, loss) -> None:
+        """After step ``done`` (1-based): add this replica's share of the loss."""
         self.window += loss
-        self.lr = lr
         self.steps += 1
         self.meter.step(self.batch)
         self.console.advance(done)
