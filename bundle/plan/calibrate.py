@@ -1,0 +1,273 @@
+"""The engine's own overheads and this machine's loopback links, measured once and cached.
+
+- ``compute_action`` and ``step``: the engine's ``StageRunner`` runs a tiny model as one stage in
+  this process at 1 and 16 micro-batches of one row; what its steps take beyond the model's own
+  forward and backward (as ``profile`` measures them) is the overhead per compute action and per
+  step.
+- ``p2p`` and ``collective``: two gloo processes time a ping-pong and an all-reduce at a small and
+  a large size (latency from the small one, bandwidth from the large one).
+- ``comm_action``: the same two processes run the tiny model as a ``1,1`` pipeline at 1 and 16
+  micro-batches; the cost per send and receive is what makes the simulator, given the links and
+  the compute overheads, match the measured growth from 1 to 16 micro-batches.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+import models
+from bundle import localworld
+from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from bundle.grad_sync import GradSync
+from bundle.partition import split_model
+from bundle.plan import profile as prof
+from bundle.plan.cluster import Cluster, Link
+from bundle.plan.cost import CostModel, Overheads
+from bundle.plan.simulate import Layout, simulate
+from bundle.topology import Coord, Topology
+from bundle.trainer import StageRunner
+from bundle.transport import Transport
+
+TINY = ("mlp", (3, 2, 2), 10)  # model, input shape, classes: compute far below the overheads
+MICRO = (1, 16)
+_SMALL, _LARGE = 4, 8 * 2**20  # bytes of the latency and the bandwidth probes
+
+
+@dataclass(frozen=True)
+class Calibration:
+    overheads: Overheads
+    p2p: Link
+    collective: Link
+
+
+def median_step(step, steps: int, warmup: int) -> float:
+    """Median seconds of ``step(i)`` over ``steps`` calls after ``warmup`` untimed ones."""
+    for i in range(warmup):
+        step(i)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def tiny_timings(repeats: int = 50) -> prof.Timings:
+    name, shape, classes = TINY
+    return prof.measure_timings(name, shape, classes, rows=(1,), warmup=10, repeats=repeats)
+
+
+# -- one process -----------------------------------------------------------------------------
+
+
+class TinyStage:
+    """The engine's StageRunner on the tiny model as one stage, at each of ``MICRO`` (no peers)."""
+
+    def __init__(self) -> None:
+        name, shape, classes = TINY
+        cpu = torch.device("cpu")
+        self.steps = {}
+        for m in MICRO:
+            torch.manual_seed(0)
+            model = models.build(name, num_classes=classes, input_shape=shape)
+            stage = split_model(model, (0,))[0]
+            topo = Topology(
+                shape=(1,), num_bundles=1, procs_per_node=1, global_batch=m, micro_batches=m
+            )
+            runner = StageRunner(
+                topo=topo,
+                coord=Coord(0, 0, 0),
+                sync=GradSync(stage),
+                transport=Transport(
+                    topo=topo,
+                    bundle=0,
+                    stage=0,
+                    replica=0,
+                    in_meta=(),
+                    out_meta=(),
+                    device=cpu,
+                    timeout=30.0,
+                ),
+                optimizer=torch.optim.SGD(stage.parameters(), lr=1e-3, momentum=0.9),
+                schedule="1f1b",
+                device=cpu,
+                stage=stage,
+            )
+            data = [(torch.randn(1, *shape), torch.randint(0, classes, (1,))) for _ in range(m)]
+            self.steps[m] = lambda i, runner=runner, data=data: runner.train_step(i, data)
+
+    def times(self, steps: int = 40, warmup: int = 5) -> dict[int, float]:
+        return {m: median_step(step, steps, warmup) for m, step in self.steps.items()}
+
+
+def fit_engine(tiny: prof.Timings, runner: dict[int, float]) -> Overheads:
+    """Per compute action and per step: the runner's steps less the model's own work."""
+    lo, hi = MICRO
+    fwd, bwd, loss = tiny.at(1)
+    compute = float(fwd.sum() + bwd.sum()) + loss
+    action = max(0.0, ((runner[hi] - runner[lo]) / (hi - lo) - compute) / 2)
+    name, shape, classes = TINY
+    params = sum(b.params for b in prof.count_anatomy(name, shape, classes).blocks)
+    step = runner[lo] - lo * (compute + 2 * action) - params * tiny.optimizer_per_param
+    return Overheads(compute_action=action, step=max(0.0, step))
+
+
+# -- two processes ---------------------------------------------------------------------------
+
+
+def _ping_pong(rank: int, nbytes: int, reps: int) -> float:
+    buf = torch.zeros(max(1, nbytes // 4))
+    times = []
+    for _ in range(reps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times[2:])
+
+
+def _allreduce(nbytes: int, reps: int) -> float:
+    buf = torch.zeros(max(1, nbytes // 4))
+    times = []
+    for _ in range(reps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def measure_links(rank: int, reps: int = 15) -> tuple[Link, Link]:
+    """(point-to-point, collective) links between ranks 0 and 1 of gloo; call on both."""
+    small, large = _ping_pong(rank, _SMALL, reps), _ping_pong(rank, _LARGE, reps)
+    p2p = Link(_LARGE / max(large - small, 1e-9), small)
+    # A two-process ring all-reduce: bytes / bandwidth + 2 latencies.
+    small, large = _allreduce(_SMALL, reps), _allreduce(_LARGE, reps)
+    return p2p, Link(_LARGE / max(large - small, 1e-9), small / 2)
+
+
+class TinyPipeline:
+    """The engine on the tiny model as a ``1,1`` pipeline, at each of ``MICRO``; on ranks 0, 1."""
+
+    def __init__(self, rank: int) -> None:
+        from bundle.worker import build_session, make_topology, train_stream
+
+        name, shape, classes = TINY
+        self.steps = {}
+        for m in MICRO:
+            cfg = RunConfig(
+                parallel=ParallelConfig(shape=(1, 1), micro_batches=m),
+                model=ModelConfig(name=name),
+                data=DataConfig(
+                    dataset="synthetic", image_size=shape[1], num_classes=classes, synthetic_size=64
+                ),
+                train=TrainConfig(batch_size=m, steps=4, eval=False),
+            )
+            topo = make_topology(cfg)
+            session = build_session(cfg, topo, rank, torch.device("cpu"))
+            stream = train_stream(session, topo, cfg.train.seed, cfg.train.steps, 0)
+            batches = [next(stream) for _ in range(cfg.train.steps)]
+            runner = session.runner
+            self.steps[m] = lambda i, r=runner, b=batches: r.train_step(i, b[i % len(b)])
+
+    def times(self, steps: int = 30, warmup: int = 3) -> dict[int, float]:
+        out = {}
+        for m, step in self.steps.items():
+            dist.barrier()
+            out[m] = median_step(step, steps, warmup)
+        return out
+
+
+def fit_comm_action(
+    overheads: Overheads, p2p: Link, collective: Link, tiny: prof.Timings, pipeline: dict
+) -> float:
+    """The cost per send and receive that makes the simulated tiny pipeline grow from 1 to 16
+    micro-batches as the measured one did."""
+    name, shape, classes = TINY
+    anatomy = prof.count_anatomy(name, shape, classes)
+    cluster = loopback(p2p, collective, devices=2, memory_bytes=float("inf"))
+    lo, hi = MICRO
+    starts = (0, len(anatomy.blocks) // 2)
+
+    def growth(comm: float) -> float:
+        cost = CostModel(
+            anatomy=anatomy,
+            cluster=cluster,
+            timings=tiny,
+            overheads=replace(overheads, comm_action=comm),
+        )
+        t = [
+            simulate(Layout((1, 1), 1, starts, m, "1f1b", "flat", m, 2), cost).step_time
+            for m in (lo, hi)
+        ]
+        return t[1] - t[0]
+
+    base, probe = growth(0.0), growth(1e-4)
+    slope = (probe - base) / 1e-4
+    measured = pipeline[hi] - pipeline[lo]
+    return max(0.0, (measured - base) / slope) if slope > 0 else 0.0
+
+
+def loopback(p2p: Link, collective: Link, *, devices: int, memory_bytes: float) -> Cluster:
+    """This machine as one node of ``devices`` processes talking gloo over loopback."""
+    return Cluster(
+        name=f"this machine ({prof.device_name(torch.device('cpu'))})",
+        nodes=1,
+        devices_per_node=devices,
+        device_name="cpu",
+        memory_bytes=memory_bytes,
+        speed=None,
+        intra=p2p,
+        inter=p2p,
+        collective=collective,
+    )
+
+
+def _world(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    p2p, collective = measure_links(rank)
+    pipeline = TinyPipeline(rank).times()
+    return {"p2p": asdict(p2p), "collective": asdict(collective), "pipeline": pipeline}
+
+
+def _key() -> dict:
+    return {"device": prof.device_name(torch.device("cpu")), "torch": torch.__version__}
+
+
+def engine(cache: prof.ProfileCache) -> Overheads:
+    """The engine's overheads per compute action and per step: cached, or measured in this
+    process now (a second or two)."""
+    doc = cache.get("engine", _key())
+    if doc is not None:
+        return Overheads(**doc)
+    found = fit_engine(tiny_timings(), TinyStage().times())
+    cache.put("engine", _key(), asdict(found))
+    return found
+
+
+def calibrate(cache: prof.ProfileCache, *, start_method: str = "spawn") -> Calibration:
+    """The engine's overheads and the loopback links: cached, or measured now (two processes)."""
+    overheads = engine(cache)
+    doc = cache.get("links", _key())
+    if doc is None:
+        world = localworld.run_world(2, _world, timeout=300.0, start_method=start_method)[0]
+        p2p, collective = Link(**world["p2p"]), Link(**world["collective"])
+        pipeline = {int(m): t for m, t in world["pipeline"].items()}
+        comm = fit_comm_action(overheads, p2p, collective, tiny_timings(), pipeline)
+        doc = {"p2p": asdict(p2p), "collective": asdict(collective), "comm_action": comm}
+        cache.put("links", _key(), doc)
+    return Calibration(
+        replace(overheads, comm_action=doc["comm_action"]),
+        Link(**doc["p2p"]),
+        Link(**doc["collective"]),
+    )
