@@ -159,15 +159,13 @@ class Profiler:
         )
 
 
-def _calibration(world: int, rank: int, extra) -> dict:
-    """The engine's overheads on the tiny model and, with two processes, the loopback links."""
-    out = {"tiny": asdict(cal.tiny_timings(repeats=20))}
+def _calibration(world: int, rank: int, pipeline) -> dict:
+    """The engine's overheads on the tiny model (one process: its runner; two: its pipeline) and,
+    with two processes, the loopback links."""
     if world == 1:
-        out["runner"] = extra.times()
-    else:
-        p2p, collective = cal.measure_links(rank)
-        out.update(p2p=asdict(p2p), collective=asdict(collective), pipeline=extra.times())
-    return out
+        return cal.measure_engine()
+    p2p, collective = cal.measure_links(rank)
+    return {"p2p": asdict(p2p), "collective": asdict(collective), **pipeline.measure()}
 
 
 def _sync(world: int) -> None:
@@ -188,10 +186,10 @@ def world_main(rank: int, world: int, spec: Spec) -> dict:
         )
         for c in mine
     ]
-    extra = cal.TinyStage() if world == 1 else cal.TinyPipeline(rank)
+    pipeline = cal.TinyPipeline(rank) if world > 1 else None
     rounds = []
     for r in range(spec.rounds):
-        record = _calibration(world, rank, extra)
+        record = _calibration(world, rank, pipeline)
         record["cases"] = {}
         for c, case, profiler in cases if r % 2 == 0 else cases[::-1]:
             profiler.passes.clear()
@@ -289,6 +287,7 @@ def predict(spec: Spec, results: dict) -> dict:
                 ),
                 timings=prof.Timings(**case["timings"]),
                 overheads=overheads,
+                overlap=False,  # gloo on the CPU: the sync takes the backward's cores
             )
             layout = Layout(c.shape, 1, starts, c.micro, c.schedule, "flat", batch, c.processes)
             predicted.append(batch / simulate(layout, cost).step_time)

@@ -99,6 +99,7 @@ def _cost(cfg: RunConfig, request: planner.Request) -> tuple[CostModel, str]:
             precision=request.precision,
             recompute=request.recompute,
             bucket_mb=request.bucket_mb,
+            overlap=kind != "cpu",
         )
         return cost, "FLOP and byte counts against nominal speeds, the same on every process"
     cache = prof.ProfileCache(prof.default_cache_dir())

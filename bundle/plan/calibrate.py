@@ -29,6 +29,7 @@ from bundle.plan import profile as prof
 from bundle.plan.cluster import Cluster, Link
 from bundle.plan.cost import CostModel, Overheads
 from bundle.plan.simulate import Layout, simulate
+from bundle.precision import Policy
 from bundle.topology import Coord, Topology
 from bundle.trainer import StageRunner
 from bundle.transport import Transport
@@ -36,6 +37,7 @@ from bundle.transport import Transport
 TINY = ("mlp", (3, 2, 2), 10)  # model, input shape, classes: compute far below the overheads
 MICRO = (1, 16)
 _SMALL, _LARGE = 4, 8 * 2**20  # bytes of the latency and the bandwidth probes
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -45,21 +47,51 @@ class Calibration:
     collective: Link
 
 
-def median_step(step, steps: int, warmup: int) -> float:
-    """Median seconds of ``step(i)`` over ``steps`` calls after ``warmup`` untimed ones."""
-    for i in range(warmup):
-        step(i)
-    times = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class TinyPass:
+    """One forward and backward of the tiny model's blocks at one row, timed as ``profile`` times
+    them: what the engine's steps on it are compared with."""
+
+    def __init__(self) -> None:
+        name, shape, classes = TINY
+        torch.manual_seed(0)
+        self.model = models.build(name, num_classes=classes, input_shape=shape)
+        self.blocks = models.blocks(self.model)
+        self.passes: list = []
+
+    def __call__(self) -> float:
+        _, shape, classes = TINY
+        fwd, bwd, loss = prof._one_pass(self.blocks, Policy(), _CPU, 1, shape, classes)
+        self.passes.append((fwd, bwd, loss))
+        return sum(fwd) + sum(bwd) + loss
+
+    def timings(self) -> prof.Timings:
+        """The median of the passes so far, as ``profile.Timings`` at one row."""
+        n, med = len(self.blocks), statistics.median
+        return prof.Timings(
+            device=prof.device_name(_CPU),
+            precision="fp32",
+            rows=(1,),
+            fwd=(tuple(med(p[0][i] for p in self.passes) for i in range(n)),),
+            bwd=(tuple(med(p[1][i] for p in self.passes) for i in range(n)),),
+            loss=(med(p[2] for p in self.passes),),
+            optimizer_per_param=prof._optimizer_per_param(self.model, 2, 5, _CPU),
+        )
 
 
-def tiny_timings(repeats: int = 50) -> prof.Timings:
-    name, shape, classes = TINY
-    return prof.measure_timings(name, shape, classes, rows=(1,), warmup=10, repeats=repeats)
+def interleaved(steps: dict, tiny: TinyPass, reps: int, warmup: int, barrier=None) -> dict:
+    """Per micro-batch count, step times taken alternately with tiny profile passes (so a burst
+    of load on a shared machine reaches both); ``barrier`` starts every step together."""
+    times: dict[int, list[float]] = {m: [] for m in steps}
+    for i in range(warmup + reps):
+        tiny()
+        for m, step in steps.items():
+            if barrier is not None:
+                barrier()
+            t0 = time.perf_counter()
+            step(i)
+            times[m].append(time.perf_counter() - t0)
+    del tiny.passes[:warmup]
+    return {m: t[warmup:] for m, t in times.items()}
 
 
 # -- one process -----------------------------------------------------------------------------
@@ -70,7 +102,6 @@ class TinyStage:
 
     def __init__(self) -> None:
         name, shape, classes = TINY
-        cpu = torch.device("cpu")
         self.steps = {}
         for m in MICRO:
             torch.manual_seed(0)
@@ -79,30 +110,38 @@ class TinyStage:
             topo = Topology(
                 shape=(1,), num_bundles=1, procs_per_node=1, global_batch=m, micro_batches=m
             )
+            transport = Transport(
+                topo=topo,
+                bundle=0,
+                stage=0,
+                replica=0,
+                in_meta=(),
+                out_meta=(),
+                device=_CPU,
+                timeout=30.0,
+            )
             runner = StageRunner(
                 topo=topo,
                 coord=Coord(0, 0, 0),
                 sync=GradSync(stage),
-                transport=Transport(
-                    topo=topo,
-                    bundle=0,
-                    stage=0,
-                    replica=0,
-                    in_meta=(),
-                    out_meta=(),
-                    device=cpu,
-                    timeout=30.0,
-                ),
+                transport=transport,
                 optimizer=torch.optim.SGD(stage.parameters(), lr=1e-3, momentum=0.9),
                 schedule="1f1b",
-                device=cpu,
+                device=_CPU,
                 stage=stage,
             )
             data = [(torch.randn(1, *shape), torch.randint(0, classes, (1,))) for _ in range(m)]
             self.steps[m] = lambda i, runner=runner, data=data: runner.train_step(i, data)
 
-    def times(self, steps: int = 40, warmup: int = 5) -> dict[int, float]:
-        return {m: median_step(step, steps, warmup) for m, step in self.steps.items()}
+
+def measure_engine(reps: int = 40, warmup: int = 5) -> dict:
+    """The tiny one-stage runner's steps at each of ``MICRO``, and the tiny model's timings."""
+    tiny = TinyPass()
+    times = interleaved(TinyStage().steps, tiny, reps, warmup)
+    return {
+        "runner": {m: statistics.median(t) for m, t in times.items()},
+        "tiny": asdict(tiny.timings()),
+    }
 
 
 def fit_engine(tiny: prof.Timings, runner: dict[int, float]) -> Overheads:
@@ -180,12 +219,14 @@ class TinyPipeline:
             runner = session.runner
             self.steps[m] = lambda i, r=runner, b=batches: r.train_step(i, b[i % len(b)])
 
-    def times(self, steps: int = 30, warmup: int = 3) -> dict[int, float]:
-        out = {}
-        for m, step in self.steps.items():
-            dist.barrier()
-            out[m] = median_step(step, steps, warmup)
-        return out
+    def measure(self, reps: int = 30, warmup: int = 3) -> dict:
+        """Steps from a common start at each of ``MICRO``, alternating with tiny profile passes."""
+        tiny = TinyPass()
+        times = interleaved(self.steps, tiny, reps, warmup, barrier=dist.barrier)
+        return {
+            "pipeline": {m: statistics.median(t) for m, t in times.items()},
+            "tiny": asdict(tiny.timings()),
+        }
 
 
 def fit_comm_action(
@@ -236,8 +277,7 @@ def loopback(p2p: Link, collective: Link, *, devices: int, memory_bytes: float) 
 def _world(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     p2p, collective = measure_links(rank)
-    pipeline = TinyPipeline(rank).times()
-    return {"p2p": asdict(p2p), "collective": asdict(collective), "pipeline": pipeline}
+    return {"p2p": asdict(p2p), "collective": asdict(collective), **TinyPipeline(rank).measure()}
 
 
 def _key() -> dict:
@@ -250,7 +290,8 @@ def engine(cache: prof.ProfileCache) -> Overheads:
     doc = cache.get("engine", _key())
     if doc is not None:
         return Overheads(**doc)
-    found = fit_engine(tiny_timings(), TinyStage().times())
+    measured = measure_engine()
+    found = fit_engine(prof.Timings(**measured["tiny"]), measured["runner"])
     cache.put("engine", _key(), asdict(found))
     return found
 
@@ -263,7 +304,8 @@ def calibrate(cache: prof.ProfileCache, *, start_method: str = "spawn") -> Calib
         world = localworld.run_world(2, _world, timeout=300.0, start_method=start_method)[0]
         p2p, collective = Link(**world["p2p"]), Link(**world["collective"])
         pipeline = {int(m): t for m, t in world["pipeline"].items()}
-        comm = fit_comm_action(overheads, p2p, collective, tiny_timings(), pipeline)
+        tiny = prof.Timings(**world["tiny"])
+        comm = fit_comm_action(overheads, p2p, collective, tiny, pipeline)
         doc = {"p2p": asdict(p2p), "collective": asdict(collective), "comm_action": comm}
         cache.put("links", _key(), doc)
     return Calibration(

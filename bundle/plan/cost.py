@@ -9,7 +9,9 @@
 - **Collectives**: ring all-reduce ``2(n-1)/n * bytes / bandwidth + 2(n-1) * latency`` over the
   slowest link of the group; reduce and broadcast ``(n-1)/n * bytes / bandwidth + (n-1) *
   latency``. Gradients are synced in buckets (the engine's ``--bucket-mb``; DDP's first bucket is
-  1 MiB), each ready when the last backward has passed its parameters.
+  1 MiB), each ready when the last backward has passed its parameters where communication runs
+  beside compute (GPUs), and when the backward is over where it takes the same cores (gloo on a
+  CPU: its reductions and copies compete with the backward, so nothing is hidden).
 - **Memory** per device: fp32 parameters, gradients and momentum (and DDP's bucket copies), the
   activations the schedule holds (``--recompute`` keeps only stage inputs, plus the micro-batch a
   backward rebuilds) and the receive buffers.
@@ -114,6 +116,7 @@ class CostModel:
         precision: str = "fp32",
         recompute: str = "never",
         bucket_mb: float = 25.0,
+        overlap: bool = True,
     ) -> None:
         if timings is None and cluster.speed is None:
             raise ValueError("a cluster whose device speed is 'measure' needs measured timings")
@@ -121,6 +124,7 @@ class CostModel:
         self.overheads = overheads or Overheads()
         self.precision, self.recompute = precision, recompute
         self.bucket_bytes = bucket_mb * 2**20
+        self.overlap = overlap
         self.n = len(anatomy.blocks)
         self._source = (
             timings if timings is not None else _Roofline(anatomy, cluster.speed, precision)
@@ -158,9 +162,11 @@ class CostModel:
 
     def backward_share(self, a: int, b: int, rows: float) -> np.ndarray:
         """Fraction of a stage's backward done when each block's gradients are complete
-        (blocks ``a..b-1``, in block order; backward runs them in reverse)."""
+        (blocks ``a..b-1``, in block order; backward runs them in reverse); all 1 without overlap."""
         _, bwd, _ = self.block_times(rows)
         part = bwd[a:b]
+        if not self.overlap:
+            return np.ones_like(part)
         total = part.sum()
         done_from_end = np.cumsum(part[::-1])[::-1]  # backward of blocks j..b-1
         return done_from_end / total if total > 0 else np.ones_like(part)

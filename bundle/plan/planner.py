@@ -105,10 +105,11 @@ def cost_model(
         recompute=request.recompute,
         bucket_mb=request.bucket_mb,
     )
-    overheads = calibrate.engine(cache)
     if cluster is not None and cluster.speed is not None:
-        # Estimated devices keep the engine's host-side work; their links model communication.
-        return CostModel(cluster=cluster, overheads=overheads, **common)
+        # An estimated accelerator runs its kernels behind the host, asynchronously: the engine's
+        # host-side overheads (measured on this CPU) are not counted, nothing is measured here.
+        return CostModel(cluster=cluster, **common)
+    overheads = calibrate.engine(cache)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     threads = max(1, (os.cpu_count() or 1) // request.per_node)
     with _threads(threads if device.type == "cpu" else torch.get_num_threads()):
@@ -136,7 +137,11 @@ def cost_model(
             nodes=request.nodes,
         )
         overheads = cal.overheads
-    return CostModel(cluster=cluster, timings=timings, overheads=overheads, **common)
+    # Gloo on the CPU reduces on the cores the backward runs on: no overlap to count on.
+    overlap = device.type != "cpu"
+    return CostModel(
+        cluster=cluster, timings=timings, overheads=overheads, overlap=overlap, **common
+    )
 
 
 def plan(request: Request, cost: CostModel) -> list[Evaluated]:
