@@ -33,6 +33,8 @@ import torch.distributed as dist  # noqa: E402
 
 from bundle.plan import calibrate as cal  # noqa: E402
 from bundle.plan import profile as prof  # noqa: E402
+from bundle.plan.anatomy import count_anatomy  # noqa: E402
+from bundle.precision import Policy  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -130,9 +132,9 @@ class Profiler:
 
     def once(self) -> None:
         self.passes.append(
-            prof._one_pass(
+            prof.one_pass(
                 self.blocks,
-                prof.Policy(),
+                Policy(),
                 torch.device("cpu"),
                 self.rows,
                 self.shape,
@@ -152,9 +154,7 @@ class Profiler:
                 fwd=(tuple(med([p[0][i] for p in self.passes]) for i in range(n)),),
                 bwd=(tuple(med([p[1][i] for p in self.passes]) for i in range(n)),),
                 loss=(med([p[2] for p in self.passes]),),
-                optimizer_per_param=prof._optimizer_per_param(
-                    self.model, 1, 3, torch.device("cpu")
-                ),
+                optimizer_per_param=prof.optimizer_per_param(self.model, 1, 3, torch.device("cpu")),
             )
         )
 
@@ -195,7 +195,8 @@ def world_main(rank: int, world: int, spec: Spec) -> dict:
             profiler.passes.clear()
             times = []
             for i in range(spec.warmup + (1 if r == 0 else 0) + spec.steps):
-                # The profile and the step meet the same moment of a shared machine.
+                # The profile and the step meet the same moment of a shared machine; every rank
+                # profiles at once, so the profile sees the cores as busy as a step keeps them.
                 _sync(world)
                 profiler.once()
                 _sync(world)
@@ -244,7 +245,7 @@ def _round_calibration(results: dict, r: int):
     if 1 in results:
         one = results[1]["rounds"][r]
         runner = {int(m): t for m, t in one["runner"].items()}
-        overheads = cal.fit_engine(prof.Timings(**one["tiny"]), runner)
+        overheads = cal.fit_engine(prof.Timings(**one["tiny"]), runner, one["copy_bandwidth"])
     p2p = collective = Link(float("inf"), 0.0)
     if 2 in results:
         two = results[2]["rounds"][r]
@@ -265,7 +266,7 @@ def predict(spec: Spec, results: dict) -> dict:
     anatomies = {}
     for model in {c.model for c in spec.configs}:
         shape, _ = model_input(spec.sizes, model)
-        anatomies[model] = prof.count_anatomy(model, shape, bench.NUM_CLASSES)
+        anatomies[model] = count_anatomy(model, shape, bench.NUM_CLASSES)
     rows, calibrations = [], []
     for r in range(spec.rounds):
         overheads, p2p, collective = _round_calibration(results, r)

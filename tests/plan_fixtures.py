@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear
 from bundle.plan.cluster import Cluster, Link
 from bundle.plan.cost import CostModel, Overheads
-from bundle.plan.profile import Anatomy, BlockAnatomy, Linear, Timings
+from bundle.plan.profile import Timings
 
 FREE = Link(float("inf"), 0.0)
 

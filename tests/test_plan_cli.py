@@ -17,6 +17,7 @@ import main
 import models
 from bundle.config import AUTO_SHAPE
 from bundle.errors import ConfigError
+from bundle.localworld import free_port
 from bundle.plan import auto
 from bundle.plan.cluster import load_cluster
 
@@ -204,7 +205,7 @@ def test_main_runs_the_planned_shape_and_reports_its_prediction(tmp_path):
     sits beside the measured throughput in the summary."""
     args = ["--bundle-shape", "auto", "--nproc-per-node", "2", "--model", "mlp"]
     args += ["--dataset", "synthetic", "--image-size", "4", "--synthetic-size", "128"]
-    args += ["--batch-size", "16", "--itr", "4", "--no-eval", "--portNum", "0"]
+    args += ["--batch-size", "16", "--itr", "4", "--no-eval", "--portNum", str(free_port())]
     env = {"XDG_CACHE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "main.py"), *args],

@@ -12,6 +12,7 @@ import torch
 import models
 from bundle.memory import SavedBytes
 from bundle.plan import profile as prof
+from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import Cluster, Link, Speed
 from bundle.plan.cost import CostModel
 
@@ -19,7 +20,7 @@ SHAPE = (3, 8, 8)
 
 
 def test_anatomy_counts_what_the_real_model_holds():
-    anatomy = prof.count_anatomy("small_resnet", SHAPE, 10)
+    anatomy = count_anatomy("small_resnet", SHAPE, 10)
     torch.manual_seed(0)
     model = models.build("small_resnet", num_classes=10, input_shape=SHAPE)
     blocks = models.blocks(model)
@@ -56,7 +57,7 @@ def _cost(anatomy, speed=None, precision="fp32") -> CostModel:
 
 
 def test_roofline_follows_the_device():
-    anatomy = prof.count_anatomy("mlp_wide", (3, 18, 18), 10)
+    anatomy = count_anatomy("mlp_wide", (3, 18, 18), 10)
     slow, fast = _cost(anatomy), _cost(anatomy, Speed({"fp32": 2e12}, 2e11, 1.0, 0.0))
     f1, b1, _ = slow.block_times(64)
     f2, b2, _ = fast.block_times(64)
@@ -71,7 +72,9 @@ def test_roofline_follows_the_device():
 
 
 def test_timings_interpolate_in_rows():
-    t = prof.Timings("d", "fp32", (1, 4), ((1.0, 2.0), (4.0, 5.0)), ((2.0,) * 2, (8.0,) * 2), (0.1, 0.4), 0.0)
+    t = prof.Timings(
+        "d", "fp32", (1, 4), ((1.0, 2.0), (4.0, 5.0)), ((2.0,) * 2, (8.0,) * 2), (0.1, 0.4), 0.0
+    )
     fwd, bwd, loss = t.at(2)
     assert fwd == pytest.approx([2.0, 3.0]) and bwd == pytest.approx([4.0, 4.0])
     assert loss == pytest.approx(0.2)

@@ -27,6 +27,7 @@ from bundle.config import AUTO_SHAPE, RunConfig
 from bundle.errors import ConfigError
 from bundle.plan import planner
 from bundle.plan import profile as prof
+from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import Cluster, Link, Speed
 from bundle.plan.cost import CostModel
 from bundle.plan.search import Evaluated, Plan, Splitter, evaluate, search
@@ -92,7 +93,7 @@ def _cost(cfg: RunConfig, request: planner.Request) -> tuple[CostModel, str]:
             intra=intra,
             inter=inter,
         )
-        anatomy = prof.count_anatomy(request.model, request.input_shape, request.num_classes)
+        anatomy = count_anatomy(request.model, request.input_shape, request.num_classes)
         cost = CostModel(
             anatomy=anatomy,
             cluster=cluster,

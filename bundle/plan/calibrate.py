@@ -26,6 +26,7 @@ from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, Tr
 from bundle.grad_sync import GradSync
 from bundle.partition import split_model
 from bundle.plan import profile as prof
+from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import Cluster, Link
 from bundle.plan.cost import CostModel, Overheads
 from bundle.plan.simulate import Layout, simulate
@@ -60,7 +61,7 @@ class TinyPass:
 
     def __call__(self) -> float:
         _, shape, classes = TINY
-        fwd, bwd, loss = prof._one_pass(self.blocks, Policy(), _CPU, 1, shape, classes)
+        fwd, bwd, loss = prof.one_pass(self.blocks, Policy(), _CPU, 1, shape, classes)
         self.passes.append((fwd, bwd, loss))
         return sum(fwd) + sum(bwd) + loss
 
@@ -74,7 +75,7 @@ class TinyPass:
             fwd=(tuple(med(p[0][i] for p in self.passes) for i in range(n)),),
             bwd=(tuple(med(p[1][i] for p in self.passes) for i in range(n)),),
             loss=(med(p[2] for p in self.passes),),
-            optimizer_per_param=prof._optimizer_per_param(self.model, 2, 5, _CPU),
+            optimizer_per_param=prof.optimizer_per_param(self.model, 2, 5, _CPU),
         )
 
 
@@ -134,26 +135,39 @@ class TinyStage:
             self.steps[m] = lambda i, runner=runner, data=data: runner.train_step(i, data)
 
 
+def copy_bandwidth(nbytes: int = _LARGE, reps: int = 10) -> float:
+    """Bytes per second of one tensor copy of ``nbytes`` on the CPU."""
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[2:])
+
+
 def measure_engine(reps: int = 40, warmup: int = 5) -> dict:
-    """The tiny one-stage runner's steps at each of ``MICRO``, and the tiny model's timings."""
+    """The tiny one-stage runner's steps at each of ``MICRO``, the tiny model's timings, and the
+    copy bandwidth."""
     tiny = TinyPass()
     times = interleaved(TinyStage().steps, tiny, reps, warmup)
     return {
         "runner": {m: statistics.median(t) for m, t in times.items()},
         "tiny": asdict(tiny.timings()),
+        "copy_bandwidth": copy_bandwidth(),
     }
 
 
-def fit_engine(tiny: prof.Timings, runner: dict[int, float]) -> Overheads:
+def fit_engine(tiny: prof.Timings, runner: dict[int, float], copy: float) -> Overheads:
     """Per compute action and per step: the runner's steps less the model's own work."""
     lo, hi = MICRO
     fwd, bwd, loss = tiny.at(1)
     compute = float(fwd.sum() + bwd.sum()) + loss
     action = max(0.0, ((runner[hi] - runner[lo]) / (hi - lo) - compute) / 2)
     name, shape, classes = TINY
-    params = sum(b.params for b in prof.count_anatomy(name, shape, classes).blocks)
+    params = sum(b.params for b in count_anatomy(name, shape, classes).blocks)
     step = runner[lo] - lo * (compute + 2 * action) - params * tiny.optimizer_per_param
-    return Overheads(compute_action=action, step=max(0.0, step))
+    return Overheads(compute_action=action, step=max(0.0, step), copy_bandwidth=copy)
 
 
 # -- two processes ---------------------------------------------------------------------------
@@ -235,7 +249,7 @@ def fit_comm_action(
     """The cost per send and receive that makes the simulated tiny pipeline grow from 1 to 16
     micro-batches as the measured one did."""
     name, shape, classes = TINY
-    anatomy = prof.count_anatomy(name, shape, classes)
+    anatomy = count_anatomy(name, shape, classes)
     cluster = loopback(p2p, collective, devices=2, memory_bytes=float("inf"))
     lo, hi = MICRO
     starts = (0, len(anatomy.blocks) // 2)
@@ -291,7 +305,9 @@ def engine(cache: prof.ProfileCache) -> Overheads:
     if doc is not None:
         return Overheads(**doc)
     measured = measure_engine()
-    found = fit_engine(prof.Timings(**measured["tiny"]), measured["runner"])
+    found = fit_engine(
+        prof.Timings(**measured["tiny"]), measured["runner"], measured["copy_bandwidth"]
+    )
     cache.put("engine", _key(), asdict(found))
     return found
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bundle.plan.anatomy import Anatomy
 from bundle.plan.cluster import Cluster, Link, Speed
-from bundle.plan.profile import Anatomy, Timings
+from bundle.plan.profile import Timings
 from bundle.schedule import Action, Op
 
 DDP_FIRST_BUCKET = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
@@ -40,6 +41,7 @@ class Overheads:
     compute_action: float = 0.0  # per forward or backward action of a stage
     comm_action: float = 0.0  # per send or receive action
     step: float = 0.0  # per step: bookkeeping, sync hand-off, zero_grad
+    copy_bandwidth: float = float("inf")  # bytes/s of a tensor copy (DDP's bucket copies)
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,13 @@ class CostModel:
             return 0.0
         link = self._group_link(nodes)
         return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+
+    def bucket_copies(self, nbytes: float) -> float:
+        """DDP copies each gradient into its bucket and back (no gradient-as-bucket views)."""
+        speed = self.cluster.speed
+        if speed is not None:  # a copy reads and writes every byte
+            return 2 * 2 * nbytes / (speed.memory_bandwidth * speed.efficiency)
+        return 2 * nbytes / self.overheads.copy_bandwidth
 
     def buckets(self, a: int, b: int, *, ddp: bool) -> list[tuple[int, float]]:
         """Gradient buckets of a stage as (index of the block whose backward completes it,

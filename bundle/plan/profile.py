@@ -1,17 +1,12 @@
-"""Per-block costs of a model: counted on the meta device, measured on the local one, cached.
+"""Per-block timings of a model, measured on the local device, and the cache of profiles.
 
-The *anatomy* is counted on the meta device (no memory, no arithmetic), at two row counts, so
-every count is ``fixed + per_row * rows``: parameters; what a cut after each block sends; the
-bytes each block saves for backward (storages once, parameters never, as
-``bundle.memory.SavedBytes`` counts them); and every operator's FLOPs and bytes moved, forward and
-backward, for the roofline estimate of a device the planner does not run on.
-
-*Timings* are measured on the local device: per block, forward and backward seconds at a grid of
+Timings are measured on the local device: per block, forward and backward seconds at a grid of
 row counts (warm-up, then the median of repeats), the loss's, and an SGD step's per parameter.
 Between grid points a time is interpolated linearly in rows.
 
-Both are cached as JSON under a cache directory, keyed by (model, input, classes) for the anatomy
-and additionally by (device, dtype, threads, grid) for timings.
+Timings and anatomies (``bundle.plan.anatomy``) are cached as JSON under a cache directory, keyed
+by (model, input, classes) for the anatomy and additionally by (device, dtype, threads, grid) for
+timings.
 """
 
 from __future__ import annotations
@@ -28,59 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 import models
+from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear, count_anatomy
 from bundle.precision import Policy
-
-# (flops per row, bytes fixed, bytes per row, 1 if the op computes in the autocast dtype)
-Op = tuple[float, float, float, int]
-
-
-@dataclass(frozen=True)
-class Linear:
-    """``fixed + per_row * rows``: how a count grows with the rows of a micro-batch."""
-
-    fixed: float
-    per_row: float
-
-    def at(self, rows: float) -> float:
-        return self.fixed + self.per_row * rows
-
-    @staticmethod
-    def fit(at2: float, at4: float) -> Linear:
-        per_row = (at4 - at2) / 2
-        return Linear(at2 - 2 * per_row, per_row)
-
-
-@dataclass(frozen=True)
-class BlockAnatomy:
-    name: str
-    params: int
-    out_elems: tuple[int, ...]  # elements per row of each floating-point output tensor
-    out_other_bytes: int  # bytes per row of non-floating outputs (they cross without a gradient)
-    saved: Linear  # bytes saved for backward by the block's forward (fp32)
-    saved_shared: Linear  # of those, the bytes the previous block saves too (its output)
-    fwd_ops: tuple[Op, ...]
-    bwd_ops: tuple[Op, ...]
-
-
-@dataclass(frozen=True)
-class Anatomy:
-    model: str
-    input_shape: tuple[int, int, int]
-    num_classes: int
-    blocks: tuple[BlockAnatomy, ...]
-
-    @property
-    def names(self) -> list[str]:
-        return [b.name for b in self.blocks]
-
-    @property
-    def input_elems(self) -> int:
-        return int(np.prod(self.input_shape))
 
 
 @dataclass(frozen=True)
@@ -107,104 +53,6 @@ class Timings:
         w = (rows - grid[i]) / (grid[i + 1] - grid[i])
         mix = lambda a: np.maximum(a[i] + w * (a[i + 1] - a[i]), 0.0)  # noqa: E731
         return mix(fwd), mix(bwd), float(mix(loss))
-
-
-# -- the anatomy, on the meta device -------------------------------------------------------------
-
-
-class _OpCounter(TorchDispatchMode):
-    """Records every operator's FLOPs and bytes moved (views move none)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple[float, float, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func.is_view:
-            return out
-        ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        nbytes = sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
-        counter = flop_registry.get(func.overloadpacket)
-        flops = float(counter(*args, **kwargs, out_val=out)) if counter else 0.0
-        self.ops.append((flops, float(nbytes), int(counter is not None)))
-        return out
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _count_blocks(model_name: str, input_shape, num_classes: int, rows: int) -> list[dict]:
-    """One pass over the blocks on the meta device at ``rows`` rows."""
-    with torch.device("meta"):
-        torch.manual_seed(0)
-        model = models.build(model_name, num_classes=num_classes, input_shape=input_shape)
-    blocks = models.blocks(model)
-    x: tuple[torch.Tensor, ...] = (torch.empty(rows, *input_shape, device="meta"),)
-    out_rows, prev_saved, prev_keep = [], {}, []
-    for i, (name, block) in enumerate(blocks):
-        params = {_storage(p) for p in block.parameters()}
-        saved: dict[int, int] = {}
-        keep: list[torch.Tensor] = []  # saved tensors stay alive: their storage ids stay unique
-
-        def pack(t: torch.Tensor, saved=saved, keep=keep, params=params) -> torch.Tensor:
-            if _storage(t) not in params:
-                saved[_storage(t)] = t.untyped_storage().nbytes()
-                keep.append(t)
-            return t
-
-        inp = tuple(t.detach().requires_grad_(i > 0 and t.is_floating_point()) for t in x)
-        fwd, bwd = _OpCounter(), _OpCounter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
-            out = block(*inp)
-        outs = out if isinstance(out, tuple) else (out,)
-        floats = [o for o in outs if o.is_floating_point() and o.requires_grad]
-        with bwd:
-            torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
-        out_rows.append(
-            {
-                "name": name,
-                "params": sum(p.numel() for p in block.parameters()),
-                "out_elems": [o.numel() // rows for o in outs if o.is_floating_point()],
-                "out_other": sum(o.nbytes // rows for o in outs if not o.is_floating_point()),
-                "saved": sum(saved.values()),
-                "shared": sum(n for k, n in saved.items() if k in prev_saved),
-                "fwd": fwd.ops,
-                "bwd": bwd.ops,
-            }
-        )
-        prev_saved, prev_keep = saved, keep  # noqa: F841 - keeps the previous block's ids valid
-        x = tuple(o.detach() for o in outs)
-    return out_rows
-
-
-def count_anatomy(model_name: str, input_shape, num_classes: int) -> Anatomy:
-    """The anatomy of a model, counted at 2 and 4 rows and fitted linearly in rows."""
-    two, four = (_count_blocks(model_name, input_shape, num_classes, r) for r in (2, 4))
-    blocks = []
-    for a, b in zip(two, four, strict=True):
-        ops = {}
-        for key in ("fwd", "bwd"):
-            ops[key] = tuple(
-                (f4 / 4, Linear.fit(n2, n4).fixed, Linear.fit(n2, n4).per_row, half)
-                for (_, n2, half), (f4, n4, _) in zip(a[key], b[key], strict=True)
-            )
-        blocks.append(
-            BlockAnatomy(
-                name=a["name"],
-                params=a["params"],
-                out_elems=tuple(a["out_elems"]),
-                out_other_bytes=a["out_other"],
-                saved=Linear.fit(a["saved"], b["saved"]),
-                saved_shared=Linear.fit(a["shared"], b["shared"]),
-                fwd_ops=ops["fwd"],
-                bwd_ops=ops["bwd"],
-            )
-        )
-    return Anatomy(model_name, tuple(input_shape), num_classes, tuple(blocks))
 
 
 # -- timings, on the local device ------------------------------------------------------------
@@ -249,7 +97,7 @@ def measure_timings(
     for r in rows:
         runs = []
         for _ in range(warmup + repeats):
-            runs.append(_one_pass(blocks, policy, device, r, input_shape, num_classes))
+            runs.append(one_pass(blocks, policy, device, r, input_shape, num_classes))
         timed = runs[warmup:]
         fwd_grid.append(
             tuple(statistics.median(t[0][i] for t in timed) for i in range(len(blocks)))
@@ -265,11 +113,11 @@ def measure_timings(
         fwd=tuple(fwd_grid),
         bwd=tuple(bwd_grid),
         loss=tuple(loss_grid),
-        optimizer_per_param=_optimizer_per_param(model, warmup, repeats, device),
+        optimizer_per_param=optimizer_per_param(model, warmup, repeats, device),
     )
 
 
-def _one_pass(blocks, policy: Policy, device, rows: int, input_shape, num_classes: int):
+def one_pass(blocks, policy: Policy, device, rows: int, input_shape, num_classes: int):
     """One forward and one backward through every block, as a stage runs them, timed per block.
 
     Forward: a clock reading between blocks. Backward: one ``backward`` call (a stage makes one
@@ -318,7 +166,7 @@ def _one_pass(blocks, policy: Policy, device, rows: int, input_shape, num_classe
     return fwd, bwd, loss_fwd + (marks[n] - start)
 
 
-def _optimizer_per_param(model: torch.nn.Module, warmup: int, repeats: int, device) -> float:
+def optimizer_per_param(model: torch.nn.Module, warmup: int, repeats: int, device) -> float:
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.ones_like(p)
@@ -353,12 +201,15 @@ def default_cache_dir() -> Path:
 class ProfileCache:
     """JSON files under one directory, named by a hash of what they depend on; ``None``: off."""
 
+    FORMAT = 1  # raised whenever what an entry holds changes: older entries are measured again
+
     def __init__(self, directory: str | Path | None) -> None:
         self.directory = Path(directory) if directory is not None else None
 
     def _path(self, kind: str, key: dict) -> Path | None:
         if self.directory is None:
             return None
+        key = {**key, "format": self.FORMAT}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         return self.directory / f"{kind}-{key.get('model', 'engine')}-{digest}.json"
 

@@ -223,7 +223,7 @@ def _sync(layout, topo, cost, s, bounds, members, done, last_bwd, rows) -> float
         t = 0.0
         for j, nbytes in cost.buckets(lo, hi, ddp=True):
             ready = b0 + share[j - lo] * (b1 - b0)
-            t = max(t, ready) + cost.allreduce(nbytes, nodes(group))
+            t = max(t, ready) + cost.allreduce(nbytes, nodes(group)) + cost.bucket_copies(nbytes)
         return t
     # Hierarchical: in-bundle reduces start from gradient hooks; the masters' all-reduce and the
     # broadcast follow bucket by bucket once every replica has called finish().
