@@ -7,11 +7,13 @@ parameter-balanced for the MLP, ``partitions/small_resnet_2stage.yaml`` for the 
 ``--DP-ONLY`` on 2.
 
 Two worlds run them, forked as the benchmark's are: one process for shape ``1``, two for the rest.
-Every round, each world first measures what the planner needs, on the processes that then run the
-configurations (so under the same load): both models' block timings, the engine's overheads on a
-tiny model, and (two processes) the loopback links; then it runs every configuration's steps, in
-an order reversed every other round. The planner predicts each configuration from the round's
-measurements; predicted and measured throughputs are medians over the rounds.
+Every round, each world first calibrates (``bundle.plan.calibrate``: the engine's overheads on a
+tiny model; with two processes the loopback links and the probe pipelines), then runs each
+configuration's steps, each step started together on every rank and preceded by a profile pass
+of the model at the configuration's rows, on every rank at once (so the profile sees the cores as
+busy as a step keeps them, and a burst of load on the shared machine reaches both). The planner
+predicts each configuration from its round's profile and calibration with the simulator; the
+predicted and measured throughputs reported are medians over the rounds.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def full_configs(sizes: bench.Sizes) -> tuple[Config, ...]:
 FULL = Spec(
     sizes=bench.Sizes(),
     configs=full_configs(bench.Sizes()),
-    rounds=3,
-    steps=8,
+    rounds=5,
+    steps=6,
     warmup=1,
     profile_repeats=3,
 )
@@ -131,16 +133,17 @@ class Profiler:
         self.passes: list = []
 
     def once(self) -> None:
-        self.passes.append(
-            prof.one_pass(
-                self.blocks,
-                Policy(),
-                torch.device("cpu"),
-                self.rows,
-                self.shape,
-                bench.NUM_CLASSES,
-            )
+        """One warm pass (after an untimed one), as the micro-batches of a step mostly run."""
+        args = (
+            self.blocks,
+            Policy(),
+            torch.device("cpu"),
+            self.rows,
+            self.shape,
+            bench.NUM_CLASSES,
         )
+        prof.one_pass(*args)
+        self.passes.append(prof.one_pass(*args))
 
     def timings(self) -> dict:
         """The median pass, as ``profile.Timings`` at this one row count."""
@@ -165,7 +168,7 @@ def _calibration(world: int, rank: int, pipeline) -> dict:
     if world == 1:
         return cal.measure_engine()
     p2p, collective = cal.measure_links(rank)
-    return {"p2p": asdict(p2p), "collective": asdict(collective), **pipeline.measure()}
+    return {"p2p": asdict(p2p), "collective": asdict(collective), "pipelines": pipeline.measure()}
 
 
 def _sync(world: int) -> None:
@@ -186,7 +189,7 @@ def world_main(rank: int, world: int, spec: Spec) -> dict:
         )
         for c in mine
     ]
-    pipeline = cal.TinyPipeline(rank) if world > 1 else None
+    pipeline = cal.Pipelines(rank) if world > 1 else None
     rounds = []
     for r in range(spec.rounds):
         record = _calibration(world, rank, pipeline)
@@ -236,8 +239,6 @@ def _starts(sizes: bench.Sizes, c: Config) -> tuple[int, ...]:
 
 def _round_calibration(results: dict, r: int):
     """The engine overheads and links measured in round ``r`` (zero where no world measured them)."""
-    from dataclasses import replace
-
     from bundle.plan.cluster import Link
     from bundle.plan.cost import Overheads
 
@@ -250,11 +251,7 @@ def _round_calibration(results: dict, r: int):
     if 2 in results:
         two = results[2]["rounds"][r]
         p2p, collective = Link(**two["p2p"]), Link(**two["collective"])
-        pipeline = {int(m): t for m, t in two["pipeline"].items()}
-        comm = cal.fit_comm_action(
-            overheads, p2p, collective, prof.Timings(**two["tiny"]), pipeline
-        )
-        overheads = replace(overheads, comm_action=comm)
+        overheads, p2p = cal.fit_links(overheads, p2p, collective, two["pipelines"])
     return overheads, p2p, collective
 
 

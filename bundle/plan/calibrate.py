@@ -9,6 +9,10 @@
 - ``comm_action``: the same two processes run the tiny model as a ``1,1`` pipeline at 1 and 16
   micro-batches; the cost per send and receive is what makes the simulator, given the links and
   the compute overheads, match the measured growth from 1 to 16 micro-batches.
+- the p2p ``latency`` a pipeline sees with both cores busy: they run a small MLP as a ``1,1``
+  pipeline under 1F1B at 16 micro-batches (whose every micro-batch waits once on its peer); the
+  latency is what makes the simulator match it. On a shared CPU it is far above the ping-pong's:
+  a message is only taken in when gloo's threads get a core.
 """
 
 from __future__ import annotations
@@ -35,8 +39,22 @@ from bundle.topology import Coord, Topology
 from bundle.trainer import StageRunner
 from bundle.transport import Transport
 
-TINY = ("mlp", (3, 2, 2), 10)  # model, input shape, classes: compute far below the overheads
-MICRO = (1, 16)
+
+@dataclass(frozen=True)
+class Probe:
+    """A model the calibration runs: its input, its rows per micro-batch, its micro-batch counts."""
+
+    name: str
+    model: str
+    input_shape: tuple[int, int, int]
+    classes: int
+    rows: int
+    micro: tuple[int, ...]
+
+
+TINY = Probe("tiny", "mlp", (3, 2, 2), 10, 1, (1, 16))  # compute far below the overheads
+BUSY = Probe("busy", "mlp", (3, 16, 16), 10, 64, (16,))  # about 1 ms per stage and micro-batch
+MICRO = TINY.micro
 _SMALL, _LARGE = 4, 8 * 2**20  # bytes of the latency and the bandwidth probes
 _CPU = torch.device("cpu")
 
@@ -48,30 +66,36 @@ class Calibration:
     collective: Link
 
 
-class TinyPass:
-    """One forward and backward of the tiny model's blocks at one row, timed as ``profile`` times
-    them: what the engine's steps on it are compared with."""
+class ProbePass:
+    """One forward and backward of a probe model's blocks, timed as ``profile`` times them: what
+    the engine's steps on it are compared with."""
 
-    def __init__(self) -> None:
-        name, shape, classes = TINY
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
         torch.manual_seed(0)
-        self.model = models.build(name, num_classes=classes, input_shape=shape)
+        self.model = models.build(
+            probe.model, num_classes=probe.classes, input_shape=probe.input_shape
+        )
         self.blocks = models.blocks(self.model)
         self.passes: list = []
 
     def __call__(self) -> float:
-        _, shape, classes = TINY
-        fwd, bwd, loss = prof.one_pass(self.blocks, Policy(), _CPU, 1, shape, classes)
+        """Time one warm pass: the one after an untimed pass, as micro-batches after the first
+        of a step run with the stage's weights in cache."""
+        p = self.probe
+        args = (self.blocks, Policy(), _CPU, p.rows, p.input_shape, p.classes)
+        prof.one_pass(*args)
+        fwd, bwd, loss = prof.one_pass(*args)
         self.passes.append((fwd, bwd, loss))
         return sum(fwd) + sum(bwd) + loss
 
     def timings(self) -> prof.Timings:
-        """The median of the passes so far, as ``profile.Timings`` at one row."""
+        """The median of the passes so far, as ``profile.Timings`` at the probe's rows."""
         n, med = len(self.blocks), statistics.median
         return prof.Timings(
             device=prof.device_name(_CPU),
             precision="fp32",
-            rows=(1,),
+            rows=(self.probe.rows,),
             fwd=(tuple(med(p[0][i] for p in self.passes) for i in range(n)),),
             bwd=(tuple(med(p[1][i] for p in self.passes) for i in range(n)),),
             loss=(med(p[2] for p in self.passes),),
@@ -79,7 +103,7 @@ class TinyPass:
         )
 
 
-def interleaved(steps: dict, tiny: TinyPass, reps: int, warmup: int, barrier=None) -> dict:
+def interleaved(steps: dict, tiny: ProbePass, reps: int, warmup: int, barrier=None) -> dict:
     """Per micro-batch count, step times taken alternately with tiny profile passes (so a burst
     of load on a shared machine reaches both); ``barrier`` starts every step together."""
     times: dict[int, list[float]] = {m: [] for m in steps}
@@ -102,7 +126,7 @@ class TinyStage:
     """The engine's StageRunner on the tiny model as one stage, at each of ``MICRO`` (no peers)."""
 
     def __init__(self) -> None:
-        name, shape, classes = TINY
+        name, shape, classes = TINY.model, TINY.input_shape, TINY.classes
         self.steps = {}
         for m in MICRO:
             torch.manual_seed(0)
@@ -149,7 +173,7 @@ def copy_bandwidth(nbytes: int = _LARGE, reps: int = 10) -> float:
 def measure_engine(reps: int = 40, warmup: int = 5) -> dict:
     """The tiny one-stage runner's steps at each of ``MICRO``, the tiny model's timings, and the
     copy bandwidth."""
-    tiny = TinyPass()
+    tiny = ProbePass(TINY)
     times = interleaved(TinyStage().steps, tiny, reps, warmup)
     return {
         "runner": {m: statistics.median(t) for m, t in times.items()},
@@ -164,8 +188,7 @@ def fit_engine(tiny: prof.Timings, runner: dict[int, float], copy: float) -> Ove
     fwd, bwd, loss = tiny.at(1)
     compute = float(fwd.sum() + bwd.sum()) + loss
     action = max(0.0, ((runner[hi] - runner[lo]) / (hi - lo) - compute) / 2)
-    name, shape, classes = TINY
-    params = sum(b.params for b in count_anatomy(name, shape, classes).blocks)
+    params = sum(b.params for b in _anatomy(TINY).blocks)
     step = runner[lo] - lo * (compute + 2 * action) - params * tiny.optimizer_per_param
     return Overheads(compute_action=action, step=max(0.0, step), copy_bandwidth=copy)
 
@@ -209,68 +232,97 @@ def measure_links(rank: int, reps: int = 15) -> tuple[Link, Link]:
     return p2p, Link(_LARGE / max(large - small, 1e-9), small / 2)
 
 
-class TinyPipeline:
-    """The engine on the tiny model as a ``1,1`` pipeline, at each of ``MICRO``; on ranks 0, 1."""
+class Pipelines:
+    """The engine running the probes as ``1,1`` pipelines under 1F1B; on ranks 0 and 1."""
 
     def __init__(self, rank: int) -> None:
         from bundle.worker import build_session, make_topology, train_stream
 
-        name, shape, classes = TINY
-        self.steps = {}
-        for m in MICRO:
-            cfg = RunConfig(
-                parallel=ParallelConfig(shape=(1, 1), micro_batches=m),
-                model=ModelConfig(name=name),
-                data=DataConfig(
-                    dataset="synthetic", image_size=shape[1], num_classes=classes, synthetic_size=64
-                ),
-                train=TrainConfig(batch_size=m, steps=4, eval=False),
-            )
-            topo = make_topology(cfg)
-            session = build_session(cfg, topo, rank, torch.device("cpu"))
-            stream = train_stream(session, topo, cfg.train.seed, cfg.train.steps, 0)
-            batches = [next(stream) for _ in range(cfg.train.steps)]
-            runner = session.runner
-            self.steps[m] = lambda i, r=runner, b=batches: r.train_step(i, b[i % len(b)])
+        self.steps: dict[Probe, dict] = {}
+        for probe in (TINY, BUSY):
+            self.steps[probe] = {}
+            for m in probe.micro:
+                cfg = RunConfig(
+                    parallel=ParallelConfig(shape=(1, 1), micro_batches=m),
+                    model=ModelConfig(name=probe.model),
+                    data=DataConfig(
+                        dataset="synthetic",
+                        image_size=probe.input_shape[1],
+                        num_classes=probe.classes,
+                        synthetic_size=2 * m * probe.rows,
+                    ),
+                    train=TrainConfig(batch_size=m * probe.rows, steps=2, eval=False),
+                )
+                topo = make_topology(cfg)
+                session = build_session(cfg, topo, rank, _CPU)
+                stream = train_stream(session, topo, cfg.train.seed, cfg.train.steps, 0)
+                batches = [next(stream) for _ in range(cfg.train.steps)]
+                runner = session.runner
+                self.steps[probe][m] = lambda i, r=runner, b=batches: r.train_step(i, b[i % len(b)])
 
-    def measure(self, reps: int = 30, warmup: int = 3) -> dict:
-        """Steps from a common start at each of ``MICRO``, alternating with tiny profile passes."""
-        tiny = TinyPass()
-        times = interleaved(self.steps, tiny, reps, warmup, barrier=dist.barrier)
-        return {
-            "pipeline": {m: statistics.median(t) for m, t in times.items()},
-            "tiny": asdict(tiny.timings()),
-        }
+    def measure(self, reps: int = 20, warmup: int = 3) -> dict:
+        """Per probe: steps from a common start, alternating with the probe's profile passes."""
+        out = {}
+        for probe, steps in self.steps.items():
+            passes = ProbePass(probe)
+            times = interleaved(steps, passes, reps, warmup, barrier=dist.barrier)
+            out[probe.name] = {
+                "steps": {m: statistics.median(t) for m, t in times.items()},
+                "timings": asdict(passes.timings()),
+            }
+        return out
 
 
-def fit_comm_action(
-    overheads: Overheads, p2p: Link, collective: Link, tiny: prof.Timings, pipeline: dict
-) -> float:
-    """The cost per send and receive that makes the simulated tiny pipeline grow from 1 to 16
-    micro-batches as the measured one did."""
-    name, shape, classes = TINY
-    anatomy = count_anatomy(name, shape, classes)
-    cluster = loopback(p2p, collective, devices=2, memory_bytes=float("inf"))
-    lo, hi = MICRO
+def _anatomy(probe: Probe):
+    return count_anatomy(probe.model, probe.input_shape, probe.classes)
+
+
+def _pipeline_step(probe: Probe, m: int, cluster: Cluster, timings, overheads) -> float:
+    anatomy = _anatomy(probe)
+    cost = CostModel(anatomy=anatomy, cluster=cluster, timings=timings, overheads=overheads)
     starts = (0, len(anatomy.blocks) // 2)
+    layout = Layout((1, 1), 1, starts, m, "1f1b", "flat", m * probe.rows, 2)
+    return simulate(layout, cost).step_time
+
+
+def fit_links(
+    overheads: Overheads, p2p: Link, collective: Link, measured: dict
+) -> tuple[Overheads, Link]:
+    """(overheads with ``comm_action``, the p2p link with its busy latency) that make the
+    simulated probe pipelines match ``measured`` (``Pipelines.measure``'s result)."""
+    tiny, busy = measured["tiny"], measured["busy"]
+    lo, hi = TINY.micro
+    tiny_t = prof.Timings(**tiny["timings"])
 
     def growth(comm: float) -> float:
-        cost = CostModel(
-            anatomy=anatomy,
-            cluster=cluster,
-            timings=tiny,
-            overheads=replace(overheads, comm_action=comm),
+        cluster = loopback(p2p, collective, devices=2, memory_bytes=float("inf"))
+        oh = replace(overheads, comm_action=comm)
+        return _pipeline_step(TINY, hi, cluster, tiny_t, oh) - _pipeline_step(
+            TINY, lo, cluster, tiny_t, oh
         )
-        t = [
-            simulate(Layout((1, 1), 1, starts, m, "1f1b", "flat", m, 2), cost).step_time
-            for m in (lo, hi)
-        ]
-        return t[1] - t[0]
 
     base, probe = growth(0.0), growth(1e-4)
     slope = (probe - base) / 1e-4
-    measured = pipeline[hi] - pipeline[lo]
-    return max(0.0, (measured - base) / slope) if slope > 0 else 0.0
+    target = tiny["steps"][hi] - tiny["steps"][lo]
+    comm = max(0.0, (target - base) / slope) if slope > 0 else 0.0
+    overheads = replace(overheads, comm_action=comm)
+
+    (m,) = BUSY.micro
+    busy_t, target = prof.Timings(**busy["timings"]), busy["steps"][m]
+
+    def step(latency: float) -> float:
+        cluster = loopback(
+            Link(p2p.bandwidth, latency), collective, devices=2, memory_bytes=float("inf")
+        )
+        return _pipeline_step(BUSY, m, cluster, busy_t, overheads)
+
+    low, high = p2p.latency, 0.05  # the step grows with the latency: bisect
+    if step(low) >= target:
+        return overheads, p2p
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if step(mid) < target else (low, mid)
+    return overheads, Link(p2p.bandwidth, low)
 
 
 def loopback(p2p: Link, collective: Link, *, devices: int, memory_bytes: float) -> Cluster:
@@ -291,7 +343,11 @@ def loopback(p2p: Link, collective: Link, *, devices: int, memory_bytes: float) 
 def _world(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     p2p, collective = measure_links(rank)
-    return {"p2p": asdict(p2p), "collective": asdict(collective), **TinyPipeline(rank).measure()}
+    return {
+        "p2p": asdict(p2p),
+        "collective": asdict(collective),
+        "pipelines": Pipelines(rank).measure(),
+    }
 
 
 def _key() -> dict:
@@ -319,10 +375,12 @@ def calibrate(cache: prof.ProfileCache, *, start_method: str = "spawn") -> Calib
     if doc is None:
         world = localworld.run_world(2, _world, timeout=300.0, start_method=start_method)[0]
         p2p, collective = Link(**world["p2p"]), Link(**world["collective"])
-        pipeline = {int(m): t for m, t in world["pipeline"].items()}
-        tiny = prof.Timings(**world["tiny"])
-        comm = fit_comm_action(overheads, p2p, collective, tiny, pipeline)
-        doc = {"p2p": asdict(p2p), "collective": asdict(collective), "comm_action": comm}
+        fitted, p2p = fit_links(overheads, p2p, collective, world["pipelines"])
+        doc = {
+            "p2p": asdict(p2p),
+            "collective": asdict(collective),
+            "comm_action": fitted.comm_action,
+        }
         cache.put("links", _key(), doc)
     return Calibration(
         replace(overheads, comm_action=doc["comm_action"]),

@@ -135,19 +135,18 @@ def one_pass(blocks, policy: Policy, device, rows: int, input_shape, num_classes
 
         return hook
 
-    _sync(device)
-    t0 = time.perf_counter()
     with policy.autocast():
         for i, (_, block) in enumerate(blocks):
-            if i > 0:
-                for t in x:
-                    if t.requires_grad:
-                        t.register_hook(stamp(i))
+            _sync(device)
+            t0 = time.perf_counter()
             out = block(*x)
-            x = out if isinstance(out, tuple) else (out,)
             _sync(device)
             fwd.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
+            x = out if isinstance(out, tuple) else (out,)
+            # Hooks go on outside the clock: the engine's forward registers none.
+            for t in x if i + 1 < n else ():
+                if t.requires_grad:
+                    t.register_hook(stamp(i + 1))
     logits = x[0].float()
     logits.register_hook(stamp(n))
     labels = torch.randint(0, num_classes, (rows,), device=device)
@@ -161,8 +160,7 @@ def one_pass(blocks, policy: Policy, device, rows: int, input_shape, num_classes
     end = time.perf_counter()
     # A boundary whose tensors need no gradient was never stamped: backward ended there.
     marks = [end if m == 0.0 else m for m in left[:n]] + [left[n] or start]
-    bwd = [marks[i] - marks[i + 1] if i + 1 < n else marks[i] - marks[n] for i in range(n)]
-    bwd = [max(t, 0.0) for t in bwd]
+    bwd = [max(marks[i] - marks[i + 1], 0.0) for i in range(n)]
     return fwd, bwd, loss_fwd + (marks[n] - start)
 
 
