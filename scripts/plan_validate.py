@@ -11,9 +11,11 @@ Every round, each world first calibrates (``bundle.plan.calibrate``: the engine'
 tiny model; with two processes the loopback links and the probe pipelines), then runs each
 configuration's steps, each step started together on every rank and preceded by a profile pass
 of the model at the configuration's rows, on every rank at once (so the profile sees the cores as
-busy as a step keeps them, and a burst of load on the shared machine reaches both). The planner
+busy as a step keeps them, and a burst of load on the shared machine reaches both; of each pass
+the slower process's counts, as a synchronous step waits for its slowest process). The planner
 predicts each configuration from its round's profile and calibration with the simulator; the
-predicted and measured throughputs reported are medians over the rounds.
+measured step is rank 0's; the predicted and measured throughputs reported are medians over the
+rounds.
 """
 
 from __future__ import annotations
@@ -145,21 +147,33 @@ class Profiler:
         prof.one_pass(*args)
         self.passes.append(prof.one_pass(*args))
 
-    def timings(self) -> dict:
-        """The median pass, as ``profile.Timings`` at this one row count."""
-        n = len(self.blocks)
-        med = lambda xs: statistics.median(xs)  # noqa: E731
-        return asdict(
-            prof.Timings(
-                device=prof.device_name(torch.device("cpu")),
-                precision="fp32",
-                rows=(self.rows,),
-                fwd=(tuple(med([p[0][i] for p in self.passes]) for i in range(n)),),
-                bwd=(tuple(med([p[1][i] for p in self.passes]) for i in range(n)),),
-                loss=(med([p[2] for p in self.passes]),),
-                optimizer_per_param=prof.optimizer_per_param(self.model, 1, 3, torch.device("cpu")),
-            )
-        )
+    def record(self) -> dict:
+        """The timed passes and the SGD step's cost, for ``slowest_timings``."""
+        cpu = torch.device("cpu")
+        return {
+            "rows": self.rows,
+            "passes": [list(p) for p in self.passes],
+            "optimizer_per_param": prof.optimizer_per_param(self.model, 1, 3, cpu),
+        }
+
+
+def slowest_timings(records: list[dict]) -> prof.Timings:
+    """A profile from every rank's passes: of each pass (taken by all ranks at once) the slower
+    rank's, as a synchronous step waits for its slowest process; then the median per block."""
+    passes = [
+        max(group, key=lambda p: sum(p[0]) + sum(p[1]) + p[2])
+        for group in zip(*(r["passes"] for r in records), strict=True)
+    ]
+    n, med = len(passes[0][0]), statistics.median
+    return prof.Timings(
+        device=prof.device_name(torch.device("cpu")),
+        precision="fp32",
+        rows=(records[0]["rows"],),
+        fwd=(tuple(med(p[0][i] for p in passes) for i in range(n)),),
+        bwd=(tuple(med(p[1][i] for p in passes) for i in range(n)),),
+        loss=(med(p[2] for p in passes),),
+        optimizer_per_param=records[0]["optimizer_per_param"],
+    )
 
 
 def _calibration(world: int, rank: int, pipeline) -> dict:
@@ -178,7 +192,7 @@ def _sync(world: int) -> None:
 
 def world_main(rank: int, world: int, spec: Spec) -> dict:
     """Every round: calibrate, then per configuration alternate a profile pass (every rank at
-    once) with a step of the engine; rank 0's median step and median profile per configuration."""
+    once) with a step of the engine; this rank's median step and its passes per configuration."""
     torch.set_num_threads(1)
     mine = [c for c in spec.configs if c.processes == world]
     cases = [
@@ -210,7 +224,7 @@ def world_main(rank: int, world: int, spec: Spec) -> dict:
             del profiler.passes[:warm]
             record["cases"][c.name] = {
                 "step": statistics.median(times[warm:]),
-                "timings": profiler.timings(),
+                "profile": profiler.record(),
             }
         rounds.append(record)
     return {"rounds": rounds}
@@ -220,7 +234,7 @@ def run(spec: Spec) -> tuple[dict, float]:
     """Both worlds (forked from this process, which has run no torch op); (results, seconds)."""
     start = time.perf_counter()
     worlds = sorted({c.processes for c in spec.configs})
-    results = {w: bench.run_world(w, world_main, spec, timeout=1800.0)[0] for w in worlds}
+    results = {w: bench.run_world(w, world_main, spec, timeout=1800.0) for w in worlds}
     return results, time.perf_counter() - start
 
 
@@ -244,14 +258,14 @@ def _round_calibration(results: dict, r: int):
 
     overheads = Overheads()
     if 1 in results:
-        one = results[1]["rounds"][r]
+        one = results[1][0]["rounds"][r]
         runner = {int(m): t for m, t in one["runner"].items()}
         overheads = cal.fit_engine(prof.Timings(**one["tiny"]), runner, one["copy_bandwidth"])
     p2p = collective = Link(float("inf"), 0.0)
     if 2 in results:
-        two = results[2]["rounds"][r]
+        two = results[2][0]["rounds"][r]
         p2p, collective = Link(**two["p2p"]), Link(**two["collective"])
-        overheads, p2p = cal.fit_links(overheads, p2p, collective, two["pipelines"])
+        overheads = cal.fit_comm_action(overheads, p2p, collective, two["pipelines"])
     return overheads, p2p, collective
 
 
@@ -275,21 +289,20 @@ def predict(spec: Spec, results: dict) -> dict:
         starts = _starts(spec.sizes, c)
         predicted, measured = [], []
         for r in range(spec.rounds):
-            got = results[c.processes]["rounds"][r]
+            ranks = [rank["rounds"][r]["cases"][c.name] for rank in results[c.processes]]
             overheads, p2p, collective = _round_calibration(results, r)
-            case = got["cases"][c.name]
             cost = CostModel(
                 anatomy=anatomies[c.model],
                 cluster=cal.loopback(
                     p2p, collective, devices=c.processes, memory_bytes=float("inf")
                 ),
-                timings=prof.Timings(**case["timings"]),
+                timings=slowest_timings([case["profile"] for case in ranks]),
                 overheads=overheads,
                 overlap=False,  # gloo on the CPU: the sync takes the backward's cores
             )
             layout = Layout(c.shape, 1, starts, c.micro, c.schedule, "flat", batch, c.processes)
             predicted.append(batch / simulate(layout, cost).step_time)
-            measured.append(batch / case["step"])
+            measured.append(batch / ranks[0]["step"])  # rank 0's clock
         pred, meas = statistics.median(predicted), statistics.median(measured)
         rows.append(
             {

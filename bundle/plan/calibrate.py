@@ -6,13 +6,11 @@
   step.
 - ``p2p`` and ``collective``: two gloo processes time a ping-pong and an all-reduce at a small and
   a large size (latency from the small one, bandwidth from the large one).
-- ``comm_action``: the same two processes run the tiny model as a ``1,1`` pipeline at 1 and 16
-  micro-batches; the cost per send and receive is what makes the simulator, given the links and
-  the compute overheads, match the measured growth from 1 to 16 micro-batches.
-- the p2p ``latency`` a pipeline sees with both cores busy: they run a small MLP as a ``1,1``
-  pipeline under 1F1B at 16 micro-batches (whose every micro-batch waits once on its peer); the
-  latency is what makes the simulator match it. On a shared CPU it is far above the ping-pong's:
-  a message is only taken in when gloo's threads get a core.
+- ``comm_action``: the same two processes run a small MLP as a ``1,1`` pipeline at 16
+  micro-batches of 64 rows under each schedule, both cores busy about a millisecond per stage and
+  micro-batch; the cost per send and receive is what makes the simulator, given the links, the
+  compute overheads and the MLP's profile (timed between the steps), match those steps. On a
+  shared CPU it is far from free: a gloo call waits for gloo's own threads, which wait for a core.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from bundle.plan.cluster import Cluster, Link
 from bundle.plan.cost import CostModel, Overheads
 from bundle.plan.simulate import Layout, simulate
 from bundle.precision import Policy
+from bundle.schedule import SCHEDULES
 from bundle.topology import Coord, Topology
 from bundle.trainer import StageRunner
 from bundle.transport import Transport
@@ -44,7 +43,6 @@ from bundle.transport import Transport
 class Probe:
     """A model the calibration runs: its input, its rows per micro-batch, its micro-batch counts."""
 
-    name: str
     model: str
     input_shape: tuple[int, int, int]
     classes: int
@@ -52,8 +50,8 @@ class Probe:
     micro: tuple[int, ...]
 
 
-TINY = Probe("tiny", "mlp", (3, 2, 2), 10, 1, (1, 16))  # compute far below the overheads
-BUSY = Probe("busy", "mlp", (3, 16, 16), 10, 64, (16,))  # about 1 ms per stage and micro-batch
+TINY = Probe("mlp", (3, 2, 2), 10, 1, (1, 16))  # compute far below the overheads
+BUSY = Probe("mlp", (3, 16, 16), 10, 64, (16,))  # about 1 ms per stage and micro-batch
 MICRO = TINY.micro
 _SMALL, _LARGE = 4, 8 * 2**20  # bytes of the latency and the bandwidth probes
 _CPU = torch.device("cpu")
@@ -188,7 +186,7 @@ def fit_engine(tiny: prof.Timings, runner: dict[int, float], copy: float) -> Ove
     fwd, bwd, loss = tiny.at(1)
     compute = float(fwd.sum() + bwd.sum()) + loss
     action = max(0.0, ((runner[hi] - runner[lo]) / (hi - lo) - compute) / 2)
-    params = sum(b.params for b in _anatomy(TINY).blocks)
+    params = sum(b.params for b in count_anatomy(TINY.model, TINY.input_shape, TINY.classes).blocks)
     step = runner[lo] - lo * (compute + 2 * action) - params * tiny.optimizer_per_param
     return Overheads(compute_action=action, step=max(0.0, step), copy_bandwidth=copy)
 
@@ -233,96 +231,73 @@ def measure_links(rank: int, reps: int = 15) -> tuple[Link, Link]:
 
 
 class Pipelines:
-    """The engine running the probes as ``1,1`` pipelines under 1F1B; on ranks 0 and 1."""
+    """The engine running the busy probe as a ``1,1`` pipeline under each schedule; on ranks 0
+    and 1."""
 
     def __init__(self, rank: int) -> None:
         from bundle.worker import build_session, make_topology, train_stream
 
-        self.steps: dict[Probe, dict] = {}
-        for probe in (TINY, BUSY):
-            self.steps[probe] = {}
-            for m in probe.micro:
-                cfg = RunConfig(
-                    parallel=ParallelConfig(shape=(1, 1), micro_batches=m),
-                    model=ModelConfig(name=probe.model),
-                    data=DataConfig(
-                        dataset="synthetic",
-                        image_size=probe.input_shape[1],
-                        num_classes=probe.classes,
-                        synthetic_size=2 * m * probe.rows,
-                    ),
-                    train=TrainConfig(batch_size=m * probe.rows, steps=2, eval=False),
-                )
-                topo = make_topology(cfg)
-                session = build_session(cfg, topo, rank, _CPU)
-                stream = train_stream(session, topo, cfg.train.seed, cfg.train.steps, 0)
-                batches = [next(stream) for _ in range(cfg.train.steps)]
-                runner = session.runner
-                self.steps[probe][m] = lambda i, r=runner, b=batches: r.train_step(i, b[i % len(b)])
+        probe, (m,) = BUSY, BUSY.micro
+        self.steps = {}
+        for schedule in SCHEDULES:
+            cfg = RunConfig(
+                parallel=ParallelConfig(shape=(1, 1), micro_batches=m, schedule=schedule),
+                model=ModelConfig(name=probe.model),
+                data=DataConfig(
+                    dataset="synthetic",
+                    image_size=probe.input_shape[1],
+                    num_classes=probe.classes,
+                    synthetic_size=2 * m * probe.rows,
+                ),
+                train=TrainConfig(batch_size=m * probe.rows, steps=2, eval=False),
+            )
+            topo = make_topology(cfg)
+            session = build_session(cfg, topo, rank, _CPU)
+            stream = train_stream(session, topo, cfg.train.seed, cfg.train.steps, 0)
+            batches = [next(stream) for _ in range(cfg.train.steps)]
+            runner = session.runner
+            self.steps[schedule] = lambda i, r=runner, b=batches: r.train_step(i, b[i % len(b)])
 
-    def measure(self, reps: int = 20, warmup: int = 3) -> dict:
-        """Per probe: steps from a common start, alternating with the probe's profile passes."""
-        out = {}
-        for probe, steps in self.steps.items():
-            passes = ProbePass(probe)
-            times = interleaved(steps, passes, reps, warmup, barrier=dist.barrier)
-            out[probe.name] = {
-                "steps": {m: statistics.median(t) for m, t in times.items()},
-                "timings": asdict(passes.timings()),
-            }
-        return out
+    def measure(self, reps: int = 15, warmup: int = 3) -> dict:
+        """Steps from a common start per schedule, alternating with the probe's profile passes."""
+        passes = ProbePass(BUSY)
+        times = interleaved(self.steps, passes, reps, warmup, barrier=dist.barrier)
+        return {
+            "steps": {s: statistics.median(t) for s, t in times.items()},
+            "timings": asdict(passes.timings()),
+        }
 
 
-def _anatomy(probe: Probe):
-    return count_anatomy(probe.model, probe.input_shape, probe.classes)
-
-
-def _pipeline_step(probe: Probe, m: int, cluster: Cluster, timings, overheads) -> float:
-    anatomy = _anatomy(probe)
-    cost = CostModel(anatomy=anatomy, cluster=cluster, timings=timings, overheads=overheads)
-    starts = (0, len(anatomy.blocks) // 2)
-    layout = Layout((1, 1), 1, starts, m, "1f1b", "flat", m * probe.rows, 2)
-    return simulate(layout, cost).step_time
-
-
-def fit_links(
-    overheads: Overheads, p2p: Link, collective: Link, measured: dict
-) -> tuple[Overheads, Link]:
-    """(overheads with ``comm_action``, the p2p link with its busy latency) that make the
-    simulated probe pipelines match ``measured`` (``Pipelines.measure``'s result)."""
-    tiny, busy = measured["tiny"], measured["busy"]
-    lo, hi = TINY.micro
-    tiny_t = prof.Timings(**tiny["timings"])
-
-    def growth(comm: float) -> float:
-        cluster = loopback(p2p, collective, devices=2, memory_bytes=float("inf"))
-        oh = replace(overheads, comm_action=comm)
-        return _pipeline_step(TINY, hi, cluster, tiny_t, oh) - _pipeline_step(
-            TINY, lo, cluster, tiny_t, oh
-        )
-
-    base, probe = growth(0.0), growth(1e-4)
-    slope = (probe - base) / 1e-4
-    target = tiny["steps"][hi] - tiny["steps"][lo]
-    comm = max(0.0, (target - base) / slope) if slope > 0 else 0.0
-    overheads = replace(overheads, comm_action=comm)
-
+def fit_comm_action(overheads: Overheads, p2p: Link, collective: Link, measured: dict) -> Overheads:
+    """The overheads with the cost per send and receive that makes the simulated busy pipeline
+    (mean over the schedules) as slow as ``measured`` (``Pipelines.measure``'s result)."""
+    anatomy = count_anatomy(BUSY.model, BUSY.input_shape, BUSY.classes)
+    cluster = loopback(p2p, collective, devices=2, memory_bytes=float("inf"))
+    timings = prof.Timings(**measured["timings"])
     (m,) = BUSY.micro
-    busy_t, target = prof.Timings(**busy["timings"]), busy["steps"][m]
+    starts = (0, len(anatomy.blocks) // 2)
 
-    def step(latency: float) -> float:
-        cluster = loopback(
-            Link(p2p.bandwidth, latency), collective, devices=2, memory_bytes=float("inf")
+    def mean_step(comm: float) -> float:
+        cost = CostModel(
+            anatomy=anatomy,
+            cluster=cluster,
+            timings=timings,
+            overheads=replace(overheads, comm_action=comm),
         )
-        return _pipeline_step(BUSY, m, cluster, busy_t, overheads)
+        steps = [
+            simulate(Layout((1, 1), 1, starts, m, s, "flat", m * BUSY.rows, 2), cost).step_time
+            for s in measured["steps"]
+        ]
+        return statistics.mean(steps)
 
-    low, high = p2p.latency, 0.05  # the step grows with the latency: bisect
-    if step(low) >= target:
-        return overheads, p2p
+    target = statistics.mean(measured["steps"].values())
+    low, high = 0.0, 0.01  # the step grows with the cost: bisect
+    if mean_step(low) >= target:
+        return replace(overheads, comm_action=0.0)
     for _ in range(30):
         mid = (low + high) / 2
-        low, high = (mid, high) if step(mid) < target else (low, mid)
-    return overheads, Link(p2p.bandwidth, low)
+        low, high = (mid, high) if mean_step(mid) < target else (low, mid)
+    return replace(overheads, comm_action=low)
 
 
 def loopback(p2p: Link, collective: Link, *, devices: int, memory_bytes: float) -> Cluster:
@@ -375,7 +350,7 @@ def calibrate(cache: prof.ProfileCache, *, start_method: str = "spawn") -> Calib
     if doc is None:
         world = localworld.run_world(2, _world, timeout=300.0, start_method=start_method)[0]
         p2p, collective = Link(**world["p2p"]), Link(**world["collective"])
-        fitted, p2p = fit_links(overheads, p2p, collective, world["pipelines"])
+        fitted = fit_comm_action(overheads, p2p, collective, world["pipelines"])
         doc = {
             "p2p": asdict(p2p),
             "collective": asdict(collective),
