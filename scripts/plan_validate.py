@@ -177,8 +177,8 @@ def slowest_timings(records: list[dict]) -> prof.Timings:
 
 
 def _calibration(world: int, rank: int, pipeline) -> dict:
-    """The engine's overheads on the tiny model (one process: its runner; two: its pipeline) and,
-    with two processes, the loopback links."""
+    """One process: the engine's overheads on the tiny model; two: the loopback links and the
+    busy probe pipeline (``bundle.plan.calibrate``)."""
     if world == 1:
         return cal.measure_engine()
     p2p, collective = cal.measure_links(rank)

@@ -38,9 +38,6 @@ class Link:
     bandwidth: float  # bytes/s
     latency: float  # s
 
-    def time(self, nbytes: float) -> float:
-        return nbytes / self.bandwidth + self.latency
-
 
 @dataclass(frozen=True)
 class Speed:
