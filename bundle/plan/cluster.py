@@ -13,7 +13,7 @@ A cluster file (YAML; ``clusters/`` ships two)::
         memory_bandwidth_gbs: 900
         efficiency: 0.5           # fraction of peak FLOP/s and bandwidth a kernel reaches
         kernel_latency_us: 5      # floor of one kernel's time
-    intra_node: {bandwidth_gbs: 12, latency_us: 10}
+    intra_node: {bandwidth_gbs: 15.75, latency_us: 10}
     inter_node: {bandwidth_gbs: 1.25, latency_us: 50}
 
 Bandwidths are bytes per second in one direction of one link between two devices.

@@ -181,7 +181,7 @@ def search(
     plans = {c.plan for c in best}
     if batch >= devices:
         plans.add(data_parallel(nodes, per_node))
-    evaluated = []
+    variants = set()
     single = "1f1b" if "1f1b" in schedules else schedules[0]
     for plan in plans:
         for schedule, sync in itertools.product(schedules, syncs):
@@ -189,9 +189,16 @@ def search(
                 continue  # one micro-batch: both schedules are the same action list
             if sync != syncs[0] and not _has_hierarchy(plan):
                 continue
-            variant = replace(plan, schedule=schedule, grad_sync=sync)
-            evaluated.append(evaluate(cost, variant, batch))
-    return rank(evaluated)
+            variants.add(_canonical(replace(plan, schedule=schedule, grad_sync=sync)))
+    return rank([evaluate(cost, v, batch) for v in variants])
+
+
+def _canonical(plan: Plan) -> Plan:
+    """One stage synced flat over ``b`` bundles of ``w`` is the engine's one bundle of ``b * w``
+    (the same rows per replica, the same stage group): named the ``--DP-ONLY`` way."""
+    if len(plan.shape) == 1 and plan.grad_sync == "flat" and plan.num_bundles > 1:
+        return replace(plan, shape=(plan.processes,), num_bundles=1)
+    return plan
 
 
 def _has_hierarchy(plan: Plan) -> bool:
