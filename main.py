@@ -86,6 +86,8 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
     elif allocation is not None:
         # srun started one main.py per node: the job step's layout beats the node flags.
         launch.update(allocation.launch_fields(launch["nproc_per_node"]))
+    if args.DP_ONLY and parallel["shape"] == C.AUTO_SHAPE:
+        raise ConfigError("--DP-ONLY", True, "fixes the shape: drop it or --bundle-shape auto")
     if args.DP_ONLY:
         nproc, nodes = launch["nproc_per_node"], launch["num_nodes"]
         total = sum(parallel["shape"]) * parallel["num_bundles"]
@@ -109,6 +111,7 @@ def parse(argv: list[str] | None, env: dict[str, str]) -> C.RunConfig:
 
 def main(argv: list[str] | None = None) -> int:
     from bundle import data, launch, preflight
+    from bundle.plan import auto
     from bundle.preemption import parse_fault
     from bundle.supervisor import supervise
     from bundle.worker import make_topology
@@ -116,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     try:
         cfg = parse(argv, env)
+        if auto.wanted(cfg):  # the planner's choices replace "auto" before anything starts
+            data.check_data(cfg.data)
+            cfg = auto.resolve(cfg)
         topo = make_topology(cfg)
         launch.check_devices(cfg, topo)
         data.check_data(cfg.data)

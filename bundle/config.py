@@ -14,16 +14,19 @@ GRAD_SYNCS = ("flat", "hierarchical")
 DATASETS = ("digits", "imagefolder", "synthetic")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTES = ("never", "except-last", "always")
+AUTO_SHAPE: tuple[int, ...] = ()  # --bundle-shape auto, until bundle.plan.auto resolves it
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
-    """``"4,2"`` -> ``(4, 2)``; every width a positive integer."""
+    """``"4,2"`` -> ``(4, 2)``; every width a positive integer; ``"auto"`` -> ``AUTO_SHAPE``."""
+    if str(text).strip() == "auto":
+        return AUTO_SHAPE
     parts = [p.strip() for p in str(text).split(",")]
     if not text or not all(p.isdigit() for p in parts) or any(int(p) < 1 for p in parts):
         raise ConfigError(
             "--bundle-shape",
             text,
-            "give stage widths as positive integers separated by commas, e.g. 1,1 or 4,2",
+            "give stage widths as positive integers separated by commas, e.g. 1,1 or 4,2, or auto",
         )
     return tuple(int(p) for p in parts)
 
@@ -281,6 +284,9 @@ class RunConfig:
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     metrics_out: str | None = None
+    # Set by bundle.plan.auto when the planner chose the shape or split: reported beside the
+    # measured throughput in the run's summary.
+    predicted_samples_per_s: float | None = None
 
     @property
     def procs_per_node(self) -> int:

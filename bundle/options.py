@@ -138,8 +138,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(None, "data", "data.root", metavar="DATA_DIR",
            help="ImageFolder directory with train/ and val/ (implies --dataset imagefolder)"),
 
-    Option(PAR, "--bundle-shape", "parallel.shape", metavar="W0,W1,...",
-           help="replicas per stage of one bundle, e.g. 1,1 (front+rear) or 4,2"),
+    Option(PAR, "--bundle-shape", "parallel.shape", metavar="W0,W1,...|auto",
+           help="replicas per stage of one bundle, e.g. 1,1 (front+rear) or 4,2; auto: the "
+                "planner's shape, split, micro-batches, schedule and sync for this job's processes"),
     Option(PAR, "--num-bundle", "parallel.num_bundles", metavar="N",
            help="bundles in the whole job"),
     Option(PAR, "--DP-ONLY", None, kind=bool,
@@ -206,8 +207,9 @@ OPTIONS: tuple[Option, ...] = (
            help="digits_cnn, mlp, mlp_wide, skip_mlp, small_resnet, "
                 "resnet18, resnet50, resnet101, vgg16; or MODEL_SPLIT, the model with "
                 "partitions/MODEL_SPLIT.yaml (the original's resnet101_trial0..4)"),
-    Option(MODEL, "--partition", "model.partition", metavar="NAME|FILE.yaml",
-           help="split points from partitions/NAME.yaml or a YAML file "
+    Option(MODEL, "--partition", "model.partition", metavar="NAME|FILE.yaml|B0,B1,...|auto",
+           help="split points from partitions/NAME.yaml, a YAML file or inline (the block where "
+                "each stage begins); auto: balanced by the planner's timing "
                 "(default: balanced by parameters)"),
     # Unset, the data set follows DATA_DIR (main.to_config), so the field's default cannot stand.
     Option(MODEL, "--dataset", "data.dataset", choices=C.DATASETS, default=None,

@@ -5,6 +5,9 @@ A spec is a YAML file (bare names resolve to ``partitions/<name>.yaml`` at the r
     model: resnet101          # registry name the split was written for
     stages: [conv1, layer3.5] # where each stage begins; first entry = first block
 
+or the same points inline, comma-separated (``--partition conv1,layer3.5``, as the planner's
+commands write them), for whatever model runs.
+
 A point names a block of ``models.blocks(model)`` (``layer3.5``) or a container whose children
 are blocks (``layer3`` = its first block ``layer3.0``). The first block may be left out of
 ``stages``; it is prepended. Without a spec the model is cut automatically, balancing parameter
@@ -35,9 +38,9 @@ _KEYS = ("model", "stages")
 
 @dataclass(frozen=True)
 class PartitionSpec:
-    """A split as written: the model it is for and the block where each stage begins."""
+    """A split as written: the model it is for (None: inline, any) and where each stage begins."""
 
-    model: str
+    model: str | None
     starts: tuple[str, ...]
 
 
@@ -47,8 +50,13 @@ def available_specs() -> list[str]:
 
 
 def load_spec(ref: str) -> PartitionSpec:
-    """Read a spec from a YAML path or a bare name in partitions/."""
+    """Read a spec from a YAML path, a bare name in partitions/, or inline split points."""
     path = Path(ref)
+    if "," in ref and path.suffix not in (".yaml", ".yml"):
+        points = tuple(p.strip() for p in ref.split(","))
+        if not all(points):
+            raise ConfigError("--partition", ref, "inline split points need a name between commas")
+        return PartitionSpec(model=None, starts=points)
     if not (path.suffix in (".yaml", ".yml") or path.parent != Path(".")):
         path = PARTITIONS_DIR / f"{ref}.yaml"
     if not path.is_file():
@@ -138,7 +146,7 @@ def resolve(
         raise PartitionError(f"number of stages must be >= 1, got {num_stages}")
     if spec is None:
         return auto_starts(blocks, num_stages)
-    if spec.model != model_name:
+    if spec.model is not None and spec.model != model_name:
         raise PartitionError(
             f"partition was written for model {spec.model!r}, but the model is {model_name!r}"
         )

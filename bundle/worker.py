@@ -362,6 +362,10 @@ def run(
     )
     if runner.scaler is not None:
         summary.update(skipped_steps=runner.scaler.skipped, loss_scale=runner.scaler.scale)
+    if cfg.predicted_samples_per_s is not None:
+        # The planner chose this plan (--bundle-shape/--partition auto): its prediction beside
+        # the measured samples_per_s.
+        summary["predicted_samples_per_s"] = cfg.predicted_samples_per_s
     summary.setdefault("val_accuracy", None)
     summary.setdefault("val_top5", None)
     if cfg.observe.trace:

@@ -161,8 +161,9 @@ def test_bad_speed_and_memory_flag_is_one_line_and_exit_2(argv, capsys):
     assert argv[0].split("=")[0] in lines[0]
 
 
-# RunConfig fields no option fills, on purpose: set from torchrun's environment in to_config.
-NOT_OPTIONS = {"launch.torchrun"}
+# RunConfig fields no option fills, on purpose: set from torchrun's environment in to_config, and
+# by the planner when it resolves --bundle-shape/--partition auto.
+NOT_OPTIONS = {"launch.torchrun", "predicted_samples_per_s"}
 
 
 def leaf_fields(cls: type, prefix: str = "") -> set[str]:

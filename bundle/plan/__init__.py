@@ -1,0 +1,15 @@
+"""The planner: which bundle shape, split, micro-batch count, schedule and sync strategy to run.
+
+Modules, from the data up:
+
+- ``anatomy``: per-block parameters, boundary and saved bytes and FLOPs, counted on the meta device;
+- ``profile``: per-block timings measured on the local device, and the cache of profiles;
+- ``cluster``: the devices and links a plan runs on (YAML cluster files, or this machine);
+- ``calibrate``: the engine's own overheads and this machine's loopback links, measured once;
+- ``cost``: seconds and bytes of a plan's pieces: stage compute, transfers, gradient sync, memory;
+- ``simulate``: an event simulation of the engine's own schedule action lists;
+- ``search``: enumerate plans, split by a dynamic program, rank by simulated throughput;
+- ``planner``: one request's checks, cost model and search;
+- ``report``: the ranked table, the JSON, the main.py command and the picture of a plan;
+- ``auto``: ``--bundle-shape auto`` / ``--partition auto`` for main.py.
+"""

@@ -1,0 +1,179 @@
+"""``--bundle-shape auto`` and ``--partition auto``: the planner's choice, made before launch.
+
+Every process of a job must run the same plan, and nodes compare their configurations at start,
+so the plan is resolved into an ordinary configuration (shape, bundles, micro-batches, schedule,
+sync, inline split points) before any process starts:
+
+- one node, self-spawned: ``main.py`` plans before it starts its workers, from a quick profile
+  measured here (block timings, engine overheads, loopback links; all cached);
+- several nodes, or torchrun (every process plans for itself): from the model's FLOP and byte
+  counts against nominal device speeds (``NOMINAL``), arithmetic that gives every process the
+  same plan. Its predicted throughput is then only indicative.
+
+``--bundle-shape auto`` uses every process the job has; ``--partition auto`` with a given shape
+places the split points by time (the planner's dynamic program) rather than by parameter count.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+from bundle import data
+from bundle.config import AUTO_SHAPE, RunConfig
+from bundle.errors import ConfigError
+from bundle.plan import planner
+from bundle.plan import profile as prof
+from bundle.plan.anatomy import count_anatomy
+from bundle.plan.cluster import Cluster, Link, Speed
+from bundle.plan.cost import CostModel
+from bundle.plan.search import Evaluated, Plan, Splitter, evaluate, search
+
+AUTO = "auto"
+
+# What a deterministic plan assumes of a device and its links (several nodes, torchrun).
+NOMINAL = {
+    "cpu": (
+        Speed({"fp32": 50e9, "bf16": 100e9, "fp16": 50e9}, 10e9, 1.0, 5e-6),
+        Link(2e9, 100e-6),
+        Link(1.25e9, 50e-6),
+    ),
+    "cuda": (
+        Speed({"fp32": 100e12, "bf16": 200e12, "fp16": 200e12}, 1.5e12, 0.5, 5e-6),
+        Link(100e9, 5e-6),
+        Link(12.5e9, 10e-6),
+    ),
+}
+
+
+def wanted(cfg: RunConfig) -> bool:
+    return cfg.parallel.shape == AUTO_SHAPE or cfg.model.partition == AUTO
+
+
+def _processes(cfg: RunConfig) -> tuple[int, int]:
+    """(nodes, processes per node) of this job, as the launcher will start them."""
+    lc = cfg.launch
+    if lc.nproc_per_node:
+        return lc.num_nodes, lc.nproc_per_node
+    if torch.cuda.is_available() and lc.backend != "gloo":
+        return lc.num_nodes, torch.cuda.device_count()
+    return lc.num_nodes, os.cpu_count() or 1
+
+
+def _request(cfg: RunConfig, nodes: int, per_node: int) -> planner.Request:
+    classes, shape = data.input_spec(cfg.data)
+    return planner.Request(
+        model=cfg.model.name,
+        batch=cfg.train.batch_size,
+        nodes=nodes,
+        per_node=per_node,
+        input_shape=shape,
+        num_classes=classes,
+        precision=cfg.compute.precision,
+        recompute=cfg.compute.recompute,
+        bucket_mb=cfg.parallel.bucket_mb,
+    )
+
+
+def _cost(cfg: RunConfig, request: planner.Request) -> tuple[CostModel, str]:
+    """The cost model, and how it was made (for the log line)."""
+    if cfg.launch.torchrun or request.nodes > 1:
+        kind = "cuda" if torch.cuda.is_available() and cfg.launch.backend != "gloo" else "cpu"
+        speed, intra, inter = NOMINAL[kind]
+        cluster = Cluster(
+            name=f"nominal {kind}",
+            nodes=request.nodes,
+            devices_per_node=request.per_node,
+            device_name=f"nominal {kind}",
+            memory_bytes=float("inf"),
+            speed=speed,
+            intra=intra,
+            inter=inter,
+        )
+        anatomy = count_anatomy(request.model, request.input_shape, request.num_classes)
+        cost = CostModel(
+            anatomy=anatomy,
+            cluster=cluster,
+            precision=request.precision,
+            recompute=request.recompute,
+            bucket_mb=request.bucket_mb,
+            overlap=kind != "cpu",
+        )
+        return cost, "FLOP and byte counts against nominal speeds, the same on every process"
+    cache = prof.ProfileCache(prof.default_cache_dir())
+    cost = planner.cost_model(request, cluster=None, cache=cache, repeats=3)
+    return cost, f"a profile measured on this machine (cached in {cache.directory})"
+
+
+def _plan_shape(cfg: RunConfig, request: planner.Request, cost: CostModel) -> Evaluated:
+    if cfg.model.partition not in (None, AUTO):
+        raise ConfigError(
+            "--partition",
+            cfg.model.partition,
+            "with --bundle-shape auto the planner chooses the split: leave --partition out",
+        )
+    ranked = search(
+        cost, nodes=request.nodes, per_node=request.per_node, batch=request.batch, exact=True
+    )
+    fitting = [e for e in ranked if e.fits]
+    if not fitting:
+        raise ConfigError(
+            "--bundle-shape", AUTO, "no plan for these processes fits in device memory"
+        )
+    return fitting[0]
+
+
+def _plan_split(cfg: RunConfig, request: planner.Request, cost: CostModel) -> Evaluated:
+    """Time-balanced split points for the given shape, micro-batches and bundles."""
+    p = cfg.parallel
+    bundle_rows = request.batch // p.num_bundles
+    starts, _ = Splitter(cost, cost.cluster.intra.bandwidth, cost.cluster.intra.latency).split(
+        p.shape, -(-bundle_rows // p.micro_batches)
+    )
+    ppn = cfg.procs_per_node
+    plan = Plan(p.shape, p.num_bundles, starts, p.micro_batches, ppn, p.schedule, p.grad_sync)
+    return evaluate(cost, plan, request.batch)
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """The configuration with the planner's choices in place of ``auto``; logs the plan."""
+    if not wanted(cfg):
+        return cfg
+    shape_auto = cfg.parallel.shape == AUTO_SHAPE
+    if shape_auto:
+        nodes, per_node = _processes(cfg)
+    else:
+        nodes, per_node = cfg.launch.num_nodes, cfg.procs_per_node
+    request = _request(cfg, nodes, per_node)
+    planner.check(request, None)
+    cost, how = _cost(cfg, request)
+    best = _plan_shape(cfg, request, cost) if shape_auto else _plan_split(cfg, request, cost)
+    p = best.plan
+    names = cost.anatomy.names
+    split = ",".join(names[i] for i in p.starts) if len(p.shape) > 1 else None
+    resolved = replace(
+        cfg,
+        parallel=replace(
+            cfg.parallel,
+            shape=p.shape,
+            num_bundles=p.num_bundles,
+            micro_batches=p.micro_batches,
+            schedule=p.schedule,
+            grad_sync=p.grad_sync,
+        ),
+        model=replace(cfg.model, partition=split),
+        launch=replace(cfg.launch, nproc_per_node=p.procs_per_node) if shape_auto else cfg.launch,
+        predicted_samples_per_s=round(best.samples_per_s, 1),
+    )
+    print(
+        f"main.py: plan: --bundle-shape {','.join(map(str, p.shape))} --num-bundle {p.num_bundles} "
+        f"--micro-batches {p.micro_batches} --schedule {p.schedule} --grad-sync {p.grad_sync}"
+        + (f" --partition {split}" if split else "")
+        + f"; predicted {best.samples_per_s:.1f} samples/s from {how}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return resolved

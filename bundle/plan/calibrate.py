@@ -1,0 +1,364 @@
+"""The engine's own overheads and this machine's loopback links, measured once and cached.
+
+- ``compute_action`` and ``step``: the engine's ``StageRunner`` runs a tiny model as one stage in
+  this process at 1 and 16 micro-batches of one row; what its steps take beyond the model's own
+  forward and backward (as ``profile`` measures them) is the overhead per compute action and per
+  step.
+- ``p2p`` and ``collective``: two gloo processes time a ping-pong and an all-reduce at a small and
+  a large size (latency from the small one, bandwidth from the large one).
+- ``comm_action``: the same two processes run a small MLP as a ``1,1`` pipeline at 16
+  micro-batches of 64 rows under each schedule, both cores busy about a millisecond per stage and
+  micro-batch; the cost per send and receive is what makes the simulator, given the links, the
+  compute overheads and the MLP's profile (timed between the steps), match those steps. On a
+  shared CPU it is far from free: a gloo call waits for gloo's own threads, which wait for a core.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+import models
+from bundle import localworld
+from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from bundle.grad_sync import GradSync
+from bundle.partition import split_model
+from bundle.plan import profile as prof
+from bundle.plan.anatomy import count_anatomy
+from bundle.plan.cluster import Cluster, Link
+from bundle.plan.cost import CostModel, Overheads
+from bundle.plan.simulate import Layout, simulate
+from bundle.precision import Policy
+from bundle.schedule import SCHEDULES
+from bundle.topology import Coord, Topology
+from bundle.trainer import StageRunner
+from bundle.transport import Transport
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A model the calibration runs: its input, its rows per micro-batch, its micro-batch counts."""
+
+    model: str
+    input_shape: tuple[int, int, int]
+    classes: int
+    rows: int
+    micro: tuple[int, ...]
+
+
+TINY = Probe("mlp", (3, 2, 2), 10, 1, (1, 16))  # compute far below the overheads
+BUSY = Probe("mlp", (3, 16, 16), 10, 64, (16,))  # about 1 ms per stage and micro-batch
+MICRO = TINY.micro
+_SMALL, _LARGE = 4, 8 * 2**20  # bytes of the latency and the bandwidth probes
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    overheads: Overheads
+    p2p: Link
+    collective: Link
+
+
+class ProbePass:
+    """One forward and backward of a probe model's blocks, timed as ``profile`` times them: what
+    the engine's steps on it are compared with."""
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        torch.manual_seed(0)
+        self.model = models.build(
+            probe.model, num_classes=probe.classes, input_shape=probe.input_shape
+        )
+        self.blocks = models.blocks(self.model)
+        self.passes: list = []
+
+    def __call__(self) -> float:
+        """Time one warm pass: the one after an untimed pass, as micro-batches after the first
+        of a step run with the stage's weights in cache."""
+        p = self.probe
+        args = (self.blocks, Policy(), _CPU, p.rows, p.input_shape, p.classes)
+        prof.one_pass(*args)
+        fwd, bwd, loss = prof.one_pass(*args)
+        self.passes.append((fwd, bwd, loss))
+        return sum(fwd) + sum(bwd) + loss
+
+    def timings(self) -> prof.Timings:
+        """The median of the passes so far, as ``profile.Timings`` at the probe's rows."""
+        n, med = len(self.blocks), statistics.median
+        return prof.Timings(
+            device=prof.device_name(_CPU),
+            precision="fp32",
+            rows=(self.probe.rows,),
+            fwd=(tuple(med(p[0][i] for p in self.passes) for i in range(n)),),
+            bwd=(tuple(med(p[1][i] for p in self.passes) for i in range(n)),),
+            loss=(med(p[2] for p in self.passes),),
+            optimizer_per_param=prof.optimizer_per_param(self.model, 2, 5, _CPU),
+        )
+
+
+def interleaved(steps: dict, tiny: ProbePass, reps: int, warmup: int, barrier=None) -> dict:
+    """Per micro-batch count, step times taken alternately with tiny profile passes (so a burst
+    of load on a shared machine reaches both); ``barrier`` starts every step together."""
+    times: dict[int, list[float]] = {m: [] for m in steps}
+    for i in range(warmup + reps):
+        tiny()
+        for m, step in steps.items():
+            if barrier is not None:
+                barrier()
+            t0 = time.perf_counter()
+            step(i)
+            times[m].append(time.perf_counter() - t0)
+    del tiny.passes[:warmup]
+    return {m: t[warmup:] for m, t in times.items()}
+
+
+# -- one process -----------------------------------------------------------------------------
+
+
+class TinyStage:
+    """The engine's StageRunner on the tiny model as one stage, at each of ``MICRO`` (no peers)."""
+
+    def __init__(self) -> None:
+        name, shape, classes = TINY.model, TINY.input_shape, TINY.classes
+        self.steps = {}
+        for m in MICRO:
+            torch.manual_seed(0)
+            model = models.build(name, num_classes=classes, input_shape=shape)
+            stage = split_model(model, (0,))[0]
+            topo = Topology(
+                shape=(1,), num_bundles=1, procs_per_node=1, global_batch=m, micro_batches=m
+            )
+            transport = Transport(
+                topo=topo,
+                bundle=0,
+                stage=0,
+                replica=0,
+                in_meta=(),
+                out_meta=(),
+                device=_CPU,
+                timeout=30.0,
+            )
+            runner = StageRunner(
+                topo=topo,
+                coord=Coord(0, 0, 0),
+                sync=GradSync(stage),
+                transport=transport,
+                optimizer=torch.optim.SGD(stage.parameters(), lr=1e-3, momentum=0.9),
+                schedule="1f1b",
+                device=_CPU,
+                stage=stage,
+            )
+            data = [(torch.randn(1, *shape), torch.randint(0, classes, (1,))) for _ in range(m)]
+            self.steps[m] = lambda i, runner=runner, data=data: runner.train_step(i, data)
+
+
+def copy_bandwidth(nbytes: int = _LARGE, reps: int = 10) -> float:
+    """Bytes per second of one tensor copy of ``nbytes`` on the CPU."""
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[2:])
+
+
+def measure_engine(reps: int = 40, warmup: int = 5) -> dict:
+    """The tiny one-stage runner's steps at each of ``MICRO``, the tiny model's timings, and the
+    copy bandwidth."""
+    tiny = ProbePass(TINY)
+    times = interleaved(TinyStage().steps, tiny, reps, warmup)
+    return {
+        "runner": {m: statistics.median(t) for m, t in times.items()},
+        "tiny": asdict(tiny.timings()),
+        "copy_bandwidth": copy_bandwidth(),
+    }
+
+
+def fit_engine(tiny: prof.Timings, runner: dict[int, float], copy: float) -> Overheads:
+    """Per compute action and per step: the runner's steps less the model's own work."""
+    lo, hi = MICRO
+    fwd, bwd, loss = tiny.at(1)
+    compute = float(fwd.sum() + bwd.sum()) + loss
+    action = max(0.0, ((runner[hi] - runner[lo]) / (hi - lo) - compute) / 2)
+    params = sum(b.params for b in count_anatomy(TINY.model, TINY.input_shape, TINY.classes).blocks)
+    step = runner[lo] - lo * (compute + 2 * action) - params * tiny.optimizer_per_param
+    return Overheads(compute_action=action, step=max(0.0, step), copy_bandwidth=copy)
+
+
+# -- two processes ---------------------------------------------------------------------------
+
+
+def _ping_pong(rank: int, nbytes: int, reps: int) -> float:
+    buf = torch.zeros(max(1, nbytes // 4))
+    times = []
+    for _ in range(reps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times[2:])
+
+
+def _allreduce(nbytes: int, reps: int) -> float:
+    buf = torch.zeros(max(1, nbytes // 4))
+    times = []
+    for _ in range(reps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def measure_links(rank: int, reps: int = 15) -> tuple[Link, Link]:
+    """(point-to-point, collective) links between ranks 0 and 1 of gloo; call on both."""
+    small, large = _ping_pong(rank, _SMALL, reps), _ping_pong(rank, _LARGE, reps)
+    p2p = Link(_LARGE / max(large - small, 1e-9), small)
+    # A two-process ring all-reduce: bytes / bandwidth + 2 latencies.
+    small, large = _allreduce(_SMALL, reps), _allreduce(_LARGE, reps)
+    return p2p, Link(_LARGE / max(large - small, 1e-9), small / 2)
+
+
+class Pipelines:
+    """The engine running the busy probe as a ``1,1`` pipeline under each schedule; on ranks 0
+    and 1."""
+
+    def __init__(self, rank: int) -> None:
+        from bundle.worker import build_session, make_topology, train_stream
+
+        probe, (m,) = BUSY, BUSY.micro
+        self.steps = {}
+        for schedule in SCHEDULES:
+            cfg = RunConfig(
+                parallel=ParallelConfig(shape=(1, 1), micro_batches=m, schedule=schedule),
+                model=ModelConfig(name=probe.model),
+                data=DataConfig(
+                    dataset="synthetic",
+                    image_size=probe.input_shape[1],
+                    num_classes=probe.classes,
+                    synthetic_size=2 * m * probe.rows,
+                ),
+                train=TrainConfig(batch_size=m * probe.rows, steps=2, eval=False),
+            )
+            topo = make_topology(cfg)
+            session = build_session(cfg, topo, rank, _CPU)
+            stream = train_stream(session, topo, cfg.train.seed, cfg.train.steps, 0)
+            batches = [next(stream) for _ in range(cfg.train.steps)]
+            runner = session.runner
+            self.steps[schedule] = lambda i, r=runner, b=batches: r.train_step(i, b[i % len(b)])
+
+    def measure(self, reps: int = 15, warmup: int = 3) -> dict:
+        """Steps from a common start per schedule, alternating with the probe's profile passes."""
+        passes = ProbePass(BUSY)
+        times = interleaved(self.steps, passes, reps, warmup, barrier=dist.barrier)
+        return {
+            "steps": {s: statistics.median(t) for s, t in times.items()},
+            "timings": asdict(passes.timings()),
+        }
+
+
+def fit_comm_action(overheads: Overheads, p2p: Link, collective: Link, measured: dict) -> Overheads:
+    """The overheads with the cost per send and receive that makes the simulated busy pipeline
+    (mean over the schedules) as slow as ``measured`` (``Pipelines.measure``'s result)."""
+    anatomy = count_anatomy(BUSY.model, BUSY.input_shape, BUSY.classes)
+    cluster = loopback(p2p, collective, devices=2, memory_bytes=float("inf"))
+    timings = prof.Timings(**measured["timings"])
+    (m,) = BUSY.micro
+    starts = (0, len(anatomy.blocks) // 2)
+
+    def mean_step(comm: float) -> float:
+        cost = CostModel(
+            anatomy=anatomy,
+            cluster=cluster,
+            timings=timings,
+            overheads=replace(overheads, comm_action=comm),
+        )
+        steps = [
+            simulate(Layout((1, 1), 1, starts, m, s, "flat", m * BUSY.rows, 2), cost).step_time
+            for s in measured["steps"]
+        ]
+        return statistics.mean(steps)
+
+    target = statistics.mean(measured["steps"].values())
+    low, high = 0.0, 0.01  # the step grows with the cost: bisect
+    if mean_step(low) >= target:
+        return replace(overheads, comm_action=0.0)
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if mean_step(mid) < target else (low, mid)
+    return replace(overheads, comm_action=low)
+
+
+def loopback(p2p: Link, collective: Link, *, devices: int, memory_bytes: float) -> Cluster:
+    """This machine as one node of ``devices`` processes talking gloo over loopback."""
+    return Cluster(
+        name=f"this machine ({prof.device_name(torch.device('cpu'))})",
+        nodes=1,
+        devices_per_node=devices,
+        device_name="cpu",
+        memory_bytes=memory_bytes,
+        speed=None,
+        intra=p2p,
+        inter=p2p,
+        collective=collective,
+    )
+
+
+def _world(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    p2p, collective = measure_links(rank)
+    return {
+        "p2p": asdict(p2p),
+        "collective": asdict(collective),
+        "pipelines": Pipelines(rank).measure(),
+    }
+
+
+def _key() -> dict:
+    return {"device": prof.device_name(torch.device("cpu")), "torch": torch.__version__}
+
+
+def engine(cache: prof.ProfileCache) -> Overheads:
+    """The engine's overheads per compute action and per step: cached, or measured in this
+    process now (a second or two)."""
+    doc = cache.get("engine", _key())
+    if doc is not None:
+        return Overheads(**doc)
+    measured = measure_engine()
+    found = fit_engine(
+        prof.Timings(**measured["tiny"]), measured["runner"], measured["copy_bandwidth"]
+    )
+    cache.put("engine", _key(), asdict(found))
+    return found
+
+
+def calibrate(cache: prof.ProfileCache, *, start_method: str = "spawn") -> Calibration:
+    """The engine's overheads and the loopback links: cached, or measured now (two processes)."""
+    overheads = engine(cache)
+    doc = cache.get("links", _key())
+    if doc is None:
+        world = localworld.run_world(2, _world, timeout=300.0, start_method=start_method)[0]
+        p2p, collective = Link(**world["p2p"]), Link(**world["collective"])
+        fitted = fit_comm_action(overheads, p2p, collective, world["pipelines"])
+        doc = {
+            "p2p": asdict(p2p),
+            "collective": asdict(collective),
+            "comm_action": fitted.comm_action,
+        }
+        cache.put("links", _key(), doc)
+    return Calibration(
+        replace(overheads, comm_action=doc["comm_action"]),
+        Link(**doc["p2p"]),
+        Link(**doc["collective"]),
+    )

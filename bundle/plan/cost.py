@@ -1,0 +1,289 @@
+"""Seconds and bytes of a plan's pieces: stage compute, transfers, gradient sync, memory.
+
+- **Compute**: per block, forward and backward seconds at the rows a replica holds, measured
+  (``profile.Timings``) or estimated by a roofline over the block's operators against the
+  cluster's device; the engine's own per-action overhead (``Overheads``, measured once by
+  ``calibrate``) on top. Recompute adds the stage's forward to each recomputed backward.
+- **Transfers**: bytes of the boundary tensors in their wire dtype / bandwidth + latency, over the
+  intra- or inter-node link by where the two ranks sit.
+- **Collectives**: ring all-reduce ``2(n-1)/n * bytes / bandwidth + 2(n-1) * latency`` over the
+  slowest link of the group; reduce and broadcast ``(n-1)/n * bytes / bandwidth + (n-1) *
+  latency``. Gradients are synced in buckets (the engine's ``--bucket-mb``; DDP's first bucket is
+  1 MiB), each ready when the last backward has passed its parameters where communication runs
+  beside compute (GPUs), and when the backward is over where it takes the same cores (gloo on a
+  CPU: its reductions and copies compete with the backward, so nothing is hidden).
+- **Memory** per device: fp32 parameters, gradients and momentum (and DDP's bucket copies), the
+  activations the schedule holds (``--recompute`` keeps only stage inputs, plus the micro-batch a
+  backward rebuilds) and the receive buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bundle.plan.anatomy import Anatomy
+from bundle.plan.cluster import Cluster, Link, Speed
+from bundle.plan.profile import Timings
+from bundle.schedule import Action, Op
+
+DDP_FIRST_BUCKET = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
+_MASTER_BYTES = 4  # fp32 master weights, gradients and momentum
+_OPTIMIZER_BYTES = 20  # an SGD-with-momentum step reads param, grad, momentum; writes two
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """The engine's own time beyond the model's arithmetic, measured on this machine."""
+
+    compute_action: float = 0.0  # per forward or backward action of a stage
+    comm_action: float = 0.0  # per send or receive action
+    step: float = 0.0  # per step: bookkeeping, sync hand-off, zero_grad
+    copy_bandwidth: float = float("inf")  # bytes/s of a tensor copy (DDP's bucket copies)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one device holds at its peak."""
+
+    params: float
+    grads: float
+    optimizer: float
+    buckets: float
+    activations: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.buckets
+            + self.activations
+            + self.buffers
+        )
+
+
+class _Roofline:
+    """Per-block seconds from operator counts: each operator takes the slowest of its FLOPs,
+    its bytes and one kernel's latency."""
+
+    def __init__(self, anatomy: Anatomy, speed: Speed, precision: str) -> None:
+        self.speed, self.precision = speed, precision
+        self.half = precision != "fp32"
+        self.n = len(anatomy.blocks)
+        self.fwd = self._arrays([b.fwd_ops for b in anatomy.blocks])
+        self.bwd = self._arrays([b.bwd_ops for b in anatomy.blocks])
+        self.classes = anatomy.num_classes
+
+    @staticmethod
+    def _arrays(per_block):
+        rows = [(i, *op) for i, ops in enumerate(per_block) for op in ops]
+        a = np.asarray(rows, dtype=float).reshape(-1, 5)
+        return a[:, 0].astype(int), a[:, 1], a[:, 2], a[:, 3], a[:, 4]
+
+    def _blocks(self, ops, rows: float) -> np.ndarray:
+        s = self.speed
+        index, flops, fixed, per_row, half = ops
+        peak = np.where(half > 0, s.peak_flops[self.precision], s.peak_flops.get("fp32", 0.0))
+        peak = np.where(peak > 0, peak, s.peak_flops[self.precision])
+        scale = 0.5 if self.half else 1.0
+        t = np.maximum(
+            flops * rows / (peak * s.efficiency),
+            (fixed + per_row * rows * scale) / (s.memory_bandwidth * s.efficiency),
+        )
+        t = np.maximum(t, s.kernel_latency)
+        return np.bincount(index, weights=t, minlength=self.n)
+
+    def at(self, rows: float) -> tuple[np.ndarray, np.ndarray, float]:
+        s = self.speed
+        loss_bytes = 4 * rows * self.classes * 4  # logits read, softmax, gradient written
+        loss = 4 * s.kernel_latency + loss_bytes / (s.memory_bandwidth * s.efficiency)
+        return self._blocks(self.fwd, rows), self._blocks(self.bwd, rows), loss
+
+
+class CostModel:
+    """Every cost the simulator and the search ask for, for one model on one cluster."""
+
+    def __init__(
+        self,
+        *,
+        anatomy: Anatomy,
+        cluster: Cluster,
+        timings: Timings | None = None,
+        overheads: Overheads | None = None,
+        precision: str = "fp32",
+        recompute: str = "never",
+        bucket_mb: float = 25.0,
+        overlap: bool = True,
+    ) -> None:
+        if timings is None and cluster.speed is None:
+            raise ValueError("a cluster whose device speed is 'measure' needs measured timings")
+        self.anatomy, self.cluster = anatomy, cluster
+        self.overheads = overheads or Overheads()
+        self.precision, self.recompute = precision, recompute
+        self.bucket_bytes = bucket_mb * 2**20
+        self.overlap = overlap
+        self.n = len(anatomy.blocks)
+        self._source = (
+            timings if timings is not None else _Roofline(anatomy, cluster.speed, precision)
+        )
+        self._times: dict[float, tuple[np.ndarray, np.ndarray, float]] = {}
+        self._prefix: dict[float, np.ndarray] = {}
+        self.params = np.array([b.params for b in anatomy.blocks], dtype=float)
+        self._act_scale = 0.5 if precision != "fp32" else 1.0
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    def block_times(self, rows: float) -> tuple[np.ndarray, np.ndarray, float]:
+        if rows not in self._times:
+            self._times[rows] = self._source.at(rows)
+        return self._times[rows]
+
+    def prefix(self, rows: float) -> np.ndarray:
+        """Cumulative forward + backward seconds of blocks ``[0, i)`` at ``rows`` rows."""
+        if rows not in self._prefix:
+            fwd, bwd, _ = self.block_times(rows)
+            both = fwd + bwd + (fwd if self.recompute != "never" else 0.0)
+            self._prefix[rows] = np.concatenate(([0.0], np.cumsum(both)))
+        return self._prefix[rows]
+
+    def forward(self, a: int, b: int, rows: float) -> float:
+        fwd, _, loss = self.block_times(rows)
+        last = b == self.n
+        # The loss's forward and backward run where the last stage's forward does.
+        return float(fwd[a:b].sum()) + (loss if last else 0.0) + self.overheads.compute_action
+
+    def backward(self, a: int, b: int, rows: float, *, recompute: bool) -> float:
+        fwd, bwd, _ = self.block_times(rows)
+        again = float(fwd[a:b].sum()) if recompute else 0.0
+        return float(bwd[a:b].sum()) + again + self.overheads.compute_action
+
+    def backward_share(self, a: int, b: int, rows: float) -> np.ndarray:
+        """Fraction of a stage's backward done when each block's gradients are complete
+        (blocks ``a..b-1``, in block order; backward runs them in reverse); all 1 without overlap."""
+        _, bwd, _ = self.block_times(rows)
+        part = bwd[a:b]
+        if not self.overlap:
+            return np.ones_like(part)
+        total = part.sum()
+        done_from_end = np.cumsum(part[::-1])[::-1]  # backward of blocks j..b-1
+        return done_from_end / total if total > 0 else np.ones_like(part)
+
+    # -- transfers ---------------------------------------------------------------------------------
+
+    def _wire(self) -> int:
+        return 2 if self.precision != "fp32" else 4
+
+    def boundary_bytes(self, cut: int, rows: float, *, grad: bool = False) -> float:
+        """Bytes of ``rows`` rows of what block ``cut - 1`` hands block ``cut``."""
+        if cut == 0:
+            return self.anatomy.input_elems * 4 * rows
+        block = self.anatomy.blocks[cut - 1]
+        floats = sum(block.out_elems) * self._wire() * rows
+        return floats if grad else floats + block.out_other_bytes * rows
+
+    def link(self, node_a: int, node_b: int) -> Link:
+        return self.cluster.intra if node_a == node_b else self.cluster.inter
+
+    def _group_link(self, nodes: Sequence[int]) -> Link:
+        if len(set(nodes)) > 1:
+            return self.cluster.inter
+        return self.cluster.collective or self.cluster.intra
+
+    def allreduce(self, nbytes: float, nodes: Sequence[int]) -> float:
+        n = len(nodes)
+        if n < 2:
+            return 0.0
+        link = self._group_link(nodes)
+        return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+    def reduce(self, nbytes: float, nodes: Sequence[int]) -> float:
+        """Reduce to one member, or broadcast from one: half a ring all-reduce."""
+        n = len(nodes)
+        if n < 2:
+            return 0.0
+        link = self._group_link(nodes)
+        return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+
+    def bucket_copies(self, nbytes: float) -> float:
+        """DDP copies each gradient into its bucket and back (no gradient-as-bucket views)."""
+        speed = self.cluster.speed
+        if speed is not None:  # a copy reads and writes every byte
+            return 2 * 2 * nbytes / (speed.memory_bandwidth * speed.efficiency)
+        return 2 * nbytes / self.overheads.copy_bandwidth
+
+    def buckets(self, a: int, b: int, *, ddp: bool) -> list[tuple[int, float]]:
+        """Gradient buckets of a stage as (index of the block whose backward completes it,
+        bytes), in the order backward fills them (parameters in reverse)."""
+        out: list[tuple[int, float]] = []
+        size, cap = 0.0, DDP_FIRST_BUCKET if ddp else self.bucket_bytes
+        for j in range(b - 1, a - 1, -1):
+            nbytes = self.params[j] * _MASTER_BYTES
+            if nbytes == 0:
+                continue
+            size += nbytes
+            if size >= cap:
+                out.append((j, size))
+                size, cap = 0.0, self.bucket_bytes
+        if size:
+            out.append((a, size))
+        return out
+
+    def optimizer(self, a: int, b: int) -> float:
+        params = float(self.params[a:b].sum())
+        if isinstance(self._source, Timings):
+            return params * self._source.optimizer_per_param
+        speed = self.cluster.speed
+        return params * _OPTIMIZER_BYTES / (speed.memory_bandwidth * speed.efficiency)
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def saved_bytes(self, a: int, b: int, rows: float) -> float:
+        blocks = self.anatomy.blocks
+        kept = sum(blocks[j].saved.at(rows) for j in range(a, b))
+        kept -= sum(blocks[j].saved_shared.at(rows) for j in range(a + 1, b))
+        return max(kept, 0.0) * self._act_scale
+
+    def memory(
+        self,
+        a: int,
+        b: int,
+        *,
+        acts: Sequence[Action],
+        rows: Sequence[int],
+        recomputed: Sequence[bool],
+        synced: bool,
+        ddp: bool,
+    ) -> Memory:
+        """Peak bytes of one replica running blocks ``a..b-1`` through ``acts``."""
+        params = float(self.params[a:b].sum()) * _MASTER_BYTES
+        live = peak = in_flight = peak_in_flight = 0.0
+        for act in acts:
+            k = act.micro
+            full = self.saved_bytes(a, b, rows[k])
+            kept = self.boundary_bytes(a, rows[k]) if recomputed[k] else full
+            if act.op is Op.FORWARD:
+                live += kept
+                in_flight += 1
+                peak = max(peak, live)
+                peak_in_flight = max(peak_in_flight, in_flight)
+            elif act.op is Op.BACKWARD:
+                if recomputed[k]:
+                    peak = max(peak, live + full)
+                live -= kept
+                in_flight -= 1
+        top = max(rows)
+        buffers = (peak_in_flight + 1) * (self.boundary_bytes(a, top) if a > 0 else 0.0)
+        buffers += 2 * (self.boundary_bytes(b, top, grad=True) if b < self.n else 0.0)
+        return Memory(
+            params=params,
+            grads=params,
+            optimizer=params,
+            buckets=params if synced and ddp else 0.0,
+            activations=peak,
+            buffers=buffers,
+        )

@@ -1,0 +1,156 @@
+"""Plan one job: check the request, build its cost model (a cluster file's device, or this
+machine measured), and search."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+import models
+from bundle.errors import ConfigError
+from bundle.plan import calibrate
+from bundle.plan import profile as prof
+from bundle.plan.cluster import Cluster
+from bundle.plan.cost import CostModel
+from bundle.plan.search import Evaluated, search
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    model: str
+    batch: int
+    nodes: int
+    per_node: int  # devices (processes) per node
+    input_shape: tuple[int, int, int]
+    num_classes: int
+    precision: str = "fp32"
+    recompute: str = "never"
+    bucket_mb: float = 25.0
+    max_stages: int = 4
+    max_micro: int = 64
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.per_node
+
+
+def check(request: Request, cluster: Cluster | None) -> None:
+    """Input errors, each one ConfigError naming the flag, before anything is measured."""
+    if request.model not in models.available():
+        raise ConfigError(
+            "--model", request.model, f"choose one of: {', '.join(models.available())}"
+        )
+    for flag, value in (
+        ("--nodes", request.nodes),
+        ("--gpus-per-node", request.per_node),
+        ("--batch-size", request.batch),
+        ("--max-stages", request.max_stages),
+        ("--max-micro-batches", request.max_micro),
+    ):
+        if value < 1:
+            raise ConfigError(flag, value, "must be an integer >= 1")
+    if request.batch < request.devices:
+        raise ConfigError(
+            "--batch-size",
+            request.batch,
+            f"must be >= the {request.devices} devices, so that every process holds a row",
+        )
+    if cluster is None:
+        return
+    if request.per_node > cluster.devices_per_node:
+        raise ConfigError(
+            "--gpus-per-node",
+            request.per_node,
+            f"the cluster '{cluster.name}' has {cluster.devices_per_node} devices per node",
+        )
+    if request.nodes > cluster.nodes:
+        raise ConfigError(
+            "--nodes", request.nodes, f"the cluster '{cluster.name}' has {cluster.nodes}"
+        )
+    cluster.check_precision(request.precision)
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    """Measure with the threads each worker of the job will have (bundle.launch sets them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _ram_per_process(per_node: int) -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / per_node
+
+
+def cost_model(
+    request: Request,
+    *,
+    cluster: Cluster | None,
+    cache: prof.ProfileCache,
+    repeats: int = 5,
+    start_method: str = "spawn",
+) -> CostModel:
+    """The cost model of ``request``: on a cluster file's device, or on this machine measured
+    (its block timings, engine overheads and loopback links, each cached)."""
+    anatomy = prof.anatomy(request.model, request.input_shape, request.num_classes, cache)
+    common = dict(
+        anatomy=anatomy,
+        precision=request.precision,
+        recompute=request.recompute,
+        bucket_mb=request.bucket_mb,
+    )
+    if cluster is not None and cluster.speed is not None:
+        # An estimated accelerator runs its kernels behind the host, asynchronously: the engine's
+        # host-side overheads (measured on this CPU) are not counted, nothing is measured here.
+        return CostModel(cluster=cluster, **common)
+    overheads = calibrate.engine(cache)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    threads = max(1, (os.cpu_count() or 1) // request.per_node)
+    with _threads(threads if device.type == "cpu" else torch.get_num_threads()):
+        timings = prof.timings(
+            request.model,
+            request.input_shape,
+            request.num_classes,
+            cache,
+            rows=prof.row_grid(request.batch),
+            precision=request.precision,
+            device=device,
+            repeats=repeats,
+        )
+    if cluster is None:
+        cal = calibrate.calibrate(cache, start_method=start_method)
+        memory = (
+            torch.cuda.get_device_properties(device).total_memory
+            if device.type == "cuda"
+            else _ram_per_process(request.per_node)
+        )
+        cluster = replace(
+            calibrate.loopback(
+                cal.p2p, cal.collective, devices=request.per_node, memory_bytes=memory
+            ),
+            nodes=request.nodes,
+        )
+        overheads = cal.overheads
+    # Gloo on the CPU reduces on the cores the backward runs on: no overlap to count on.
+    overlap = device.type != "cpu"
+    return CostModel(
+        cluster=cluster, timings=timings, overheads=overheads, overlap=overlap, **common
+    )
+
+
+def plan(request: Request, cost: CostModel) -> list[Evaluated]:
+    """Every plan the search simulated, best first."""
+    return search(
+        cost,
+        nodes=request.nodes,
+        per_node=request.per_node,
+        batch=request.batch,
+        max_stages=request.max_stages,
+        max_micro=request.max_micro,
+    )

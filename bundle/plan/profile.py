@@ -1,0 +1,310 @@
+"""Per-block timings of a model, measured on the local device, and the cache of profiles.
+
+Timings are measured on the local device: per block, forward and backward seconds at a grid of
+row counts (warm-up, then the median of repeats), the loss's, and an SGD step's per parameter.
+Between grid points a time is interpolated linearly in rows.
+
+Timings and anatomies (``bundle.plan.anatomy``) are cached as JSON under a cache directory, keyed
+by (model, input, classes) for the anatomy and additionally by (device, dtype, threads, grid) for
+timings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import models
+from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear, count_anatomy
+from bundle.precision import Policy
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds measured on one device at a grid of row counts; interpolated in between."""
+
+    device: str
+    precision: str
+    rows: tuple[int, ...]
+    fwd: tuple[tuple[float, ...], ...]  # [grid point][block]
+    bwd: tuple[tuple[float, ...], ...]
+    loss: tuple[float, ...]  # forward + backward of the loss at each grid point
+    optimizer_per_param: float  # one SGD-with-momentum step, seconds per parameter
+
+    def at(self, rows: float) -> tuple[np.ndarray, np.ndarray, float]:
+        """(forward per block, backward per block, loss) at ``rows`` rows."""
+        grid = np.asarray(self.rows, dtype=float)
+        fwd, bwd, loss = np.asarray(self.fwd), np.asarray(self.bwd), np.asarray(self.loss)
+        if len(grid) == 1:
+            scale = rows / grid[0]
+            return fwd[0] * scale, bwd[0] * scale, float(loss[0] * scale)
+        # Linear between grid points; beyond the grid, the nearest segment's slope (never < 0).
+        i = int(np.clip(np.searchsorted(grid, rows) - 1, 0, len(grid) - 2))
+        w = (rows - grid[i]) / (grid[i + 1] - grid[i])
+        mix = lambda a: np.maximum(a[i] + w * (a[i + 1] - a[i]), 0.0)  # noqa: E731
+        return mix(fwd), mix(bwd), float(mix(loss))
+
+
+# -- timings, on the local device ------------------------------------------------------------
+
+
+def device_name(device: torch.device) -> str:
+    """What a measured profile is valid for: the device model and, on a CPU, the thread count."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"cpu:{model}:{torch.get_num_threads()} thread(s)"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_timings(
+    model_name: str,
+    input_shape,
+    num_classes: int,
+    *,
+    rows: tuple[int, ...],
+    precision: str = "fp32",
+    device: torch.device | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> Timings:
+    """Forward and backward seconds of every block at each row count (median of ``repeats``)."""
+    device = device or torch.device("cpu")
+    policy = Policy(precision=precision, device_type=device.type)
+    torch.manual_seed(0)
+    model = models.build(model_name, num_classes=num_classes, input_shape=input_shape).to(device)
+    blocks = models.blocks(model)
+    fwd_grid, bwd_grid, loss_grid = [], [], []
+    for r in rows:
+        runs = []
+        for _ in range(warmup + repeats):
+            runs.append(one_pass(blocks, policy, device, r, input_shape, num_classes))
+        timed = runs[warmup:]
+        fwd_grid.append(
+            tuple(statistics.median(t[0][i] for t in timed) for i in range(len(blocks)))
+        )
+        bwd_grid.append(
+            tuple(statistics.median(t[1][i] for t in timed) for i in range(len(blocks)))
+        )
+        loss_grid.append(statistics.median(t[2] for t in timed))
+    return Timings(
+        device=device_name(device),
+        precision=precision,
+        rows=tuple(rows),
+        fwd=tuple(fwd_grid),
+        bwd=tuple(bwd_grid),
+        loss=tuple(loss_grid),
+        optimizer_per_param=optimizer_per_param(model, warmup, repeats, device),
+    )
+
+
+def one_pass(blocks, policy: Policy, device, rows: int, input_shape, num_classes: int):
+    """One forward and one backward through every block, as a stage runs them, timed per block.
+
+    Forward: a clock reading between blocks. Backward: one ``backward`` call (a stage makes one
+    per micro-batch), and a hook on each block's input gradient reads the clock as backward leaves
+    that block; a block whose input needs no gradient ends when backward returns.
+    """
+    x: tuple[torch.Tensor, ...] = (torch.randn(rows, *input_shape, device=device),)
+    n = len(blocks)
+    fwd, left = [], [0.0] * (n + 1)  # left[i]: when backward has finished block i (and all after)
+
+    def stamp(i: int):
+        def hook(grad: torch.Tensor) -> None:
+            _sync(device)
+            left[i] = max(left[i], time.perf_counter())
+
+        return hook
+
+    with policy.autocast():
+        for i, (_, block) in enumerate(blocks):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = block(*x)
+            _sync(device)
+            fwd.append(time.perf_counter() - t0)
+            x = out if isinstance(out, tuple) else (out,)
+            # Hooks go on outside the clock: the engine's forward registers none.
+            for t in x if i + 1 < n else ():
+                if t.requires_grad:
+                    t.register_hook(stamp(i + 1))
+    logits = x[0].float()
+    logits.register_hook(stamp(n))
+    labels = torch.randint(0, num_classes, (rows,), device=device)
+    t0 = time.perf_counter()
+    loss = F.cross_entropy(logits, labels, reduction="sum")
+    loss_fwd = time.perf_counter() - t0
+    _sync(device)
+    start = time.perf_counter()
+    loss.backward()
+    _sync(device)
+    end = time.perf_counter()
+    # A boundary whose tensors need no gradient was never stamped: backward ended there.
+    marks = [end if m == 0.0 else m for m in left[:n]] + [left[n] or start]
+    bwd = [max(marks[i] - marks[i + 1], 0.0) for i in range(n)]
+    return fwd, bwd, loss_fwd + (marks[n] - start)
+
+
+def optimizer_per_param(model: torch.nn.Module, warmup: int, repeats: int, device) -> float:
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    times = []
+    for _ in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warmup:]) / max(1, sum(p.numel() for p in params))
+
+
+def row_grid(max_rows: int) -> tuple[int, ...]:
+    """Powers of two up to ``max_rows``, and ``max_rows`` itself."""
+    grid, r = [], 1
+    while r < max_rows:
+        grid.append(r)
+        r *= 2
+    return (*grid, max_rows)
+
+
+# -- the cache -------------------------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "bundle" / "profiles"
+
+
+class ProfileCache:
+    """JSON files under one directory, named by a hash of what they depend on; ``None``: off."""
+
+    FORMAT = 1  # raised whenever what an entry holds changes: older entries are measured again
+
+    def __init__(self, directory: str | Path | None) -> None:
+        self.directory = Path(directory) if directory is not None else None
+
+    def _path(self, kind: str, key: dict) -> Path | None:
+        if self.directory is None:
+            return None
+        key = {**key, "format": self.FORMAT}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return self.directory / f"{kind}-{key.get('model', 'engine')}-{digest}.json"
+
+    def get(self, kind: str, key: dict) -> dict | None:
+        path = self._path(kind, key)
+        if path is None or not path.is_file():
+            return None
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None  # a damaged entry is measured again
+        return doc.get("value") if doc.get("key") == key else None
+
+    def put(self, kind: str, key: dict, value: dict) -> None:
+        path = self._path(kind, key)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "value": value}))
+        tmp.replace(path)
+
+
+def _anatomy_from(doc: dict) -> Anatomy:
+    blocks = tuple(
+        BlockAnatomy(
+            name=b["name"],
+            params=b["params"],
+            out_elems=tuple(b["out_elems"]),
+            out_other_bytes=b["out_other_bytes"],
+            saved=Linear(**b["saved"]),
+            saved_shared=Linear(**b["saved_shared"]),
+            fwd_ops=tuple(tuple(o) for o in b["fwd_ops"]),
+            bwd_ops=tuple(tuple(o) for o in b["bwd_ops"]),
+        )
+        for b in doc["blocks"]
+    )
+    return Anatomy(doc["model"], tuple(doc["input_shape"]), doc["num_classes"], blocks)
+
+
+def anatomy(model: str, input_shape, num_classes: int, cache: ProfileCache) -> Anatomy:
+    """The model's anatomy, from the cache or counted now (well under a second)."""
+    key = {
+        "model": model,
+        "input": list(input_shape),
+        "classes": num_classes,
+        "torch": torch.__version__,
+    }
+    doc = cache.get("anatomy", key)
+    if doc is None:
+        found = count_anatomy(model, tuple(input_shape), num_classes)
+        cache.put("anatomy", key, asdict(found))
+        return found
+    return _anatomy_from(doc)
+
+
+def timings(
+    model: str,
+    input_shape,
+    num_classes: int,
+    cache: ProfileCache,
+    *,
+    rows: tuple[int, ...],
+    precision: str = "fp32",
+    device: torch.device | None = None,
+    repeats: int = 5,
+) -> Timings:
+    """Measured timings, from the cache when this device, dtype, thread count and grid were seen."""
+    device = device or torch.device("cpu")
+    key = {
+        "model": model,
+        "input": list(input_shape),
+        "classes": num_classes,
+        "device": device_name(device),
+        "precision": precision,
+        "rows": list(rows),
+        "torch": torch.__version__,
+    }
+    doc = cache.get("timings", key)
+    if doc is not None:
+        return Timings(
+            device=doc["device"],
+            precision=doc["precision"],
+            rows=tuple(doc["rows"]),
+            fwd=tuple(tuple(r) for r in doc["fwd"]),
+            bwd=tuple(tuple(r) for r in doc["bwd"]),
+            loss=tuple(doc["loss"]),
+            optimizer_per_param=doc["optimizer_per_param"],
+        )
+    found = measure_timings(
+        model,
+        tuple(input_shape),
+        num_classes,
+        rows=rows,
+        precision=precision,
+        device=device,
+        repeats=repeats,
+    )
+    cache.put("timings", key, asdict(found))
+    return found

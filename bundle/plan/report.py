@@ -1,0 +1,173 @@
+"""What the planner tells a user: a ranked table, its JSON, the main.py command of each plan, and
+a picture of the best plan's simulated step beside the throughput of the top plans."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from bundle.plan.cost import CostModel
+from bundle.plan.search import Evaluated, Plan
+from bundle.plan.simulate import COMPUTE, OPTIMIZER, SEND, SYNC, WAIT
+
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the plans are for: everything of the main.py command that is not the plan."""
+
+    model: str
+    batch: int
+    nodes: int
+    precision: str = "fp32"
+    recompute: str = "never"
+    extra: tuple[str, ...] = ()  # more main.py arguments, as given (data set, image size)
+
+
+def split_names(plan: Plan, cost: CostModel) -> list[str]:
+    names = cost.anatomy.names
+    return [names[i] for i in plan.starts]
+
+
+def command(plan: Plan, job: Job, cost: CostModel) -> str:
+    """The main.py command that runs ``plan`` (one per node: add --rank and --IP on each)."""
+    args = ["python", "main.py", "--model", job.model, "--batch-size", str(job.batch)]
+    args += [
+        "--bundle-shape",
+        ",".join(map(str, plan.shape)),
+        "--num-bundle",
+        str(plan.num_bundles),
+    ]
+    if len(plan.shape) > 1:
+        args += ["--partition", ",".join(split_names(plan, cost))]
+    args += ["--micro-batches", str(plan.micro_batches), "--schedule", plan.schedule]
+    args += ["--grad-sync", plan.grad_sync]
+    if job.nodes > 1:
+        args += ["--world-size", str(job.nodes), "--nproc-per-node", str(plan.procs_per_node)]
+    if job.precision != "fp32":
+        args += ["--precision", job.precision]
+    if job.recompute != "never":
+        args += ["--recompute", job.recompute]
+    return shlex.join([*args, *job.extra])
+
+
+def row(e: Evaluated, job: Job, cost: CostModel) -> dict:
+    """One plan as plain JSON types."""
+    p = e.plan
+    return {
+        "shape": list(p.shape),
+        "num_bundles": p.num_bundles,
+        "processes": p.processes,
+        "split": split_names(p, cost),
+        "micro_batches": p.micro_batches,
+        "schedule": p.schedule,
+        "grad_sync": p.grad_sync,
+        "predicted_samples_per_s": round(e.samples_per_s, 2),
+        "step_s": e.sim.step_time,
+        "stage_compute_s": e.stage_compute,
+        "bubble": round(e.sim.bubble, 4),
+        "grad_sync_s": max(e.sim.sync),
+        "memory_bytes": [
+            {
+                "params": m.params,
+                "grads": m.grads,
+                "optimizer": m.optimizer,
+                "ddp_buckets": m.buckets,
+                "activations": m.activations,
+                "buffers": m.buffers,
+                "total": m.total,
+            }
+            for m in e.memory
+        ],
+        "fits": e.fits,
+        "command": command(p, job, cost),
+    }
+
+
+def _ms(values) -> str:
+    return "/".join(f"{v * 1e3:.1f}" for v in values)
+
+
+def table(rows: list[dict], device_memory: float) -> str:
+    """The ranked plans as text, one line each, then each plan's command."""
+    head = (
+        f"{'#':>2} {'shape':<12} {'b':>2} {'M':>3} {'sched':<5} {'sync':<5} {'samples/s':>10} "
+        f"{'stage ms':<16} {'bubble':>6} {'sync ms':>7} {'GiB/dev':>8}  split"
+    )
+    lines = [head]
+    for i, r in enumerate(rows, 1):
+        mem = max(m["total"] for m in r["memory_bytes"]) / _GIB
+        fit = "" if r["fits"] else " (does not fit)"
+        lines.append(
+            f"{i:>2} {','.join(map(str, r['shape'])):<12} {r['num_bundles']:>2} "
+            f"{r['micro_batches']:>3} {r['schedule']:<5} {r['grad_sync'][:5]:<5} "
+            f"{r['predicted_samples_per_s']:>10.1f} {_ms(r['stage_compute_s']):<16} "
+            f"{r['bubble']:>6.1%} {r['grad_sync_s'] * 1e3:>7.1f} {mem:>8.2f}  "
+            f"{','.join(r['split'])}{fit}"
+        )
+    lines.append(f"device memory {device_memory / _GIB:.1f} GiB")
+    lines += [f"{i:>2} {r['command']}" for i, r in enumerate(rows, 1)]
+    return "\n".join(lines)
+
+
+_COLOURS = {
+    "forward": "#4C72B0",
+    "backward": "#DD8452",
+    SEND: "#55A868",
+    WAIT: "#DDDDDD",
+    SYNC: "#C44E52",
+    OPTIMIZER: "#8172B3",
+}
+
+
+def draw(path: str, best: Evaluated, rows: list[dict], title: str) -> None:
+    """The best plan's simulated step (one row per process of bundle 0) beside the top plans."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    ranks = sorted(set(best.sim.ranks))
+    for span in best.sim.timeline:
+        kind = span.kind
+        if kind == COMPUTE:
+            kind = "forward" if span.label.startswith("F") else "backward"
+        # Transfers run beside the work: a thin bar under the row.
+        band = (
+            (ranks.index(span.rank) + 0.25, 0.15)
+            if kind == SEND
+            else (ranks.index(span.rank) - 0.4, 0.6)
+        )
+        ax.broken_barh(
+            [(span.start * 1e3, (span.end - span.start) * 1e3)], band, facecolors=_COLOURS[kind]
+        )
+    stage_of = dict(zip(best.sim.ranks, best.sim.stage_of, strict=True))
+    ax.set_yticks(range(len(ranks)), [f"rank {r} (stage {stage_of[r]})" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (simulated)")
+    ax.set_title(f"best plan: {title}")
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in _COLOURS.items()],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.15),
+        ncol=6,
+        fontsize=8,
+    )
+    labels = [
+        f"{','.join(map(str, r['shape']))} x{r['num_bundles']} M={r['micro_batches']} "
+        f"{r['schedule']} {r['grad_sync'][:4]}"
+        for r in rows
+    ]
+    values = [r["predicted_samples_per_s"] for r in rows]
+    colours = ["#4C72B0" if r["fits"] else "#BBBBBB" for r in rows]
+    bars.barh(range(len(rows)), values, color=colours)
+    bars.set_yticks(range(len(rows)), labels, fontsize=7)
+    bars.invert_yaxis()
+    bars.set_xlabel("predicted samples/s")
+    bars.set_title("top plans (grey: does not fit in memory)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

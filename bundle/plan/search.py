@@ -1,0 +1,271 @@
+"""Search plans: shapes, bundles, split points, micro-batches, schedules and sync strategies.
+
+For every bundle count ``b`` and stage count ``S`` (up to ``max_stages``), every composition of the
+``devices // b`` devices of a bundle into ``S`` stage widths, and every micro-batch count that
+divides a bundle's batch and gives every replica a row, a dynamic program picks the split points
+that minimise the slowest stage (its forward + backward at the rows one replica holds, or its
+boundary transfer where that is slower). A closed form ranks those candidates (``(M + S - 1)``
+slowest stages, plus the largest gradient sync and optimizer step); the best ones are then
+simulated under both schedules and both sync strategies and ranked by simulated throughput,
+plans that do not fit in device memory last.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from bundle.errors import ConfigError
+from bundle.plan.cost import CostModel, Memory
+from bundle.plan.simulate import Layout, SimResult, simulate
+from bundle.precision import Policy
+from bundle.schedule import SCHEDULES, actions
+from bundle.topology import split_sizes
+
+SYNCS = ("flat", "hierarchical")
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: tuple[int, ...]
+    num_bundles: int
+    starts: tuple[int, ...]
+    micro_batches: int
+    procs_per_node: int
+    schedule: str = "1f1b"
+    grad_sync: str = "flat"
+
+    @property
+    def processes(self) -> int:
+        return sum(self.shape) * self.num_bundles
+
+    def layout(self, batch: int) -> Layout:
+        return Layout(
+            shape=self.shape,
+            num_bundles=self.num_bundles,
+            starts=self.starts,
+            micro_batches=self.micro_batches,
+            schedule=self.schedule,
+            grad_sync=self.grad_sync,
+            batch=batch,
+            procs_per_node=self.procs_per_node,
+        )
+
+
+@dataclass
+class Evaluated:
+    plan: Plan
+    sim: SimResult
+    samples_per_s: float
+    memory: list[Memory]  # per stage, of its replica with the most rows
+    fits: bool
+    stage_compute: list[float]  # per stage: compute seconds per step of its busiest replica
+
+
+def compositions(total: int, parts: int):
+    """Every tuple of ``parts`` positive integers summing to ``total``."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield tuple(b - a for a, b in itertools.pairwise(bounds))
+
+
+def micro_counts(bundle_rows: int, widest: int, limit: int) -> list[int]:
+    """Micro-batch counts that divide a bundle's rows and leave every replica a row."""
+    return [m for m in range(1, limit + 1) if bundle_rows % m == 0 and bundle_rows // m >= widest]
+
+
+class Splitter:
+    """The split points minimising the slowest stage, for given widths and micro-batch rows."""
+
+    def __init__(self, cost: CostModel, link_bandwidth: float, link_latency: float) -> None:
+        self.cost, self.n = cost, cost.n
+        self.bw, self.lat = link_bandwidth, link_latency
+        self._matrix: dict[int, np.ndarray] = {}
+
+    def matrix(self, rows: int) -> np.ndarray:
+        """``C[j, i]``: one micro-batch's cycle of a stage of blocks ``j..i-1`` at ``rows`` rows."""
+        if rows not in self._matrix:
+            cost, n = self.cost, self.n
+            p = cost.prefix(rows)
+            c = p[None, :] - p[:, None] + 2 * cost.overheads.compute_action
+            c[:, n] += cost.block_times(rows)[2]
+            xfer = np.array(
+                [0.0]
+                + [cost.boundary_bytes(i, rows) / self.bw + self.lat for i in range(1, n)]
+                + [0.0]
+            )
+            c = np.maximum(c, np.maximum(xfer[None, :], xfer[:, None]))
+            c[np.tril_indices(n + 1)] = np.inf
+            self._matrix[rows] = c
+        return self._matrix[rows]
+
+    def split(self, widths: tuple[int, ...], micro_rows: int) -> tuple[tuple[int, ...], float]:
+        """(start block of each stage, the slowest stage's cycle)."""
+        rows = [math.ceil(micro_rows / w) for w in widths]
+        f = self.matrix(rows[0])[0].copy()
+        back = []
+        for r in rows[1:]:
+            m = np.maximum(f[:, None], self.matrix(r))
+            back.append(m.argmin(axis=0))
+            f = m.min(axis=0)
+        starts, i = [], self.n
+        for arg in reversed(back):
+            i = int(arg[i])
+            starts.append(i)
+        return (0, *reversed(starts)), float(f[self.n])
+
+
+@dataclass(frozen=True, order=True)
+class _Candidate:
+    estimate: float  # negated: the heap's smallest is the worst kept
+    plan: Plan = field(compare=False)
+
+
+def placement(processes: int, nodes: int, per_node: int) -> int | None:
+    """Processes per node of a job of ``processes`` on ``nodes`` nodes of ``per_node`` devices,
+    filled evenly as the engine lays ranks out; None where they cannot be."""
+    used = -(-processes // per_node)
+    if used > nodes or processes % used:
+        return None
+    return processes // used
+
+
+def search(
+    cost: CostModel,
+    *,
+    nodes: int,
+    per_node: int,
+    batch: int,
+    max_stages: int = 4,
+    max_micro: int = 64,
+    simulate_top: int = 48,
+    schedules: tuple[str, ...] = SCHEDULES,
+    syncs: tuple[str, ...] = SYNCS,
+    exact: bool = False,
+) -> list[Evaluated]:
+    """Plans for ``nodes x per_node`` devices, best first (those that fit in memory first);
+    ``exact``: only plans that use every device (a job whose processes are given)."""
+    devices = nodes * per_node
+    link = cost.cluster.intra if nodes == 1 else cost.cluster.inter
+    splitter = Splitter(cost, link.bandwidth, link.latency)
+    best: list[_Candidate] = []  # a heap of the simulate_top best estimates
+    for b in range(1, devices + 1):
+        bundle_rows = batch // b
+        if exact:
+            fit = [(devices // b, per_node if devices % b == 0 else None)]
+        else:
+            fit = [(w, placement(b * w, nodes, per_node)) for w in range(devices // b, 0, -1)]
+        width, ppn = next(((w, p) for w, p in fit if p is not None), (0, None))
+        if bundle_rows < 1 or ppn is None:
+            continue
+        for stages in range(1, min(max_stages, width, cost.n) + 1):
+            for widths in compositions(width, stages):
+                for m in micro_counts(bundle_rows, max(widths), max_micro):
+                    starts, slowest = splitter.split(widths, -(-bundle_rows // m))
+                    plan = Plan(widths, b, starts, m, ppn)
+                    item = _Candidate(-_estimate(cost, plan, batch, slowest), plan)
+                    if len(best) < simulate_top:
+                        heapq.heappush(best, item)
+                    elif item > best[0]:
+                        heapq.heapreplace(best, item)
+    if not best:
+        raise ConfigError(
+            "--batch-size",
+            batch,
+            f"no plan gives each replica on {devices} devices at least one row of a micro-batch",
+        )
+    plans = {c.plan for c in best}
+    if batch >= devices:
+        plans.add(data_parallel(nodes, per_node))
+    variants = set()
+    single = "1f1b" if "1f1b" in schedules else schedules[0]
+    for plan in plans:
+        for schedule, sync in itertools.product(schedules, syncs):
+            if plan.micro_batches == 1 and schedule != single:
+                continue  # one micro-batch: both schedules are the same action list
+            if sync != syncs[0] and not _has_hierarchy(plan):
+                continue
+            variants.add(_canonical(replace(plan, schedule=schedule, grad_sync=sync)))
+    return rank([evaluate(cost, v, batch) for v in variants])
+
+
+def _canonical(plan: Plan) -> Plan:
+    """One stage synced flat over ``b`` bundles of ``w`` is the engine's one bundle of ``b * w``
+    (the same rows per replica, the same stage group): named the ``--DP-ONLY`` way."""
+    if len(plan.shape) == 1 and plan.grad_sync == "flat" and plan.num_bundles > 1:
+        return replace(plan, shape=(plan.processes,), num_bundles=1)
+    return plan
+
+
+def _has_hierarchy(plan: Plan) -> bool:
+    """Hierarchical sync differs from flat only where a stage has replicas in several bundles and
+    more than one inside a bundle."""
+    return plan.num_bundles > 1 and max(plan.shape) > 1
+
+
+def data_parallel(nodes: int, per_node: int) -> Plan:
+    """``--DP-ONLY`` on every device: one stage, one micro-batch, flat sync."""
+    return Plan((nodes * per_node,), 1, (0,), 1, per_node)
+
+
+def rank(evaluated: list[Evaluated]) -> list[Evaluated]:
+    """Fitting plans first, then by throughput (to 4 digits: the simulation's resolution); on a
+    tie the simpler plan: fewer processes, stages and bundles, 1F1B (less memory), flat sync."""
+
+    def key(e: Evaluated):
+        p = e.plan
+        simpler = (
+            p.processes,
+            len(p.shape),
+            p.num_bundles,
+            p.schedule != "1f1b",
+            p.grad_sync != "flat",
+        )
+        return (not e.fits, -float(f"{e.samples_per_s:.4g}"), simpler)
+
+    return sorted(evaluated, key=key)
+
+
+def _estimate(cost: CostModel, plan: Plan, batch: int, slowest: float) -> float:
+    """A closed-form step time: the bubble-bound pipeline, then the slowest sync and step."""
+    topo = plan.layout(batch).topology()
+    ends = [*plan.starts[1:], cost.n]
+    tail = 0.0
+    for s, (a, b) in enumerate(zip(plan.starts, ends, strict=True)):
+        nbytes = float(cost.params[a:b].sum()) * 4
+        nodes = [topo.node_of(r) for r in topo.stage_group(s)]
+        tail = max(tail, cost.allreduce(nbytes, nodes) + cost.optimizer(a, b))
+    stages = len(plan.shape)
+    return (plan.micro_batches + stages - 1) * slowest + tail
+
+
+def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False) -> Evaluated:
+    """Simulate one plan and count its memory."""
+    layout = plan.layout(batch)
+    sim = simulate(layout, cost, timeline=timeline)
+    topo = layout.topology()
+    S, M = len(plan.shape), plan.micro_batches
+    ends = [*plan.starts[1:], cost.n]
+    policy = Policy(recompute=cost.recompute)
+    memory, compute = [], []
+    for s, (a, b) in enumerate(zip(plan.starts, ends, strict=True)):
+        acts = actions(plan.schedule, s, S, M)
+        rows = [split_sizes(m, plan.shape[s])[0] for m in topo.micro_sizes(0)]
+        memory.append(
+            cost.memory(
+                a,
+                b,
+                acts=acts,
+                rows=rows,
+                recomputed=policy.recomputes(acts, M),
+                synced=len(topo.stage_group(s)) > 1,
+                ddp=plan.grad_sync == "flat",
+            )
+        )
+        compute.append(max(t for t, st in zip(sim.busy, sim.stage_of, strict=True) if st == s))
+    fits = all(m.total <= cost.cluster.memory_bytes for m in memory)
+    return Evaluated(plan, sim, batch / sim.step_time, memory, fits, compute)

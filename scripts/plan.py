@@ -1,0 +1,165 @@
+"""Which bundle shape? Rank plans for a model on a cluster (or this machine) by simulated throughput.
+
+    python scripts/plan.py --model resnet101 --nodes 2 --gpus-per-node 4 --batch-size 256 \\
+        --cluster clusters/v100_4x4_eth.yaml --top 10 --json plans.json --png plans.png
+    python scripts/plan.py --validate --json validation.json   # against real runs here
+
+Without ``--cluster`` the plans are for this machine: the model is timed here, and so are the
+engine's overheads and the loopback links (cached under ``--profile-cache``). With a cluster file,
+the device is estimated from FLOPs and bytes against its speed (or timed here when its speed is
+``measure``), and its links are the file's. Predictions are predictions: ``--validate`` says how
+far they are from measured runs on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+for _path in (REPO, REPO / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from bundle.config import PRECISIONS, RECOMPUTES, DataConfig  # noqa: E402
+from bundle.data import input_spec  # noqa: E402
+from bundle.errors import BundleError  # noqa: E402
+from bundle.plan import planner, report  # noqa: E402
+from bundle.plan import profile as prof  # noqa: E402
+from bundle.plan.cluster import load_cluster  # noqa: E402
+from bundle.plan.search import data_parallel, evaluate  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="plan.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a registered model (see main.py --help)")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch per step")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="devices (processes) per node (default: the cluster's, or 2 on this machine)",
+    )
+    p.add_argument("--cluster", metavar="FILE.yaml", help="devices and links (clusters/*.yaml)")
+    p.add_argument("--image-size", type=int, default=224, help="input side of image models")
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--recompute", choices=RECOMPUTES, default="never")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size")
+    p.add_argument("--max-stages", type=int, default=4)
+    p.add_argument("--max-micro-batches", type=int, default=64)
+    p.add_argument("--top", type=int, default=10, help="plans shown")
+    p.add_argument("--json", metavar="OUT", help="write the plans (or the validation) here")
+    p.add_argument("--png", metavar="OUT", help="picture of the best plan and the top plans")
+    p.add_argument(
+        "--profile-cache",
+        default=str(prof.default_cache_dir()),
+        help="where measured profiles and calibrations are kept ('' : measure every time)",
+    )
+    p.add_argument("--validate", action="store_true", help="predicted vs measured runs here")
+    p.add_argument("--smoke", action="store_true", help="with --validate: two tiny configurations")
+    args = p.parse_args(argv)
+    if not args.validate and not args.model:
+        p.error("--model is required (or --validate)")
+    return args
+
+
+def _request(args: argparse.Namespace, cluster) -> planner.Request:
+    dataset = "digits" if args.model == "digits_cnn" else "synthetic"
+    classes, shape = input_spec(
+        DataConfig(dataset=dataset, image_size=args.image_size, num_classes=args.num_classes)
+    )
+    per_node = args.gpus_per_node or (cluster.devices_per_node if cluster else 2)
+    return planner.Request(
+        model=args.model,
+        batch=args.batch_size,
+        nodes=args.nodes,
+        per_node=per_node,
+        input_shape=shape,
+        num_classes=classes,
+        precision=args.precision,
+        recompute=args.recompute,
+        bucket_mb=args.bucket_mb,
+        max_stages=args.max_stages,
+        max_micro=args.max_micro_batches,
+    )
+
+
+def plan(args: argparse.Namespace) -> dict:
+    cluster = load_cluster(args.cluster) if args.cluster else None
+    request = _request(args, cluster)
+    planner.check(request, cluster)
+    cache = prof.ProfileCache(args.profile_cache or None)
+    cost = planner.cost_model(request, cluster=cluster, cache=cache)
+    ranked = planner.plan(request, cost)
+    extra = ["--dataset", "synthetic", "--image-size", str(args.image_size)]
+    extra += ["--num-classes", str(args.num_classes)] if request.model != "digits_cnn" else []
+    job = report.Job(
+        model=request.model,
+        batch=request.batch,
+        nodes=request.nodes,
+        precision=request.precision,
+        recompute=request.recompute,
+        extra=tuple(extra) if request.model != "digits_cnn" else (),
+    )
+    top = ranked[: args.top]
+    rows = [report.row(e, job, cost) for e in top]
+    dp = evaluate(cost, data_parallel(request.nodes, request.per_node), request.batch)
+    best = ranked[0]
+    out = {
+        "model": request.model,
+        "batch": request.batch,
+        "devices": request.devices,
+        "cluster": cost.cluster.name,
+        "device_memory_bytes": cost.cluster.memory_bytes,
+        "precision": request.precision,
+        "recompute": request.recompute,
+        "plans": rows,
+        "data_parallel": report.row(dp, job, cost),
+        "speedup_over_data_parallel": round(best.samples_per_s / dp.samples_per_s, 3),
+        "simulated": len(ranked),
+    }
+    print(
+        f"{request.model}, batch {request.batch}, {request.devices} devices on {cost.cluster.name}"
+    )
+    print(report.table(rows, cost.cluster.memory_bytes))
+    fits = "" if dp.fits else " (does not fit in memory)"
+    print(
+        f"best plan: {best.samples_per_s:.1f} samples/s predicted, "
+        f"{out['speedup_over_data_parallel']:.2f}x pure data parallelism "
+        f"({dp.samples_per_s:.1f} samples/s{fits}); {len(ranked)} plans simulated"
+    )
+    if args.png:
+        shown = evaluate(cost, best.plan, request.batch, timeline=True)
+        title = f"{request.model} {rows[0]['shape']} x{best.plan.num_bundles}"
+        report.draw(args.png, shown, rows, title)
+    return out
+
+
+def validate(args: argparse.Namespace) -> dict:
+    import plan_validate
+
+    spec = plan_validate.SMOKE if args.smoke else plan_validate.FULL
+    results, wall = plan_validate.run(spec)
+    out = plan_validate.predict(spec, results)
+    out["wall_s"] = round(wall, 1)
+    print(plan_validate.render(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        out = validate(args) if args.validate else plan(args)
+    except BundleError as exc:
+        print(f"plan.py: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

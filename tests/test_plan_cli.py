@@ -1,0 +1,251 @@
+"""scripts/plan.py: cluster files, bad input (one line, exit 2), the table and JSON, the
+validation smoke; and main.py's --bundle-shape auto / --partition auto."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import main
+import models
+from bundle.config import AUTO_SHAPE
+from bundle.errors import ConfigError
+from bundle.localworld import free_port
+from bundle.plan import auto
+from bundle.plan.cluster import load_cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTERS = sorted((ROOT / "clusters").glob("*.yaml"))
+
+
+def _plan_script():
+    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PLAN = _plan_script()
+
+
+def test_shipped_cluster_files_load():
+    assert [p.name for p in CLUSTERS] == ["h100_2x8_ib.yaml", "v100_4x4_eth.yaml"]
+    h100, v100 = (load_cluster(str(p)) for p in CLUSTERS)
+    assert (h100.nodes, h100.devices_per_node, h100.devices) == (2, 8, 16)
+    assert (v100.nodes, v100.devices_per_node, v100.devices) == (4, 4, 16)
+    assert h100.inter.bandwidth == pytest.approx(400e9 / 8)  # 400 Gb/s
+    assert v100.inter.bandwidth == pytest.approx(10e9 / 8)  # 10 Gb/s
+    assert "bf16" not in v100.speed.peak_flops
+    with pytest.raises(ConfigError, match="--precision"):
+        v100.check_precision("bf16")
+
+
+def _broken(tmp_path: Path, edit) -> str:
+    doc = yaml.safe_load(CLUSTERS[1].read_text())
+    edit(doc)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+BROKEN = {
+    "missing nodes": (lambda d: d.pop("nodes"), "key nodes"),
+    "negative memory": (lambda d: d["device"].update(memory_gib=-1), "device.memory_gib"),
+    "negative bandwidth": (
+        lambda d: d["inter_node"].update(bandwidth_gbs=-1.25),
+        "inter_node.bandwidth_gbs",
+    ),
+    "missing latency": (lambda d: d["intra_node"].pop("latency_us"), "intra_node.latency_us"),
+    "unknown key": (lambda d: d.update(gpus=4), "key gpus"),
+    "efficiency above 1": (
+        lambda d: d["device"]["speed"].update(efficiency=2),
+        "device.speed.efficiency",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_a_broken_cluster_file_names_the_key(tmp_path, name):
+    edit, needle = BROKEN[name]
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_cluster(_broken(tmp_path, edit))
+
+
+BAD = {
+    "unknown model": (["--model", "resnet9000"], "--model"),
+    "more devices per node than the cluster": (
+        ["--model", "resnet50", "--gpus-per-node", "8", "--cluster", str(CLUSTERS[1])],
+        "--gpus-per-node",
+    ),
+    "more nodes than the cluster": (
+        ["--model", "resnet50", "--nodes", "5", "--cluster", str(CLUSTERS[1])],
+        "--nodes",
+    ),
+    "batch too small for any plan": (
+        ["--model", "resnet50", "--batch-size", "4", "--cluster", str(CLUSTERS[0])],
+        "--batch-size",
+    ),
+    "missing cluster file": (["--model", "resnet50", "--cluster", "nope.yaml"], "--cluster"),
+    "precision the cluster lacks": (
+        ["--model", "resnet50", "--precision", "bf16", "--cluster", str(CLUSTERS[1])],
+        "--precision",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_is_one_line_and_exit_2(name, capsys, tmp_path):
+    argv, needle = BAD[name]
+    assert PLAN.main([*argv, "--profile-cache", str(tmp_path)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("plan.py: error:") and needle in err[0], err
+
+
+def test_broken_cluster_file_is_exit_2(tmp_path, capsys):
+    path = _broken(tmp_path, lambda d: d.pop("devices_per_node"))
+    assert PLAN.main(["--model", "vgg16", "--cluster", path]) == 2
+    assert "devices_per_node" in capsys.readouterr().err
+
+
+def test_plans_for_a_cluster_file(tmp_path, capsys):
+    out, png = tmp_path / "plans.json", tmp_path / "plans.png"
+    argv = [
+        "--model",
+        "vgg16",
+        "--batch-size",
+        "256",
+        "--nodes",
+        "2",
+        "--cluster",
+        str(CLUSTERS[1]),
+    ]
+    argv += ["--top", "5", "--json", str(out), "--png", str(png), "--profile-cache", str(tmp_path)]
+    assert PLAN.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["devices"] == 8 and len(report["plans"]) == 5
+    best = report["plans"][0]
+    for key in ("shape", "split", "micro_batches", "schedule", "grad_sync", "bubble", "fits"):
+        assert key in best
+    assert best["predicted_samples_per_s"] >= report["data_parallel"]["predicted_samples_per_s"]
+    assert report["speedup_over_data_parallel"] >= 1.0
+    assert best["command"].startswith("python main.py --model vgg16 --batch-size 256")
+    assert png.stat().st_size > 10_000
+    text = capsys.readouterr().out
+    assert "pure data parallelism" in text and best["command"] in text
+    # The command's arguments are main.py's own, split points included.
+    cmd = best["command"].split()[2:]
+    cfg = main.parse(cmd, {})
+    assert cfg.parallel.shape == tuple(best["shape"])
+    assert cfg.parallel.micro_batches == best["micro_batches"]
+
+
+def test_auto_is_parsed_and_refused_beside_dp_only():
+    cfg = main.parse(["--bundle-shape", "auto"], {})
+    assert cfg.parallel.shape == AUTO_SHAPE and auto.wanted(cfg)
+    assert auto.wanted(main.parse(["--partition", "auto"], {}))
+    assert not auto.wanted(main.parse([], {}))
+    with pytest.raises(ConfigError, match="--DP-ONLY"):
+        main.parse(["--bundle-shape", "auto", "--DP-ONLY"], {})
+
+
+def test_auto_under_torchrun_plans_the_same_from_counts_alone():
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    argv = ["--bundle-shape", "auto", "--model", "resnet18", "--dataset", "synthetic"]
+    argv += ["--image-size", "32", "--batch-size", "64"]
+    first = auto.resolve(main.parse(argv, env))
+    again = auto.resolve(main.parse(argv, env))
+    assert first == again  # every process plans alike: the configs they compare agree
+    assert first.parallel.world_size == 4 and first.launch.nproc_per_node == 2
+    assert first.predicted_samples_per_s > 0
+    # The resolved config is an ordinary one: its split parses and fits the model.
+    main_cfg = main.parse(argv, env)
+    assert main_cfg.parallel.shape == AUTO_SHAPE
+    if len(first.parallel.shape) > 1:
+        assert "," in first.model.partition
+
+
+@pytest.mark.slow
+def test_validate_smoke_reports_every_key(tmp_path):
+    out = tmp_path / "validation.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "plan.py"),
+            "--validate",
+            "--smoke",
+            "--json",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert len(report["configurations"]) == 2
+    for row in report["configurations"]:
+        for key in ("predicted_samples_per_s", "measured_samples_per_s", "error"):
+            assert isinstance(row[key], float) and row[key] == row[key], (key, row)
+        assert row["predicted_samples_per_s"] > 0 and row["measured_samples_per_s"] > 0
+    assert report["median_abs_error"] >= 0 and report["max_abs_error"] >= report["median_abs_error"]
+    assert "median |error|" in proc.stdout
+
+
+@pytest.mark.slow
+def test_main_runs_the_planned_shape_and_reports_its_prediction(tmp_path):
+    """--bundle-shape auto on two CPU processes: the plan is logged, run, and its prediction
+    sits beside the measured throughput in the summary."""
+    args = ["--bundle-shape", "auto", "--nproc-per-node", "2", "--model", "mlp"]
+    args += ["--dataset", "synthetic", "--image-size", "4", "--synthetic-size", "128"]
+    args += ["--batch-size", "16", "--itr", "4", "--no-eval", "--portNum", str(free_port())]
+    env = {"XDG_CACHE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "main.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "main.py: plan: --bundle-shape" in proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2
+    assert summary["predicted_samples_per_s"] > 0 and summary["samples_per_s"] > 0
+    assert any((tmp_path / "bundle" / "profiles").iterdir())  # the profile is cached
+
+
+def test_partition_auto_splits_the_given_shape_by_time():
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
+    argv = ["--bundle-shape", "2,1", "--partition", "auto", "--model", "vgg16"]
+    argv += [
+        "--dataset",
+        "synthetic",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "32",
+        "--micro-batches",
+        "4",
+    ]
+    cfg = auto.resolve(main.parse(argv, env))
+    assert cfg.parallel.shape == (2, 1) and cfg.parallel.micro_batches == 4
+    first, second = cfg.model.partition.split(",")
+    assert first == "features.0" and second != first
+    assert cfg.predicted_samples_per_s > 0
+    # The time-balanced split puts the wide front on the convolutions, unlike the
+    # parameter-balanced one (VGG's parameters sit in its classifier).
+    from bundle import partition
+
+    with torch.device("meta"):
+        model = models.build("vgg16", num_classes=10, input_shape=(3, 32, 32))
+    by_params = partition.auto_starts(models.blocks(model), 2)
+    assert models.blocks(model)[by_params[1]][0] != second

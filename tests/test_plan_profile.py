@@ -1,0 +1,97 @@
+"""Profiles: the meta-device anatomy agrees with the real model, timings interpolate, the cache
+keys on what a profile depends on, and the roofline follows a device's speed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import models
+from bundle.memory import SavedBytes
+from bundle.plan import profile as prof
+from bundle.plan.anatomy import count_anatomy
+from bundle.plan.cluster import Cluster, Link, Speed
+from bundle.plan.cost import CostModel
+
+SHAPE = (3, 8, 8)
+
+
+def test_anatomy_counts_what_the_real_model_holds():
+    anatomy = count_anatomy("small_resnet", SHAPE, 10)
+    torch.manual_seed(0)
+    model = models.build("small_resnet", num_classes=10, input_shape=SHAPE)
+    blocks = models.blocks(model)
+    assert anatomy.names == [n for n, _ in blocks]
+    assert sum(b.params for b in anatomy.blocks) == sum(p.numel() for p in model.parameters())
+    # What a cut after each block sends, per row: its output's elements.
+    x = torch.zeros(3, *SHAPE)
+    for (_, block), counted in zip(blocks, anatomy.blocks, strict=True):
+        x = block(x)
+        assert counted.out_elems == (math.prod(x.shape[1:]),)
+    # Saved-for-backward bytes of the whole model at 3 rows, as the engine's meter counts them.
+    meter = SavedBytes(model)
+    with meter.tracking():
+        model(torch.randn(3, *SHAPE))
+    cost = _cost(anatomy)
+    assert cost.saved_bytes(0, len(blocks), 3) == pytest.approx(meter.peak, rel=0.01)
+    # Forward FLOPs: a 3x3 convolution of 3 -> 16 channels on 8x8 is 2 * 27 * 16 * 64 per row.
+    stem = sum(op[0] for op in anatomy.blocks[0].fwd_ops)
+    assert stem == pytest.approx(2 * 27 * 16 * 64)
+
+
+def _cost(anatomy, speed=None, precision="fp32") -> CostModel:
+    cluster = Cluster(
+        name="test",
+        nodes=1,
+        devices_per_node=1,
+        device_name="test",
+        memory_bytes=float("inf"),
+        speed=speed or Speed({"fp32": 1e12, "bf16": 4e12}, 1e11, 1.0, 0.0),
+        intra=Link(1e9, 0.0),
+        inter=Link(1e9, 0.0),
+    )
+    return CostModel(anatomy=anatomy, cluster=cluster, precision=precision)
+
+
+def test_roofline_follows_the_device():
+    anatomy = count_anatomy("mlp_wide", (3, 18, 18), 10)
+    slow, fast = _cost(anatomy), _cost(anatomy, Speed({"fp32": 2e12}, 2e11, 1.0, 0.0))
+    f1, b1, _ = slow.block_times(64)
+    f2, b2, _ = fast.block_times(64)
+    assert np.allclose(f1, 2 * f2) and np.allclose(b1, 2 * b2)
+    # Half precision: matmuls at the bf16 peak, half the activation bytes on the wire.
+    half = _cost(anatomy, precision="bf16")
+    assert half.block_times(64)[0].sum() < f1.sum()
+    assert half.boundary_bytes(2, 64) == slow.boundary_bytes(2, 64) / 2 == 1024 * 2 * 64
+    # A kernel's latency is a floor under every operator.
+    floor = _cost(anatomy, Speed({"fp32": 1e18}, 1e18, 1.0, 1e-3)).block_times(1)[0]
+    assert floor[1] == pytest.approx(1e-3 * len(anatomy.blocks[1].fwd_ops))
+
+
+def test_timings_interpolate_in_rows():
+    t = prof.Timings(
+        "d", "fp32", (1, 4), ((1.0, 2.0), (4.0, 5.0)), ((2.0,) * 2, (8.0,) * 2), (0.1, 0.4), 0.0
+    )
+    fwd, bwd, loss = t.at(2)
+    assert fwd == pytest.approx([2.0, 3.0]) and bwd == pytest.approx([4.0, 4.0])
+    assert loss == pytest.approx(0.2)
+    assert t.at(8)[0] == pytest.approx([8.0, 9.0])  # the last segment's slope beyond the grid
+    assert prof.row_grid(12) == (1, 2, 4, 8, 12) and prof.row_grid(1) == (1,)
+
+
+def test_measured_timings_are_cached_by_device_and_grid(tmp_path):
+    cache = prof.ProfileCache(tmp_path)
+    args = ("mlp", (3, 2, 2), 10, cache)
+    first = prof.timings(*args, rows=(1, 2), repeats=1)
+    assert len(first.fwd) == 2 and len(first.fwd[0]) == 6
+    assert all(t >= 0 for row in first.fwd + first.bwd for t in row)
+    assert prof.timings(*args, rows=(1, 2), repeats=1) == first  # from the cache
+    assert prof.timings(*args, rows=(1,), repeats=1).rows == (1,)  # another grid: measured
+    for path in tmp_path.glob("timings-*.json"):
+        path.write_text("{not json")
+    again = prof.timings(*args, rows=(1, 2), repeats=1)  # a damaged entry is measured again
+    assert again.rows == (1, 2)
+    assert prof.anatomy("mlp", (3, 2, 2), 10, cache) == prof.anatomy("mlp", (3, 2, 2), 10, cache)

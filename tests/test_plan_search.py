@@ -1,0 +1,75 @@
+"""The search: split points by dynamic program, and the known optimum of a hand-built case."""
+
+from __future__ import annotations
+
+import pytest
+
+from bundle.errors import ConfigError
+from bundle.plan.cluster import Link
+from bundle.plan.search import Plan, Splitter, compositions, evaluate, micro_counts, search
+from tests.plan_fixtures import FREE, literal_cost
+
+
+def test_compositions_and_micro_counts():
+    assert sorted(compositions(4, 2)) == [(1, 3), (2, 2), (3, 1)]
+    assert len(list(compositions(16, 4))) == 455  # C(15, 3)
+    # Divisors of 12 that leave each of 3 replicas a row.
+    assert micro_counts(12, 3, 64) == [1, 2, 3, 4]
+
+
+def test_split_minimises_the_slowest_stage_given_widths():
+    cost = literal_cost([1.0, 1.0, 1.0, 1.0, 4.0], [0.0] * 5)
+    splitter = Splitter(cost, float("inf"), 0.0)
+    assert splitter.split((1, 1), 1) == ((0, 4), 4.0)
+    # A stage twice as wide holds half the rows: it can take twice the blocks' time.
+    cost = literal_cost([1.0] * 6, [0.0] * 6)
+    starts, slowest = Splitter(cost, float("inf"), 0.0).split((2, 1), 2)
+    assert starts == (0, 4) and slowest == pytest.approx(4.0)  # 4 blocks x 1 row = 2 x 2 rows
+
+
+def test_search_finds_the_known_optimum():
+    """Block A: 3 s forward, 6 s backward per row, no parameters; block B: 0.5 and 1 s per row,
+    18 parameters (72 bytes, all-reduced at 1 B/s). On 3 devices with a batch of 6 rows, data
+    parallelism pays a 96 s all-reduce; shape 2,1 with A in front keeps B on one replica (no
+    sync) and, with 3 micro-batches under 1F1B, steps in 27 s: the front's 3 x 9 s with no
+    bubble but its first backward's wait (checked by hand: F0 0-3, F1 3-6, B0 6-12, F2 12-15,
+    B1 15-21, B2 21-27)."""
+    cost = literal_cost([3.0, 0.5], [6.0, 1.0], params=[0, 18], p2p=FREE, collective=Link(1.0, 0.0))
+    ranked = search(cost, nodes=1, per_node=3, batch=6)
+    best = ranked[0]
+    assert best.plan == Plan((2, 1), 1, (0, 1), 3, 3, "1f1b", "flat")
+    assert best.sim.step_time == pytest.approx(27.0)
+    dp = next(e for e in ranked if e.plan.shape == (3,) and e.plan.num_bundles == 1)
+    assert dp.sim.step_time > 100
+    assert best.samples_per_s == pytest.approx(6 / 27)
+
+
+def test_plans_that_do_not_fit_rank_last():
+    cost = literal_cost([1.0, 1.0], [1.0, 1.0], saved_per_row=1e9, memory_bytes=2.5e9)
+    ranked = search(cost, nodes=1, per_node=2, batch=4)
+    fits = [e.fits for e in ranked]
+    assert True in fits and False in fits
+    assert fits == sorted(fits, reverse=True)
+    # GPipe holds all 4 micro-batches of one row on stage 0; 1F1B at most 2.
+    gpipe = evaluate(cost, Plan((1, 1), 1, (0, 1), 4, 2, "gpipe"), 4)
+    ofb = evaluate(cost, Plan((1, 1), 1, (0, 1), 4, 2, "1f1b"), 4)
+    assert gpipe.memory[0].activations == pytest.approx(4e9)
+    assert ofb.memory[0].activations == pytest.approx(2e9)
+    assert not gpipe.fits and ofb.fits
+
+
+def test_recompute_keeps_inputs_and_adds_a_forward():
+    cost = literal_cost([1.0, 1.0], [2.0, 2.0], saved_per_row=1e6, recompute="always")
+    plain = literal_cost([1.0, 1.0], [2.0, 2.0], saved_per_row=1e6)
+    plan = Plan((1, 1), 1, (0, 1), 4, 2, "gpipe")
+    again, once = evaluate(cost, plan, 4), evaluate(plain, plan, 4)
+    assert again.sim.busy[0] == pytest.approx(once.sim.busy[0] + 4 * 1.0)  # a forward per micro
+    # Stage 1 keeps its 4-byte input rows; one micro-batch is rebuilt in full during backward.
+    assert again.memory[1].activations == pytest.approx(4 * 4 + 1e6)
+    assert once.memory[1].activations == pytest.approx(4 * 1e6)
+
+
+def test_a_batch_too_small_for_any_plan_is_an_input_error():
+    cost = literal_cost([1.0], [1.0])
+    with pytest.raises(ConfigError, match="--batch-size"):
+        search(cost, nodes=1, per_node=4, batch=0)
