@@ -145,13 +145,11 @@ class Progress:
         writes it and shows the breakdown as a table."""
         times = self.breakdown.run() if self.breakdown is not None else None
         self.console.close()
+        self.board.close()  # the summary adds no scalars: its figures have no step of their own
         if not self.reporting or summary is None:
-            self.board.close()
             return None
         summary["breakdown"] = times
         self.metrics.write(summary)
-        self.board.write(summary)
-        self.board.close()
         if times is not None:
             self.console.line("where each step's time went, per stage:")
             for line in table(times):

@@ -91,6 +91,9 @@ class StepTimer:
             return
         self.is_open, self.step = True, step
         self.tracing = self.trace is not None and self.trace[0] <= step + 1 <= self.trace[1]
+        self._start()
+
+    def _start(self) -> None:
         self._t0 = self._last = perf_counter_ns()
 
     def lap(self, mark: Mark, micro: int = -1) -> None:
@@ -145,16 +148,12 @@ class CudaStepTimer(StepTimer):
         self._used += 1
         return self._used - 1
 
-    def begin(self, step: int) -> None:
-        if self.is_open:
-            return
-        self.is_open, self.step = True, step
-        self.tracing = self.trace is not None and self.trace[0] <= step + 1 <= self.trace[1]
+    def _start(self) -> None:
         host = None
         if self.tracing:
             torch.cuda.synchronize(self.device)
             host = perf_counter_ns()
-        self._steps.append((step, host, [(-1, -1, self._event())]))
+        self._steps.append((self.step, host, [(-1, -1, self._event())]))
 
     def lap(self, mark: Mark, micro: int = -1) -> None:
         self._steps[-1][2].append((mark, micro, self._event()))
