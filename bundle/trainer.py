@@ -13,12 +13,13 @@ from bundle import partition
 from bundle.config import RunConfig
 from bundle.grad_sync import GradSync
 from bundle.memory import SavedBytes
+from bundle.p2p import stage_calls
 from bundle.partition import Stage
 from bundle.precision import LossScaler, Policy
-from bundle.schedule import Op, actions, peak_in_flight
+from bundle.schedule import Action, Op, peak_in_flight
 from bundle.timing import MARK_OF_OP, Mark, StepTimer
 from bundle.topology import Coord, Topology, split_sizes
-from bundle.transport import Pending, TensorMeta, Transport
+from bundle.transport import Part, Pending, TensorMeta, Transport
 
 
 def build_stages(
@@ -84,7 +85,14 @@ class StageRunner:
         self.first = coord.stage == 0
         self.last = coord.stage == topo.num_stages - 1
         self.sizes = topo.micro_sizes(coord.bundle)
-        self.actions = actions(schedule, coord.stage, topo.num_stages, topo.micro_batches)
+        self.actions, calls = stage_calls(
+            schedule, coord.stage, topo.num_stages, topo.micro_batches
+        )
+        # The calls of a step (bundle.p2p): the one each action opens, and the one it belongs to.
+        heads = {call.ops[0]: call for call in calls}
+        index = {op: n for n, call in enumerate(calls) for op in call.ops}
+        self._opens = [heads.get(a) for a in self.actions]
+        self._call_of = [index.get(a, -1) for a in self.actions]
         # Each action ends with a lap of the step timer (see bundle.timing).
         self.timer = timer or StepTimer()
         self._marks = [MARK_OF_OP[a.op] for a in self.actions]
@@ -109,10 +117,6 @@ class StageRunner:
     def where(self, text: str) -> None:
         self._at = (-1, text)
 
-    def _post(self, pending: dict[int, Pending], k: int, recv, slots: int) -> None:
-        if k < len(self.sizes):
-            pending[k] = recv(self.sizes[k], k % slots)
-
     def train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
         """One synchronous step; returns this replica's share of the global mean loss (last stage).
 
@@ -130,30 +134,34 @@ class StageRunner:
             if mine:
                 self.timer.end()
 
+    def _part(self, a: Action, outputs: dict, inputs: dict) -> Part:
+        """One action of a call: the tensors a send carries, or the buffer slot a receive fills."""
+        k, rows = a.micro, self.sizes[a.micro]
+        if a.op is Op.SEND_ACT:
+            return (a.op, rows, outputs[k], k)
+        if a.op is Op.SEND_GRAD:
+            xs = [x for x in inputs.pop(k) if x.is_floating_point()]
+            grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in xs)
+            return (a.op, rows, grads, k)
+        # A received activation stays alive until its backward, so activation buffers rotate over
+        # one slot more than the schedule keeps in flight; gradients are used at once: two slots.
+        return (a.op, rows, k % (self.max_in_flight + 1 if a.op is Op.RECV_ACT else 2), k)
+
     def _train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
-        tp, sizes, policy, lap = self.transport, self.sizes, self.policy, self.timer.lap
+        tp, policy, lap = self.transport, self.policy, self.timer.lap
         inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         grads: dict[int, tuple[torch.Tensor, ...]] = {}
-        acts_in: dict[int, Pending] = {}
-        grads_in: dict[int, Pending] = {}
-        sends: list[Pending] = []
+        posted: list[Pending] = []  # this step's calls (bundle.p2p), in order
         loss_sum = torch.zeros((), device=self.device)
-        # Receives are posted before the work that precedes them: micro-batch 0 here, k + 1 as
-        # soon as k arrives, so every receive is in flight before its action waits on it. A
-        # received activation stays alive until its backward, so activation buffers rotate over
-        # one slot more than the schedule keeps in flight; gradients are used at once: two slots.
-        act_slots, grad_slots = self.max_in_flight + 1, 2
-        if not self.first:
-            self._post(acts_in, 0, tp.recv_act, act_slots)
-        if not self.last:
-            self._post(grads_in, 0, tp.recv_grad, grad_slots)
         for i, a in enumerate(self.actions):
             k = a.micro
             self._at = (step, a)
+            call = self._opens[i]
+            if call is not None:  # post the call this action opens, with every op in it
+                posted.append(tp.call([self._part(op, outputs, inputs) for op in call.ops]))
             if a.op is Op.RECV_ACT:
-                xs = acts_in.pop(k).wait()
-                self._post(acts_in, k + 1, tp.recv_act, act_slots)
+                (xs,) = posted[self._call_of[i]].wait()
                 # A fresh autograd leaf over the reused buffer (in its wire form, so its gradient
                 # is too), so gradients never accumulate across micro-batches or steps.
                 inputs[k] = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
@@ -177,11 +185,8 @@ class StageRunner:
                 else:
                     outputs[k] = tuple(m.to_wire(o) for m, o in zip(tp.out_meta, out, strict=True))
                 self.peak_in_flight = max(self.peak_in_flight, len(outputs))
-            elif a.op is Op.SEND_ACT:
-                sends.append(tp.send_act(sizes[k], outputs[k]))
             elif a.op is Op.RECV_GRAD:
-                grads[k] = grads_in.pop(k).wait()
-                self._post(grads_in, k + 1, tp.recv_grad, grad_slots)
+                (grads[k],) = posted[self._call_of[i]].wait()
             elif a.op is Op.BACKWARD:
                 out = outputs.pop(k)
                 if self.saved_bytes is not None:
@@ -197,13 +202,9 @@ class StageRunner:
                     self.sync.backward([o for o, _ in pairs], [g for _, g in pairs], last=last)
                 if self.first:
                     inputs.pop(k)
-            elif a.op is Op.SEND_GRAD:
-                xs = [x for x in inputs.pop(k) if x.is_floating_point()]
-                g = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in xs)
-                sends.append(tp.send_grad(sizes[k], g))
             lap(self._marks[i], k)
         self._at = (step, "gradient sync")
-        for p in sends:
+        for p in posted:  # the sends' calls; those with a receive were waited for already
             p.wait()
         lap(Mark.SEND_WAIT)
         self.sync.finish()
@@ -234,7 +235,7 @@ class StageRunner:
             xs = (policy.prepare_input(micro[0], self.device),)
         else:
             xs = tuple(
-                m.from_wire(x) for m, x in zip(tp.in_meta, tp.recv_act(rows).wait(), strict=True)
+                m.from_wire(x) for m, x in zip(tp.in_meta, tp.recv_act(rows).wait()[0], strict=True)
             )
         self.stage.recompute = False
         with policy.autocast():

@@ -1,5 +1,8 @@
 """Point-to-point activations forward and gradients backward between stages of any widths.
 
+The engine posts the calls that bundle.p2p derives from the schedule: each call is one
+``batch_isend_irecv`` holding every operation of those actions with every peer, so both sides of a
+boundary post the same calls in the same order (NCCL runs a communicator's calls in order).
 Each replica sends exactly the rows its peer owns (the topology's row plan): no padding, no relay
 through a master, no host copy on the GPU path. Several tensors may cross one boundary. Receives
 land in slices of one buffer per tensor, so the stage sees a contiguous tensor without a
@@ -9,6 +12,7 @@ the run's precision policy, the same on both sides by construction.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,7 +20,17 @@ import torch
 import torch.distributed as dist
 
 from bundle.errors import PeerFailure
+from bundle.p2p import SIDE, boundary_peers
+from bundle.schedule import Op
 from bundle.topology import Topology, Transfer, split_ranges
+
+# Posts one call (a list of point-to-point operations, labels for errors) and returns its works:
+# ``torch.distributed.batch_isend_irecv``, or the NCCL emulation's (bundle.nccl_emu).
+PostCall = Callable[[list, list[str]], list]
+
+
+def post_with_torch(ops: list, labels: list[str]) -> list:
+    return dist.batch_isend_irecv(ops)
 
 
 @dataclass(frozen=True)
@@ -67,14 +81,14 @@ class _Plan:
 
 
 class Pending:
-    """In-flight point-to-point work; ``wait`` returns the received tensors (if any)."""
+    """One posted call; ``wait`` returns the tensors of each of its receives, in the call's order."""
 
     def __init__(
-        self, works: list, tensors: tuple[torch.Tensor, ...], timeout: timedelta, what: str
+        self, works: list, received: list[tuple[torch.Tensor, ...]], timeout: timedelta, what: str
     ) -> None:
-        self.works, self.tensors, self.timeout, self.what = works, tensors, timeout, what
+        self.works, self.received, self.timeout, self.what = works, received, timeout, what
 
-    def wait(self) -> tuple[torch.Tensor, ...]:
+    def wait(self) -> list[tuple[torch.Tensor, ...]]:
         try:
             for w in self.works:
                 w.wait(self.timeout)
@@ -84,7 +98,7 @@ class Pending:
                 f"{self.what} did not complete within {self.timeout.total_seconds():.0f}s: {exc}"
             ) from exc
         self.works = []
-        return self.tensors
+        return self.received
 
 
 def _check_wire(
@@ -101,6 +115,11 @@ def _check_wire(
         raise TypeError(f"send to {peers}: tensors {got} do not match the boundary {want}")
 
 
+# One action of a call: what, the micro-batch's rows, and the tensors to send (a send) or the
+# buffer slot to receive into (a receive), and the micro-batch index (for errors).
+Part = tuple[Op, int, "tuple[torch.Tensor, ...] | int", int]
+
+
 class Transport:
     """The sends and receives of one replica of one stage, for one bundle."""
 
@@ -115,81 +134,89 @@ class Transport:
         out_meta: tuple[TensorMeta, ...],
         device: torch.device,
         timeout: float,
+        post: PostCall = post_with_torch,
     ) -> None:
         self.topo, self.bundle, self.stage, self.replica = topo, bundle, stage, replica
         self.in_meta, self.out_meta = in_meta, out_meta
-        self._in_grad_meta = tuple(m for m in in_meta if m.has_grad)
-        self._out_grad_meta = tuple(m for m in out_meta if m.has_grad)
+        in_grad = tuple(m for m in in_meta if m.has_grad)
+        out_grad = tuple(m for m in out_meta if m.has_grad)
+        self._meta = {
+            Op.RECV_ACT: in_meta,
+            Op.SEND_ACT: out_meta,
+            Op.RECV_GRAD: out_grad,
+            Op.SEND_GRAD: in_grad,
+        }
         self.device = device
         self.timeout = timedelta(seconds=timeout)
-        self._plans: dict[tuple[str, int], _Plan] = {}
-        self._buffers: dict[tuple[str, int, int], tuple[torch.Tensor, ...]] = {}
+        self._post_call = post
+        self._plans: dict[tuple[int, int], _Plan] = {}
+        self._buffers: dict[tuple[Op, int, int], tuple[torch.Tensor, ...]] = {}
 
     # Plans depend only on the micro-batch size; at most two sizes occur, so they are computed once.
-    def _plan(self, direction: str, rows: int) -> _Plan:
-        key = (direction, rows)
+    def _plan(self, side: int, rows: int) -> _Plan:
+        key = (side, rows)
         if key not in self._plans:
-            topo, s, r = self.topo, self.stage, self.replica
-            if direction == "prev":  # peers in stage s-1
-                transfers = topo.recvs(s, r, rows)
-                peers = tuple((t, topo.rank(self.bundle, s - 1, t.src)) for t in transfers)
-            else:  # peers in stage s+1
-                transfers = topo.sends(s, r, rows)
-                peers = tuple((t, topo.rank(self.bundle, s + 1, t.dst)) for t in transfers)
+            topo, s = self.topo, self.stage
+            peers = boundary_peers(topo, self.bundle, s, self.replica, side, rows)
             text = ", ".join(topo.describe(rank) for _, rank in peers)
-            self._plans[key] = _Plan(split_ranges(rows, topo.shape[s])[r], peers, text)
+            self._plans[key] = _Plan(split_ranges(rows, topo.shape[s])[self.replica], peers, text)
         return self._plans[key]
 
-    def _recv_buffers(self, direction: str, rows: int, slot: int, meta: tuple[TensorMeta, ...]):
+    def _recv_buffers(self, op: Op, rows: int, slot: int) -> tuple[torch.Tensor, ...]:
         """Receive buffers are allocated once per (size, slot) and reused every step.
 
         The caller picks ``slot`` so that a buffer is not received into again while the
         micro-batch that used it is still alive (see StageRunner).
         """
-        key = (direction, rows, slot)
+        key = (op, rows, slot)
         if key not in self._buffers:
-            lo, hi = self._plan(direction, rows).rows
+            lo, hi = self._plan(SIDE[op], rows).rows
             self._buffers[key] = tuple(
-                torch.empty(m.wire_shape(hi - lo), dtype=m.dtype, device=self.device) for m in meta
+                torch.empty(m.wire_shape(hi - lo), dtype=m.dtype, device=self.device)
+                for m in self._meta[op]
             )
         return self._buffers[key]
 
-    def _exchange(
-        self,
-        direction: str,
-        rows: int,
-        send: tuple[torch.Tensor, ...] | None,
-        meta: tuple[TensorMeta, ...],
-        slot: int = 0,
-    ) -> Pending:
-        plan = self._plan(direction, rows)
-        lo, hi = plan.rows
-        ops = []
-        if send is None:
-            bufs = self._recv_buffers(direction, rows, slot, meta)
-            for t, peer in plan.peers:
-                ops += [dist.P2POp(dist.irecv, b[t.start - lo : t.stop - lo], peer) for b in bufs]
-        else:
-            bufs = ()
-            _check_wire(send, meta, hi - lo, plan.peer_text)
-            for t, peer in plan.peers:
-                ops += [dist.P2POp(dist.isend, x[t.start - lo : t.stop - lo], peer) for x in send]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        what = f"{'receive from' if send is None else 'send to'} {plan.peer_text}"
-        return Pending(works, bufs, self.timeout, what)
+    def call(self, parts: Sequence[Part]) -> Pending:
+        """Post the actions of one call as one ``batch_isend_irecv``: every peer, both directions."""
+        ops: list = []
+        labels: list[str] = []
+        received: list[tuple[torch.Tensor, ...]] = []
+        what: list[str] = []
+        for op, rows, payload, micro in parts:
+            plan = self._plan(SIDE[op], rows)
+            lo, hi = plan.rows
+            name = f"{op.value}{micro}"
+            if isinstance(payload, int):
+                bufs = self._recv_buffers(op, rows, payload)
+                received.append(bufs)
+                for t, peer in plan.peers:
+                    ops += [
+                        dist.P2POp(dist.irecv, b[t.start - lo : t.stop - lo], peer) for b in bufs
+                    ]
+                    labels += [f"{name} from rank {peer}"] * len(bufs)
+                what.append(f"{name} from {plan.peer_text}")
+            else:
+                _check_wire(payload, self._meta[op], hi - lo, plan.peer_text)
+                for t, peer in plan.peers:
+                    ops += [
+                        dist.P2POp(dist.isend, x[t.start - lo : t.stop - lo], peer) for x in payload
+                    ]
+                    labels += [f"{name} to rank {peer}"] * len(payload)
+                what.append(f"{name} to {plan.peer_text}")
+        works = self._post_call(ops, labels) if ops else []
+        return Pending(works, received, self.timeout, " + ".join(what))
 
-    # -- forward: activations -----------------------------------------------------------------
+    # -- single actions (evaluation, calibration) --------------------------------------------------
 
     def recv_act(self, rows: int, slot: int = 0) -> Pending:
-        return self._exchange("prev", rows, None, self.in_meta, slot)
+        return self.call([(Op.RECV_ACT, rows, slot, 0)])
 
     def send_act(self, rows: int, tensors: tuple[torch.Tensor, ...]) -> Pending:
-        return self._exchange("next", rows, tensors, self.out_meta)
-
-    # -- backward: gradients of the floating-point boundary tensors ----------------------------
+        return self.call([(Op.SEND_ACT, rows, tensors, 0)])
 
     def recv_grad(self, rows: int, slot: int = 0) -> Pending:
-        return self._exchange("next", rows, None, self._out_grad_meta, slot)
+        return self.call([(Op.RECV_GRAD, rows, slot, 0)])
 
     def send_grad(self, rows: int, grads: tuple[torch.Tensor, ...]) -> Pending:
-        return self._exchange("prev", rows, grads, self._in_grad_meta)
+        return self.call([(Op.SEND_GRAD, rows, grads, 0)])

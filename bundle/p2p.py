@@ -1,0 +1,231 @@
+"""The point-to-point calls of one stage in one step, derived from its schedule (tested as data).
+
+NCCL runs the calls of a communicator in the order they were posted, on one stream, and a large
+send completes only while the call holding its matching receive runs (rendezvous). A receive
+posted early therefore blocks every send posted after it, and two stages whose heads each wait
+for a call queued behind the other's head never finish (the 1F1B crossing: stage 0 sends
+activation k+1 while stage 1 sends gradient k). The calls are built so that cannot happen:
+
+1. A call is posted where its first action stands in the schedule; nothing is posted early.
+2. A send and the receive right after it, on the same boundary (forward-send with
+   backward-receive upstream, backward-send with forward-receive downstream), share one call,
+   provided the stage across the boundary has the mirror pair side by side too. Both sides of a
+   boundary therefore post the same messages, grouped the same way, in the same order (Megatron's
+   ``send_forward_recv_backward`` / ``send_backward_recv_forward``; NVIDIA/nccl#783).
+3. Every peer of a boundary (uneven widths) is inside the same call (bundle.transport).
+
+1F1B, S=2, M=3 (``|`` separates calls; compute between them not drawn)::
+
+    stage 0:  send_act0 | send_act1+recv_grad0 | send_act2+recv_grad1 | recv_grad2
+    stage 1:  recv_act0 | send_grad0+recv_act1 | send_grad1+recv_act2 | send_grad2
+
+``replay`` runs the calls of every rank through a model of NCCL's streams and reports whether
+they all complete: the pure check behind the tests of every shape, schedule and M, and the same
+model that ``--backend nccl-emu`` enforces at run time (bundle.nccl_emu).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bundle.schedule import Action, Op, actions
+from bundle.topology import Topology, Transfer
+
+SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
+RECVS = (Op.RECV_ACT, Op.RECV_GRAD)
+COMM = SENDS + RECVS
+# The stage across the boundary an action uses: +1 for the next stage, -1 for the previous one.
+SIDE = {Op.SEND_ACT: 1, Op.RECV_GRAD: 1, Op.RECV_ACT: -1, Op.SEND_GRAD: -1}
+# The same message seen from the stage across the boundary.
+MIRROR = {
+    Op.SEND_ACT: Op.RECV_ACT,
+    Op.RECV_ACT: Op.SEND_ACT,
+    Op.SEND_GRAD: Op.RECV_GRAD,
+    Op.RECV_GRAD: Op.SEND_GRAD,
+}
+
+
+@dataclass(frozen=True)
+class Call:
+    """Communication actions of one stage posted together, as one ``batch_isend_irecv``."""
+
+    ops: tuple[Action, ...]
+
+    def __repr__(self) -> str:
+        return "+".join(map(repr, self.ops))
+
+
+def _adjacent_pairs(acts: Sequence[Action]) -> set[tuple[Action, Action]]:
+    """(send, receive) pairs on one boundary with nothing between them in the schedule."""
+    return {
+        (a, b)
+        for a, b in zip(acts, acts[1:], strict=False)
+        if a.op in SENDS and b.op in RECVS and SIDE[a.op] == SIDE[b.op]
+    }
+
+
+def stage_calls(
+    schedule: str, stage: int, num_stages: int, micro_batches: int
+) -> tuple[list[Action], list[Call]]:
+    """The stage's action list and its calls, in the order they are posted."""
+    acts = [actions(schedule, s, num_stages, micro_batches) for s in range(num_stages)]
+    mine = acts[stage]
+    pairs = {
+        side: _adjacent_pairs(acts[stage + side])
+        for side in (-1, 1)
+        if 0 <= stage + side < num_stages
+    }
+
+    def fused(send: Action, recv: Action) -> bool:
+        # Across the boundary the same two messages are recv' and send'; fused only if that
+        # stage has send' right before recv' too, so both sides group them alike.
+        theirs = pairs.get(SIDE[send.op], set())
+        return (Action(MIRROR[recv.op], recv.micro), Action(MIRROR[send.op], send.micro)) in theirs
+
+    calls: list[Call] = []
+    i = 0
+    while i < len(mine):
+        a = mine[i]
+        if a.op not in COMM:
+            i += 1
+            continue
+        nxt = mine[i + 1] if i + 1 < len(mine) else None
+        if nxt is not None and (a, nxt) in _adjacent_pairs([a, nxt]) and fused(a, nxt):
+            calls.append(Call((a, nxt)))
+            i += 2
+        else:
+            calls.append(Call((a,)))
+            i += 1
+    return mine, calls
+
+
+def calls(schedule: str, stage: int, num_stages: int, micro_batches: int) -> list[Call]:
+    """The calls one stage posts in a step, in order."""
+    return stage_calls(schedule, stage, num_stages, micro_batches)[1]
+
+
+def boundary_peers(
+    topo: Topology, bundle: int, stage: int, replica: int, side: int, rows: int
+) -> tuple[tuple[Transfer, int], ...]:
+    """(rows to move, peer rank) for every peer of one replica across one boundary of a micro-batch
+    of ``rows`` rows; ``side`` is +1 for the next stage, -1 for the previous one."""
+    if side > 0:
+        return tuple(
+            (t, topo.rank(bundle, stage + 1, t.dst)) for t in topo.sends(stage, replica, rows)
+        )
+    return tuple((t, topo.rank(bundle, stage - 1, t.src)) for t in topo.recvs(stage, replica, rows))
+
+
+# -- the model of NCCL's streams ------------------------------------------------------------------
+
+# One message of a rank's call: (kind, peer, bytes); the n-th send from a to b matches the n-th
+# receive at b from a, as NCCL matches point-to-point operations of one communicator.
+Msg = tuple[str, int, int]
+# A rank's program: ("post", [Msg, ...]) puts a call on its stream; ("wait", i) blocks the rank
+# (its compute) until its i-th posted call completed.
+Step = tuple[str, object]
+
+
+def replay(programs: dict[int, list[Step]], eager_bytes: int = 0) -> list[str]:
+    """Run every rank's program through NCCL's ordering; the stuck operations, or [] if done.
+
+    Model: one in-order stream per rank (its calls on one communicator); a call starts when the
+    previous one completed; the operations of a running call progress together; a send completes
+    only while its matching receive's call runs, unless it has at most ``eager_bytes`` bytes; a
+    receive completes once its send ran.
+    """
+    pc = dict.fromkeys(programs, 0)
+    posted: dict[int, list[list[Msg]]] = {r: [] for r in programs}
+    head = dict.fromkeys(programs, 0)  # index of the running call on each rank's stream
+    done: dict[int, list[set[int]]] = {r: [] for r in programs}  # completed ops per call
+    seq: dict[tuple[int, int, str], int] = {}
+    ids: dict[int, list[list[tuple[int, int, int]]]] = {r: [] for r in programs}  # (src, dst, n)
+    ran: set[tuple[int, int, int, str]] = set()  # messages whose call has started, by side
+
+    progress = True
+    while progress:
+        progress = False
+        for r, prog in programs.items():  # the ranks' computes: post and wait
+            while pc[r] < len(prog):
+                kind, arg = prog[pc[r]]
+                if kind == "post":
+                    msgs: list[Msg] = arg  # type: ignore[assignment]
+                    keys = []
+                    for op, peer, _ in msgs:
+                        src, dst = (r, peer) if op == "send" else (peer, r)
+                        n = seq.get((src, dst, op), 0)
+                        seq[(src, dst, op)] = n + 1
+                        keys.append((src, dst, n))
+                    posted[r].append(list(msgs))
+                    ids[r].append(keys)
+                    done[r].append(set())
+                elif head[r] <= arg:  # type: ignore[operator]
+                    break  # waiting for a call still on the stream
+                pc[r] += 1
+                progress = True
+        for r in programs:  # the running calls mark their operations as started
+            if head[r] < len(posted[r]):
+                for (op, _, _), key in zip(posted[r][head[r]], ids[r][head[r]], strict=True):
+                    ran.add((*key, op))
+        for r in programs:  # then progress together
+            h = head[r]
+            if h >= len(posted[r]):
+                continue
+            for j, ((op, _, size), key) in enumerate(zip(posted[r][h], ids[r][h], strict=True)):
+                other = "recv" if op == "send" else "send"
+                if j in done[r][h]:
+                    continue
+                if (*key, other) in ran or (op == "send" and size <= eager_bytes):
+                    done[r][h].add(j)
+                    progress = True
+            if len(done[r][h]) == len(posted[r][h]):
+                head[r] += 1
+                progress = True
+    stuck = []
+    for r, prog in programs.items():
+        if head[r] < len(posted[r]):
+            h = head[r]
+            waiting = [
+                f"{op} {'to' if op == 'send' else 'from'} rank {peer}"
+                for j, (op, peer, _) in enumerate(posted[r][h])
+                if j not in done[r][h]
+            ]
+            stuck.append(f"rank {r}: call {h} stuck on {', '.join(waiting)}")
+        elif pc[r] < len(prog):
+            stuck.append(f"rank {r}: stopped at step {pc[r]} of its program")
+    return stuck
+
+
+def programs(topo: Topology, schedule: str, *, row_bytes: int = 1) -> dict[int, list[Step]]:
+    """Every rank's calls and waits in one training step, as the engine posts them.
+
+    A receive is waited for where its action stands; every call has completed by the end of the
+    step (the engine waits for its sends before the gradient sync).
+    """
+    progs: dict[int, list[Step]] = {}
+    for rank in range(topo.world_size):
+        c = topo.coord(rank)
+        acts, cs = stage_calls(schedule, c.stage, topo.num_stages, topo.micro_batches)
+        sizes = topo.micro_sizes(c.bundle)
+        call_of = {a: i for i, call in enumerate(cs) for a in call.ops}
+        prog: list[Step] = []
+        for a in acts:
+            if a.op not in COMM:
+                continue
+            i = call_of[a]
+            if cs[i].ops[0] == a:
+                msgs: list[Msg] = [
+                    ("send" if op.op in SENDS else "recv", peer, (t.stop - t.start) * row_bytes)
+                    for op in cs[i].ops
+                    for t, peer in boundary_peers(
+                        topo, c.bundle, c.stage, c.replica, SIDE[op.op], sizes[op.micro]
+                    )
+                ]
+                prog.append(("post", msgs))
+            if a.op in RECVS:
+                prog.append(("wait", i))
+        if cs:
+            prog.append(("wait", len(cs) - 1))
+        progs[rank] = prog
+    return progs
