@@ -9,7 +9,7 @@ from bundle.errors import ConfigError
 from bundle.lr_schedule import LR_SCHEDULES, Milestone, spell
 from bundle.schedule import SCHEDULES
 
-BACKENDS = ("auto", "nccl", "gloo")
+BACKENDS = ("auto", "nccl", "gloo", "nccl-emu")
 GRAD_SYNCS = ("flat", "hierarchical")
 DATASETS = ("digits", "imagefolder", "synthetic")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -202,6 +202,7 @@ class LaunchConfig:
     torchrun: bool = False
     max_restarts: int = 0
     share_gpus: bool = False  # testing: several nccl processes per GPU (round-robin)
+    emu_eager_bytes: int = 0  # nccl-emu: sends of at most this many bytes need no receiver
 
     def __post_init__(self) -> None:
         _positive("--world-size", self.num_nodes)
@@ -215,6 +216,7 @@ class LaunchConfig:
             raise ConfigError("--portNum", self.master_port, "must be a TCP port in 1..65535")
         if self.backend not in BACKENDS:
             raise ConfigError("--backend", self.backend, f"choose one of: {', '.join(BACKENDS)}")
+        _positive("--nccl-emu-eager-bytes", self.emu_eager_bytes, 0)
         if self.timeout <= 0:
             raise ConfigError("--timeout", self.timeout, "must be > 0 seconds")
         if self.init_timeout <= 0:

@@ -21,9 +21,23 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 
-def _sum_hook(group, bucket):  # DDP checks real (not postponed) annotations, so none here
+class Collectives:
+    """The sync's collectives, started asynchronously; ``bundle.nccl_emu.Emulator`` has the same
+    methods and runs them on per-group in-order streams, as NCCL does."""
 
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    def all_reduce(self, tensor: torch.Tensor, group):
+        return dist.all_reduce(tensor, group=group, async_op=True)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, group):
+        return dist.reduce(tensor, dst=dst, group=group, async_op=True)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group):
+        return dist.broadcast(tensor, src=src, group=group, async_op=True)
+
+
+def _sum_hook(state, bucket):  # DDP checks real (not postponed) annotations, so none here
+    group, comm = state
+    fut = comm.all_reduce(bucket.buffer(), group).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
@@ -51,7 +65,13 @@ class GradSync:
 
 class FlatSync(GradSync):
     def __init__(
-        self, stage: nn.Module, group: dist.ProcessGroup, device: torch.device, *, bucket_mb: float
+        self,
+        stage: nn.Module,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        *,
+        bucket_mb: float,
+        comm: Collectives | None = None,
     ) -> None:
         super().__init__(
             DistributedDataParallel(
@@ -62,7 +82,7 @@ class FlatSync(GradSync):
                 bucket_cap_mb=bucket_mb,
             )
         )
-        self.module.register_comm_hook(group, _sum_hook)
+        self.module.register_comm_hook((group, comm or Collectives()), _sum_hook)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         # Forwards never arm the reducer: under 1F1B a later forward precedes earlier backwards,
@@ -99,8 +119,10 @@ class HierarchicalSync(GradSync):
         masters_group: dist.ProcessGroup | None,
         is_master: bool,
         bucket_mb: float,
+        comm: Collectives | None = None,
     ) -> None:
         super().__init__(stage)
+        self.comm = comm or Collectives()
         bucket_bytes = bucket_mb * 2**20
         self.bundle_group, self.bundle_master = bundle_group, bundle_master
         self.masters_group, self.is_master = masters_group, is_master
@@ -144,9 +166,7 @@ class HierarchicalSync(GradSync):
     def _reduce(self, b: int):
         if self.bundle_group is None:
             return None
-        return dist.reduce(
-            self.buffers[b], dst=self.bundle_master, group=self.bundle_group, async_op=True
-        )
+        return self.comm.reduce(self.buffers[b], self.bundle_master, self.bundle_group)
 
     def _ready(self, p: nn.Parameter) -> None:
         if not self._armed:
@@ -177,10 +197,10 @@ class HierarchicalSync(GradSync):
             works[b] = start(buf) if start is not None else None
 
     def _allreduce(self, buf: torch.Tensor):
-        return dist.all_reduce(buf, group=self.masters_group, async_op=True)
+        return self.comm.all_reduce(buf, self.masters_group)
 
     def _broadcast(self, buf: torch.Tensor):
-        return dist.broadcast(buf, src=self.bundle_master, group=self.bundle_group, async_op=True)
+        return self.comm.broadcast(buf, self.bundle_master, self.bundle_group)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         for buf in self.buffers:

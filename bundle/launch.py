@@ -37,6 +37,11 @@ def resolve_backend(cfg: RunConfig) -> str:
     return cfg.launch.backend
 
 
+def torch_backend(backend: str) -> str:
+    """The torch.distributed backend under ours: nccl-emu is gloo with NCCL's ordering on top."""
+    return "gloo" if backend == "nccl-emu" else backend
+
+
 def check_devices(cfg: RunConfig, topo: Topology) -> None:
     """More processes per node than devices is an input error, found before anything starts,
     unless ``--share-gpus`` asks for several processes on one device (for testing)."""
@@ -242,7 +247,7 @@ def worker_main(
     # A supervised worker leaves saying so to its supervisor; under torchrun each one says it.
     stop = StopRequest(shared=stop_shared, announce=stop_shared is None)
     stop.install(on_second=lambda signum: os._exit(exit_code(signum)))
-    backend = resolve_backend(cfg)
+    backend = torch_backend(resolve_backend(cfg))
     if backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topo.procs_per_node))
     if backend == "gloo":

@@ -73,7 +73,7 @@ def _entry(
         # Naming the device forms NCCL's world communicator with every rank now, as a job's
         # workers do (bundle.launch.worker_main): point-to-point between two ranks may come first.
         dist.init_process_group(
-            backend,
+            "gloo" if backend == "nccl-emu" else backend,
             store=store,
             rank=rank,
             world_size=world,
@@ -103,12 +103,13 @@ def run_world(
     ``start_method="fork"`` saves re-importing torch in every child (seconds each on a loaded
     machine); only use it from a parent that has run no torch op and holds no process group.
 
-    ``backend="nccl"`` binds each child to a CUDA device before its group is created: ``device``
+    ``backend="nccl-emu"`` runs gloo underneath; a session built with ``--backend nccl-emu`` in
+    its config adds NCCL's ordering (bundle.nccl_emu). ``backend="nccl"`` binds each child to a CUDA device before its group is created: ``device``
     (e.g. ``"cuda:0"``, every child on one GPU) or round-robin over the visible GPUs; ``fn``
     finds it as the current device. Several children on one GPU need NCCL 2.30 or later.
     """
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend: {backend!r} is not valid; choose gloo or nccl")
+    if backend not in ("gloo", "nccl", "nccl-emu"):
+        raise ValueError(f"backend: {backend!r} is not valid; choose gloo, nccl or nccl-emu")
     ctx = mp.get_context(start_method if start_method in mp.get_all_start_methods() else "spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out:

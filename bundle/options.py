@@ -242,7 +242,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(LAUNCH, "--nproc-per-node", "launch.nproc_per_node", metavar="N",
            help="processes on each node (0: all processes spread evenly over the nodes)"),
     Option(LAUNCH, "--backend", "launch.backend", choices=C.BACKENDS,
-           help="auto: nccl with one GPU per process when CUDA is present, else gloo on CPU"),
+           help="auto: nccl with one GPU per process when CUDA is present, else gloo on CPU; "
+                "nccl-emu: gloo on CPU under NCCL's ordering (in-order streams, rendezvous "
+                "sends), to check that a shape, schedule and sync will run on NCCL"),
+    Option(LAUNCH, "--nccl-emu-eager-bytes", "launch.emu_eager_bytes", metavar="N",
+           help="nccl-emu: sends of at most N bytes complete without waiting for their "
+                "receiver, as NCCL's small messages do (0: every send waits, the strict model)"),
     Option(LAUNCH, "--timeout", "launch.timeout", metavar="S",
            help="seconds any wait on a peer may take before the job fails"),
     Option(LAUNCH, "--init-timeout", "launch.init_timeout", metavar="S",

@@ -8,18 +8,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bundle import checkpoint, data, log, observe, precision, timing
+from bundle import checkpoint, data, log, nccl_emu, observe, precision, timing
 from bundle.checkpointer import Checkpointer
 from bundle.config import RunConfig
 from bundle.errors import DataError
-from bundle.grad_sync import FlatSync, GradSync, HierarchicalSync
+from bundle.grad_sync import Collectives, FlatSync, GradSync, HierarchicalSync
+from bundle.launch import resolve_backend
 from bundle.lr_schedule import LRSchedule
 from bundle.precision import Policy
 from bundle.preemption import Stopped, StopRequest, StopVote, maybe_fail
 from bundle.timing import Mark
 from bundle.topology import Coord, Topology
 from bundle.trainer import StageRunner, boundary_metas, build_stages, eval_rows
-from bundle.transport import Transport
+from bundle.transport import Transport, post_with_torch
 
 
 def make_topology(cfg: RunConfig) -> Topology:
@@ -59,12 +60,18 @@ def _groups(topo: Topology, coord: Coord, strategy: str, *, async_save: bool) ->
 
 
 def _make_sync(
-    cfg: RunConfig, topo: Topology, coord: Coord, stage: torch.nn.Module, groups: dict, device
+    cfg: RunConfig,
+    topo: Topology,
+    coord: Coord,
+    stage: torch.nn.Module,
+    groups: dict,
+    device,
+    comm: Collectives | None,
 ) -> GradSync:
     if len(topo.stage_group(coord.stage)) == 1:
         return GradSync(stage)
     if cfg.parallel.grad_sync == "flat":
-        return FlatSync(stage, groups["stage"], device, bucket_mb=cfg.parallel.bucket_mb)
+        return FlatSync(stage, groups["stage"], device, bucket_mb=cfg.parallel.bucket_mb, comm=comm)
     # Start from identical weights without relying on every process's initialisation agreeing.
     members = topo.stage_group(coord.stage)
     for p in stage.parameters():
@@ -77,6 +84,7 @@ def _make_sync(
         masters_group=groups["masters"] if topo.num_bundles > 1 else None,
         is_master=coord.replica == 0,
         bucket_mb=cfg.parallel.bucket_mb,
+        comm=comm,
     )
 
 
@@ -124,7 +132,8 @@ def build_session(
         precision.set_tf32(cfg.compute.tf32)
     arrive("model built")
     groups = _groups(topo, coord, cfg.parallel.grad_sync, async_save=cfg.checkpoint.async_save)
-    sync = _make_sync(cfg, topo, coord, stage, groups, device)
+    emu = nccl_emu.for_session(cfg.launch, rank) if resolve_backend(cfg) == "nccl-emu" else None
+    sync = _make_sync(cfg, topo, coord, stage, groups, device, emu)
     transport = Transport(
         topo=topo,
         bundle=coord.bundle,
@@ -134,6 +143,7 @@ def build_session(
         out_meta=metas[coord.stage] if coord.stage < S - 1 else (),
         device=device,
         timeout=cfg.launch.timeout,
+        post=emu.batch_isend_irecv if emu is not None else post_with_torch,
     )
     optimizer = torch.optim.SGD(
         stage.parameters(),

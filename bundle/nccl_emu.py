@@ -1,0 +1,302 @@
+"""``--backend nccl-emu``: gloo on the CPU with NCCL's ordering, so "will this run on NCCL?" is
+answered on a laptop.
+
+gloo lets every send and receive progress on its own; NCCL does not, and a pattern that finishes
+on gloo can hang on GPUs. Under this backend the engine's calls go through the model NCCL imposes:
+
+- **One in-order stream per communicator per process.** A posted call starts only after the
+  previous call on that communicator completed. Point-to-point calls (``batch_isend_irecv`` on
+  the default group, which NCCL runs on the world communicator) share one stream; each gradient
+  sync group (DDP's stage group, the hierarchical sync's bundle and masters groups) has its own,
+  and streams progress independently of each other.
+- **A call's operations progress together:** each starts as soon as its peer is ready, and the
+  call completes when all of them have.
+- **Rendezvous:** a send completes only while the call holding its matching receive runs, as NCCL
+  does for messages larger than its buffers; a receive completes once its send runs. The n-th
+  send from a to b matches the n-th receive at b from a. ``--nccl-emu-eager-bytes N`` lets sends
+  of at most N bytes complete without waiting for their receiver (NCCL's small messages); the
+  default, 0, is the strict model.
+- **Waits keep their timeouts** (``--timeout``), and a stall names the stuck call, its operations
+  and peers, and what the stream holds behind it.
+
+Not modelled: kernels and their timing, NVLink/InfiniBand bandwidth, NCCL's own buffer sizes and
+protocols (the eager limit is a single switch), the compute streams and events of CUDA beyond
+"a wait orders what is posted after it", and two communicators' kernels competing for the GPU
+(NCCL asks not to rely on concurrent progress of communicators; the emulation grants it).
+Collectives run as gloo's, one call each on their group's stream, so their ordering and timeouts
+are NCCL's but a mismatch between ranks fails as gloo reports it.
+
+Rendezvous goes through the job's store: a call that starts running sets one key per operation,
+and an operation is handed to gloo (with the message's number as its tag) once its partner's key
+is there. That costs a few store round trips per message: this backend is for checking, not
+speed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_POLL_FIRST_S, _POLL_MAX_S = 5e-5, 2e-3
+_TAG_MOD = 2**31 - 1
+
+
+@dataclass
+class _Op:
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    n: int  # this message's number between the pair, in its direction
+    label: str
+    eager: bool
+    state: str = "waiting for its peer"
+
+    def key(self, rank: int, *, partner: bool) -> str:
+        src, dst = (rank, self.peer) if self.send else (self.peer, rank)
+        side = self.send != partner  # True: the send's key
+        return f"p2p/{src}>{dst}/{self.n}/{'send' if side else 'recv'}"
+
+
+@dataclass
+class _Call:
+    number: int
+    what: str
+    run: Callable[[_Call, float], None]
+    ops: list[_Op] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    future: torch.futures.Future | None = None
+    result: object = None
+
+    def describe(self) -> str:
+        if not self.ops:
+            return f"call {self.number} ({self.what})"
+        return f"call {self.number} [{', '.join(f'{o.label}: {o.state}' for o in self.ops)}]"
+
+
+class Work:
+    """What a posted call returns: ``wait`` blocks (with a timeout) until the call completed."""
+
+    def __init__(self, call: _Call, stream: _Stream) -> None:
+        self._call, self._stream = call, stream
+
+    def is_completed(self) -> bool:
+        return self._call.done.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        seconds = self._stream.timeout if timeout is None else timeout.total_seconds()
+        if not self._call.done.wait(seconds):
+            raise RuntimeError(
+                f"nccl-emu: no completion within {seconds:.0f}s; {self._stream.status(self._call)}"
+            )
+        if self._call.error is not None:
+            raise RuntimeError(self._call.error)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        assert self._call.future is not None, "only collectives carry a future"
+        return self._call.future
+
+
+class _Stream:
+    """One communicator's in-order stream in this process: a thread that runs its calls in turn."""
+
+    def __init__(self, name: str, rank: int, timeout: float) -> None:
+        self.name, self.rank, self.timeout = name, rank, timeout
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._numbers = itertools.count()
+        self._lock = threading.Lock()
+        self._pending: list[_Call] = []  # posted and not completed, in order
+        self._broken: str | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"nccl-emu {name}", daemon=True)
+        self._thread.start()
+
+    def post(self, what: str, run: Callable[[_Call, float], None], ops=(), future=False) -> Work:
+        call = _Call(next(self._numbers), what, run, list(ops))
+        if future:
+            call.future = torch.futures.Future()
+        with self._lock:
+            self._pending.append(call)
+        self._queue.put(call)
+        return Work(call, self)
+
+    def status(self, call: _Call) -> str:
+        """Where this stream stands, for a stall report."""
+        with self._lock:
+            pending = list(self._pending)
+        head = pending[0] if pending else None
+        where = f"rank {self.rank}'s {self.name} stream"
+        if head is None or head is call or call not in pending:
+            return f"{where} is stuck at {call.describe()}"
+        ahead = pending.index(call)
+        return (
+            f"{where} has not started {call.describe()}: {ahead} call(s) ahead of it, "
+            f"the first stuck at {head.describe()}"
+        )
+
+    def _finish(self, call: _Call, error: str | None) -> None:
+        call.error = error
+        with self._lock:
+            self._pending.remove(call)
+        if call.future is not None:
+            if error is None:
+                call.future.set_result(call.result)
+            else:
+                call.future.set_exception(RuntimeError(error))
+        call.done.set()
+
+    def _loop(self) -> None:
+        while (call := self._queue.get()) is not None:
+            if self._broken is not None:  # a stream that failed runs nothing more
+                self._finish(call, self._broken)
+                continue
+            try:
+                call.run(call, time.monotonic() + self.timeout)
+                self._finish(call, None)
+            except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the call
+                self._broken = f"nccl-emu: rank {self.rank}'s {self.name} stream: {exc}"
+                self._finish(call, self._broken)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=1.0)
+
+
+class Emulator:
+    """This process's side of the emulation: its point-to-point stream and its groups' streams."""
+
+    def __init__(
+        self, store: dist.Store, rank: int, *, timeout: float, eager_bytes: int = 0
+    ) -> None:
+        self.store, self.rank, self.timeout, self.eager_bytes = store, rank, timeout, eager_bytes
+        self._p2p = _Stream("point-to-point", rank, timeout)
+        self._groups: dict[object, _Stream] = {}
+        self._sent: dict[tuple[int, bool], int] = {}  # (peer, send?) -> messages so far
+        self._eager: list = []  # eager sends gloo has not delivered yet
+        # Stop the stream threads once the session that built this is gone, or at exit.
+        self._finalizer = weakref.finalize(self, _stop, self._p2p, self._groups)
+
+    # -- point-to-point ------------------------------------------------------------------------
+
+    def batch_isend_irecv(self, ops: list[dist.P2POp], labels: list[str]) -> list[Work]:
+        """Post one call; the same signature as the engine's ``PostCall``."""
+        mine = []
+        for op, label in zip(ops, labels, strict=True):
+            send = op.op is dist.isend
+            n = self._sent.get((op.peer, send), 0)
+            self._sent[(op.peer, send)] = n + 1
+            nbytes = op.tensor.numel() * op.tensor.element_size()
+            mine.append(_Op(send, op.tensor, op.peer, n, label, nbytes <= self.eager_bytes))
+        what = ", ".join(labels)
+        return [self._p2p.post(what, self._run_p2p, mine)]
+
+    def _run_p2p(self, call: _Call, deadline: float) -> None:
+        store, rank = self.store, self.rank
+        self._eager = [w for w in self._eager if not w.is_completed()]
+        for op in call.ops:  # this call is running: tell each partner (eager messages need not)
+            if not op.eager:
+                store.set(op.key(rank, partner=False), "1")
+        waiting, works, pause = list(call.ops), [], _POLL_FIRST_S
+        while waiting:
+            still = []
+            for op in waiting:
+                if op.send and op.eager:
+                    self._eager.append(dist.isend(op.tensor.clone(), op.peer, tag=op.n % _TAG_MOD))
+                    op.state = "sent eagerly"
+                    continue
+                key = op.key(rank, partner=True)
+                if op.eager or store.check([key]):  # an eager receive: its send ran already
+                    if not op.eager:
+                        store.delete_key(key)
+                    start = dist.isend if op.send else dist.irecv
+                    works.append((op, start(op.tensor, op.peer, tag=op.n % _TAG_MOD)))
+                    op.state = "moving data" if not op.eager else "waiting for its eager send"
+                else:
+                    still.append(op)
+            waiting = still
+            if waiting:
+                if time.monotonic() > deadline:
+                    peers = sorted({o.peer for o in waiting})
+                    raise TimeoutError(
+                        f"{call.describe()} found no matching call running on rank(s) "
+                        f"{', '.join(map(str, peers))} within {self.timeout:.0f}s"
+                    )
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+        for op, w in works:
+            w.wait(timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+            op.state = "done"
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def _stream_of(self, group: dist.ProcessGroup) -> _Stream:
+        if group not in self._groups:
+            name = f"group {dist.get_process_group_ranks(group)}"
+            self._groups[group] = _Stream(name, self.rank, self.timeout)
+        return self._groups[group]
+
+    def collective(
+        self, name: str, tensor: torch.Tensor, group: dist.ProcessGroup, start: Callable
+    ) -> Work:
+        """Run ``start()`` (a blocking gloo collective on ``group``) as one call of its stream."""
+
+        def run(call: _Call, deadline: float) -> None:
+            start()
+            call.result = [tensor]
+
+        return self._stream_of(group).post(name, run, future=True)
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Work:
+        return self.collective(
+            "all_reduce", tensor, group, lambda: dist.all_reduce(tensor, group=group)
+        )
+
+    def reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> Work:
+        return self.collective(
+            f"reduce to rank {dst}", tensor, group, lambda: dist.reduce(tensor, dst, group=group)
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> Work:
+        return self.collective(
+            f"broadcast from rank {src}",
+            tensor,
+            group,
+            lambda: dist.broadcast(tensor, src, group=group),
+        )
+
+    def close(self) -> None:
+        """Finish what gloo still holds of eager sends, then stop the streams."""
+        for w in self._eager:
+            w.wait(timedelta(seconds=self.timeout))
+        self._finalizer()
+
+
+def _stop(p2p: _Stream, groups: dict) -> None:
+    # Joined, not left to die with the interpreter: a stream thread that torch's teardown finds
+    # alive after it ran gloo operations ends the process in std::terminate.
+    for s in (p2p, *groups.values()):
+        s.close()
+
+
+_sessions = itertools.count()
+
+
+def for_session(launch, rank: int) -> Emulator:
+    """The emulation for one training session of this process, on the job's store.
+
+    Every process builds its sessions in the same order, so the n-th session's keys are the same
+    namespace everywhere and a later session (tests build several per process) starts afresh.
+    """
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = dist.PrefixStore(f"nccl-emu/{next(_sessions)}", _get_default_store())
+    return Emulator(store, rank, timeout=launch.timeout, eager_bytes=launch.emu_eager_bytes)
