@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 _POLL_FIRST_S, _POLL_MAX_S = 5e-5, 2e-3
 _TAG_MOD = 2**31 - 1
+_WAITING = "waiting for its peer"
 
 
 @dataclass
@@ -58,7 +59,7 @@ class _Op:
     n: int  # this message's number between the pair, in its direction
     label: str
     eager: bool
-    state: str = "waiting for its peer"
+    state: str = "queued"
 
     def key(self, rank: int, *, partner: bool) -> str:
         src, dst = (rank, self.peer) if self.send else (self.peer, rank)
@@ -80,7 +81,11 @@ class _Call:
     def describe(self) -> str:
         if not self.ops:
             return f"call {self.number} ({self.what})"
-        return f"call {self.number} [{', '.join(f'{o.label}: {o.state}' for o in self.ops)}]"
+        text = f"call {self.number} [{', '.join(f'{o.label}: {o.state}' for o in self.ops)}]"
+        peers = sorted({o.peer for o in self.ops if o.state == _WAITING})
+        if peers:
+            text += f"; no matching call running on rank(s) {', '.join(map(str, peers))}"
+        return text
 
 
 class Work:
@@ -203,6 +208,7 @@ class Emulator:
         store, rank = self.store, self.rank
         self._eager = [w for w in self._eager if not w.is_completed()]
         for op in call.ops:  # this call is running: tell each partner (eager messages need not)
+            op.state = _WAITING
             if not op.eager:
                 store.set(op.key(rank, partner=False), "1")
         waiting, works, pause = list(call.ops), [], _POLL_FIRST_S
@@ -225,11 +231,7 @@ class Emulator:
             waiting = still
             if waiting:
                 if time.monotonic() > deadline:
-                    peers = sorted({o.peer for o in waiting})
-                    raise TimeoutError(
-                        f"{call.describe()} found no matching call running on rank(s) "
-                        f"{', '.join(map(str, peers))} within {self.timeout:.0f}s"
-                    )
+                    raise TimeoutError(f"stuck {self.timeout:.0f}s at {call.describe()}")
                 time.sleep(pause)
                 pause = min(2 * pause, _POLL_MAX_S)
         for op, w in works:

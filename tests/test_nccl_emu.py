@@ -1,0 +1,159 @@
+"""The NCCL emulation itself, on two gloo processes: the engine's old order is reported stuck
+within the timeout, naming its operations; the crossing of unfused 1F1B sends too; the fused
+order completes with the right data; eager sends lift the crossing; separate communicators
+progress independently. The same patterns complete on plain gloo, which is why they hid."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bundle import nccl_emu
+from bundle.localworld import run_world
+
+TIMEOUT = 2.0
+N = 64  # elements per message: 256 bytes
+
+
+def _emulator(name: str, rank: int, eager_bytes: int = 0) -> nccl_emu.Emulator:
+    store = dist.PrefixStore(f"test/{name}", dist.distributed_c10d._get_default_store())
+    return nccl_emu.Emulator(store, rank, timeout=TIMEOUT, eager_bytes=eager_bytes)
+
+
+def _run(emu, calls: list, rank: int) -> tuple[dict, str | None, float]:
+    """Post each call ((op, label) pairs; op send/recv with the other rank), waiting for it at
+    once where the pattern says ``WAIT`` (its data is needed next); the received data, the error."""
+    peer, got, works = 1 - rank, {}, []
+    start = time.monotonic()
+    try:
+        for call in calls:
+            wait_now = call[-1] == WAIT
+            call = call[:-1] if wait_now else call
+            ops, labels, bufs = [], [], {}
+            for op, label in call:
+                if op == "send":
+                    t = torch.full((N,), float(len(label) + 10 * rank))
+                    ops.append(dist.P2POp(dist.isend, t, peer))
+                else:
+                    bufs[label] = torch.zeros(N)
+                    ops.append(dist.P2POp(dist.irecv, bufs[label], peer))
+                labels.append(f"{label} {'to' if op == 'send' else 'from'} rank {peer}")
+            posted = emu.batch_isend_irecv(ops, labels)
+            if wait_now:  # waited once only: a gloo work is not to be waited for twice
+                for w in posted:
+                    w.wait()
+                posted = []
+            works.append((posted, bufs))
+        for posted, bufs in works:
+            for w in posted:
+                w.wait()
+            got.update({k: v[0].item() for k, v in bufs.items()})
+    except RuntimeError as exc:
+        return got, str(exc), time.monotonic() - start
+    return got, None, time.monotonic() - start
+
+
+WAIT = "wait"  # the call's data is needed before the next call is posted
+OLD = {  # receives posted ahead of the sends (the engine's order before bundle.p2p), 1F1B M=1
+    0: [[("recv", "recv_grad0")], [("send", "send_act0")]],
+    1: [[("recv", "recv_act0"), WAIT], [("send", "send_grad0")]],
+}
+CROSSED = {  # 1F1B M=2 with receives posted where they stand, sends unfused
+    0: [[("send", "send_act0")], [("send", "send_act1")], [("recv", "recv_grad0"), WAIT]],
+    1: [[("recv", "recv_act0"), WAIT], [("send", "send_grad0")], [("recv", "recv_act1"), WAIT]],
+}
+FUSED = {  # bundle.p2p's calls for the same actions
+    0: [[("send", "send_act0")], [("send", "send_act1"), ("recv", "recv_grad0"), WAIT]],
+    1: [[("recv", "recv_act0"), WAIT], [("send", "send_grad0"), ("recv", "recv_act1"), WAIT]],
+}
+
+
+def _scenarios(rank: int, world: int) -> dict:
+    out = {}
+    for name, pattern, eager in (
+        ("old", OLD, 0),
+        ("crossed", CROSSED, 0),
+        ("fused", FUSED, 0),
+        ("crossed-eager", CROSSED, 4 * N),
+    ):
+        out[name] = _run(_emulator(name, rank, eager), pattern[rank], rank)
+        dist.barrier()  # the next scenario starts on both ranks after this one ended on both
+
+    # A stuck point-to-point stream does not hold up a collective on another communicator.
+    emu = _emulator("independent", rank)
+    group = dist.new_group([0, 1])
+    stuck = emu.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(N), 1 - rank)], ["lonely"])
+    total = torch.ones(N)
+    emu.all_reduce(total, group).wait()
+    out["collective"] = (total[0].item(), stuck[0].is_completed())
+    dist.barrier()
+    return out
+
+
+class _Gloo:
+    """The emulator's interface straight onto gloo: every operation progresses on its own."""
+
+    def batch_isend_irecv(self, ops, labels):
+        return dist.batch_isend_irecv(ops)
+
+
+def _on_gloo(rank: int, world: int) -> dict:
+    return {
+        name: _run(_Gloo(), pattern[rank], rank)
+        for name, pattern in (("old", OLD), ("crossed", CROSSED))
+    }
+
+
+@pytest.fixture(scope="module")
+def scenarios() -> list[dict]:
+    return run_world(2, _scenarios, timeout=120)
+
+
+@pytest.mark.slow
+def test_old_order_is_reported_stuck_within_the_timeout_naming_the_operations(scenarios):
+    for rank, (other, op) in enumerate(((1, "recv_grad0"), (0, "recv_act0"))):
+        got, error, seconds = scenarios[rank]["old"]
+        assert got == {} and error is not None
+        assert seconds < TIMEOUT + 2.0
+        assert f"{op} from rank {other}: waiting for its peer" in error, error
+        assert f"no matching call running on rank(s) {other}" in error, error
+
+
+@pytest.mark.slow
+def test_crossed_sends_are_reported_stuck(scenarios):
+    _, error, _ = scenarios[0]["crossed"]
+    assert error is not None and "send_act1 to rank 1: waiting for its peer" in error, error
+    _, error, _ = scenarios[1]["crossed"]
+    assert error is not None and "send_grad0 to rank 0: waiting for its peer" in error, error
+
+
+@pytest.mark.slow
+def test_fused_order_completes_with_the_right_data(scenarios):
+    # Each rank fills a send with len(label) + 10 * its rank.
+    got, error, _ = scenarios[0]["fused"]
+    assert error is None and got == {"recv_grad0": 10.0 + len("send_grad0")}
+    got, error, _ = scenarios[1]["fused"]
+    assert error is None and got == {"recv_act0": len("send_act0"), "recv_act1": len("send_act1")}
+
+
+@pytest.mark.slow
+def test_eager_sends_lift_the_crossing(scenarios):
+    for rank in (0, 1):
+        got, error, _ = scenarios[rank]["crossed-eager"]
+        assert error is None and len(got) == (1 if rank == 0 else 2)
+
+
+@pytest.mark.slow
+def test_communicators_progress_independently(scenarios):
+    for rank in (0, 1):
+        assert scenarios[rank]["collective"] == (2.0, False)
+
+
+@pytest.mark.slow
+def test_gloo_completes_both_patterns_which_is_why_they_hid():
+    results = run_world(2, _on_gloo, timeout=60)
+    assert [results[0][k][:2] for k in ("old", "crossed")] == [({"recv_grad0": 20.0}, None)] * 2
+    assert results[1]["crossed"][:2] == ({"recv_act0": 9.0, "recv_act1": 9.0}, None)

@@ -1,0 +1,177 @@
+"""The calls each stage posts, as literal data, and every shape's calls replayed through NCCL's model.
+
+``replay`` is the pure model of NCCL's streams (one in-order stream per rank, rendezvous sends);
+the engine's calls must complete under it for every shape, bundle count, schedule and M, and the
+order the engine used before (receives posted ahead of the sends) must not.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from bundle import p2p
+from bundle.p2p import MIRROR, SIDE, Call, calls, programs, replay
+from bundle.schedule import Action, Op, actions
+from bundle.topology import Topology
+
+
+def _c(text: str) -> list[str]:
+    return text.split(" | ")
+
+
+def _text(cs: list[Call]) -> list[str]:
+    return [repr(c) for c in cs]
+
+
+def test_1f1b_two_stages_fuses_each_send_with_the_mirror_receive():
+    assert _text(calls("1f1b", 0, 2, 3)) == _c(
+        "send_act0 | send_act1+recv_grad0 | send_act2+recv_grad1 | recv_grad2"
+    )
+    assert _text(calls("1f1b", 1, 2, 3)) == _c(
+        "recv_act0 | send_grad0+recv_act1 | send_grad1+recv_act2 | send_grad2"
+    )
+
+
+def test_1f1b_three_stages_middle_fuses_on_both_boundaries():
+    assert _text(calls("1f1b", 0, 3, 4)) == _c(
+        "send_act0 | send_act1 | send_act2+recv_grad0 | send_act3+recv_grad1 | recv_grad2 | "
+        "recv_grad3"
+    )
+    assert _text(calls("1f1b", 1, 3, 4)) == _c(
+        "recv_act0 | send_act0 | recv_act1 | send_act1+recv_grad0 | send_grad0+recv_act2 | "
+        "send_act2+recv_grad1 | send_grad1+recv_act3 | send_act3+recv_grad2 | send_grad2 | "
+        "recv_grad3 | send_grad3"
+    )
+    assert _text(calls("1f1b", 2, 3, 4)) == _c(
+        "recv_act0 | send_grad0+recv_act1 | send_grad1+recv_act2 | send_grad2+recv_act3 | "
+        "send_grad3"
+    )
+
+
+def test_gpipe_fuses_nothing_across_its_drain():
+    # Stage 0 has send_act2 beside recv_grad0, but stage 1 computes between recv_act2 and
+    # send_grad0: fusing one side only would give the boundary two different call sequences.
+    assert _text(calls("gpipe", 0, 2, 3)) == _c(
+        "send_act0 | send_act1 | send_act2 | recv_grad0 | recv_grad1 | recv_grad2"
+    )
+    assert _text(calls("gpipe", 1, 3, 2)) == _c(
+        "recv_act0 | send_act0 | recv_act1 | send_act1 | recv_grad0 | send_grad0 | recv_grad1 | "
+        "send_grad1"
+    )
+
+
+def test_one_stage_posts_nothing():
+    assert calls("1f1b", 0, 1, 4) == [] == calls("gpipe", 0, 1, 4)
+
+
+def _boundary_view(cs: list[Call], side: int) -> list[tuple[Action, ...]]:
+    """The calls as the boundary on ``side`` sees them, each message named from the upstream side."""
+    out = []
+    for c in cs:
+        ops = tuple(
+            a if side > 0 else Action(MIRROR[a.op], a.micro) for a in c.ops if SIDE[a.op] == side
+        )
+        if ops:
+            out.append(tuple(sorted(ops, key=repr)))
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_both_sides_of_every_boundary_post_the_same_calls_in_the_same_order(schedule):
+    for stages, micro in itertools.product(range(2, 6), range(1, 8)):
+        per_stage = [calls(schedule, s, stages, micro) for s in range(stages)]
+        for s in range(stages - 1):
+            up, down = _boundary_view(per_stage[s], 1), _boundary_view(per_stage[s + 1], -1)
+            assert up == down, (schedule, stages, micro, s)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_every_action_is_in_exactly_one_call_in_schedule_order(schedule):
+    for stages, micro, s in ((4, 5, 1), (3, 2, 2), (2, 7, 0)):
+        comm = [a for a in actions(schedule, s, stages, micro) if a.op in p2p.COMM]
+        assert [a for c in calls(schedule, s, stages, micro) for a in c.ops] == comm
+
+
+SHAPES = [(1, 1), (2, 1), (1, 2), (2, 3), (3, 2), (1, 1, 1), (2, 2, 1), (1, 3, 2), (1, 1, 1, 1)]
+
+
+def _topo(shape, bundles, micro) -> Topology:
+    return Topology(
+        shape=shape,
+        num_bundles=bundles,
+        procs_per_node=sum(shape),
+        global_batch=max(23, micro * max(shape) * bundles),
+        micro_batches=micro,
+    )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_engines_calls_complete_under_nccls_ordering(schedule):
+    for shape, bundles, micro in itertools.product(SHAPES, (1, 2), (1, 2, 3, 4, 7)):
+        stuck = replay(programs(_topo(shape, bundles, micro), schedule))
+        assert stuck == [], (shape, bundles, micro, stuck)
+
+
+def _old_order(topo: Topology, schedule: str) -> dict[int, list]:
+    """The engine's order before calls came from the schedule: every receive its own call, the
+    first of each kind posted at the start of the step and the next one as soon as one arrives."""
+    progs = {}
+    for rank in range(topo.world_size):
+        c, m = topo.coord(rank), topo.micro_batches
+        sizes, prog, index = topo.micro_sizes(c.bundle), [], {}
+
+        def post(op: Op, k: int, c=c, m=m, sizes=sizes, prog=prog, index=index) -> None:
+            if k < m:
+                index[(op, k)] = sum(kind == "post" for kind, _ in prog)
+                peers = p2p.boundary_peers(topo, c.bundle, c.stage, c.replica, SIDE[op], sizes[k])
+                kind = "send" if op in p2p.SENDS else "recv"
+                prog.append(("post", [(kind, peer, t.stop - t.start) for t, peer in peers]))
+
+        if c.stage > 0:
+            post(Op.RECV_ACT, 0)
+        if c.stage < topo.num_stages - 1:
+            post(Op.RECV_GRAD, 0)
+        for a in actions(schedule, c.stage, topo.num_stages, m):
+            if a.op in p2p.RECVS:
+                prog.append(("wait", index[(a.op, a.micro)]))
+                post(a.op, a.micro + 1)
+            elif a.op in p2p.SENDS:
+                post(a.op, a.micro)
+        prog.append(("wait", len(index) - 1))
+        progs[rank] = prog
+    return progs
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 1, 1)], ids=str)
+@pytest.mark.parametrize("micro", [1, 3, 4])
+def test_the_old_order_deadlocks_under_nccls_ordering(shape, micro, schedule):
+    stuck = replay(_old_order(_topo(shape, 1, micro), schedule))
+    # Stage 0's first call receives a gradient no one can send before its activation arrived.
+    assert stuck and stuck[0].startswith("rank 0: call 0 stuck on recv from rank")
+
+
+def test_unfused_1f1b_crosses_and_deadlocks_unless_sends_are_eager(monkeypatch):
+    """Receives posted where they stand are not enough: 1F1B's sends cross (stage 0's send_act1
+    and stage 1's send_grad0 each head their stream, each waiting for a receive queued behind the
+    other's), unless messages are small enough for NCCL to send eagerly."""
+
+    def unfused(schedule, stage, num_stages, micro):
+        acts = actions(schedule, stage, num_stages, micro)
+        return acts, [Call((a,)) for a in acts if a.op in p2p.COMM]
+
+    topo = _topo((1, 1), 1, 3)
+    assert replay(programs(topo, "1f1b")) == []
+    monkeypatch.setattr(p2p, "stage_calls", unfused)
+    assert replay(programs(topo, "1f1b")) == [
+        "rank 0: call 1 stuck on send to rank 1",
+        "rank 1: call 1 stuck on send to rank 0",
+    ]
+    assert replay(programs(topo, "1f1b"), eager_bytes=12) == []
+
+
+def test_replay_names_a_rank_that_waits_forever():
+    progs = {0: [("post", [("recv", 1, 4)]), ("wait", 0)], 1: []}
+    assert replay(progs) == ["rank 0: call 0 stuck on recv from rank 1"]
