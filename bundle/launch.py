@@ -87,6 +87,18 @@ def pin_gloo_interface(master: str, port: int) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
+def prepare_backend_env(backend: str, host: str, port: int, procs_per_node: int) -> None:
+    """Per-process settings made before any process group exists.
+
+    The CPU threads are shared out only on gloo (the process computes on the CPU). The gloo
+    interface is pinned whatever the backend: an NCCL job creates gloo groups too (the control
+    and async groups), and those fail to connect across nodes the same way.
+    """
+    if backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // procs_per_node))
+    pin_gloo_interface(host, port)
+
+
 def allow_shared_gpu() -> None:
     """Let NCCL place several ranks of one communicator on one GPU (NCCL 2.30 and later).
 
@@ -243,10 +255,7 @@ def worker_main(
     stop = StopRequest(shared=stop_shared, announce=stop_shared is None)
     stop.install(on_second=lambda signum: os._exit(exit_code(signum)))
     backend = resolve_backend(cfg)
-    if backend == "gloo":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // topo.procs_per_node))
-    if backend == "gloo":
-        pin_gloo_interface(host, port)
+    prepare_backend_env(backend, host, port, topo.procs_per_node)
     # Every attempt of a restarted job keeps its keys apart: the store outlives the attempts.
     store = dist.PrefixStore(
         attempt_prefix(attempt),
