@@ -335,7 +335,9 @@ def run(
     dist.broadcast_object_list(final, src=0, group=session.groups["control"])
     if final[0]:
         runner.where = "checkpoint"
-        checkpoint.save_distributed(final[0], session.stage, topo, coord)
+        checkpoint.save_distributed(
+            final[0], session.stage, topo, coord, group=session.groups["control"]
+        )
     if rank != reporter:
         report.finish(None)
         return None
