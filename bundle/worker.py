@@ -171,14 +171,29 @@ def _shard(topo: Topology, coord: Coord, micro_batches: int) -> data.Shard:
     )
 
 
+def _pins(device: torch.device | None) -> bool:
+    """Pinned batches only for a CUDA process: pinning opens a CUDA context even on gloo."""
+    return device is not None and device.type == "cuda"
+
+
 def _reads_data(topo: Topology, coord: Coord) -> bool:
     return coord.stage in (0, topo.num_stages - 1)
 
 
 def train_stream(
-    session: Session, topo: Topology, seed: int, total: int, workers: int, *, start: int = 0
+    session: Session,
+    topo: Topology,
+    seed: int,
+    total: int,
+    workers: int,
+    *,
+    start: int = 0,
+    device: torch.device | None = None,
 ):
-    """Per step, this replica's M micro-batches: inputs on stage 0, labels on the last stage."""
+    """Per step, this replica's M micro-batches: inputs on stage 0, labels on the last stage.
+
+    The loader pins its batches only for a CUDA ``device``.
+    """
     coord = session.coord
     if not _reads_data(topo, coord):
         while True:
@@ -188,7 +203,11 @@ def train_stream(
         _shard(topo, coord, topo.micro_batches), n, topo.global_batch, seed, total, start=start
     )
     stream = data.stage_micro_batches(
-        session.splits.train, lists, first=coord.stage == 0, workers=workers
+        session.splits.train,
+        lists,
+        first=coord.stage == 0,
+        workers=workers,
+        pin_memory=_pins(device),
     )
     while True:
         yield [next(stream) for _ in range(topo.micro_batches)]
@@ -266,7 +285,9 @@ def run(
     saver = make_checkpointer(cfg, topo, rank, session)
     runner.where = "resume"
     start = saver.restore(resume)
-    batches = train_stream(session, topo, cfg.train.seed, total, cfg.data.workers, start=start)
+    batches = train_stream(
+        session, topo, cfg.train.seed, total, cfg.data.workers, start=start, device=device
+    )
     timer = runner.timer
     timer.trace = cfg.observe.trace_range(start, total)
     profiler = observe.make_profiler(cfg, rank, device)
@@ -398,7 +419,9 @@ def evaluate(
     if _reads_data(topo, coord):
         shard = _shard(topo, coord, 1)
         lists = [shard.micro_indices(ix)[0] for ix, _ in usable]
-        stream = data.stage_micro_batches(dataset, lists, first=coord.stage == 0, workers=workers)
+        stream = data.stage_micro_batches(
+            dataset, lists, first=coord.stage == 0, workers=workers, pin_memory=_pins(device)
+        )
     counts = torch.zeros(3, dtype=torch.float64, device=device)
     for _ix, rows in usable:
         counts += runner.eval_batch(rows, next(stream) if stream else None)
