@@ -25,6 +25,7 @@ from bundle.config import RunConfig
 from bundle.errors import ConfigError, LaunchError, PeerFailure
 from bundle.preemption import Stopped, StopRequest, exit_code, stop_line
 from bundle.topology import Topology
+from bundle.watchdog import StepWatchdog, group_timeout, watch_limit
 
 ABORT_KEY = "bundle/abort"
 MULTI_RANK_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
@@ -227,6 +228,23 @@ def start_abort_watch(store: dist.Store, rank: int, me: str) -> None:
     threading.Thread(target=watch, name="bundle-abort-watch", daemon=True).start()
 
 
+def start_step_watchdog(
+    store: dist.Store, me: str, where: dict, backend: str, timeout: float, *, exit=os._exit
+) -> StepWatchdog:
+    """End this process, reporting where, when training stops moving (bundle/watchdog.py)."""
+
+    def report(message: str) -> None:
+        log.get().error(post_abort(store, message))
+
+    return StepWatchdog(
+        me=me,
+        position=lambda: where["runner"].where if "runner" in where else None,
+        limit=watch_limit(backend, timeout),
+        report=report,
+        exit=exit,
+    ).start()
+
+
 # -- one worker process --------------------------------------------------------------------------
 
 
@@ -267,6 +285,7 @@ def worker_main(
     me = topo.describe(rank)
     start_abort_watch(store, rank, me)
     where: dict = {}
+    watchdog = start_step_watchdog(store, me, where, backend, cfg.launch.timeout)
     try:
         store_barrier(store, "start", topo.world_size, cfg.launch.init_timeout)
         # --share-gpus sets NCCL's multi-rank switch here, in the worker itself (self-spawned or
@@ -281,7 +300,7 @@ def worker_main(
             store=dist.PrefixStore("bundle/pg", store),
             rank=rank,
             world_size=topo.world_size,
-            timeout=timedelta(seconds=cfg.launch.timeout),
+            timeout=group_timeout(backend, cfg.launch.timeout),
             device_id=device if backend == "nccl" else None,
         )
         summary = worker.run(
@@ -304,6 +323,7 @@ def worker_main(
             print(json.dumps(summary, sort_keys=True), flush=True)
         return 0
     except Stopped as stopped:
+        watchdog.stop()
         if cfg.launch.torchrun and local_rank == 0:
             launcher = "torchrun [the same torchrun options]"
             print(
@@ -313,6 +333,7 @@ def worker_main(
             )
         return stopped.code
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the other processes
+        watchdog.stop()  # this error is the report
         deadline = time.monotonic() + 2.0
         cause = None
         while cause is None and time.monotonic() < deadline:

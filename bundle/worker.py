@@ -20,6 +20,7 @@ from bundle.timing import Mark
 from bundle.topology import Coord, Topology
 from bundle.trainer import StageRunner, boundary_metas, build_stages, eval_rows
 from bundle.transport import Transport
+from bundle.watchdog import group_timeout
 
 
 def make_topology(cfg: RunConfig) -> Topology:
@@ -32,27 +33,33 @@ def make_topology(cfg: RunConfig) -> Topology:
     )
 
 
-def _groups(topo: Topology, coord: Coord, strategy: str, *, async_save: bool) -> dict:
+def _groups(
+    topo: Topology, coord: Coord, strategy: str, *, async_save: bool, timeout: float
+) -> dict:
     """Create every group on every rank in the same order (new_group is collective).
 
     ``control`` spans the job on gloo whatever the training backend: the per-step stop vote and
     checkpoint coordination (CPU tensors, pickled plans) run there, apart from the training traffic.
     ``async`` does the same for the writes of asynchronous saves, which run in a thread of their own.
+    Every group gets ``--timeout`` (``timeout``; NCCL's a little more, see bundle/watchdog.py):
+    without it, NCCL's sub-groups wait 10 minutes.
     """
-    mine: dict = {"control": dist.new_group(backend="gloo")}
+    on_gloo = group_timeout("gloo", timeout)
+    training = group_timeout(dist.get_backend(), timeout)
+    mine: dict = {"control": dist.new_group(backend="gloo", timeout=on_gloo)}
     if async_save:
-        mine["async"] = dist.new_group(backend="gloo")
+        mine["async"] = dist.new_group(backend="gloo", timeout=on_gloo)
     for s in range(topo.num_stages):
-        g = dist.new_group(list(topo.stage_group(s)))
+        g = dist.new_group(list(topo.stage_group(s)), timeout=training)
         if s == coord.stage:
             mine["stage"] = g
         if strategy != "hierarchical":
             continue
         for b in range(topo.num_bundles):
-            g = dist.new_group(list(topo.bundle_stage_group(b, s)))
+            g = dist.new_group(list(topo.bundle_stage_group(b, s)), timeout=training)
             if (b, s) == (coord.bundle, coord.stage):
                 mine["bundle"] = g
-        g = dist.new_group(list(topo.masters_group(s)))
+        g = dist.new_group(list(topo.masters_group(s)), timeout=training)
         if s == coord.stage:
             mine["masters"] = g
     return mine
@@ -123,7 +130,13 @@ def build_session(
     if device.type == "cuda":
         precision.set_tf32(cfg.compute.tf32)
     arrive("model built")
-    groups = _groups(topo, coord, cfg.parallel.grad_sync, async_save=cfg.checkpoint.async_save)
+    groups = _groups(
+        topo,
+        coord,
+        cfg.parallel.grad_sync,
+        async_save=cfg.checkpoint.async_save,
+        timeout=cfg.launch.timeout,
+    )
     sync = _make_sync(cfg, topo, coord, stage, groups, device)
     transport = Transport(
         topo=topo,
@@ -423,7 +436,10 @@ def evaluate(
             dataset, lists, first=coord.stage == 0, workers=workers, pin_memory=_pins(device)
         )
     counts = torch.zeros(3, dtype=torch.float64, device=device)
-    for _ix, rows in usable:
+    label = runner.where
+    for i, (_ix, rows) in enumerate(usable):
+        # Each batch moves the position the step watchdog reads: a long evaluation is not a stall.
+        runner.where = f"{label}, batch {i + 1} of {len(usable)}"
         counts += runner.eval_batch(rows, next(stream) if stream else None)
     stage.train()
     if last_group is None:
