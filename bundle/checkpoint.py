@@ -68,13 +68,19 @@ def _unwrap(stage: nn.Module) -> nn.Module:
     return getattr(stage, "module", stage)
 
 
-def save_distributed(path: str, stage: nn.Module, topo: Topology, coord: Coord) -> None:
-    """Bundle 0's stage masters send their stage to rank 0, which writes the whole model."""
+def save_distributed(
+    path: str, stage: nn.Module, topo: Topology, coord: Coord, *, group: dist.ProcessGroup
+) -> None:
+    """Bundle 0's stage masters send their stage to rank 0, which writes the whole model.
+
+    ``group`` spans the job on gloo (the control group): on the default group of an NCCL job,
+    gather_object would pickle through CUDA tensors on the training communicator.
+    """
     mine = None
     if coord.bundle == 0 and coord.replica == 0:
         mine = {k: v.detach().cpu() for k, v in _unwrap(stage).full_state_dict().items()}
     parts: list | None = [None] * topo.world_size if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0)
+    dist.gather_object(mine, parts, dst=0, group=group)
     if parts is not None:
         state: dict[str, torch.Tensor] = {}
         for part in parts:

@@ -253,9 +253,17 @@ def worker_init_fn(_worker_id: int) -> None:
 
 
 def micro_batches(
-    dataset: Dataset, index_lists: Iterable[torch.Tensor], *, workers: int
+    dataset: Dataset,
+    index_lists: Iterable[torch.Tensor],
+    *,
+    workers: int,
+    pin_memory: bool = False,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Fetch each key list as one (inputs, labels) pair, in order, with ``workers`` prefetching."""
+    """Fetch each key list as one (inputs, labels) pair, in order, with ``workers`` prefetching.
+
+    ``pin_memory`` only when the process computes on CUDA: pinning opens a CUDA context (on
+    cuda:0) in a process that may never use the GPU, such as a gloo run on a GPU host.
+    """
     if workers == 0:
         for idx in index_lists:
             yield _fetch(dataset, idx)
@@ -267,7 +275,7 @@ def micro_batches(
         num_workers=workers,
         worker_init_fn=worker_init_fn,
         prefetch_factor=4,
-        pin_memory=torch.cuda.is_available(),  # lets the stage's non_blocking copy overlap
+        pin_memory=pin_memory,  # lets the stage's non_blocking copy overlap
     )
 
 
@@ -283,11 +291,16 @@ def labels_of(dataset: Dataset) -> torch.Tensor:
 
 
 def stage_micro_batches(
-    dataset: Dataset, index_lists: Iterable[torch.Tensor], *, first: bool, workers: int
+    dataset: Dataset,
+    index_lists: Iterable[torch.Tensor],
+    *,
+    first: bool,
+    workers: int,
+    pin_memory: bool = False,
 ) -> Iterator[tuple[torch.Tensor | None, torch.Tensor]]:
     """Stage 0 reads (inputs, labels); the last stage reads only the labels of its own rows."""
     if first:
-        yield from micro_batches(dataset, index_lists, workers=workers)
+        yield from micro_batches(dataset, index_lists, workers=workers, pin_memory=pin_memory)
         return
     labels = labels_of(dataset)
     for keys in index_lists:

@@ -14,6 +14,10 @@ class ConfigError(BundleError, ValueError):
         self.key, self.value, self.allowed = key, value, allowed
         super().__init__(f"{key}: {value!r} is not valid; {allowed}")
 
+    def __reduce__(self):
+        # Pickled whole (a planner child sends it back to its parent): rebuilt from its fields.
+        return type(self), (self.key, self.value, self.allowed)
+
 
 class TopologyError(ConfigError):
     """The bundle shape, bundle count or batch cannot be laid out on the processes."""

@@ -25,6 +25,7 @@ from bundle.config import RunConfig
 from bundle.errors import ConfigError, LaunchError, PeerFailure
 from bundle.preemption import Stopped, StopRequest, exit_code, stop_line
 from bundle.topology import Topology
+from bundle.watchdog import StepWatchdog, group_timeout, watch_limit
 
 ABORT_KEY = "bundle/abort"
 MULTI_RANK_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
@@ -90,6 +91,18 @@ def pin_gloo_interface(master: str, port: int) -> None:
     name = _interface_of(local)
     if name and not local.startswith("127."):
         os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def prepare_backend_env(backend: str, host: str, port: int, procs_per_node: int) -> None:
+    """Per-process settings made before any process group exists.
+
+    The CPU threads are shared out only on gloo (the process computes on the CPU). The gloo
+    interface is pinned whatever the backend: an NCCL job creates gloo groups too (the control
+    and async groups), and those fail to connect across nodes the same way.
+    """
+    if backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // procs_per_node))
+    pin_gloo_interface(host, port)
 
 
 def allow_shared_gpu() -> None:
@@ -220,6 +233,23 @@ def start_abort_watch(store: dist.Store, rank: int, me: str) -> None:
     threading.Thread(target=watch, name="bundle-abort-watch", daemon=True).start()
 
 
+def start_step_watchdog(
+    store: dist.Store, me: str, where: dict, backend: str, timeout: float, *, exit=os._exit
+) -> StepWatchdog:
+    """End this process, reporting where, when training stops moving (bundle/watchdog.py)."""
+
+    def report(message: str) -> None:
+        log.get().error(post_abort(store, message))
+
+    return StepWatchdog(
+        me=me,
+        position=lambda: where["runner"].where if "runner" in where else None,
+        limit=watch_limit(backend, timeout),
+        report=report,
+        exit=exit,
+    ).start()
+
+
 # -- one worker process --------------------------------------------------------------------------
 
 
@@ -248,10 +278,7 @@ def worker_main(
     stop = StopRequest(shared=stop_shared, announce=stop_shared is None)
     stop.install(on_second=lambda signum: os._exit(exit_code(signum)))
     backend = torch_backend(resolve_backend(cfg))
-    if backend == "gloo":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // topo.procs_per_node))
-    if backend == "gloo":
-        pin_gloo_interface(host, port)
+    prepare_backend_env(backend, host, port, topo.procs_per_node)
     # Every attempt of a restarted job keeps its keys apart: the store outlives the attempts.
     store = dist.PrefixStore(
         attempt_prefix(attempt),
@@ -263,6 +290,7 @@ def worker_main(
     me = topo.describe(rank)
     start_abort_watch(store, rank, me)
     where: dict = {}
+    watchdog = start_step_watchdog(store, me, where, backend, cfg.launch.timeout)
     try:
         store_barrier(store, "start", topo.world_size, cfg.launch.init_timeout)
         # --share-gpus sets NCCL's multi-rank switch here, in the worker itself (self-spawned or
@@ -277,7 +305,7 @@ def worker_main(
             store=dist.PrefixStore("bundle/pg", store),
             rank=rank,
             world_size=topo.world_size,
-            timeout=timedelta(seconds=cfg.launch.timeout),
+            timeout=group_timeout(backend, cfg.launch.timeout),
             device_id=device if backend == "nccl" else None,
         )
         summary = worker.run(
@@ -300,6 +328,7 @@ def worker_main(
             print(json.dumps(summary, sort_keys=True), flush=True)
         return 0
     except Stopped as stopped:
+        watchdog.stop()
         if cfg.launch.torchrun and local_rank == 0:
             launcher = "torchrun [the same torchrun options]"
             print(
@@ -309,6 +338,7 @@ def worker_main(
             )
         return stopped.code
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the other processes
+        watchdog.stop()  # this error is the report
         deadline = time.monotonic() + 2.0
         cause = None
         while cause is None and time.monotonic() < deadline:

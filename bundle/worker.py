@@ -21,6 +21,7 @@ from bundle.timing import Mark
 from bundle.topology import Coord, Topology
 from bundle.trainer import StageRunner, boundary_metas, build_stages, eval_rows
 from bundle.transport import Transport, post_with_torch
+from bundle.watchdog import group_timeout
 
 
 def make_topology(cfg: RunConfig) -> Topology:
@@ -33,27 +34,33 @@ def make_topology(cfg: RunConfig) -> Topology:
     )
 
 
-def _groups(topo: Topology, coord: Coord, strategy: str, *, async_save: bool) -> dict:
+def _groups(
+    topo: Topology, coord: Coord, strategy: str, *, async_save: bool, timeout: float
+) -> dict:
     """Create every group on every rank in the same order (new_group is collective).
 
     ``control`` spans the job on gloo whatever the training backend: the per-step stop vote and
     checkpoint coordination (CPU tensors, pickled plans) run there, apart from the training traffic.
     ``async`` does the same for the writes of asynchronous saves, which run in a thread of their own.
+    Every group gets ``--timeout`` (``timeout``; NCCL's a little more, see bundle/watchdog.py):
+    without it, NCCL's sub-groups wait 10 minutes.
     """
-    mine: dict = {"control": dist.new_group(backend="gloo")}
+    on_gloo = group_timeout("gloo", timeout)
+    training = group_timeout(dist.get_backend(), timeout)
+    mine: dict = {"control": dist.new_group(backend="gloo", timeout=on_gloo)}
     if async_save:
-        mine["async"] = dist.new_group(backend="gloo")
+        mine["async"] = dist.new_group(backend="gloo", timeout=on_gloo)
     for s in range(topo.num_stages):
-        g = dist.new_group(list(topo.stage_group(s)))
+        g = dist.new_group(list(topo.stage_group(s)), timeout=training)
         if s == coord.stage:
             mine["stage"] = g
         if strategy != "hierarchical":
             continue
         for b in range(topo.num_bundles):
-            g = dist.new_group(list(topo.bundle_stage_group(b, s)))
+            g = dist.new_group(list(topo.bundle_stage_group(b, s)), timeout=training)
             if (b, s) == (coord.bundle, coord.stage):
                 mine["bundle"] = g
-        g = dist.new_group(list(topo.masters_group(s)))
+        g = dist.new_group(list(topo.masters_group(s)), timeout=training)
         if s == coord.stage:
             mine["masters"] = g
     return mine
@@ -131,7 +138,13 @@ def build_session(
     if device.type == "cuda":
         precision.set_tf32(cfg.compute.tf32)
     arrive("model built")
-    groups = _groups(topo, coord, cfg.parallel.grad_sync, async_save=cfg.checkpoint.async_save)
+    groups = _groups(
+        topo,
+        coord,
+        cfg.parallel.grad_sync,
+        async_save=cfg.checkpoint.async_save,
+        timeout=cfg.launch.timeout,
+    )
     emu = nccl_emu.for_session(cfg.launch, rank) if resolve_backend(cfg) == "nccl-emu" else None
     sync = _make_sync(cfg, topo, coord, stage, groups, device, emu)
     transport = Transport(
@@ -181,14 +194,29 @@ def _shard(topo: Topology, coord: Coord, micro_batches: int) -> data.Shard:
     )
 
 
+def _pins(device: torch.device | None) -> bool:
+    """Pinned batches only for a CUDA process: pinning opens a CUDA context even on gloo."""
+    return device is not None and device.type == "cuda"
+
+
 def _reads_data(topo: Topology, coord: Coord) -> bool:
     return coord.stage in (0, topo.num_stages - 1)
 
 
 def train_stream(
-    session: Session, topo: Topology, seed: int, total: int, workers: int, *, start: int = 0
+    session: Session,
+    topo: Topology,
+    seed: int,
+    total: int,
+    workers: int,
+    *,
+    start: int = 0,
+    device: torch.device | None = None,
 ):
-    """Per step, this replica's M micro-batches: inputs on stage 0, labels on the last stage."""
+    """Per step, this replica's M micro-batches: inputs on stage 0, labels on the last stage.
+
+    The loader pins its batches only for a CUDA ``device``.
+    """
     coord = session.coord
     if not _reads_data(topo, coord):
         while True:
@@ -198,7 +226,11 @@ def train_stream(
         _shard(topo, coord, topo.micro_batches), n, topo.global_batch, seed, total, start=start
     )
     stream = data.stage_micro_batches(
-        session.splits.train, lists, first=coord.stage == 0, workers=workers
+        session.splits.train,
+        lists,
+        first=coord.stage == 0,
+        workers=workers,
+        pin_memory=_pins(device),
     )
     while True:
         yield [next(stream) for _ in range(topo.micro_batches)]
@@ -276,7 +308,9 @@ def run(
     saver = make_checkpointer(cfg, topo, rank, session)
     runner.where = "resume"
     start = saver.restore(resume)
-    batches = train_stream(session, topo, cfg.train.seed, total, cfg.data.workers, start=start)
+    batches = train_stream(
+        session, topo, cfg.train.seed, total, cfg.data.workers, start=start, device=device
+    )
     timer = runner.timer
     timer.trace = cfg.observe.trace_range(start, total)
     profiler = observe.make_profiler(cfg, rank, device)
@@ -345,7 +379,9 @@ def run(
     dist.broadcast_object_list(final, src=0, group=session.groups["control"])
     if final[0]:
         runner.where = "checkpoint"
-        checkpoint.save_distributed(final[0], session.stage, topo, coord)
+        checkpoint.save_distributed(
+            final[0], session.stage, topo, coord, group=session.groups["control"]
+        )
     if rank != reporter:
         report.finish(None)
         return None
@@ -406,9 +442,14 @@ def evaluate(
     if _reads_data(topo, coord):
         shard = _shard(topo, coord, 1)
         lists = [shard.micro_indices(ix)[0] for ix, _ in usable]
-        stream = data.stage_micro_batches(dataset, lists, first=coord.stage == 0, workers=workers)
+        stream = data.stage_micro_batches(
+            dataset, lists, first=coord.stage == 0, workers=workers, pin_memory=_pins(device)
+        )
     counts = torch.zeros(3, dtype=torch.float64, device=device)
-    for _ix, rows in usable:
+    label = runner.where
+    for i, (_ix, rows) in enumerate(usable):
+        # Each batch moves the position the step watchdog reads: a long evaluation is not a stall.
+        runner.where = f"{label}, batch {i + 1} of {len(usable)}"
         counts += runner.eval_batch(rows, next(stream) if stream else None)
     stage.train()
     if last_group is None:

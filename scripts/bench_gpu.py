@@ -252,6 +252,14 @@ def against_nvidia(args: argparse.Namespace, bundle_images: float) -> dict:
     }
 
 
+def with_index(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:<current index>``: ``torch.cuda.set_device`` and
+    ``init_process_group(device_id=...)`` both refuse a CUDA device without an index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -259,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gpu: no CUDA device here; --device cpu runs the smoke", file=sys.stderr)
         return 2
     if device.type == "cuda":
+        device = with_index(device)
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True  # both sides alike
         # Both sides alike; Bundle's engine sets the same again from its config.

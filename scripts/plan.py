@@ -5,7 +5,9 @@
     python scripts/plan.py --validate --json validation.json   # against real runs here
 
 Without ``--cluster`` the plans are for this machine: the model is timed here, and so are the
-engine's overheads and the loopback links (cached under ``--profile-cache``). With a cluster file,
+engine's overheads and the loopback links (cached under ``--profile-cache``); with
+``--gpus-per-node`` or several ``--nodes`` and no cluster file, for nominal GPUs (the figures are
+named on stderr). With a cluster file,
 the device is estimated from FLOPs and bytes against its speed (or timed here when its speed is
 ``measure``), and its links are the file's. Predictions are predictions: ``--validate`` says how
 far they are from measured runs on this machine.
@@ -28,7 +30,7 @@ from bundle.data import input_spec  # noqa: E402
 from bundle.errors import BundleError  # noqa: E402
 from bundle.plan import planner, report  # noqa: E402
 from bundle.plan import profile as prof  # noqa: E402
-from bundle.plan.cluster import load_cluster  # noqa: E402
+from bundle.plan.cluster import describe_nominal, load_cluster, nominal  # noqa: E402
 from bundle.plan.search import data_parallel, evaluate  # noqa: E402
 
 
@@ -87,8 +89,26 @@ def _request(args: argparse.Namespace, cluster) -> planner.Request:
     )
 
 
+def _cluster(args: argparse.Namespace):
+    """The cluster file's; nominal GPUs when GPU counts are given without one; else None (this
+    machine, measured)."""
+    if args.cluster:
+        return load_cluster(args.cluster)
+    if args.gpus_per_node is None and args.nodes == 1:
+        return None
+    # Counts of GPUs say the plan is for GPUs, not for this machine: timing the model here
+    # would be the wrong device (and, on a CPU, minutes of work for a large model).
+    print(
+        f"plan.py: no --cluster: planning for the {describe_nominal('cuda')}; "
+        "give the real devices and links with --cluster FILE.yaml (see clusters/)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return nominal("cuda", args.nodes, args.gpus_per_node or 2)
+
+
 def plan(args: argparse.Namespace) -> dict:
-    cluster = load_cluster(args.cluster) if args.cluster else None
+    cluster = _cluster(args)
     request = _request(args, cluster)
     planner.check(request, cluster)
     cache = prof.ProfileCache(args.profile_cache or None)

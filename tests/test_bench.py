@@ -133,6 +133,40 @@ def test_bench_gpu_script_refuses_missing_cuda() -> None:
     assert "no CUDA device" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_bench_gpu_gives_the_default_cuda_device_an_index(monkeypatch) -> None:
+    """``--device cuda`` (the default) reaches set_device and init_process_group as
+    ``cuda:<current index>``: both raise on a CUDA device without one. Faked CUDA, no GPU needed."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "scripts" / "bench_gpu.py")
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    seen: dict[str, object] = {}
+
+    class Stop(Exception):
+        pass
+
+    def init_process_group(backend, **kwargs):
+        seen["backend"], seen["device_id"] = backend, kwargs.get("device_id")
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.setdefault("set_device", d))
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    monkeypatch.setattr(bench_gpu, "set_tf32", lambda enabled: None)
+    monkeypatch.setattr(bench_gpu.dist, "init_process_group", init_process_group)
+    with pytest.raises(Stop):
+        bench_gpu.main([])
+    assert seen == {
+        "set_device": torch.device("cuda", 3),
+        "backend": "nccl",
+        "device_id": torch.device("cuda", 3),
+    }
+    assert bench_gpu.with_index(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert bench_gpu.with_index(torch.device("cpu")) == torch.device("cpu")
+
+
 def test_paired_ratio_compares_steps_run_side_by_side() -> None:
     """A slow moment that hits both sides of a pair cancels; the pooled medians would not."""
     _load_bench()

@@ -125,6 +125,31 @@ def test_export_writes_the_model_entries_by_their_names(tmp_path):
     assert json.loads((tmp_path / "step-7" / "bundle.json").read_text())["step"] == 7
 
 
+def test_the_final_export_gathers_on_the_group_it_is_given(tmp_path, monkeypatch):
+    """The --checkpoint export gathers on the group passed (the gloo control group), never on
+    the default group, which is NCCL's on GPUs."""
+    from bundle.topology import Topology
+
+    class Stage(torch.nn.Module):
+        def full_state_dict(self):
+            return {"fc.weight": torch.ones(2, 3)}
+
+    calls = []
+
+    def gather_object(obj, parts, dst=0, group=None):
+        calls.append((dst, group))
+        parts[0] = obj
+
+    control = object()
+    monkeypatch.setattr(checkpoint.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(checkpoint.dist, "gather_object", gather_object)
+    topo = Topology(shape=(1,), num_bundles=1, procs_per_node=1, global_batch=2, micro_batches=1)
+    out = tmp_path / "model.pt"
+    checkpoint.save_distributed(str(out), Stage(), topo, topo.coord(0), group=control)
+    assert calls == [(0, control)]
+    assert torch.equal(torch.load(out, weights_only=True)["fc.weight"], torch.ones(2, 3))
+
+
 def test_fault_hook_is_checked_before_start():
     assert parse_fault({}) is None
     assert parse_fault({"BUNDLE_FAULT": "1:7"}) == (1, 7)

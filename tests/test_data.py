@@ -182,3 +182,27 @@ def test_loader_workers_ignore_sigint_and_sigterm():
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # else the probe proves nothing
     ((x, _),) = data.micro_batches(_SignalProbe(), [torch.tensor([0])], workers=1)
     assert x.tolist() == [[True, True]]
+
+
+@pytest.mark.parametrize("device, pinned", [("cpu", False), ("cuda:0", True)])
+def test_loader_pins_memory_only_for_a_cuda_process(device, pinned, monkeypatch):
+    """A CPU (gloo) process on a GPU host does not pin: pinning would open a CUDA context."""
+    from types import SimpleNamespace
+
+    from bundle.topology import Topology
+    from bundle.worker import train_stream
+
+    built: list[dict] = []
+
+    def loader(dataset, **kwargs):
+        built.append(kwargs)
+        return iter([(torch.zeros(1), torch.zeros(1, dtype=torch.long))] * 4)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(data, "DataLoader", loader)
+    topo = Topology(shape=(1,), num_bundles=1, procs_per_node=1, global_batch=2, micro_batches=1)
+    train = torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.zeros(4, dtype=torch.long))
+    session = SimpleNamespace(coord=topo.coord(0), splits=SimpleNamespace(train=train))
+    stream = train_stream(session, topo, 0, 2, 1, device=torch.device(device))
+    next(stream)
+    assert [kw["pin_memory"] for kw in built] == [pinned]

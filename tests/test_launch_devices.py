@@ -121,3 +121,16 @@ def test_gloo_places_on_the_cpu_and_touches_nothing(gpus):
     current = gpus(2)
     assert launch.device_for("gloo", 3, share_gpus=True) == torch.device("cpu")
     assert current == [] and ENV not in os.environ
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_the_gloo_interface_is_pinned_for_every_backend(backend, monkeypatch):
+    """NCCL jobs create gloo groups too (control, async): their interface is pinned as well.
+    Only gloo shares out the CPU threads."""
+    pinned: list[tuple[str, int]] = []
+    threads: list[int] = []
+    monkeypatch.setattr(launch, "pin_gloo_interface", lambda h, p: pinned.append((h, p)))
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    launch.prepare_backend_env(backend, "10.0.0.1", 29500, procs_per_node=2)
+    assert pinned == [("10.0.0.1", 29500)]
+    assert bool(threads) == (backend == "gloo")

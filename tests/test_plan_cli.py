@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,61 @@ def test_partition_auto_splits_the_given_shape_by_time():
         model = models.build("vgg16", num_classes=10, input_shape=(3, 32, 32))
     by_params = partition.auto_starts(models.blocks(model), 2)
     assert models.blocks(model)[by_params[1]][0] != second
+
+
+def test_gpu_counts_without_a_cluster_plan_from_nominal_gpus(tmp_path, capsys, monkeypatch):
+    """GPU counts and no --cluster: nominal GPU figures, said in one stderr line with the way to
+    give a cluster file; nothing is timed on this machine (it took minutes on a CPU)."""
+    from bundle.plan import planner
+
+    monkeypatch.setattr(planner.isolate, "run_in_child", pytest.fail)
+    argv = ["--model", "resnet101", "--nodes", "2", "--gpus-per-node", "4"]
+    argv += ["--batch-size", "256", "--top", "3", "--profile-cache", str(tmp_path)]
+    start = time.monotonic()
+    assert PLAN.main(argv) == 0
+    assert time.monotonic() - start < 60
+    captured = capsys.readouterr()
+    err = [ln for ln in captured.err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "nominal cuda device" in err[0] and "--cluster" in err[0], err
+    assert "8 devices on nominal cuda" in captured.out
+
+
+def test_auto_measures_in_a_child_process(monkeypatch, tmp_path):
+    """One self-spawned node plans from a profile measured in a child process (the supervisor
+    never initialises CUDA); the child's measurement is canned here."""
+    from bundle.plan import calibrate, planner
+    from bundle.plan import profile as prof
+    from bundle.plan.cluster import Link
+    from bundle.plan.cost import Overheads
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    argv = ["--bundle-shape", "auto", "--nproc-per-node", "2", "--model", "mlp"]
+    argv += ["--dataset", "synthetic", "--image-size", "4", "--batch-size", "16"]
+    cfg = main.parse(argv, {})
+    calls = []
+
+    def run_in_child(fn, request, **kwargs):
+        calls.append((fn, kwargs["device_type"], kwargs["what"]))
+        n = len(
+            prof.anatomy(
+                request.model, request.input_shape, request.num_classes, kwargs["cache"]
+            ).blocks
+        )
+        link = Link(1e9, 1e-5)
+        timings = prof.Timings(
+            "cpu:canned",
+            "fp32",
+            (1, 16),
+            ((1e-5,) * n, (1e-4,) * n),
+            ((2e-5,) * n, (2e-4,) * n),
+            (1e-6, 1e-5),
+            1e-9,
+        )
+        cluster = calibrate.loopback(link, link, devices=2, memory_bytes=2**30)
+        return planner.Measured(timings, Overheads(), cluster)
+
+    monkeypatch.setattr(planner.isolate, "run_in_child", run_in_child)
+    resolved = auto.resolve(cfg)
+    assert calls == [(planner.measure, "cpu", "profiling mlp on cpu")]
+    assert resolved.parallel.world_size == 2 and resolved.predicted_samples_per_s > 0
+    assert not torch.cuda.is_initialized()

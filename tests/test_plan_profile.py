@@ -95,3 +95,53 @@ def test_measured_timings_are_cached_by_device_and_grid(tmp_path):
     again = prof.timings(*args, rows=(1, 2), repeats=1)  # a damaged entry is measured again
     assert again.rows == (1, 2)
     assert prof.anatomy("mlp", (3, 2, 2), 10, cache) == prof.anatomy("mlp", (3, 2, 2), 10, cache)
+
+
+def test_progress_is_silent_at_first_then_says_where_it_is_every_few_seconds():
+    """A long profile reports on stderr: nothing in its first seconds, then a line at most every
+    ``every_s`` naming the grid point, pass and block; a closing line only if it said anything."""
+    import io
+
+    now = [0.0]
+    out = io.StringIO()
+    progress = prof.Progress(
+        "profiling resnet101 on cpu", quiet_s=3, every_s=2, stream=out, clock=lambda: now[0]
+    )
+    progress.at = "64 rows (grid point 4/9), pass 3/7"
+    for t in (0.5, 1.0, 2.9):  # quiet
+        now[0] = t
+        progress.tick("forward", 5, 35)
+    assert out.getvalue() == ""
+    for t in (3.0, 3.5, 4.9, 5.0, 6.0):
+        now[0] = t
+        progress.tick("backward", 7, 35)
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "profiling resnet101 on cpu: 64 rows (grid point 4/9), pass 3/7, backward block 7/35; "
+        "3s so far",
+        "profiling resnet101 on cpu: 64 rows (grid point 4/9), pass 3/7, backward block 7/35; "
+        "5s so far",
+    ]
+    progress.done()
+    assert out.getvalue().splitlines()[-1] == "profiling resnet101 on cpu: done in 6s"
+    quiet = prof.Progress("quick", stream=out)
+    quiet.done()
+    assert "quick" not in out.getvalue()
+
+
+def test_measure_timings_ticks_every_block_both_ways():
+    """The profile asks its progress after every block, forward and backward (the per-block
+    check is what bounds the silence of one slow pass)."""
+    ticks = []
+
+    class Recorder(prof.Progress):
+        def tick(self, phase, block, blocks):
+            ticks.append((self.at, phase, block, blocks))
+
+    prof.measure_timings(
+        "mlp", (1, 4, 4), 3, rows=(2,), warmup=0, repeats=1, progress=Recorder("mlp")
+    )
+    n = ticks[0][3]
+    first = [t for t in ticks if t[0] == "2 rows (grid point 1/1), pass 1/1"]
+    assert [t[2] for t in first if t[1] == "forward"] == list(range(1, n + 1))
+    assert {t[2] for t in first if t[1] == "backward"} >= {n}

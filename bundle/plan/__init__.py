@@ -5,6 +5,7 @@ Modules, from the data up:
 - ``anatomy``: per-block parameters, boundary and saved bytes and FLOPs, counted on the meta device;
 - ``profile``: per-block timings measured on the local device, and the cache of profiles;
 - ``cluster``: the devices and links a plan runs on (YAML cluster files, or this machine);
+- ``isolate``: a measurement run in a spawned child process (no CUDA left in the caller);
 - ``calibrate``: the engine's own overheads and this machine's loopback links, measured once;
 - ``cost``: seconds and bytes of a plan's pieces: stage compute, transfers, gradient sync, memory;
 - ``simulate``: an event simulation of the engine's own schedule action lists;

@@ -5,10 +5,11 @@ so the plan is resolved into an ordinary configuration (shape, bundles, micro-ba
 sync, inline split points) before any process starts:
 
 - one node, self-spawned: ``main.py`` plans before it starts its workers, from a quick profile
-  measured here (block timings, engine overheads, loopback links; all cached);
+  measured here in a child process (block timings, engine overheads, and a CPU's loopback links;
+  a GPU's links are the nominal NVLink/InfiniBand ones; all cached);
 - several nodes, or torchrun (every process plans for itself): from the model's FLOP and byte
-  counts against nominal device speeds (``NOMINAL``), arithmetic that gives every process the
-  same plan. Its predicted throughput is then only indicative.
+  counts against nominal device speeds (``cluster.NOMINAL``), arithmetic that gives every
+  process the same plan. Its predicted throughput is then only indicative.
 
 ``--bundle-shape auto`` uses every process the job has; ``--partition auto`` with a given shape
 places the split points by time (the planner's dynamic program) rather than by parameter count.
@@ -28,25 +29,11 @@ from bundle.errors import ConfigError
 from bundle.plan import planner
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
-from bundle.plan.cluster import Cluster, Link, Speed
+from bundle.plan.cluster import nominal
 from bundle.plan.cost import CostModel
 from bundle.plan.search import Evaluated, Plan, Splitter, evaluate, search
 
 AUTO = "auto"
-
-# What a deterministic plan assumes of a device and its links (several nodes, torchrun).
-NOMINAL = {
-    "cpu": (
-        Speed({"fp32": 50e9, "bf16": 100e9, "fp16": 50e9}, 10e9, 1.0, 5e-6),
-        Link(2e9, 100e-6),
-        Link(1.25e9, 50e-6),
-    ),
-    "cuda": (
-        Speed({"fp32": 100e12, "bf16": 200e12, "fp16": 200e12}, 1.5e12, 0.5, 5e-6),
-        Link(100e9, 5e-6),
-        Link(12.5e9, 10e-6),
-    ),
-}
 
 
 def wanted(cfg: RunConfig) -> bool:
@@ -61,6 +48,13 @@ def _processes(cfg: RunConfig) -> tuple[int, int]:
     if torch.cuda.is_available() and lc.backend != "gloo":
         return lc.num_nodes, torch.cuda.device_count()
     return lc.num_nodes, os.cpu_count() or 1
+
+
+def _device_type(cfg: RunConfig) -> str:
+    """What the job's processes compute on: CUDA under nccl (or auto, with a GPU here)."""
+    if cfg.launch.backend in ("auto", "nccl") and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
 
 
 def _request(cfg: RunConfig, nodes: int, per_node: int) -> planner.Request:
@@ -81,18 +75,8 @@ def _request(cfg: RunConfig, nodes: int, per_node: int) -> planner.Request:
 def _cost(cfg: RunConfig, request: planner.Request) -> tuple[CostModel, str]:
     """The cost model, and how it was made (for the log line)."""
     if cfg.launch.torchrun or request.nodes > 1:
-        kind = "cuda" if torch.cuda.is_available() and cfg.launch.backend != "gloo" else "cpu"
-        speed, intra, inter = NOMINAL[kind]
-        cluster = Cluster(
-            name=f"nominal {kind}",
-            nodes=request.nodes,
-            devices_per_node=request.per_node,
-            device_name=f"nominal {kind}",
-            memory_bytes=float("inf"),
-            speed=speed,
-            intra=intra,
-            inter=inter,
-        )
+        kind = _device_type(cfg)
+        cluster = nominal(kind, request.nodes, request.per_node)
         anatomy = count_anatomy(request.model, request.input_shape, request.num_classes)
         cost = CostModel(
             anatomy=anatomy,
@@ -104,7 +88,11 @@ def _cost(cfg: RunConfig, request: planner.Request) -> tuple[CostModel, str]:
         )
         return cost, "FLOP and byte counts against nominal speeds, the same on every process"
     cache = prof.ProfileCache(prof.default_cache_dir())
-    cost = planner.cost_model(request, cluster=None, cache=cache, repeats=3)
+    # Measured in a child process: CUDA, once initialised here, would hold memory on cuda:0
+    # for as long as the job runs.
+    cost = planner.cost_model(
+        request, cluster=None, cache=cache, repeats=3, device_type=_device_type(cfg)
+    )
     return cost, f"a profile measured on this machine (cached in {cache.directory})"
 
 

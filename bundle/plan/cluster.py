@@ -141,6 +141,52 @@ class _Reader:
         )
 
 
+# What a plan assumes of a device and its links when none is measured or given: several nodes
+# or torchrun (every process must plan alike), plan.py asked for GPUs without --cluster, and the
+# links of a GPU profiled here (gloo on loopback says nothing of NVLink or InfiniBand).
+# Per kind: speed, link within a node, link between nodes.
+NOMINAL = {
+    "cpu": (
+        Speed({"fp32": 50e9, "bf16": 100e9, "fp16": 50e9}, 10e9, 1.0, 5e-6),
+        Link(2e9, 100e-6),
+        Link(1.25e9, 50e-6),
+    ),
+    "cuda": (  # a data-centre GPU; NVLink within a node, 100 Gb/s InfiniBand between nodes
+        Speed({"fp32": 100e12, "bf16": 200e12, "fp16": 200e12}, 1.5e12, 0.5, 5e-6),
+        Link(100e9, 5e-6),
+        Link(12.5e9, 10e-6),
+    ),
+}
+
+
+def nominal(
+    kind: str, nodes: int, devices_per_node: int, *, memory_bytes: float = float("inf")
+) -> Cluster:
+    """``nodes`` x ``devices_per_node`` of the nominal ``kind`` device (``NOMINAL``)."""
+    speed, intra, inter = NOMINAL[kind]
+    return Cluster(
+        name=f"nominal {kind}",
+        nodes=nodes,
+        devices_per_node=devices_per_node,
+        device_name=f"nominal {kind}",
+        memory_bytes=memory_bytes,
+        speed=speed,
+        intra=intra,
+        inter=inter,
+    )
+
+
+def describe_nominal(kind: str) -> str:
+    """The nominal figures in words, for the line that says a plan assumed them."""
+    speed, intra, inter = NOMINAL[kind]
+    peaks = ", ".join(f"{p} {f / 1e12:g}" for p, f in speed.peak_flops.items())
+    return (
+        f"nominal {kind} device (peak TFLOP/s {peaks}; memory bandwidth"
+        f" {speed.memory_bandwidth / 1e9:g} GB/s; {intra.bandwidth / 1e9:g} GB/s within a node,"
+        f" {inter.bandwidth / 1e9:g} GB/s between nodes)"
+    )
+
+
 _KEYS = {"name", "nodes", "devices_per_node", "device", "intra_node", "inter_node"}
 
 

@@ -11,10 +11,10 @@ import torch
 
 import models
 from bundle.errors import ConfigError
-from bundle.plan import calibrate
+from bundle.plan import calibrate, isolate
 from bundle.plan import profile as prof
-from bundle.plan.cluster import Cluster
-from bundle.plan.cost import CostModel
+from bundle.plan.cluster import NOMINAL, Cluster
+from bundle.plan.cost import CostModel, Overheads
 from bundle.plan.search import Evaluated, search
 
 
@@ -88,29 +88,33 @@ def _ram_per_process(per_node: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / per_node
 
 
-def cost_model(
+# A profile past this is stuck, not slow: resnet101 at batch 256 on two CPU cores takes minutes.
+PROFILE_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the planner measures on this machine (in a child process: ``measure``)."""
+
+    timings: prof.Timings
+    overheads: Overheads
+    cluster: Cluster
+
+
+def measure(
     request: Request,
     *,
     cluster: Cluster | None,
     cache: prof.ProfileCache,
+    device_type: str,
     repeats: int = 5,
     start_method: str = "spawn",
-) -> CostModel:
-    """The cost model of ``request``: on a cluster file's device, or on this machine measured
-    (its block timings, engine overheads and loopback links, each cached)."""
-    anatomy = prof.anatomy(request.model, request.input_shape, request.num_classes, cache)
-    common = dict(
-        anatomy=anatomy,
-        precision=request.precision,
-        recompute=request.recompute,
-        bucket_mb=request.bucket_mb,
-    )
-    if cluster is not None and cluster.speed is not None:
-        # An estimated accelerator runs its kernels behind the host, asynchronously: the engine's
-        # host-side overheads (measured on this CPU) are not counted, nothing is measured here.
-        return CostModel(cluster=cluster, **common)
+) -> Measured:
+    """Block timings on the local ``device_type``, the engine's overheads and, without a cluster
+    file, this machine as the cluster: a CPU's links measured on gloo loopback, a GPU's nominal
+    (NVLink within the node, InfiniBand between nodes: gloo on loopback says nothing of them)."""
     overheads = calibrate.engine(cache)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device_type)
     threads = max(1, (os.cpu_count() or 1) // request.per_node)
     with _threads(threads if device.type == "cpu" else torch.get_num_threads()):
         timings = prof.timings(
@@ -123,24 +127,81 @@ def cost_model(
             device=device,
             repeats=repeats,
         )
-    if cluster is None:
-        cal = calibrate.calibrate(cache, start_method=start_method)
-        memory = (
-            torch.cuda.get_device_properties(device).total_memory
-            if device.type == "cuda"
-            else _ram_per_process(request.per_node)
-        )
-        cluster = replace(
-            calibrate.loopback(
-                cal.p2p, cal.collective, devices=request.per_node, memory_bytes=memory
-            ),
+    if cluster is not None:
+        return Measured(timings, overheads, cluster)
+    if device.type == "cuda":
+        _, intra, inter = NOMINAL["cuda"]
+        name = prof.device_name(device)
+        cluster = Cluster(
+            name=f"this machine ({name}; nominal NVLink/InfiniBand links)",
             nodes=request.nodes,
+            devices_per_node=request.per_node,
+            device_name=name,
+            memory_bytes=torch.cuda.get_device_properties(device).total_memory,
+            speed=None,
+            intra=intra,
+            inter=inter,
         )
-        overheads = cal.overheads
+        return Measured(timings, overheads, cluster)
+    cal = calibrate.calibrate(cache, start_method=start_method)
+    cluster = replace(
+        calibrate.loopback(
+            cal.p2p,
+            cal.collective,
+            devices=request.per_node,
+            memory_bytes=_ram_per_process(request.per_node),
+        ),
+        nodes=request.nodes,
+    )
+    return Measured(timings, cal.overheads, cluster)
+
+
+def cost_model(
+    request: Request,
+    *,
+    cluster: Cluster | None,
+    cache: prof.ProfileCache,
+    repeats: int = 5,
+    start_method: str = "spawn",
+    device_type: str | None = None,
+    timeout: float = PROFILE_TIMEOUT_S,
+) -> CostModel:
+    """The cost model of ``request``: on a cluster file's device, or on this machine measured
+    (its block timings, engine overheads and links, each cached).
+
+    The measuring runs in a child process (``isolate``): a CUDA profile leaves nothing behind in
+    this one, which may be the supervisor of the job that runs the plan.
+    """
+    anatomy = prof.anatomy(request.model, request.input_shape, request.num_classes, cache)
+    common = dict(
+        anatomy=anatomy,
+        precision=request.precision,
+        recompute=request.recompute,
+        bucket_mb=request.bucket_mb,
+    )
+    if cluster is not None and cluster.speed is not None:
+        # An estimated accelerator runs its kernels behind the host, asynchronously: the engine's
+        # host-side overheads (measured on this CPU) are not counted, nothing is measured here.
+        return CostModel(cluster=cluster, **common)
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    measured = isolate.run_in_child(
+        measure,
+        request,
+        cluster=cluster,
+        cache=cache,
+        device_type=device_type,
+        repeats=repeats,
+        start_method=start_method,
+        what=f"profiling {request.model} on {device_type}",
+        timeout=timeout,
+    )
     # Gloo on the CPU reduces on the cores the backward runs on: no overlap to count on.
-    overlap = device.type != "cpu"
     return CostModel(
-        cluster=cluster, timings=timings, overheads=overheads, overlap=overlap, **common
+        cluster=measured.cluster,
+        timings=measured.timings,
+        overheads=measured.overheads,
+        overlap=device_type != "cpu",
+        **common,
     )
 
 

@@ -16,9 +16,12 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import torch
@@ -76,6 +79,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Progress:
+    """Lines on stderr while a profile runs long: none in its first ``quiet_s`` seconds, then one
+    at most every ``every_s``. It is asked per block (``tick``), so one slow pass is reported too;
+    a tick that says nothing costs one clock reading."""
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        quiet_s: float = 3.0,
+        every_s: float = 2.0,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.what, self.every_s, self.stream, self.clock = what, every_s, stream, clock
+        self.start = clock()
+        self.next = self.start + quiet_s
+        self.at = ""  # the grid point and pass under way, set by the caller
+        self.said = False
+
+    def _say(self, line: str) -> None:
+        print(f"{self.what}: {line}", file=self.stream or sys.stderr, flush=True)
+
+    def tick(self, phase: str, block: int, blocks: int) -> None:
+        now = self.clock()
+        if now < self.next:
+            return
+        self.next = now + self.every_s
+        self.said = True
+        self._say(f"{self.at}, {phase} block {block}/{blocks}; {now - self.start:.0f}s so far")
+
+    def done(self) -> None:
+        if self.said:
+            self._say(f"done in {self.clock() - self.start:.0f}s")
+
+
 def measure_timings(
     model_name: str,
     input_shape,
@@ -86,18 +125,27 @@ def measure_timings(
     device: torch.device | None = None,
     warmup: int = 2,
     repeats: int = 5,
+    progress: Progress | None = None,
 ) -> Timings:
-    """Forward and backward seconds of every block at each row count (median of ``repeats``)."""
+    """Forward and backward seconds of every block at each row count (median of ``repeats``).
+
+    A profile that takes more than a few seconds says how far it is on stderr (``Progress``).
+    """
     device = device or torch.device("cpu")
+    progress = progress or Progress(f"profiling {model_name} on {device.type}")
     policy = Policy(precision=precision, device_type=device.type)
     torch.manual_seed(0)
     model = models.build(model_name, num_classes=num_classes, input_shape=input_shape).to(device)
     blocks = models.blocks(model)
     fwd_grid, bwd_grid, loss_grid = [], [], []
-    for r in rows:
+    passes = warmup + repeats
+    for k, r in enumerate(rows, 1):
         runs = []
-        for _ in range(warmup + repeats):
-            runs.append(one_pass(blocks, policy, device, r, input_shape, num_classes))
+        for j in range(passes):
+            progress.at = f"{r} rows (grid point {k}/{len(rows)}), pass {j + 1}/{passes}"
+            runs.append(
+                one_pass(blocks, policy, device, r, input_shape, num_classes, tick=progress.tick)
+            )
         timed = runs[warmup:]
         fwd_grid.append(
             tuple(statistics.median(t[0][i] for t in timed) for i in range(len(blocks)))
@@ -106,7 +154,7 @@ def measure_timings(
             tuple(statistics.median(t[1][i] for t in timed) for i in range(len(blocks)))
         )
         loss_grid.append(statistics.median(t[2] for t in timed))
-    return Timings(
+    found = Timings(
         device=device_name(device),
         precision=precision,
         rows=tuple(rows),
@@ -115,15 +163,28 @@ def measure_timings(
         loss=tuple(loss_grid),
         optimizer_per_param=optimizer_per_param(model, warmup, repeats, device),
     )
+    progress.done()
+    return found
 
 
-def one_pass(blocks, policy: Policy, device, rows: int, input_shape, num_classes: int):
+def one_pass(
+    blocks,
+    policy: Policy,
+    device,
+    rows: int,
+    input_shape,
+    num_classes: int,
+    *,
+    tick: Callable[[str, int, int], None] | None = None,
+):
     """One forward and one backward through every block, as a stage runs them, timed per block.
 
     Forward: a clock reading between blocks. Backward: one ``backward`` call (a stage makes one
     per micro-batch), and a hook on each block's input gradient reads the clock as backward leaves
-    that block; a block whose input needs no gradient ends when backward returns.
+    that block; a block whose input needs no gradient ends when backward returns. ``tick(phase,
+    block, blocks)`` is called after each block's clock reading (``Progress.tick``).
     """
+    tick = tick or (lambda phase, block, blocks: None)
     x: tuple[torch.Tensor, ...] = (torch.randn(rows, *input_shape, device=device),)
     n = len(blocks)
     fwd, left = [], [0.0] * (n + 1)  # left[i]: when backward has finished block i (and all after)
@@ -132,6 +193,7 @@ def one_pass(blocks, policy: Policy, device, rows: int, input_shape, num_classes
         def hook(grad: torch.Tensor) -> None:
             _sync(device)
             left[i] = max(left[i], time.perf_counter())
+            tick("backward", i, n)
 
         return hook
 
@@ -142,6 +204,7 @@ def one_pass(blocks, policy: Policy, device, rows: int, input_shape, num_classes
             out = block(*x)
             _sync(device)
             fwd.append(time.perf_counter() - t0)
+            tick("forward", i + 1, n)
             x = out if isinstance(out, tuple) else (out,)
             # Hooks go on outside the clock: the engine's forward registers none.
             for t in x if i + 1 < n else ():
