@@ -24,6 +24,8 @@ exits 0 when every check passed, 1 when any failed, 2 without a CUDA device (che
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import platform
@@ -104,6 +106,7 @@ class Result:
     peak_memory_mib: float | None
     notes: str
     output_tail: str
+    details: dict | None = None  # train: the run summary; bench: bench_gpu.py's report
 
 
 def train_argv(gpus: int, schedule: str, grad_sync: str, port: int) -> tuple[str, ...]:
@@ -128,31 +131,16 @@ def plan(
     def limit(kind: str) -> float:
         return timeout_s if timeout_s is not None else TIMEOUT_S[kind]
 
-    checks = [
-        Check(
-            "nccl tests",
-            "pytest",
-            ("-m", "pytest", "-q", "-ra", "tests/test_nccl.py"),
-            limit("pytest"),
+    tests = ("-m", "pytest", "-q", "-ra", "tests/test_nccl.py")
+    checks = [Check("nccl tests", "pytest", tests, limit("pytest"))]
+    for schedule, sync in itertools.product(SCHEDULES, GRAD_SYNCS):
+        argv = train_argv(gpus, schedule, sync, free_port())
+        checks.append(
+            Check(f"train {schedule} {sync}", "train", argv, limit("train"), schedule, sync)
         )
-    ]
-    for schedule in SCHEDULES:
-        for sync in GRAD_SYNCS:
-            argv = train_argv(gpus, schedule, sync, free_port())
-            checks.append(
-                Check(f"train {schedule} {sync}", "train", argv, limit("train"), schedule, sync)
-            )
-    bench_json = str(workdir / "bench_gpu.json")
-    checks.append(
-        Check(
-            "bench_gpu",
-            "bench",
-            ("scripts/bench_gpu.py", "--json", bench_json),
-            limit("bench"),
-            json_out=bench_json,
-        )
-    )
-    return checks
+    out = str(workdir / "bench_gpu.json")
+    bench = ("scripts/bench_gpu.py", "--json", out)
+    return [*checks, Check("bench_gpu", "bench", bench, limit("bench"), json_out=out)]
 
 
 def run_command(argv: tuple[str, ...], timeout_s: float) -> Outcome:
@@ -207,15 +195,10 @@ def tail(text: str, lines: int = TAIL_LINES) -> str:
 def summary_line(stdout: str) -> dict | None:
     """The run summary: the last stdout line that is a JSON object with ``"summary": true``."""
     for line in reversed(stdout.splitlines()):
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and record.get("summary") is True:
-            return record
+            if isinstance(record, dict) and record.get("summary") is True:
+                return record
     return None
 
 
@@ -230,7 +213,7 @@ def _pytest_counts(stdout: str) -> str:
 def evaluate(check: Check, outcome: Outcome) -> Result:
     """Pass/fail and the figures of one check from what its command did."""
     ok = outcome.returncode == 0
-    samples = peak = None
+    samples = peak = details = None
     notes: list[str] = []
     if check.kind == "pytest":
         counts = _pytest_counts(outcome.stdout)
@@ -239,7 +222,7 @@ def evaluate(check: Check, outcome: Outcome) -> Result:
             ok = False
             notes.append("a skipped test checked nothing on this GPU machine")
     elif check.kind == "train":
-        summary = summary_line(outcome.stdout)
+        summary = details = summary_line(outcome.stdout)
         if summary is None:
             ok = False
             notes.append("no JSON summary line on stdout")
@@ -255,7 +238,7 @@ def evaluate(check: Check, outcome: Outcome) -> Result:
             notes.append(f"{summary.get('world_size')} processes")
     elif check.kind == "bench":
         try:
-            report = json.loads(Path(check.json_out or "").read_text())
+            report = details = json.loads(Path(check.json_out or "").read_text())
             samples = report["images_per_s"]["bundle"]
             peak = report.get("peak_memory_mib", {}).get("bundle")
             target = "met" if report["meets_target"] else "NOT met"
@@ -273,8 +256,9 @@ def evaluate(check: Check, outcome: Outcome) -> Result:
         notes.insert(0, f"exit code {outcome.returncode}")
     if outcome.left_running:
         notes.append("processes of its group outlived it and were killed")
-    out = tail(outcome.stdout)
-    err = tail(outcome.stderr)
+    parts = [tail(outcome.stdout), tail(outcome.stderr)]
+    if parts[1]:
+        parts[1] = f"--- stderr ---\n{parts[1]}"
     return Result(
         name=check.name,
         command=check.command,
@@ -285,12 +269,13 @@ def evaluate(check: Check, outcome: Outcome) -> Result:
         samples_per_s=samples,
         peak_memory_mib=None if peak is None else round(peak, 1),
         notes="; ".join(n for n in notes if n),
-        output_tail=out + (f"\n--- stderr ---\n{err}" if err else ""),
+        output_tail="\n".join(p for p in parts if p),
+        details=details,
     )
 
 
 def machine() -> dict:
-    """The GPUs and software the checks ran on (no CUDA context is created here)."""
+    """The GPUs and software the checks ran on."""
     count = torch.cuda.device_count()
     names = sorted({torch.cuda.get_device_name(i) for i in range(count)})
     nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
@@ -382,10 +367,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def unwritable(paths: list[str | None]) -> str | None:
+    """The first report path whose directory cannot be written, found before minutes of checks."""
+    for path in filter(None, paths):
+        folder = Path(path).resolve().parent
+        if not (folder.is_dir() and os.access(folder, os.W_OK)):
+            return path
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
+        return 2
+    bad = unwritable([args.report, args.json])
+    if bad is not None:
+        print(
+            f"gpu-check: cannot write {bad}: its directory is missing or read-only", file=sys.stderr
+        )
         return 2
     from bundle.localworld import free_port
 

@@ -184,6 +184,8 @@ def test_report_table_json_and_exit_0_when_every_check_passes(monkeypatch, tmp_p
     ]
     first_train = data["checks"][1]
     assert first_train["samples_per_s"] == 1234.5 and first_train["returncode"] == 0
+    assert first_train["details"]["schedule"] == "gpipe" and first_train["output_tail"]
+    assert data["checks"][-1]["details"]["ratio"] == pytest.approx(700 / 710)
     assert data["checks"][-1]["peak_memory_mib"] == 5120.0
 
 
@@ -196,13 +198,27 @@ def test_a_failed_and_a_hung_run_fail_the_check_with_exit_1(monkeypatch, tmp_pat
     text = md.read_text()
     assert "| train gpipe hierarchical | `python main.py" in text
     assert text.count("| **FAIL** |") == 2
-    assert "## train gpipe hierarchical: output tail" in text and "rank 1 died" in text
+    tail = text.split("## train gpipe hierarchical: output tail", 1)[1]
+    assert tail.startswith("\n\n```\n--- stderr ---\nprogress\nmain.py: error: rank 1 died\n```")
     assert "timed out after 300 s; process group killed" in text
     checks = {c["name"]: c for c in json.loads(js.read_text())["checks"]}
     assert checks["train gpipe hierarchical"]["returncode"] == 1
     hung = checks["train 1f1b flat"]
     assert hung["timed_out"] is True and hung["returncode"] is None and not hung["passed"]
     assert checks["train gpipe flat"]["passed"] and checks["bench_gpu"]["passed"]
+
+
+def test_an_unwritable_report_path_exits_2_before_any_check(monkeypatch, tmp_path, capsys):
+    def never(argv, timeout_s):
+        raise AssertionError("a check ran")
+
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "machine", lambda: dict(INFO))
+    monkeypatch.setattr(gpu_check, "run_command", never)
+    missing = tmp_path / "no-such-dir" / "r.json"
+    assert gpu_check.main(["--report", str(tmp_path / "r.md"), "--json", str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(missing) in err[0]
 
 
 def test_skips_missing_summaries_and_missing_bench_reports_are_failures(tmp_path):
