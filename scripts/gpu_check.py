@@ -155,7 +155,8 @@ def run_command(argv: tuple[str, ...], timeout_s: float) -> Outcome:
         try:
             returncode: int | None = proc.wait(timeout=timeout_s)
             # A clean exit leaves no process of its group behind; one that does stays noted.
-            left_running = _kill_leftovers(proc)
+            left_running = _running_in_group(proc.pid)
+            _kill_leftovers(proc)
         except subprocess.TimeoutExpired:
             returncode = None
             _kill_group(proc)
@@ -179,13 +180,23 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _kill_leftovers(proc: subprocess.Popen) -> bool:
-    """SIGKILL what is left of the child's process group; whether anything was."""
-    try:
+def _kill_leftovers(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the child's process group."""
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
-    return True
+
+
+def _running_in_group(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (Linux /proc). Zombies do not count: an
+    orphan that has exited waits there until PID 1 reaps it."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if state != "Z" and int(group) == pgid:
+            return True
+    return False
 
 
 def tail(text: str, lines: int = TAIL_LINES) -> str:

@@ -273,3 +273,16 @@ def test_make_gpu_check_runs_the_script_in_the_test_venv_and_the_readme_shows_it
     assert block.strip() == "make gpu-check"
     ignored = (REPO / ".gitignore").read_text().split()
     assert {"gpu-check-report.md", "gpu-check-report.json"} <= set(ignored)
+
+
+def test_run_command_notes_and_kills_what_a_finished_child_left_running():
+    code = (
+        "import subprocess, sys; "
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(g.pid, flush=True)"
+    )
+    outcome = gpu_check.run_command(("-c", code), timeout_s=30.0)
+    assert outcome.returncode == 0 and outcome.left_running
+    assert _gone(int(outcome.stdout.strip()))
+    clean = gpu_check.run_command(("-c", "print('done')"), timeout_s=30.0)
+    assert (clean.returncode, clean.stdout, clean.left_running) == (0, "done\n", False)
