@@ -7,6 +7,12 @@
 # only run. The environment sees the system's packages, so an installed PyTorch is used as it is
 # instead of being downloaded again (pip installs only what is missing or outside the ranges of
 # requirements.txt).
+#
+# On a machine with an NVIDIA GPU, in the same environment as make test:
+#
+#   make gpu-check   the NCCL tests, NCCL training runs and the GPU benchmark, each with a timeout;
+#                    writes gpu-check-report.md and .json; exits 1 if any failed, 2 without CUDA
+#                    (ARGS="..." passes scripts/gpu_check.py flags: ARGS="--timeout 900")
 
 # The interpreter whose packages (PyTorch) the environment reuses.
 PYTHON ?= $(shell command -v python 2>/dev/null || command -v python3)
@@ -18,13 +24,16 @@ BIN := $(VENV)/bin
 WITH_VENV := PATH="$(CURDIR)/$(BIN):$$PATH"
 RUN := $(WITH_VENV) $(BIN)/python
 
-.PHONY: run test lint
+.PHONY: run test lint gpu-check
 
 run: $(VENV)/.runtime
 	$(RUN) main.py $(ARGS)
 
 test: $(VENV)/.dev
 	$(RUN) -m pytest -q -ra $(ARGS)
+
+gpu-check: $(VENV)/.dev
+	$(RUN) scripts/gpu_check.py --json gpu-check-report.json $(ARGS)
 
 lint: $(VENV)/.dev
 	$(RUN) -m ruff check .
