@@ -96,6 +96,21 @@ def test_embedded_default_trains_digits_to_90_percent(tmp_path):
     assert time.monotonic() - t0 < 150
 
 
+def test_nccl_emu_trains_and_evaluates_the_default_job_as_gloo_does(tmp_path):
+    """The default job (digits, 1,1) with evaluation, a short run under each backend: the same
+    loss and accuracy, since the emulation changes when messages move, never what they carry."""
+    runs = {}
+    for backend in ("gloo", "nccl-emu"):
+        metrics = tmp_path / f"{backend}.jsonl"
+        argv = ["--itr", "30", "--micro-batches", "3", "--backend", backend]
+        code, _, err = finish(start("main.py", *argv, "--metrics-out", str(metrics)))
+        assert code == 0, err
+        runs[backend] = summary(metrics)
+    gloo, emu = runs["gloo"], runs["nccl-emu"]
+    assert gloo["val_samples"] > 0
+    assert (emu["final_loss"], emu["val_accuracy"]) == (gloo["final_loss"], gloo["val_accuracy"])
+
+
 def test_two_nodes_from_the_original_flags(tmp_path):
     port = str(free_port())
     common = [
@@ -183,13 +198,19 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
-def test_a_dead_or_stalled_worker_ends_the_job_with_a_clear_error(sig, tmp_path):
+@pytest.mark.parametrize(
+    "sig,backend",
+    [(signal.SIGKILL, "gloo"), (signal.SIGSTOP, "gloo"), (signal.SIGSTOP, "nccl-emu")],
+    ids=["killed", "stalled", "stalled-nccl-emu"],
+)
+def test_a_dead_or_stalled_worker_ends_the_job_with_a_clear_error(sig, backend, tmp_path):
     metrics, log = tmp_path / "m.jsonl", tmp_path / "err.log"
     p = start_logged(
         log,
         "main.py",
         *SMALL,
+        "--backend",
+        backend,
         "--itr",
         "100000",
         "--bundle-shape",
@@ -225,6 +246,8 @@ def test_a_dead_or_stalled_worker_ends_the_job_with_a_clear_error(sig, tmp_path)
         assert "stopping rank 0" in err  # the survivors say why they stop
     else:
         assert "did not complete within 5s" in err, err
+    if backend == "nccl-emu":  # the stuck call, with its operations and the peer it waits for
+        assert "nccl-emu: no completion within 5s" in err and "running on rank(s) 2" in err, err
     assert not [w for w in workers if _alive(w)], "orphan worker processes"
 
 

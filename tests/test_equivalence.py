@@ -17,6 +17,7 @@ for fp16; measured: at most 1.4 u). A hybrid that did not compute in the dtype a
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ from bundle.config import (
     TrainConfig,
 )
 from bundle.localworld import run_world
+from bundle.nccl_emu import Emulator
 from bundle.worker import build_session, make_topology, train_stream
 
 STEPS = 3
@@ -107,15 +109,20 @@ def reference(cfg: RunConfig, steps: int | None = None) -> dict[str, torch.Tenso
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _hybrid(rank: int, world: int, shape, bundles) -> list[str]:
+def _hybrid(rank: int, world: int, shape, bundles, backend: str = "auto") -> list[str]:
     """Runs every variant in one world of processes; rank 0 returns the mismatches found."""
     failures, refs = [], {}
     for schedule, micro, sync, precision, recompute in VARIANTS:
         model = "skip_mlp" if len(shape) > 1 and micro == 3 else "mlp"
         cfg = _config(shape, bundles, schedule, micro, sync, model, precision, recompute)
+        cfg = replace(cfg, launch=replace(cfg.launch, backend=backend))
         name = f"{schedule} M={micro} {sync} {precision} recompute {recompute} {model}"
         topo = make_topology(cfg)
         session = build_session(cfg, topo, rank, torch.device("cpu"))
+        emulated = isinstance(
+            getattr(session.runner.transport._post_call, "__self__", None), Emulator
+        )
+        assert emulated == (backend == "nccl-emu"), f"{backend}: emulated is {emulated}"
         batches = train_stream(session, topo, cfg.train.seed, STEPS, 0)
         for step in range(STEPS):
             session.runner.train_step(step, next(batches))
@@ -157,6 +164,20 @@ def _autocast_took_effect(hybrid: dict, fp32_ref: dict) -> bool:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: ",".join(map(str, s)))
 def test_hybrid_equals_single_process(shape, bundles):
     results = run_world(sum(shape) * bundles, _hybrid, shape, bundles)
+    assert results[0] == [], "\n".join(results[0])
+
+
+# Under NCCL's ordering (bundle.nccl_emu): uneven widths, three stages and several bundles, with
+# every variant above (both schedules and syncs, skip connections, bf16 and fp16 on the wire).
+EMU_CASES = [((1, 1), 2), ((2, 3), 1), ((1, 1, 1), 1), ((2, 2, 1), 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape,bundles", EMU_CASES, ids=[f"{','.join(map(str, s))}-{b}" for s, b in EMU_CASES]
+)
+def test_hybrid_equals_single_process_under_nccl_emu(shape, bundles):
+    results = run_world(sum(shape) * bundles, _hybrid, shape, bundles, "nccl-emu")
     assert results[0] == [], "\n".join(results[0])
 
 

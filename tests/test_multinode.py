@@ -45,7 +45,12 @@ CASES = {
     "bundles-1x2": ["--bundle-shape", "1", "--num-bundle", "2"],
     # pure data parallelism over the two processes
     "dp-only": ["--DP-ONLY"],
-}
+    # the pipeline under NCCL's ordering: 1F1B's fused calls across the two hosts
+    "pipeline-1,1-nccl-emu": [
+        "--bundle-shape", "1,1", "--num-bundle", "1",
+        "--backend", "nccl-emu", "--schedule", "1f1b", "--micro-batches", "3",
+    ],
+}  # fmt: skip
 
 # Variables that would switch main.py to torchrun mode or pin another interface.
 _DROP = (
@@ -130,7 +135,7 @@ def _check_against_reference(ckpt: Path, argv: list[str]) -> None:
 def test_two_hosts_match_single_process(case, tmp_path):
     """Self-spawn with the original flags: ``main.py --rank NODE --world-size 2 --IP A ...``."""
     ckpt = tmp_path / "model.pt"
-    argv = [*CASES[case], *TRAIN, "--checkpoint", str(ckpt)]
+    argv = [*TRAIN, *CASES[case], "--checkpoint", str(ckpt)]
     with NetnsPair() as hosts:
         _run_two_nodes(
             hosts,
