@@ -105,6 +105,52 @@ def calls(schedule: str, stage: int, num_stages: int, micro_batches: int) -> lis
     return stage_calls(schedule, stage, num_stages, micro_batches)[1]
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What one stage does in a step: its actions, its calls, and where each call is posted.
+
+    ``post_at[i]`` lists the calls posted as action ``i`` begins; ``call_of[i]`` is the call
+    action ``i`` belongs to (-1 for compute). A receive waits for its call where it stands.
+    """
+
+    actions: tuple[Action, ...]
+    calls: tuple[Call, ...]
+    post_at: tuple[tuple[int, ...], ...]
+    call_of: tuple[int, ...]
+
+
+def step_plan(
+    schedule: str, stage: int, num_stages: int, micro_batches: int, *, early_receives: bool = False
+) -> StepPlan:
+    """The stage's step: NCCL's calls (``stage_calls``, each posted where its first action stands),
+    or with ``early_receives`` gloo's: every action its own call, a receive posted as the step
+    begins (the first of its kind) or as soon as the one before it arrived, so its data moves
+    while the stage computes. gloo progresses each operation on its own, so that order is safe
+    there and saves a round trip per message; under NCCL's ordering it deadlocks (``replay``).
+    """
+    acts, cs = stage_calls(schedule, stage, num_stages, micro_batches)
+    if early_receives:
+        cs = [Call((a,)) for a in acts if a.op in COMM]
+    index = {a: n for n, c in enumerate(cs) for a in c.ops}
+    post: list[list[int]] = [[] for _ in acts]
+    last_wait: dict[Op, int] = {}  # the action that waited for the previous receive of a kind
+    for i, a in enumerate(acts):
+        if a.op not in COMM:
+            continue
+        c = index[a]
+        if early_receives and a.op in RECVS:
+            post[last_wait[a.op] + 1 if a.op in last_wait else 0].append(c)
+            last_wait[a.op] = i
+        elif cs[c].ops[0] == a:
+            post[i].append(c)
+    return StepPlan(
+        tuple(acts),
+        tuple(cs),
+        tuple(tuple(p) for p in post),
+        tuple(index.get(a, -1) for a in acts),
+    )
+
+
 def boundary_peers(
     topo: Topology, bundle: int, stage: int, replica: int, side: int, rows: int
 ) -> tuple[tuple[Transfer, int], ...]:
@@ -197,7 +243,9 @@ def replay(programs: dict[int, list[Step]], eager_bytes: int = 0) -> list[str]:
     return stuck
 
 
-def programs(topo: Topology, schedule: str, *, row_bytes: int = 1) -> dict[int, list[Step]]:
+def programs(
+    topo: Topology, schedule: str, *, early_receives: bool = False, row_bytes: int = 1
+) -> dict[int, list[Step]]:
     """Every rank's calls and waits in one training step, as the engine posts them.
 
     A receive is waited for where its action stands; every call has completed by the end of the
@@ -206,26 +254,25 @@ def programs(topo: Topology, schedule: str, *, row_bytes: int = 1) -> dict[int, 
     progs: dict[int, list[Step]] = {}
     for rank in range(topo.world_size):
         c = topo.coord(rank)
-        acts, cs = stage_calls(schedule, c.stage, topo.num_stages, topo.micro_batches)
+        plan = step_plan(
+            schedule, c.stage, topo.num_stages, topo.micro_batches, early_receives=early_receives
+        )
         sizes = topo.micro_sizes(c.bundle)
-        call_of = {a: i for i, call in enumerate(cs) for a in call.ops}
         prog: list[Step] = []
-        for a in acts:
-            if a.op not in COMM:
-                continue
-            i = call_of[a]
-            if cs[i].ops[0] == a:
+        order: dict[int, int] = {}  # call -> its place on the stream
+        for i, a in enumerate(plan.actions):
+            for n in plan.post_at[i]:
+                order[n] = len(order)
                 msgs: list[Msg] = [
                     ("send" if op.op in SENDS else "recv", peer, (t.stop - t.start) * row_bytes)
-                    for op in cs[i].ops
+                    for op in plan.calls[n].ops
                     for t, peer in boundary_peers(
                         topo, c.bundle, c.stage, c.replica, SIDE[op.op], sizes[op.micro]
                     )
                 ]
                 prog.append(("post", msgs))
             if a.op in RECVS:
-                prog.append(("wait", i))
-        if cs:
-            prog.append(("wait", len(cs) - 1))
+                prog.append(("wait", order[plan.call_of[i]]))
+        prog += [("wait", n) for n in range(len(order))]
         progs[rank] = prog
     return progs

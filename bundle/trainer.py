@@ -13,7 +13,7 @@ from bundle import partition
 from bundle.config import RunConfig
 from bundle.grad_sync import GradSync
 from bundle.memory import SavedBytes
-from bundle.p2p import stage_calls
+from bundle.p2p import step_plan
 from bundle.partition import Stage
 from bundle.precision import LossScaler, Policy
 from bundle.schedule import Action, Op, peak_in_flight
@@ -74,6 +74,7 @@ class StageRunner:
         scaler: LossScaler | None = None,
         timer: StepTimer | None = None,
         label_smoothing: float = 0.0,
+        early_receives: bool = False,
     ) -> None:
         self.topo, self.coord, self.sync, self.transport = topo, coord, sync, transport
         self.optimizer, self.device, self.stage = optimizer, device, stage
@@ -85,14 +86,15 @@ class StageRunner:
         self.first = coord.stage == 0
         self.last = coord.stage == topo.num_stages - 1
         self.sizes = topo.micro_sizes(coord.bundle)
-        self.actions, calls = stage_calls(
-            schedule, coord.stage, topo.num_stages, topo.micro_batches
+        # The calls of a step and where each is posted (bundle.p2p).
+        self.plan = step_plan(
+            schedule,
+            coord.stage,
+            topo.num_stages,
+            topo.micro_batches,
+            early_receives=early_receives,
         )
-        # The calls of a step (bundle.p2p): the one each action opens, and the one it belongs to.
-        heads = {call.ops[0]: call for call in calls}
-        index = {op: n for n, call in enumerate(calls) for op in call.ops}
-        self._opens = [heads.get(a) for a in self.actions]
-        self._call_of = [index.get(a, -1) for a in self.actions]
+        self.actions = list(self.plan.actions)
         # Each action ends with a lap of the step timer (see bundle.timing).
         self.timer = timer or StepTimer()
         self._marks = [MARK_OF_OP[a.op] for a in self.actions]
@@ -152,16 +154,16 @@ class StageRunner:
         inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         grads: dict[int, tuple[torch.Tensor, ...]] = {}
-        posted: list[Pending] = []  # this step's calls (bundle.p2p), in order
+        plan = self.plan
+        posted: dict[int, Pending] = {}  # this step's calls (bundle.p2p)
         loss_sum = torch.zeros((), device=self.device)
         for i, a in enumerate(self.actions):
             k = a.micro
             self._at = (step, a)
-            call = self._opens[i]
-            if call is not None:  # post the call this action opens, with every op in it
-                posted.append(tp.call([self._part(op, outputs, inputs) for op in call.ops]))
+            for c in plan.post_at[i]:  # the calls posted here, each with every op in it
+                posted[c] = tp.call([self._part(op, outputs, inputs) for op in plan.calls[c].ops])
             if a.op is Op.RECV_ACT:
-                (xs,) = posted[self._call_of[i]].wait()
+                (xs,) = posted[plan.call_of[i]].wait()
                 # A fresh autograd leaf over the reused buffer (in its wire form, so its gradient
                 # is too), so gradients never accumulate across micro-batches or steps.
                 inputs[k] = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
@@ -186,7 +188,7 @@ class StageRunner:
                     outputs[k] = tuple(m.to_wire(o) for m, o in zip(tp.out_meta, out, strict=True))
                 self.peak_in_flight = max(self.peak_in_flight, len(outputs))
             elif a.op is Op.RECV_GRAD:
-                (grads[k],) = posted[self._call_of[i]].wait()
+                (grads[k],) = posted[plan.call_of[i]].wait()
             elif a.op is Op.BACKWARD:
                 out = outputs.pop(k)
                 if self.saved_bytes is not None:
@@ -204,7 +206,7 @@ class StageRunner:
                     inputs.pop(k)
             lap(self._marks[i], k)
         self._at = (step, "gradient sync")
-        for p in posted:  # the sends' calls; those with a receive were waited for already
+        for p in posted.values():  # the sends' calls; those with a receive were waited for already
             p.wait()
         lap(Mark.SEND_WAIT)
         self.sync.finish()

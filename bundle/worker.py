@@ -179,6 +179,8 @@ def build_session(
         scaler=policy.make_scaler(device),
         timer=timing.make_timer(device),
         label_smoothing=cfg.train.label_smoothing,
+        # gloo alone lets a receive progress on its own: there it is posted ahead (bundle.p2p).
+        early_receives=resolve_backend(cfg) == "gloo",
     )
     arrive("ready to train")
     return Session(runner, stage, splits, coord, groups, optimizer, layout)

@@ -1,8 +1,8 @@
 """The calls each stage posts, as literal data, and every shape's calls replayed through NCCL's model.
 
 ``replay`` is the pure model of NCCL's streams (one in-order stream per rank, rendezvous sends);
-the engine's calls must complete under it for every shape, bundle count, schedule and M, and the
-order the engine used before (receives posted ahead of the sends) must not.
+the engine's calls must complete under it for every shape, bundle count, schedule and M, and
+gloo's plan (receives posted ahead of the sends, the engine's only order before) must not.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import itertools
 import pytest
 
 from bundle import p2p
-from bundle.p2p import MIRROR, SIDE, Call, calls, programs, replay
-from bundle.schedule import Action, Op, actions
+from bundle.p2p import MIRROR, SIDE, Call, calls, programs, replay, step_plan
+from bundle.schedule import Action, actions
 from bundle.topology import Topology
 
 
@@ -114,41 +114,55 @@ def test_the_engines_calls_complete_under_nccls_ordering(schedule):
         assert stuck == [], (shape, bundles, micro, stuck)
 
 
-def _old_order(topo: Topology, schedule: str) -> dict[int, list]:
-    """The engine's order before calls came from the schedule: every receive its own call, the
-    first of each kind posted at the start of the step and the next one as soon as one arrives."""
-    progs = {}
-    for rank in range(topo.world_size):
-        c, m = topo.coord(rank), topo.micro_batches
-        sizes, prog, index = topo.micro_sizes(c.bundle), [], {}
+def _posts(plan) -> list[tuple[str, list[str]]]:
+    """Where each call is posted: (action, calls posted as it begins), for actions that post."""
+    return [
+        (repr(a), [repr(plan.calls[c]) for c in plan.post_at[i]])
+        for i, a in enumerate(plan.actions)
+        if plan.post_at[i]
+    ]
 
-        def post(op: Op, k: int, c=c, m=m, sizes=sizes, prog=prog, index=index) -> None:
-            if k < m:
-                index[(op, k)] = sum(kind == "post" for kind, _ in prog)
-                peers = p2p.boundary_peers(topo, c.bundle, c.stage, c.replica, SIDE[op], sizes[k])
-                kind = "send" if op in p2p.SENDS else "recv"
-                prog.append(("post", [(kind, peer, t.stop - t.start) for t, peer in peers]))
 
-        if c.stage > 0:
-            post(Op.RECV_ACT, 0)
-        if c.stage < topo.num_stages - 1:
-            post(Op.RECV_GRAD, 0)
-        for a in actions(schedule, c.stage, topo.num_stages, m):
-            if a.op in p2p.RECVS:
-                prog.append(("wait", index[(a.op, a.micro)]))
-                post(a.op, a.micro + 1)
-            elif a.op in p2p.SENDS:
-                post(a.op, a.micro)
-        prog.append(("wait", len(index) - 1))
-        progs[rank] = prog
-    return progs
+def test_nccl_plan_posts_each_call_where_its_first_action_stands():
+    plan = step_plan("1f1b", 0, 2, 3)
+    assert _posts(plan) == [
+        ("send_act0", ["send_act0"]),
+        ("send_act1", ["send_act1+recv_grad0"]),
+        ("send_act2", ["send_act2+recv_grad1"]),
+        ("recv_grad2", ["recv_grad2"]),
+    ]
+    assert [plan.call_of[i] for i, a in enumerate(plan.actions) if a.op in p2p.RECVS] == [1, 2, 3]
+
+
+def test_gloo_plan_posts_each_receive_one_ahead():
+    """gloo's plan (early receives): the first receive of each kind as the step begins, the next
+    as soon as the one before it has arrived; sends where they stand; nothing fused."""
+    assert _posts(step_plan("1f1b", 0, 2, 3, early_receives=True)) == [
+        ("forward0", ["recv_grad0"]),
+        ("send_act0", ["send_act0"]),
+        ("send_act1", ["send_act1"]),
+        ("backward0", ["recv_grad1"]),
+        ("send_act2", ["send_act2"]),
+        ("backward1", ["recv_grad2"]),
+    ]
+    assert _posts(step_plan("gpipe", 1, 3, 2, early_receives=True)) == [
+        ("recv_act0", ["recv_act0", "recv_grad0"]),
+        ("forward0", ["recv_act1"]),
+        ("send_act0", ["send_act0"]),
+        ("send_act1", ["send_act1"]),
+        ("backward0", ["recv_grad1"]),
+        ("send_grad0", ["send_grad0"]),
+        ("send_grad1", ["send_grad1"]),
+    ]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 1, 1)], ids=str)
 @pytest.mark.parametrize("micro", [1, 3, 4])
-def test_the_old_order_deadlocks_under_nccls_ordering(shape, micro, schedule):
-    stuck = replay(_old_order(_topo(shape, 1, micro), schedule))
+def test_gloos_early_receives_deadlock_under_nccls_ordering(shape, micro, schedule):
+    """gloo's plan, which was the engine's only order before, cannot run on NCCL."""
+    assert replay(programs(_topo(shape, 1, micro), schedule, early_receives=True), 10**9)
+    stuck = replay(programs(_topo(shape, 1, micro), schedule, early_receives=True))
     # Stage 0's first call receives a gradient no one can send before its activation arrived.
     assert stuck and stuck[0].startswith("rank 0: call 0 stuck on recv from rank")
 
