@@ -3,6 +3,7 @@ a picture of the best plan's simulated step beside the throughput of the top pla
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import dataclass
 
@@ -106,7 +107,10 @@ def table(rows: list[dict], device_memory: float) -> str:
             f"{r['bubble']:>6.1%} {r['grad_sync_s'] * 1e3:>7.1f} {mem:>8.2f}  "
             f"{','.join(r['split'])}{fit}"
         )
-    lines.append(f"device memory {device_memory / _GIB:.1f} GiB")
+    if math.isfinite(device_memory):
+        lines.append(f"device memory {device_memory / _GIB:.1f} GiB")
+    else:  # a nominal device: no capacity to check plans against
+        lines.append("device memory unknown: every plan counted as fitting (--cluster gives it)")
     lines += [f"{i:>2} {r['command']}" for i, r in enumerate(rows, 1)]
     return "\n".join(lines)
 
