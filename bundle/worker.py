@@ -410,6 +410,9 @@ def run(
     )
     if runner.scaler is not None:
         summary.update(skipped_steps=runner.scaler.skipped, loss_scale=runner.scaler.scale)
+    if runner.device.type == "cuda":  # the reporting process's own peak (make gpu-check reads it)
+        peak = torch.cuda.max_memory_allocated(runner.device)
+        summary["peak_memory_mib"] = round(peak / 2**20, 1)
     if cfg.predicted_samples_per_s is not None:
         # The planner chose this plan (--bundle-shape/--partition auto): its prediction beside
         # the measured samples_per_s.
