@@ -17,7 +17,7 @@ from bundle.errors import ConfigError
 from bundle.localworld import run_world
 from bundle.memory import SavedBytes
 from bundle.precision import LossScaler, Policy
-from bundle.schedule import actions
+from bundle.schedule import Op, actions
 from bundle.transport import TensorMeta, _check_wire
 from bundle.worker import build_session, make_checkpointer, make_topology, train_stream
 from tests.test_equivalence import TOL, _config
@@ -203,7 +203,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
         assert r["restored_scale"] == 2.0**15 and r["restored_skipped"] == 1, (rank, r)
 
 
-def _boundary(rank: int, world: int, compute: ComputeConfig) -> dict:
+def _boundary(rank: int, world: int, compute: ComputeConfig, backend: str = "auto") -> dict:
     # Two rear replicas: the front sends each its rows of the NHWC wire tensor, and the rear's
     # hierarchical sync runs over channels-last parameters.
     cfg = _config((1, 2), 1, "1f1b", 2, "hierarchical", "small_resnet")
@@ -212,6 +212,7 @@ def _boundary(rank: int, world: int, compute: ComputeConfig) -> dict:
         data=dataclasses.replace(cfg.data, image_size=8),
         model=dataclasses.replace(cfg.model, partition="small_resnet_2stage"),
         compute=compute,
+        launch=dataclasses.replace(cfg.launch, backend=backend),
     )
     topo = make_topology(cfg)
     session = build_session(cfg, topo, rank, torch.device("cpu"))
@@ -219,7 +220,7 @@ def _boundary(rank: int, world: int, compute: ComputeConfig) -> dict:
     for step in range(2):
         session.runner.train_step(step, next(batches))
     tp = session.runner.transport
-    bufs = [t for key, ts in tp._buffers.items() for t in ts if key[0] == "prev"]
+    bufs = [t for key, ts in tp._buffers.items() for t in ts if key[0] is Op.RECV_ACT]
     return {
         "params": {k: v.detach() for k, v in session.stage.full_state_dict().items()},
         "buffers": [(t.dtype, t.shape) for t in bufs],
@@ -240,23 +241,28 @@ def _loss_step(rank: int, world: int) -> list:
         _boundary(rank, world, ComputeConfig()),
         _boundary(rank, world, ComputeConfig(channels_last=True)),
         _boundary(rank, world, ComputeConfig(precision="bf16", channels_last=True)),
+        # The same under NCCL's ordering (fused calls posted where they stand): the same bits.
+        _boundary(rank, world, ComputeConfig(precision="bf16", channels_last=True), "nccl-emu"),
     ]
 
 
 @pytest.mark.slow
 def test_channels_last_and_bf16_cross_the_boundary():
     front, rear, rear_twin = run_world(3, _loss_step)
-    fp32, cl, bf16_cl = ({**f["params"], **r["params"]} for f, r in zip(front, rear, strict=True))
+    fp32, cl, bf16_cl, emu = (
+        {**f["params"], **r["params"]} for f, r in zip(front, rear, strict=True)
+    )
     for k in fp32:
         assert (fp32[k] - cl[k]).abs().max().item() <= TOL, k  # same math, another layout
     for mine, twin in zip(rear, rear_twin, strict=True):  # replicas stay identical
         assert all(torch.equal(v, twin["params"][k]) for k, v in mine["params"].items())
         assert all(mine["grad_layouts"]) and all(twin["grad_layouts"])
     assert max((fp32[k] - bf16_cl[k]).abs().max().item() for k in fp32) > TOL
+    assert all(torch.equal(emu[k], v) for k, v in bf16_cl.items()), "nccl-emu changed the result"
     assert all(front[1]["channels_last"]) and all(rear[2]["channels_last"])
     assert not any(front[0]["channels_last"])
     # The rear's receive buffers: NCHW fp32, NHWC fp32, NHWC bf16 (32 channels at 4x4).
-    (dtype0, shape0), (dtype1, shape1), (dtype2, shape2) = (r["buffers"][0] for r in rear)
+    (dtype0, shape0), (dtype1, shape1), (dtype2, shape2), _ = (r["buffers"][0] for r in rear)
     assert (dtype0, dtype1, dtype2) == (torch.float32, torch.float32, torch.bfloat16)
     assert shape0[1:] == (32, 4, 4) and shape1[1:] == shape2[1:] == (4, 4, 32)
 
