@@ -117,7 +117,7 @@ def test_old_order_is_reported_stuck_within_the_timeout_naming_the_operations(sc
     for rank, (other, op) in enumerate(((1, "recv_grad0"), (0, "recv_act0"))):
         got, error, seconds = scenarios[rank]["old"]
         assert got == {} and error is not None
-        assert seconds < TIMEOUT + 2.0
+        assert seconds < TIMEOUT + 5.0  # the timeout, not a hang (slack for a loaded machine)
         assert f"{op} from rank {other}: waiting for its peer" in error, error
         assert f"no matching call running on rank(s) {other}" in error, error
 
