@@ -103,10 +103,11 @@ def run_world(
     ``start_method="fork"`` saves re-importing torch in every child (seconds each on a loaded
     machine); only use it from a parent that has run no torch op and holds no process group.
 
-    ``backend="nccl-emu"`` runs gloo underneath; a session built with ``--backend nccl-emu`` in
-    its config adds NCCL's ordering (bundle.nccl_emu). ``backend="nccl"`` binds each child to a CUDA device before its group is created: ``device``
+    ``backend="nccl"`` binds each child to a CUDA device before its group is created: ``device``
     (e.g. ``"cuda:0"``, every child on one GPU) or round-robin over the visible GPUs; ``fn``
     finds it as the current device. Several children on one GPU need NCCL 2.30 or later.
+    ``backend="nccl-emu"`` runs gloo underneath; a session whose config says ``nccl-emu`` adds
+    NCCL's ordering (bundle.nccl_emu).
     """
     if backend not in ("gloo", "nccl", "nccl-emu"):
         raise ValueError(f"backend: {backend!r} is not valid; choose gloo, nccl or nccl-emu")

@@ -192,17 +192,19 @@ class Emulator:
 
     # -- point-to-point ------------------------------------------------------------------------
 
-    def batch_isend_irecv(self, ops: list[dist.P2POp], labels: list[str]) -> list[Work]:
-        """Post one call; the same signature as the engine's ``PostCall``."""
+    def batch_isend_irecv(
+        self, ops: list[dist.P2POp], labels: Callable[[], list[str]]
+    ) -> list[Work]:
+        """Post one call; ``labels()`` names each operation (the engine's ``PostCall``)."""
         mine = []
-        for op, label in zip(ops, labels, strict=True):
+        names = labels()
+        for op, label in zip(ops, names, strict=True):
             send = op.op is dist.isend
             n = self._sent.get((op.peer, send), 0)
             self._sent[(op.peer, send)] = n + 1
             nbytes = op.tensor.numel() * op.tensor.element_size()
             mine.append(_Op(send, op.tensor, op.peer, n, label, nbytes <= self.eager_bytes))
-        what = ", ".join(labels)
-        return [self._p2p.post(what, self._run_p2p, mine)]
+        return [self._p2p.post(", ".join(names), self._run_p2p, mine)]
 
     def _run_p2p(self, call: _Call, deadline: float) -> None:
         store, rank = self.store, self.rank

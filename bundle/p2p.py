@@ -56,13 +56,14 @@ class Call:
         return "+".join(map(repr, self.ops))
 
 
+def _send_then_recv(a: Action, b: Action) -> bool:
+    """A send followed by a receive on the same boundary."""
+    return a.op in SENDS and b.op in RECVS and SIDE[a.op] == SIDE[b.op]
+
+
 def _adjacent_pairs(acts: Sequence[Action]) -> set[tuple[Action, Action]]:
     """(send, receive) pairs on one boundary with nothing between them in the schedule."""
-    return {
-        (a, b)
-        for a, b in zip(acts, acts[1:], strict=False)
-        if a.op in SENDS and b.op in RECVS and SIDE[a.op] == SIDE[b.op]
-    }
+    return {(a, b) for a, b in zip(acts, acts[1:], strict=False) if _send_then_recv(a, b)}
 
 
 def stage_calls(
@@ -91,7 +92,7 @@ def stage_calls(
             i += 1
             continue
         nxt = mine[i + 1] if i + 1 < len(mine) else None
-        if nxt is not None and (a, nxt) in _adjacent_pairs([a, nxt]) and fused(a, nxt):
+        if nxt is not None and _send_then_recv(a, nxt) and fused(a, nxt):
             calls.append(Call((a, nxt)))
             i += 2
         else:

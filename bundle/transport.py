@@ -24,12 +24,13 @@ from bundle.p2p import SIDE, boundary_peers
 from bundle.schedule import Op
 from bundle.topology import Topology, Transfer, split_ranges
 
-# Posts one call (a list of point-to-point operations, labels for errors) and returns its works:
+# Posts one call (a list of point-to-point operations, and a function naming each of them for
+# errors, called only by a poster that reports them) and returns its works:
 # ``torch.distributed.batch_isend_irecv``, or the NCCL emulation's (bundle.nccl_emu).
-PostCall = Callable[[list, list[str]], list]
+PostCall = Callable[[list, Callable[[], list[str]]], list]
 
 
-def post_with_torch(ops: list, labels: list[str]) -> list:
+def post_with_torch(ops: list, labels: Callable[[], list[str]]) -> list:
     return dist.batch_isend_irecv(ops)
 
 
@@ -81,10 +82,17 @@ class _Plan:
 
 
 class Pending:
-    """One posted call; ``wait`` returns the tensors of each of its receives, in the call's order."""
+    """One posted call; ``wait`` returns the tensors of each of its receives, in the call's order.
+
+    ``what()`` names the call's actions and peers; it runs only when an error is reported.
+    """
 
     def __init__(
-        self, works: list, received: list[tuple[torch.Tensor, ...]], timeout: timedelta, what: str
+        self,
+        works: list,
+        received: list[tuple[torch.Tensor, ...]],
+        timeout: timedelta,
+        what: Callable[[], str],
     ) -> None:
         self.works, self.received, self.timeout, self.what = works, received, timeout, what
 
@@ -95,7 +103,7 @@ class Pending:
         except RuntimeError as exc:
             # Name the peers: the error of the process that notices is rarely the root cause.
             raise PeerFailure(
-                f"{self.what} did not complete within {self.timeout.total_seconds():.0f}s: {exc}"
+                f"{self.what()} did not complete within {self.timeout.total_seconds():.0f}s: {exc}"
             ) from exc
         self.works = []
         return self.received
@@ -114,6 +122,8 @@ def _check_wire(
         want = [(m.wire_shape(rows), m.dtype, True) for m in meta]
         raise TypeError(f"send to {peers}: tensors {got} do not match the boundary {want}")
 
+
+_TO = {Op.SEND_ACT: "to", Op.SEND_GRAD: "to", Op.RECV_ACT: "from", Op.RECV_GRAD: "from"}
 
 # One action of a call: what, the micro-batch's rows, and the tensors to send (a send) or the
 # buffer slot to receive into (a receive), and the micro-batch index (for errors).
@@ -180,13 +190,11 @@ class Transport:
     def call(self, parts: Sequence[Part]) -> Pending:
         """Post the actions of one call as one ``batch_isend_irecv``: every peer, both directions."""
         ops: list = []
-        labels: list[str] = []
         received: list[tuple[torch.Tensor, ...]] = []
-        what: list[str] = []
+        named: list[tuple[Op, int, _Plan]] = []  # for the names, built only if asked for
         for op, rows, payload, micro in parts:
             plan = self._plan(SIDE[op], rows)
             lo, hi = plan.rows
-            name = f"{op.value}{micro}"
             if isinstance(payload, int):
                 bufs = self._recv_buffers(op, rows, payload)
                 received.append(bufs)
@@ -194,18 +202,27 @@ class Transport:
                     ops += [
                         dist.P2POp(dist.irecv, b[t.start - lo : t.stop - lo], peer) for b in bufs
                     ]
-                    labels += [f"{name} from rank {peer}"] * len(bufs)
-                what.append(f"{name} from {plan.peer_text}")
             else:
                 _check_wire(payload, self._meta[op], hi - lo, plan.peer_text)
                 for t, peer in plan.peers:
                     ops += [
                         dist.P2POp(dist.isend, x[t.start - lo : t.stop - lo], peer) for x in payload
                     ]
-                    labels += [f"{name} to rank {peer}"] * len(payload)
-                what.append(f"{name} to {plan.peer_text}")
+            named.append((op, micro, plan))
+
+        def labels() -> list[str]:  # one per operation, in the order of ``ops``
+            return [
+                f"{op.value}{micro} {_TO[op]} rank {peer}"
+                for op, micro, plan in named
+                for _, peer in plan.peers
+                for _ in self._meta[op]
+            ]
+
+        def what() -> str:
+            return " + ".join(f"{op.value}{k} {_TO[op]} {plan.peer_text}" for op, k, plan in named)
+
         works = self._post_call(ops, labels) if ops else []
-        return Pending(works, received, self.timeout, " + ".join(what))
+        return Pending(works, received, self.timeout, what)
 
     # -- single actions (evaluation, calibration) --------------------------------------------------
 

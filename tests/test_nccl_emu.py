@@ -41,7 +41,7 @@ def _run(emu, calls: list, rank: int) -> tuple[dict, str | None, float]:
                     bufs[label] = torch.zeros(N)
                     ops.append(dist.P2POp(dist.irecv, bufs[label], peer))
                 labels.append(f"{label} {'to' if op == 'send' else 'from'} rank {peer}")
-            posted = emu.batch_isend_irecv(ops, labels)
+            posted = emu.batch_isend_irecv(ops, lambda labels=labels: labels)
             if wait_now:  # waited once only: a gloo work is not to be waited for twice
                 for w in posted:
                     w.wait()
@@ -85,7 +85,9 @@ def _scenarios(rank: int, world: int) -> dict:
     # A stuck point-to-point stream does not hold up a collective on another communicator.
     emu = _emulator("independent", rank)
     group = dist.new_group([0, 1])
-    stuck = emu.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(N), 1 - rank)], ["lonely"])
+    stuck = emu.batch_isend_irecv(
+        [dist.P2POp(dist.irecv, torch.zeros(N), 1 - rank)], lambda: ["lonely"]
+    )
     total = torch.ones(N)
     emu.all_reduce(total, group).wait()
     out["collective"] = (total[0].item(), stuck[0].is_completed())
