@@ -46,10 +46,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV) \
 	  || $(PYTHON) -m venv --system-site-packages --without-pip $(VENV)
 
-$(VENV)/.runtime: requirements.txt | $(BIN)/python
+# bundle itself is installed editable (-e .): scripts and tests import it from the working tree.
+$(VENV)/.runtime: requirements.txt pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.dev: requirements-dev.txt requirements.txt | $(BIN)/python
+$(VENV)/.dev: requirements-dev.txt requirements.txt pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@ $(VENV)/.runtime

@@ -15,6 +15,7 @@ import yaml
 from bundle import config as C
 from bundle import options
 from bundle.errors import BundleError, ConfigError
+from bundle.topology import Topology
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -66,8 +67,8 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
     The table fills every field; what follows are the rules between options that no one entry
     can state.
     """
-    from bundle import slurm
     from bundle.partition import split_model_name
+    from bundle.runtime import slurm
 
     values = options.field_values(args)
     parallel, data, launch, model = (values[k] for k in ("parallel", "data", "launch", "model"))
@@ -110,11 +111,11 @@ def parse(argv: list[str] | None, env: dict[str, str]) -> C.RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bundle import data, launch, preflight
+    from bundle import data, preflight
     from bundle.plan import auto
-    from bundle.preemption import parse_fault
-    from bundle.supervisor import supervise
-    from bundle.worker import make_topology
+    from bundle.runtime import devices, process
+    from bundle.runtime.preemption import parse_fault
+    from bundle.runtime.supervisor import supervise
 
     env = dict(os.environ)
     try:
@@ -122,20 +123,20 @@ def main(argv: list[str] | None = None) -> int:
         if auto.wanted(cfg):  # the planner's choices replace "auto" before anything starts
             data.check_data(cfg.data)
             cfg = auto.resolve(cfg)
-        topo = make_topology(cfg)
-        launch.check_devices(cfg, topo)
+        topo = Topology.from_config(cfg)
+        devices.check_devices(cfg, topo)
         data.check_data(cfg.data)
         shapes = preflight.check_model(cfg, topo.num_stages)
-        preflight.check_precision(cfg, launch.resolve_backend(cfg))
+        preflight.check_precision(cfg, devices.resolve_backend(cfg))
         preflight.check_lr_schedule(cfg)
         preflight.check_paths(cfg)
         preflight.check_observed_steps(cfg)
         parse_fault(env)
         attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if cfg.launch.torchrun else 0
         resume = preflight.check_resume(cfg, shapes, attempt)
-        torchrun = launch.torchrun_env() if cfg.launch.torchrun else None
+        torchrun = process.torchrun_env() if cfg.launch.torchrun else None
         if torchrun is not None:
-            return launch.run_torchrun(cfg, topo, torchrun, resume)
+            return process.run_torchrun(cfg, topo, torchrun, resume)
         return supervise(cfg, topo, resume)
     except BundleError as exc:
         print(f"main.py: error: {exc}", file=sys.stderr)

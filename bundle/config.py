@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from bundle.engine.schedule import SCHEDULES
 from bundle.errors import ConfigError
 from bundle.lr_schedule import LR_SCHEDULES, Milestone, spell
-from bundle.schedule import SCHEDULES
 
 BACKENDS = ("auto", "nccl", "gloo", "nccl-emu")
 GRAD_SYNCS = ("flat", "hierarchical")

@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 import yaml
 
+from bundle.engine.memory import run_recomputed
 from bundle.errors import ConfigError, PartitionError
-from bundle.memory import run_recomputed
 from models import Block, apply_blocks, available
 from models import blocks as model_blocks
 

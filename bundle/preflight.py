@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 import models
-from bundle import checkpoint, data, partition
+from bundle import data, partition
+from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig, parse_steps
 from bundle.data import input_spec
+from bundle.engine.precision import DTYPES
 from bundle.errors import ConfigError, DataError
 from bundle.lr_schedule import LRSchedule, needs_epoch_length
-from bundle.precision import DTYPES
 
 
 def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
@@ -121,14 +122,14 @@ def check_resume(cfg: RunConfig, shapes: dict, attempt: int) -> str | None:
     ck = cfg.checkpoint
     # A restarted attempt (torchrun's restarts) resumes from the newest checkpoint.
     resume = "auto" if attempt > 0 and ck.save_dir else ck.resume
-    path, notes = checkpoint.resolve(resume, ck.save_dir)
+    path, notes = ckpt.resolve(resume, ck.save_dir)
     for note in notes:
         print(f"main.py: note: {note}", file=sys.stderr)
     if path is None:
         return None
-    info = checkpoint.check_fits(path, cfg.model.name, shapes)
+    info = ckpt.check_fits(path, cfg.model.name, shapes)
     # Training settings may change on resume; say which did.
-    for key, value in checkpoint.run_settings(cfg).items():
+    for key, value in ckpt.run_settings(cfg).items():
         # (A setting older checkpoints did not record is not reported.)
         if key in info and info[key] != value:
             print(

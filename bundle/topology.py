@@ -23,8 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from bundle.errors import TopologyError
+
+if TYPE_CHECKING:
+    from bundle.config import RunConfig
 
 
 def split_sizes(total: int, parts: int) -> tuple[int, ...]:
@@ -100,6 +104,17 @@ class Topology:
     procs_per_node: int
     global_batch: int
     micro_batches: int
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> Topology:
+        """The layout a run's config asks for (validated here, before any process starts)."""
+        return cls(
+            shape=cfg.parallel.shape,
+            num_bundles=cfg.parallel.num_bundles,
+            procs_per_node=cfg.procs_per_node,
+            global_batch=cfg.train.batch_size,
+            micro_batches=cfg.parallel.micro_batches,
+        )
 
     def __post_init__(self) -> None:
         if not self.shape or any(w < 1 for w in self.shape):

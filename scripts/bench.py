@@ -51,22 +51,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import bench_memory
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_report import build_report, render, summarize
 from torch import nn
 
-REPO = Path(__file__).resolve().parent.parent
-for _path in (REPO, REPO / "scripts"):  # the engine, and bench_memory beside this file
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-import bench_memory  # noqa: E402
-from bench_report import build_report, render, summarize  # noqa: E402
-
-import models  # noqa: E402
-from bundle import data, localworld  # noqa: E402
-from bundle.config import (  # noqa: E402
+import models
+from bundle import data
+from bundle.config import (
     ComputeConfig,
     DataConfig,
     ModelConfig,
@@ -74,11 +68,15 @@ from bundle.config import (  # noqa: E402
     RunConfig,
     TrainConfig,
 )
-from bundle.timing import Mark, StepTimer  # noqa: E402
-from bundle.topology import split_sizes  # noqa: E402
-from bundle.trainer import build_stages  # noqa: E402
-from bundle.transport import TensorMeta  # noqa: E402
-from bundle.worker import Session, build_session, make_topology, train_stream  # noqa: E402
+from bundle.engine.stage_engine import build_stages
+from bundle.engine.transport import TensorMeta
+from bundle.observe.timing import Mark, StepTimer
+from bundle.runtime import localworld
+from bundle.session import Session, build_session, train_stream
+from bundle.topology import (
+    Topology,
+    split_sizes,
+)
 
 CPU = torch.device("cpu")
 NUM_CLASSES = 10
@@ -252,7 +250,7 @@ def bundle_case(
 
     ``timed=False`` runs it without the per-action step timer every run has.
     """
-    topo = make_topology(cfg)
+    topo = Topology.from_config(cfg)
     session = build_session(cfg, topo, rank, CPU)
     if not timed:
         session.runner.timer = NoTimer()

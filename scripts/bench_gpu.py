@@ -37,12 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import models  # noqa: E402
-from bundle.config import (  # noqa: E402
+import models
+from bundle.config import (
     PRECISIONS,
     ComputeConfig,
     DataConfig,
@@ -51,7 +47,8 @@ from bundle.config import (  # noqa: E402
     RunConfig,
     TrainConfig,
 )
-from bundle.worker import build_session, make_topology  # noqa: E402
+from bundle.session import build_session
+from bundle.topology import Topology
 
 LR, MOMENTUM, SEED = 0.01, 0.9, 0
 NUM_BATCHES = 2  # distinct device-resident batches, cycled through
@@ -133,7 +130,7 @@ def bundle_step(args: argparse.Namespace, device: torch.device) -> Callable:
             precision=args.precision, channels_last=args.channels_last, tf32=not args.no_tf32
         ),
     )
-    runner = build_session(cfg, make_topology(cfg), 0, device).runner
+    runner = build_session(cfg, Topology.from_config(cfg), 0, device).runner
 
     def step(i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return runner.train_step(i, [(x, y)])

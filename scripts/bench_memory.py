@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bundle.memory import SavedBytes
+from bundle.engine.memory import SavedBytes
 
 # (schedule, recompute) of small_resnet at the benchmark's M.
 CASES = (

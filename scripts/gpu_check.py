@@ -42,11 +42,9 @@ from pathlib import Path
 import torch
 import torch.distributed
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bundle.config import GRAD_SYNCS, SCHEDULES
 
-from bundle.config import GRAD_SYNCS, SCHEDULES  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 NO_CUDA = (
     "gpu-check: no CUDA device here (torch.cuda.is_available() is False); "
@@ -398,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             f"gpu-check: cannot write {bad}: its directory is missing or read-only", file=sys.stderr
         )
         return 2
-    from bundle.localworld import free_port
+    from bundle.runtime.localworld import free_port
 
     info = machine()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:

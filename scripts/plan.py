@@ -20,18 +20,13 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-for _path in (REPO, REPO / "scripts"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from bundle.config import PRECISIONS, RECOMPUTES, DataConfig  # noqa: E402
-from bundle.data import input_spec  # noqa: E402
-from bundle.errors import BundleError  # noqa: E402
-from bundle.plan import planner, report  # noqa: E402
-from bundle.plan import profile as prof  # noqa: E402
-from bundle.plan.cluster import describe_nominal, load_cluster, nominal  # noqa: E402
-from bundle.plan.search import data_parallel, evaluate  # noqa: E402
+from bundle.config import PRECISIONS, RECOMPUTES, DataConfig
+from bundle.data import input_spec
+from bundle.errors import BundleError
+from bundle.plan import planner, report
+from bundle.plan import profile as prof
+from bundle.plan.cluster import describe_nominal, load_cluster, nominal
+from bundle.plan.search import data_parallel, evaluate
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -21,24 +21,17 @@ rounds.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-for _path in (REPO, REPO / "scripts"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+import bench
+import torch
+import torch.distributed as dist
 
-import bench  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bundle.plan import calibrate as cal  # noqa: E402
-from bundle.plan import profile as prof  # noqa: E402
-from bundle.plan.anatomy import count_anatomy  # noqa: E402
-from bundle.precision import Policy  # noqa: E402
+from bundle.engine.precision import Policy
+from bundle.plan import calibrate as cal
+from bundle.plan import profile as prof
+from bundle.plan.anatomy import count_anatomy
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from bundle.board import Board
+from bundle.observe.board import Board
 
 REPO = Path(__file__).resolve().parent.parent
 CATEGORIES = ("data", "forward", "backward", "wait_act", "wait_grad", "send", "sync", "optimizer")
@@ -111,7 +111,7 @@ def test_no_logdir_writes_and_imports_nothing(tmp_path: Path) -> None:
     """Board(None) accepts records, creates no file, and never loads tensorboard."""
     code = (
         "import sys\n"
-        "from bundle.board import Board\n"
+        "from bundle.observe.board import Board\n"
         "board = Board(None)\n"
         "board.write({'step': 1, 'loss': 1.0, 'samples_per_s': 2.0})\n"
         "board.flush(); board.close()\n"

@@ -12,9 +12,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import main
-from bundle import checkpoint
+from bundle.checkpoint import format as ckpt
 from bundle.errors import CheckpointError, ConfigError
-from bundle.preemption import parse_fault, resume_command, stop_line
+from bundle.runtime.preemption import parse_fault, resume_command, stop_line
 
 # The files are written and read in this one process on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -23,11 +23,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 def write(save_dir, step: int, state: dict | None = None, *, complete: bool = True) -> str:
     """A step-N directory as the engine writes it (one process, no process group)."""
     state = state or {"model.fc.weight": torch.full((2, 3), float(step))}
-    tmp = checkpoint.step_dir(str(save_dir), step) + ".tmp"
+    tmp = ckpt.step_dir(str(save_dir), step) + ".tmp"
     os.makedirs(tmp)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
-    final = checkpoint.step_dir(str(save_dir), step)
-    checkpoint.publish(tmp, final, {"step": step, "model": "net"})
+    final = ckpt.step_dir(str(save_dir), step)
+    ckpt.publish(tmp, final, {"step": step, "model": "net"})
     if not complete:
         os.unlink(os.path.join(final, ".metadata"))
     return final
@@ -39,23 +39,23 @@ def test_latest_skips_incomplete_and_orders_steps_numerically(tmp_path):
     damaged = write(tmp_path, 12, complete=False)
     (tmp_path / "step-13.tmp").mkdir()  # a save killed mid-write
     (tmp_path / "notes").mkdir()
-    assert checkpoint.latest(str(tmp_path)) == (newest, [damaged])
-    path, notes = checkpoint.resolve("auto", str(tmp_path))
+    assert ckpt.latest(str(tmp_path)) == (newest, [damaged])
+    path, notes = ckpt.resolve("auto", str(tmp_path))
     assert path == newest and "skipping incomplete" in notes[0] and damaged in notes[0]
 
 
 def test_auto_without_checkpoints_starts_fresh_and_says_so(tmp_path):
-    assert checkpoint.resolve("auto", str(tmp_path / "none")) == (
+    assert ckpt.resolve("auto", str(tmp_path / "none")) == (
         None,
         [f"no complete checkpoint in {tmp_path / 'none'}: starting from step 0"],
     )
-    assert checkpoint.resolve(None, None) == (None, [])
+    assert ckpt.resolve(None, None) == (None, [])
 
 
 def test_an_explicit_incomplete_checkpoint_is_refused(tmp_path):
     damaged = write(tmp_path, 4, complete=False)
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
-        checkpoint.resolve(damaged, None)
+        ckpt.resolve(damaged, None)
 
 
 def test_prune_keeps_the_newest_complete_ones(tmp_path):
@@ -63,7 +63,7 @@ def test_prune_keeps_the_newest_complete_ones(tmp_path):
         write(tmp_path, step)
     write(tmp_path, 12, complete=False)
     (tmp_path / "step-14.tmp").mkdir()
-    checkpoint.prune(str(tmp_path), keep=2)
+    ckpt.prune(str(tmp_path), keep=2)
     assert sorted(os.listdir(tmp_path)) == ["step-10", "step-8"]
 
 
@@ -76,9 +76,9 @@ def test_publishing_a_step_again_replaces_it(tmp_path):
         storage_writer=dcp.FileSystemWriter(str(tmp)),
         no_dist=True,
     )
-    checkpoint.publish(str(tmp), str(tmp_path / "step-3"), {"step": 3, "model": "net"})
+    ckpt.publish(str(tmp), str(tmp_path / "step-3"), {"step": 3, "model": "net"})
     out = tmp_path / "w.pt"
-    checkpoint.export(str(tmp_path / "step-3"), str(out))
+    ckpt.export(str(tmp_path / "step-3"), str(out))
     assert torch.equal(torch.load(out, weights_only=True)["fc.weight"], torch.ones(2, 3))
 
 
@@ -89,24 +89,24 @@ class _Boom:
 
 def test_the_index_is_read_without_unpickling_code(tmp_path):
     path = write(tmp_path, 1)
-    assert checkpoint.entries(path) == {"model.fc.weight": ((2, 3), torch.float32)}
+    assert ckpt.entries(path) == {"model.fc.weight": ((2, 3), torch.float32)}
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(_Boom(), f)
     with pytest.raises(CheckpointError, match="posix.system is not allowed"):
-        checkpoint.entries(path)
+        ckpt.entries(path)
 
 
 def test_check_fits_names_what_differs(tmp_path):
     path = write(tmp_path, 5)
-    assert checkpoint.check_fits(path, "net", {"fc.weight": (2, 3)})["step"] == 5
+    assert ckpt.check_fits(path, "net", {"fc.weight": (2, 3)})["step"] == 5
     with pytest.raises(CheckpointError, match="of model 'net', not 'other'"):
-        checkpoint.check_fits(path, "other", {"fc.weight": (2, 3)})
+        ckpt.check_fits(path, "other", {"fc.weight": (2, 3)})
     with pytest.raises(
         CheckpointError, match=r"fc.weight is \[2, 3\] in the checkpoint but \[4, 3\]"
     ):
-        checkpoint.check_fits(path, "net", {"fc.weight": (4, 3)})
+        ckpt.check_fits(path, "net", {"fc.weight": (4, 3)})
     with pytest.raises(CheckpointError, match="no entry for fc.bias"):
-        checkpoint.check_fits(path, "net", {"fc.weight": (2, 3), "fc.bias": (2,)})
+        ckpt.check_fits(path, "net", {"fc.weight": (2, 3), "fc.bias": (2,)})
 
 
 def test_export_writes_the_model_entries_by_their_names(tmp_path):
@@ -118,7 +118,7 @@ def test_export_writes_the_model_entries_by_their_names(tmp_path):
     }
     path = write(tmp_path, 7, {k: v.clone() for k, v in state.items()})
     out = tmp_path / "model.pt"
-    checkpoint.export(path, str(out))
+    ckpt.export(path, str(out))
     got = torch.load(out, weights_only=True)
     assert set(got) == {"fc.weight", "bn.running_mean"}
     assert torch.equal(got["fc.weight"], state["model.fc.weight"])
@@ -141,11 +141,11 @@ def test_the_final_export_gathers_on_the_group_it_is_given(tmp_path, monkeypatch
         parts[0] = obj
 
     control = object()
-    monkeypatch.setattr(checkpoint.dist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(checkpoint.dist, "gather_object", gather_object)
+    monkeypatch.setattr(ckpt.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(ckpt.dist, "gather_object", gather_object)
     topo = Topology(shape=(1,), num_bundles=1, procs_per_node=1, global_batch=2, micro_batches=1)
     out = tmp_path / "model.pt"
-    checkpoint.save_distributed(str(out), Stage(), topo, topo.coord(0), group=control)
+    ckpt.save_distributed(str(out), Stage(), topo, topo.coord(0), group=control)
     assert calls == [(0, control)]
     assert torch.equal(torch.load(out, weights_only=True)["fc.weight"], torch.ones(2, 3))
 

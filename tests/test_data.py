@@ -189,8 +189,8 @@ def test_loader_pins_memory_only_for_a_cuda_process(device, pinned, monkeypatch)
     """A CPU (gloo) process on a GPU host does not pin: pinning would open a CUDA context."""
     from types import SimpleNamespace
 
+    from bundle.session import train_stream
     from bundle.topology import Topology
-    from bundle.worker import train_stream
 
     built: list[dict] = []
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from bundle.localworld import free_port
+from bundle.runtime.localworld import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [

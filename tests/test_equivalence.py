@@ -34,9 +34,10 @@ from bundle.config import (
     RunConfig,
     TrainConfig,
 )
-from bundle.localworld import run_world
-from bundle.nccl_emu import Emulator
-from bundle.worker import build_session, make_topology, train_stream
+from bundle.engine.nccl_emu import Emulator
+from bundle.runtime.localworld import run_world
+from bundle.session import build_session, train_stream
+from bundle.topology import Topology
 
 STEPS = 3
 TOL = 1e-5
@@ -117,7 +118,7 @@ def _hybrid(rank: int, world: int, shape, bundles, backend: str = "auto") -> lis
         cfg = _config(shape, bundles, schedule, micro, sync, model, precision, recompute)
         cfg = replace(cfg, launch=replace(cfg.launch, backend=backend))
         name = f"{schedule} M={micro} {sync} {precision} recompute {recompute} {model}"
-        topo = make_topology(cfg)
+        topo = Topology.from_config(cfg)
         session = build_session(cfg, topo, rank, torch.device("cpu"))
         emulated = isinstance(
             getattr(session.runner.transport._post_call, "__self__", None), Emulator

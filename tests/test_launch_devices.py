@@ -1,4 +1,4 @@
-"""Device checks and placement of bundle/launch.py, with the CUDA device count faked (no GPU)."""
+"""Device checks and placement of bundle/runtime/devices.py, with the CUDA device count faked (no GPU)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import os
 import pytest
 import torch
 
-from bundle import launch
 from bundle.config import LaunchConfig, ParallelConfig, RunConfig
 from bundle.errors import ConfigError
-from bundle.worker import make_topology
+from bundle.runtime import devices as dev
+from bundle.topology import Topology
 
-ENV = launch.MULTI_RANK_GPU_ENV
+ENV = dev.MULTI_RANK_GPU_ENV
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def _cfg(procs: int, *, share: bool = False, backend: str = "nccl") -> RunConfig
 
 
 def _check(cfg: RunConfig) -> None:
-    launch.check_devices(cfg, make_topology(cfg))
+    dev.check_devices(cfg, Topology.from_config(cfg))
 
 
 def test_more_processes_than_gpus_is_refused_and_names_share_gpus(gpus):
@@ -89,7 +89,7 @@ def test_auto_backend_checks_devices_only_when_it_picks_nccl(gpus):
 
 def test_placement_is_one_gpu_per_local_rank_by_default(gpus):
     current = gpus(4)
-    devices = [launch.device_for("nccl", r) for r in range(4)]
+    devices = [dev.device_for("nccl", r) for r in range(4)]
     assert devices == [torch.device("cuda", r) for r in range(4)]
     assert current == [0, 1, 2, 3]
     assert ENV not in os.environ
@@ -97,7 +97,7 @@ def test_placement_is_one_gpu_per_local_rank_by_default(gpus):
 
 def test_shared_placement_is_round_robin_and_enables_multi_rank_nccl(gpus):
     current = gpus(2)
-    devices = [launch.device_for("nccl", r, share_gpus=True) for r in range(5)]
+    devices = [dev.device_for("nccl", r, share_gpus=True) for r in range(5)]
     assert [d.index for d in devices] == [0, 1, 0, 1, 0]
     assert all(d.type == "cuda" for d in devices)
     assert current == [0, 1, 0, 1, 0]  # each made current before its process group exists
@@ -106,20 +106,20 @@ def test_shared_placement_is_round_robin_and_enables_multi_rank_nccl(gpus):
 
 def test_all_ranks_on_one_gpu(gpus):
     current = gpus(1)
-    assert {launch.device_for("nccl", r, share_gpus=True).index for r in range(4)} == {0}
+    assert {dev.device_for("nccl", r, share_gpus=True).index for r in range(4)} == {0}
     assert current == [0, 0, 0, 0]
 
 
 def test_a_multi_rank_setting_from_the_user_is_kept(gpus, monkeypatch):
     gpus(1)
     monkeypatch.setenv(ENV, "0")
-    launch.device_for("nccl", 1, share_gpus=True)
+    dev.device_for("nccl", 1, share_gpus=True)
     assert os.environ[ENV] == "0"
 
 
 def test_gloo_places_on_the_cpu_and_touches_nothing(gpus):
     current = gpus(2)
-    assert launch.device_for("gloo", 3, share_gpus=True) == torch.device("cpu")
+    assert dev.device_for("gloo", 3, share_gpus=True) == torch.device("cpu")
     assert current == [] and ENV not in os.environ
 
 
@@ -129,8 +129,8 @@ def test_the_gloo_interface_is_pinned_for_every_backend(backend, monkeypatch):
     Only gloo shares out the CPU threads."""
     pinned: list[tuple[str, int]] = []
     threads: list[int] = []
-    monkeypatch.setattr(launch, "pin_gloo_interface", lambda h, p: pinned.append((h, p)))
+    monkeypatch.setattr(dev, "pin_gloo_interface", lambda h, p: pinned.append((h, p)))
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
-    launch.prepare_backend_env(backend, "10.0.0.1", 29500, procs_per_node=2)
+    dev.prepare_backend_env(backend, "10.0.0.1", 29500, procs_per_node=2)
     assert pinned == [("10.0.0.1", 29500)]
     assert bool(threads) == (backend == "gloo")

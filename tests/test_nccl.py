@@ -18,9 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bundle import launch, localworld
 from bundle.config import ComputeConfig, RunConfig
-from bundle.worker import build_session, make_topology, train_stream
+from bundle.runtime import devices, localworld
+from bundle.session import build_session, train_stream
+from bundle.topology import Topology
 from tests.test_equivalence import STEPS, TOL, _config, reference
 
 DEVICE = "cuda:0"
@@ -70,7 +71,7 @@ def _nccl(rank: int, world: int, shape, bundles) -> list[str]:
     refs: dict[str, dict[str, torch.Tensor]] = {}
     for micro, sync in VARIANTS:
         cfg = _gpu_config(shape, bundles, micro, sync)
-        topo = make_topology(cfg)
+        topo = Topology.from_config(cfg)
         session = build_session(cfg, topo, rank, device)
         batches = train_stream(session, topo, cfg.train.seed, STEPS, 0)
         for step in range(STEPS):
@@ -104,15 +105,15 @@ def test_children_share_one_gpu_with_nccl_multi_rank_mode(monkeypatch):
     current: list[int] = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d).index))
-    monkeypatch.setenv(launch.MULTI_RANK_GPU_ENV, "unset")  # teardown restores the original
-    monkeypatch.delenv(launch.MULTI_RANK_GPU_ENV)
+    monkeypatch.setenv(devices.MULTI_RANK_GPU_ENV, "unset")  # teardown restores the original
+    monkeypatch.delenv(devices.MULTI_RANK_GPU_ENV)
 
     # one child per GPU: round-robin, no sharing, NCCL left as it is
     assert [localworld._bind_gpu(r, 2, None).index for r in range(2)] == [0, 1]
-    assert launch.MULTI_RANK_GPU_ENV not in os.environ
+    assert devices.MULTI_RANK_GPU_ENV not in os.environ
     # every child on cuda:0
     assert {localworld._bind_gpu(r, 4, DEVICE).index for r in range(4)} == {0}
-    assert os.environ[launch.MULTI_RANK_GPU_ENV] == "1"
+    assert os.environ[devices.MULTI_RANK_GPU_ENV] == "1"
     assert current == [0, 1, 0, 0, 0, 0]
 
 

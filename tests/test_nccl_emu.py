@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bundle import nccl_emu
-from bundle.localworld import run_world
+from bundle.engine import nccl_emu
+from bundle.runtime.localworld import run_world
 
 TIMEOUT = 2.0
 N = 64  # elements per message: 256 bytes

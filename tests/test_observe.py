@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bundle import timing
-from bundle.schedule import actions
-from bundle.timing import CATEGORIES, CudaStepTimer, Mark, StepTimer, breakdown
-from bundle.trainer import top_k_correct
+from bundle.engine.schedule import actions
+from bundle.engine.stage_engine import top_k_correct
+from bundle.observe import timing
+from bundle.observe.timing import CATEGORIES, CudaStepTimer, Mark, StepTimer, breakdown
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -150,7 +150,7 @@ def test_top_k_counts_a_hand_built_case():
 
 
 def test_console_bar_on_a_terminal_and_plain_lines_otherwise(caplog):
-    from bundle.console import Console
+    from bundle.observe.console import Console
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -25,7 +25,7 @@ import pytest
 
 import main
 from bundle import preflight
-from bundle.localworld import free_port
+from bundle.runtime.localworld import free_port
 from tests.test_containers import ENTRYPOINT, FakeDocker, _clean_env
 from tests.test_e2e import finish, image_folder
 

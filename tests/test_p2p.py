@@ -11,9 +11,9 @@ import itertools
 
 import pytest
 
-from bundle import p2p
-from bundle.p2p import MIRROR, SIDE, Call, calls, programs, replay, step_plan
-from bundle.schedule import Action, actions
+from bundle.engine import p2p
+from bundle.engine.p2p import MIRROR, SIDE, Call, calls, programs, replay, step_plan
+from bundle.engine.schedule import Action, actions
 from bundle.topology import Topology
 
 

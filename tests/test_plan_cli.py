@@ -18,9 +18,9 @@ import main
 import models
 from bundle.config import AUTO_SHAPE
 from bundle.errors import ConfigError
-from bundle.localworld import free_port
 from bundle.plan import auto
 from bundle.plan.cluster import load_cluster
+from bundle.runtime.localworld import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = sorted((ROOT / "clusters").glob("*.yaml"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import models
-from bundle.memory import SavedBytes
+from bundle.engine.memory import SavedBytes
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import Cluster, Link, Speed

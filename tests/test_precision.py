@@ -13,13 +13,14 @@ from torch.utils.checkpoint import checkpoint
 import models
 from bundle import partition, preflight
 from bundle.config import CheckpointConfig, ComputeConfig
+from bundle.engine.memory import SavedBytes
+from bundle.engine.precision import LossScaler, Policy
+from bundle.engine.schedule import Op, actions
+from bundle.engine.transport import TensorMeta, _check_wire
 from bundle.errors import ConfigError
-from bundle.localworld import run_world
-from bundle.memory import SavedBytes
-from bundle.precision import LossScaler, Policy
-from bundle.schedule import Op, actions
-from bundle.transport import TensorMeta, _check_wire
-from bundle.worker import build_session, make_checkpointer, make_topology, train_stream
+from bundle.runtime.localworld import run_world
+from bundle.session import build_session, make_checkpointer, train_stream
+from bundle.topology import Topology
 from tests.test_equivalence import TOL, _config
 
 IMAGE = TensorMeta((8, 4, 4), torch.float32)
@@ -166,7 +167,7 @@ def test_loss_scaler_follows_grad_scaler_rules():
 def _poisoned_skip(rank: int, world: int, save_dir: str) -> dict:
     cfg = _config((2, 1), 1, "1f1b", 3, "flat", "mlp", precision="fp16")
     cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save_dir=save_dir))
-    topo = make_topology(cfg)
+    topo = Topology.from_config(cfg)
     session = build_session(cfg, topo, rank, torch.device("cpu"))
     runner, batches = session.runner, train_stream(session, topo, cfg.train.seed, 3, 0)
     runner.train_step(0, next(batches))
@@ -214,7 +215,7 @@ def _boundary(rank: int, world: int, compute: ComputeConfig, backend: str = "aut
         compute=compute,
         launch=dataclasses.replace(cfg.launch, backend=backend),
     )
-    topo = make_topology(cfg)
+    topo = Topology.from_config(cfg)
     session = build_session(cfg, topo, rank, torch.device("cpu"))
     batches = train_stream(session, topo, cfg.train.seed, 2, 0)
     for step in range(2):

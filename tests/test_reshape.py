@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from bundle.config import CheckpointConfig, RunConfig
-from bundle.localworld import run_world
-from bundle.worker import build_session, make_checkpointer, make_topology, train_stream
+from bundle.runtime.localworld import run_world
+from bundle.session import build_session, make_checkpointer, train_stream
+from bundle.topology import Topology
 from tests.test_equivalence import TOL, _config, reference
 
 SAVED_AT = 3
@@ -47,7 +48,7 @@ def _state(session) -> tuple[dict, dict]:
 
 
 def _train(cfg: RunConfig, rank: int, resume: str | None, until: int):
-    topo = make_topology(cfg)
+    topo = Topology.from_config(cfg)
     session = build_session(cfg, topo, rank, torch.device("cpu"))
     saver = make_checkpointer(cfg, topo, rank, session)
     start = saver.restore(resume)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import main
-from bundle.localworld import free_port
 from bundle.lr_schedule import LRSchedule
+from bundle.runtime.localworld import free_port
 from tests.test_e2e import SMALL, finish, image_folder, start, start_logged
 
 pytestmark = pytest.mark.slow
@@ -173,9 +173,9 @@ def test_sigint_to_the_process_group_stops_with_130(tmp_path):
     args = [*SMALL, "--save-every", "5", "--portNum", str(free_port())]
     code, err = stop_during_training(signal.SIGINT, tmp_path, *args, to_group=True)
     assert code == 130 and "stopped by SIGINT after step" in err, err
-    from bundle import checkpoint
+    from bundle.checkpoint import format as ckpt
 
-    newest, skipped = checkpoint.latest(str(tmp_path / "ckpt"))
+    newest, skipped = ckpt.latest(str(tmp_path / "ckpt"))
     assert newest is not None and not skipped
     assert f"checkpoint {newest};" in err
 
@@ -315,11 +315,11 @@ def everything(save_dir) -> dict[str, torch.Tensor]:
     """Every entry of the newest checkpoint in ``save_dir``, read in this one process."""
     import torch.distributed.checkpoint as dcp
 
-    from bundle import checkpoint
+    from bundle.checkpoint import format as ckpt
 
-    newest, _ = checkpoint.latest(str(save_dir))
-    state = {k: torch.empty(s, dtype=d) for k, (s, d) in checkpoint.entries(newest).items()}
+    newest, _ = ckpt.latest(str(save_dir))
+    state = {k: torch.empty(s, dtype=d) for k, (s, d) in ckpt.entries(newest).items()}
     with warnings.catch_warnings():  # read in this one process on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=checkpoint.SafeReader(newest), no_dist=True)
+        dcp.load(state, storage_reader=ckpt.SafeReader(newest), no_dist=True)
     return state

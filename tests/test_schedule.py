@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from bundle.engine.schedule import actions, peak_in_flight
 from bundle.errors import ScheduleError
-from bundle.schedule import actions, peak_in_flight
 
 
 def ops(name, stage, stages, micro) -> list[str]:

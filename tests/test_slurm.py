@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 import main
-from bundle import slurm
 from bundle.errors import ConfigError
-from bundle.localworld import free_port
+from bundle.runtime import slurm
+from bundle.runtime.localworld import free_port
 from tests.test_e2e import SMALL
 
 REPO = Path(__file__).resolve().parents[1]

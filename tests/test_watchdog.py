@@ -9,9 +9,11 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from bundle import launch, worker
+from bundle import session as worker
+from bundle.runtime import process
+from bundle.runtime import store as job_store
+from bundle.runtime.watchdog import NCCL_GRACE_S, StepWatchdog, group_timeout, watch_limit
 from bundle.topology import Topology
-from bundle.watchdog import NCCL_GRACE_S, StepWatchdog, group_timeout, watch_limit
 
 ME = "rank 2 (node 0, bundle 0, stage 1, replica 1)"
 
@@ -88,7 +90,7 @@ def test_the_worker_watchdog_posts_the_abort_to_the_store_and_exits():
         exited.set()
 
     where = {}
-    dog = launch.start_step_watchdog(store, ME, where, "nccl", 0.3, exit=exit)
+    dog = process.start_step_watchdog(store, ME, where, "nccl", 0.3, exit=exit)
     try:
         assert not exited.wait(1.0)  # no runner yet: start-up is not watched
         where["runner"] = SimpleNamespace(where="step 3 recv_act1")
@@ -96,7 +98,7 @@ def test_the_worker_watchdog_posts_the_abort_to_the_store_and_exits():
     finally:
         dog.stop()
     assert codes == [1]
-    assert launch.read_abort(store) == f"{ME} stalled at step 3 recv_act1: no progress in 0.3s"
+    assert job_store.read_abort(store) == f"{ME} stalled at step 3 recv_act1: no progress in 0.3s"
 
 
 def test_every_sub_group_gets_the_timeout(monkeypatch):

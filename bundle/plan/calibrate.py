@@ -23,20 +23,20 @@ import torch
 import torch.distributed as dist
 
 import models
-from bundle import localworld
 from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from bundle.grad_sync import GradSync
+from bundle.engine.grad_sync import GradSync
+from bundle.engine.precision import Policy
+from bundle.engine.schedule import SCHEDULES
+from bundle.engine.stage_engine import StageRunner
+from bundle.engine.transport import Transport
 from bundle.partition import split_model
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import Cluster, Link
 from bundle.plan.cost import CostModel, Overheads
 from bundle.plan.simulate import Layout, simulate
-from bundle.precision import Policy
-from bundle.schedule import SCHEDULES
+from bundle.runtime import localworld
 from bundle.topology import Coord, Topology
-from bundle.trainer import StageRunner
-from bundle.transport import Transport
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ class Pipelines:
     and 1."""
 
     def __init__(self, rank: int) -> None:
-        from bundle.worker import build_session, make_topology, train_stream
+        from bundle.session import build_session, train_stream
 
         probe, (m,) = BUSY, BUSY.micro
         self.steps = {}
@@ -251,7 +251,7 @@ class Pipelines:
                 ),
                 train=TrainConfig(batch_size=m * probe.rows, steps=2, eval=False),
             )
-            topo = make_topology(cfg)
+            topo = Topology.from_config(cfg)
             session = build_session(cfg, topo, rank, _CPU)
             stream = train_stream(session, topo, cfg.train.seed, cfg.train.steps, 0)
             batches = [next(stream) for _ in range(cfg.train.steps)]

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bundle.engine.schedule import Action, Op
 from bundle.plan.anatomy import Anatomy
 from bundle.plan.cluster import Cluster, Link, Speed
 from bundle.plan.profile import Timings
-from bundle.schedule import Action, Op
 
 DDP_FIRST_BUCKET = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 _MASTER_BYTES = 4  # fp32 master weights, gradients and momentum

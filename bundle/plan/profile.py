@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import models
+from bundle.engine.precision import Policy
 from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear, count_anatomy
-from bundle.precision import Policy
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from bundle.engine.precision import Policy
+from bundle.engine.schedule import SCHEDULES, actions
 from bundle.errors import ConfigError
 from bundle.plan.cost import CostModel, Memory
 from bundle.plan.simulate import Layout, SimResult, simulate
-from bundle.precision import Policy
-from bundle.schedule import SCHEDULES, actions
 from bundle.topology import split_sizes
 
 SYNCS = ("flat", "hierarchical")

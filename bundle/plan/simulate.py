@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from bundle.engine.precision import Policy
+from bundle.engine.schedule import Op, actions, peak_in_flight
 from bundle.errors import ScheduleError
 from bundle.plan.cost import CostModel
-from bundle.precision import Policy
-from bundle.schedule import Op, actions, peak_in_flight
 from bundle.topology import Topology, split_sizes
 
 COMPUTE, WAIT, SEND, SYNC, OPTIMIZER = "compute", "wait", "send", "sync", "optimizer"

@@ -28,19 +28,20 @@ from multiprocessing.connection import wait as wait_sentinels
 
 import torch.distributed as dist
 
-from bundle import checkpoint, log
+from bundle import log
+from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig
 from bundle.errors import LaunchError, PeerFailure
-from bundle.launch import (
+from bundle.runtime.preemption import StopRequest, exit_code, stop_line
+from bundle.runtime.process import spawned
+from bundle.runtime.store import (
     attempt_prefix,
     exchange_config,
     open_store,
     post_abort,
     read_abort,
-    spawned,
     store_barrier,
 )
-from bundle.preemption import StopRequest, exit_code, stop_line
 from bundle.topology import Topology
 
 _POLL_S = 0.5
@@ -93,7 +94,7 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
             except PeerFailure as exc:
                 logger.error(f"job failed: {detail}; no restart: {exc}")
                 return 1
-            resume, notes = checkpoint.resolve(
+            resume, notes = ckpt.resolve(
                 "auto" if cfg.checkpoint.save_dir else None, cfg.checkpoint.save_dir
             )
             for note in notes:
@@ -168,8 +169,8 @@ def _stopped(cfg: RunConfig, signum: int) -> int:
     """Say where the checkpoint is and how to resume; the exit code is 128 + signal."""
     path = None
     if cfg.checkpoint.save_dir:
-        path, _ = checkpoint.latest(cfg.checkpoint.save_dir)
-    step = checkpoint.read_info(path)["step"] if path else "?"
+        path, _ = ckpt.latest(cfg.checkpoint.save_dir)
+    step = ckpt.read_info(path)["step"] if path else "?"
     print(stop_line(signum, step, path, sys.argv[1:], "python"), file=sys.stderr, flush=True)
     return exit_code(signum)
 

@@ -16,7 +16,7 @@ from time import perf_counter_ns
 import torch
 import torch.distributed as dist
 
-from bundle.schedule import Op
+from bundle.engine.schedule import Op
 
 
 class Mark(IntEnum):

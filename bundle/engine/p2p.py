@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bundle.schedule import Action, Op, actions
+from bundle.engine.schedule import Action, Op, actions
 from bundle.topology import Topology, Transfer
 
 SENDS = (Op.SEND_ACT, Op.SEND_GRAD)

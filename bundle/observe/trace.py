@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bundle import log
-from bundle.timing import CATEGORY_OF, LABELS, Mark, Slice
+from bundle.observe.timing import CATEGORY_OF, LABELS, Mark, Slice
 from bundle.topology import Topology
 
 ROUNDS = 8  # store round trips per process when measuring its clock offset

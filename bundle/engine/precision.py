@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from bundle.config import ComputeConfig
-from bundle.schedule import Action, backward_follows_forward
-from bundle.transport import TensorMeta
+from bundle.engine.schedule import Action, backward_follows_forward
+from bundle.engine.transport import TensorMeta
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -19,9 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from bundle.engine.p2p import SIDE, boundary_peers
+from bundle.engine.schedule import Op
 from bundle.errors import PeerFailure
-from bundle.p2p import SIDE, boundary_peers
-from bundle.schedule import Op
 from bundle.topology import Topology, Transfer, split_ranges
 
 # Posts one call (a list of point-to-point operations, and a function naming each of them for

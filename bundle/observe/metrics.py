@@ -10,9 +10,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from bundle.board import Board
-from bundle.console import Console
-from bundle.timing import Breakdown, table
+from bundle.observe.board import Board
+from bundle.observe.console import Console
+from bundle.observe.timing import Breakdown, table
 
 
 class Meter:

@@ -28,7 +28,6 @@ import os
 import pickle
 import re
 import shutil
-import sys
 import tempfile
 import warnings
 
@@ -280,8 +279,3 @@ def export(path: str, out: str) -> None:
         dcp.load(want, storage_reader=SafeReader(path), no_dist=True)
     save(out, {k.removeprefix("model."): v for k, v in want.items()})
 
-
-if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "export":
-        sys.exit("usage: python -m bundle.checkpoint export SAVE_DIR/step-N OUT.pt")
-    export(sys.argv[2], sys.argv[3])

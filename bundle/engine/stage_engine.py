@@ -11,15 +11,15 @@ from torch import nn
 import models
 from bundle import partition
 from bundle.config import RunConfig
-from bundle.grad_sync import GradSync
-from bundle.memory import SavedBytes
-from bundle.p2p import step_plan
+from bundle.engine.grad_sync import GradSync
+from bundle.engine.memory import SavedBytes
+from bundle.engine.p2p import step_plan
+from bundle.engine.precision import LossScaler, Policy
+from bundle.engine.schedule import Action, Op, peak_in_flight
+from bundle.engine.transport import Part, Pending, TensorMeta, Transport
+from bundle.observe.timing import MARK_OF_OP, Mark, StepTimer
 from bundle.partition import Stage
-from bundle.precision import LossScaler, Policy
-from bundle.schedule import Action, Op, peak_in_flight
-from bundle.timing import MARK_OF_OP, Mark, StepTimer
 from bundle.topology import Coord, Topology, split_sizes
-from bundle.transport import Part, Pending, TensorMeta, Transport
 
 
 def build_stages(

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from bundle import checkpoint, log
+from bundle import log
+from bundle.checkpoint import format as ckpt
 from bundle.config import CheckpointConfig
 from bundle.errors import CheckpointError
 from bundle.partition import Stage
@@ -123,7 +124,7 @@ class Checkpointer:
         """
         self.wait()
         t0 = time.perf_counter()
-        final = checkpoint.step_dir(self.cfg.save_dir, step)
+        final = ckpt.step_dir(self.cfg.save_dir, step)
         tmp = final + ".tmp"
         state = self.state()
         self._agree(state, step)
@@ -175,20 +176,20 @@ class Checkpointer:
     def _publish(self, tmp: str, final: str, step: int) -> None:
         """Rank 0 adds bundle.json and renames step-N.tmp to step-N; older ones are pruned."""
         if self.rank == 0:
-            checkpoint.publish(tmp, final, {**self.settings, "step": step})
-            checkpoint.prune(self.cfg.save_dir, self.cfg.keep)
+            ckpt.publish(tmp, final, {**self.settings, "step": step})
+            ckpt.prune(self.cfg.save_dir, self.cfg.keep)
         self.last_saved = final
 
     # -- resuming ----------------------------------------------------------------------------
 
     def restore(self, path: str | None) -> int:
         """Load this rank's entries from checkpoint ``path`` (None: fresh); returns its step."""
-        info = checkpoint.read_info(path) if path else {"step": 0}
+        info = ckpt.read_info(path) if path else {"step": 0}
         step = int(info["step"])
         self._same_everywhere(step, path)
         if path is None:
             return 0
-        stored = checkpoint.entries(path)
+        stored = ckpt.entries(path)
         same_layout = info.get("layout") == self.settings["layout"]
         params = self._params()
         want = {f"model.{name}": p.detach() for name, p in params.items()}
@@ -205,7 +206,7 @@ class Checkpointer:
         missing = sorted(k for k in want if k not in stored)
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} entries, e.g. {missing[:3]}")
-        dcp.load(want, storage_reader=checkpoint.SafeReader(path), process_group=self.group)
+        dcp.load(want, storage_reader=ckpt.SafeReader(path), process_group=self.group)
         for p, buf in momenta.items():
             self.optimizer.state[p]["momentum_buffer"] = buf
         layout = "" if same_layout else f", written at {_describe(info.get('layout'))}"

@@ -8,30 +8,24 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from bundle import checkpoint, data, log, nccl_emu, observe, precision, timing
-from bundle.checkpointer import Checkpointer
+from bundle import data, log
+from bundle.checkpoint import format as ckpt
+from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig
+from bundle.engine import nccl_emu, precision
+from bundle.engine.grad_sync import Collectives, FlatSync, GradSync, HierarchicalSync
+from bundle.engine.precision import Policy
+from bundle.engine.stage_engine import StageRunner, boundary_metas, build_stages, eval_rows
+from bundle.engine.transport import Transport, post_with_torch
 from bundle.errors import DataError
-from bundle.grad_sync import Collectives, FlatSync, GradSync, HierarchicalSync
-from bundle.launch import resolve_backend
 from bundle.lr_schedule import LRSchedule
-from bundle.precision import Policy
-from bundle.preemption import Stopped, StopRequest, StopVote, maybe_fail
-from bundle.timing import Mark
+from bundle.observe import build as observe
+from bundle.observe import timing
+from bundle.observe.timing import Mark
+from bundle.runtime.devices import resolve_backend
+from bundle.runtime.preemption import Stopped, StopRequest, StopVote, maybe_fail
+from bundle.runtime.watchdog import group_timeout
 from bundle.topology import Coord, Topology
-from bundle.trainer import StageRunner, boundary_metas, build_stages, eval_rows
-from bundle.transport import Transport, post_with_torch
-from bundle.watchdog import group_timeout
-
-
-def make_topology(cfg: RunConfig) -> Topology:
-    return Topology(
-        shape=cfg.parallel.shape,
-        num_bundles=cfg.parallel.num_bundles,
-        procs_per_node=cfg.procs_per_node,
-        global_batch=cfg.train.batch_size,
-        micro_batches=cfg.parallel.micro_batches,
-    )
 
 
 def _groups(
@@ -241,8 +235,8 @@ def train_stream(
 def settings(cfg: RunConfig, session: Session) -> dict:
     """What a checkpoint records of the run that wrote it (checked again on resume)."""
     return {
-        **checkpoint.run_settings(cfg),
-        "format": checkpoint.FORMAT,
+        **ckpt.run_settings(cfg),
+        "format": ckpt.FORMAT,
         "num_classes": session.splits.num_classes,
         "input_shape": list(session.splits.input_shape),
         "layout": session.layout,
@@ -381,9 +375,7 @@ def run(
     dist.broadcast_object_list(final, src=0, group=session.groups["control"])
     if final[0]:
         runner.where = "checkpoint"
-        checkpoint.save_distributed(
-            final[0], session.stage, topo, coord, group=session.groups["control"]
-        )
+        ckpt.save_distributed(final[0], session.stage, topo, coord, group=session.groups["control"])
     if rank != reporter:
         report.finish(None)
         return None

@@ -36,7 +36,7 @@ def _bind_gpu(rank: int, world: int, device: str | None) -> torch.device:
     """
     import torch
 
-    from bundle.launch import allow_shared_gpu
+    from bundle.runtime.devices import allow_shared_gpu
 
     count = torch.cuda.device_count()
     if device is None:

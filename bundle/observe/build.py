@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from bundle import timing
-from bundle.board import Board
 from bundle.config import RunConfig, parse_steps
-from bundle.console import Console
-from bundle.metrics import Progress
+from bundle.observe import timing
+from bundle.observe.board import Board
+from bundle.observe.console import Console
+from bundle.observe.metrics import Progress
+from bundle.observe.trace import KernelProfiler, write_trace
 from bundle.topology import Topology
-from bundle.trace import KernelProfiler, write_trace
 
 
 def reporter_rank(topo: Topology) -> int:

@@ -1,0 +1,13 @@
+"""The engine: one replica of one stage running a training step through the pipeline schedule.
+
+Modules, from the data up:
+
+- ``schedule``: GPipe and 1F1B as pure lists of actions per stage (tested as literal data);
+- ``p2p``: the point-to-point calls those actions make in a step, and a model of NCCL's streams;
+- ``transport``: activations forward and gradients back between stages of any widths;
+- ``nccl_emu``: ``--backend nccl-emu``, gloo with NCCL's in-order streams on top;
+- ``grad_sync``: a stage's gradients summed over its replicas (flat or hierarchical);
+- ``precision``: the compute policy: dtypes, the boundary's wire form, loss scaling;
+- ``memory``: recompute of a stage's blocks, and a count of what backward keeps;
+- ``stage_engine``: ``StageEngine``, which runs a step's actions, calls and optimizer step.
+"""

@@ -1,0 +1,115 @@
+"""A process's device and backend: which backend a run uses, whether this node has the devices
+for it, and the per-process settings made before any process group exists."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from bundle.config import RunConfig
+from bundle.errors import ConfigError
+from bundle.topology import Topology
+
+MULTI_RANK_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
+
+
+def resolve_backend(cfg: RunConfig) -> str:
+    if cfg.launch.backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return cfg.launch.backend
+
+
+def torch_backend(backend: str) -> str:
+    """The torch.distributed backend under ours: nccl-emu is gloo with NCCL's ordering on top."""
+    return "gloo" if backend == "nccl-emu" else backend
+
+
+def check_devices(cfg: RunConfig, topo: Topology) -> None:
+    """More processes per node than devices is an input error, found before anything starts,
+    unless ``--share-gpus`` asks for several processes on one device (for testing)."""
+    if resolve_backend(cfg) != "nccl":
+        return
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found == 0 or (topo.procs_per_node > found and not cfg.launch.share_gpus):
+        allowed = f"the nccl backend drives one CUDA device per process and this node has {found}"
+        if found:
+            allowed += "; --share-gpus runs several processes per GPU (to test with fewer GPUs)"
+        raise ConfigError("--nproc-per-node", topo.procs_per_node, allowed)
+
+
+def _interface_of(address: str) -> str | None:
+    """The name of the local interface holding IPv4 ``address`` (Linux ioctl, no packets sent)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                got = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24])
+            except OSError:
+                continue
+            if got == address:
+                return name
+    return None
+
+
+def pin_gloo_interface(master: str, port: int) -> None:
+    """Unless set, point GLOO_SOCKET_IFNAME at the interface that routes to the master.
+
+    Gloo otherwise binds to whatever the hostname resolves to, often 127.0.1.1 or a container
+    bridge, and peers on other hosts cannot connect back.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(master), port))  # UDP connect: a route lookup only
+            local = s.getsockname()[0]
+    except OSError:
+        return
+    name = _interface_of(local)
+    if name and not local.startswith("127."):
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def prepare_backend_env(backend: str, host: str, port: int, procs_per_node: int) -> None:
+    """Per-process settings made before any process group exists.
+
+    The CPU threads are shared out only on gloo (the process computes on the CPU). The gloo
+    interface is pinned whatever the backend: an NCCL job creates gloo groups too (the control
+    and async groups), and those fail to connect across nodes the same way.
+    """
+    if backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // procs_per_node))
+    pin_gloo_interface(host, port)
+
+
+def allow_shared_gpu() -> None:
+    """Let NCCL place several ranks of one communicator on one GPU (NCCL 2.30 and later).
+
+    NCCL otherwise refuses two ranks on one device at communicator creation. With
+    NCCL_MULTI_RANK_GPU_ENABLE=1 they share it, point-to-point through CUDA IPC; it is not
+    compatible with NCCL_NVLS_ENABLE=1. Before 2.30 the way was a distinct NCCL_HOSTID per process,
+    which makes NCCL take every peer for another host and use its socket transport. NCCL reads its
+    environment when it first initialises, so this must run in the worker before the process
+    group is created; a value the user set is kept.
+    """
+    os.environ.setdefault(MULTI_RANK_GPU_ENV, "1")
+
+
+def device_for(backend: str, local_rank: int, *, share_gpus: bool = False) -> torch.device:
+    """This process's device, made current: ``cuda:local_rank`` with nccl; with ``share_gpus``,
+    ``cuda:(local_rank % devices)`` (round-robin, NCCL's multi-rank mode allowed); else the CPU.
+    """
+    if backend != "nccl":
+        return torch.device("cpu")
+    index = local_rank
+    if share_gpus:
+        allow_shared_gpu()
+        index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)

@@ -1,0 +1,127 @@
+"""The job's store (a TCPStore on node 0): rendezvous, the nodes' settings compared field by
+field, start-up barriers, and the abort protocol.
+
+Failure path: a worker that raises writes ``abort`` (rank, stage, step, error) to the store; a
+worker that dies is reported by its supervisor; a node that stops heart-beating is reported by
+node 0. Every worker polls ``abort`` and exits non-zero; supervisors kill what is left by pid.
+Each attempt of a restarted job keeps its keys under its own prefix (``attempt_prefix``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from bundle import log
+from bundle.config import RunConfig
+from bundle.errors import LaunchError, PeerFailure
+
+ABORT_KEY = "bundle/abort"
+_POLL_S = 0.5
+
+
+def open_store(host: str, port: int, *, server: bool, timeout: float) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(
+            host, port, is_master=server, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
+    except (RuntimeError, OSError) as exc:
+        if server:
+            raise LaunchError(
+                f"--portNum {port}: cannot listen on port {port} ({exc}); is it in use?"
+            ) from exc
+        raise LaunchError(
+            f"cannot reach the master at {host}:{port} within {timeout:.0f}s ({exc})"
+        ) from exc
+
+
+def read_abort(store: dist.Store) -> str | None:
+    return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
+
+
+def post_abort(store: dist.Store, message: str) -> str:
+    """Record the job's first failure; returns whichever message won."""
+    return store.compare_set(ABORT_KEY, "", message).decode() or message
+
+
+def _differences(mine: dict, theirs: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key} {a!r} vs {b!r}")
+    return out
+
+
+def exchange_config(store: dist.Store, cfg: RunConfig, me: int, peers: int, timeout: float) -> None:
+    """Every node publishes its config; any difference is reported by field, not left to hang.
+
+    Node 0 hosts the store, so it waits until every node has read the others before it goes on
+    (or exits with the error), and every node reports the same mismatch.
+    """
+    mine = cfg.shared_view()
+    store.set(f"bundle/config/{me}", json.dumps(mine))
+    try:
+        store.wait([f"bundle/config/{i}" for i in range(peers)], timedelta(seconds=timeout))
+        problems = []
+        for i in range(peers):
+            diff = _differences(mine, json.loads(store.get(f"bundle/config/{i}")))
+            if diff:
+                problems.append(f"node {me} vs node {i}: {'; '.join(diff)}")
+        store.set(f"bundle/config-read/{me}", "1")
+        if me == 0:
+            store.wait(
+                [f"bundle/config-read/{i}" for i in range(peers)], timedelta(seconds=timeout)
+            )
+    except RuntimeError as exc:
+        raise LaunchError(
+            f"not every node joined the job at the master within {timeout:.0f}s ({exc})"
+        ) from exc
+    if problems:
+        raise LaunchError(f"the nodes were started with different settings: {problems[0]}")
+
+
+def store_barrier(store: dist.Store, name: str, world: int, timeout: float) -> None:
+    """Wait until ``world`` processes reached ``name``, up to ``timeout`` seconds (start-up only)."""
+    key = f"bundle/arrived/{name}"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while (arrived := store.add(key, 0)) < world:
+        if time.monotonic() > deadline:
+            raise PeerFailure(
+                f"only {arrived} of {world} processes reached '{name}' within {timeout:.0f}s"
+            )
+        time.sleep(0.05)
+
+
+def start_abort_watch(store: dist.Store, rank: int, me: str) -> None:
+    """A daemon thread that ends this process once any other process has recorded a failure."""
+
+    def watch() -> None:
+        misses = 0
+        while True:
+            time.sleep(_POLL_S)
+            try:
+                msg = read_abort(store)
+                misses = 0
+            except Exception:  # noqa: BLE001 - the store's host is gone: the job is over
+                misses += 1
+                if misses < 10:
+                    continue
+                msg = "lost contact with the job's store (node 0 is gone)"
+            if msg is not None and not msg.startswith(me):
+                log.get().error(f"stopping rank {rank}: {msg}")
+                os._exit(1)
+
+    threading.Thread(target=watch, name="bundle-abort-watch", daemon=True).start()
+
+
+def attempt_prefix(attempt: int) -> str:
+    return f"bundle/attempt{attempt}"
