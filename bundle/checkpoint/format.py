@@ -278,4 +278,3 @@ def export(path: str, out: str) -> None:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(want, storage_reader=SafeReader(path), no_dist=True)
     save(out, {k.removeprefix("model."): v for k, v in want.items()})
-
