@@ -3,7 +3,7 @@
 Each check runs as a subprocess in its own process group with a timeout, so a hang fails that
 check (its group is killed) instead of stalling the rest:
 
-1. ``python -m pytest -q -ra tests/test_nccl.py``: gradient equivalence over NCCL against the CPU
+1. ``python -m pytest -q -ra tests/integration/test_nccl.py``: gradient equivalence over NCCL against the CPU
    reference (a skipped test counts as a failure here: on a GPU machine it checked nothing);
 2. ``main.py`` training ``digits_cnn`` cut in two stages (shape ``1,1``) over NCCL, once per
    schedule x gradient sync: ``max(2, GPUs // 2)`` bundles, so each stage group spans bundles
@@ -129,7 +129,7 @@ def plan(
     def limit(kind: str) -> float:
         return timeout_s if timeout_s is not None else TIMEOUT_S[kind]
 
-    tests = ("-m", "pytest", "-q", "-ra", "tests/test_nccl.py")
+    tests = ("-m", "pytest", "-q", "-ra", "tests/integration/test_nccl.py")
     checks = [Check("nccl tests", "pytest", tests, limit("pytest"))]
     for schedule, sync in itertools.product(SCHEDULES, GRAD_SYNCS):
         argv = train_argv(gpus, schedule, sync, free_port())

@@ -16,7 +16,7 @@ from bundle.engine.stage_engine import top_k_correct
 from bundle.observe import timing
 from bundle.observe.timing import CATEGORIES, CudaStepTimer, Mark, StepTimer, breakdown
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeClock:

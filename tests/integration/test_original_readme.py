@@ -26,10 +26,10 @@ import pytest
 import main
 from bundle import preflight
 from bundle.runtime.localworld import free_port
-from tests.test_containers import ENTRYPOINT, FakeDocker, _clean_env
-from tests.test_e2e import finish, image_folder
+from tests.integration.test_containers import ENTRYPOINT, FakeDocker, _clean_env
+from tests.integration.test_e2e import finish, image_folder
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ORIGINAL = (REPO / "docs" / "reference" / "original-README.md").read_text()
 SMALL = ["--image-size", "32"]
 

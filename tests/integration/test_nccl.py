@@ -22,7 +22,7 @@ from bundle.config import ComputeConfig, RunConfig
 from bundle.runtime import devices, localworld
 from bundle.session import build_session, train_stream
 from bundle.topology import Topology
-from tests.test_equivalence import STEPS, TOL, _config, reference
+from tests.integration.test_equivalence import STEPS, TOL, _config, reference
 
 DEVICE = "cuda:0"
 CASES = [((1, 1), 1), ((2, 1), 1), ((1, 1), 2)]  # (shape, bundles)

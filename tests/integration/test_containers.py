@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RUN_SCRIPT = REPO / "scripts" / "run-bundle-hp.sh"
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 STACK_FILE = REPO / "docker" / "stack.yml"

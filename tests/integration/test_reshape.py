@@ -16,7 +16,7 @@ from bundle.config import CheckpointConfig, RunConfig
 from bundle.runtime.localworld import run_world
 from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology
-from tests.test_equivalence import TOL, _config, reference
+from tests.integration.test_equivalence import TOL, _config, reference
 
 SAVED_AT = 3
 MORE = 3  # steps 3..5 cross the epoch boundary (128 samples, batch 23: 5 steps per epoch)

@@ -22,7 +22,7 @@ from bundle.plan import auto
 from bundle.plan.cluster import load_cluster
 from bundle.runtime.localworld import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS = sorted((ROOT / "clusters").glob("*.yaml"))
 
 

@@ -14,7 +14,7 @@ import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _load_plot():

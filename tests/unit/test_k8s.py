@@ -11,7 +11,7 @@ import yaml
 
 import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "docker" / "k8s" / "bundle.yaml"
 DOCS = {doc["kind"]: doc for doc in yaml.safe_load_all(MANIFEST.read_text())}
 INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-index']"

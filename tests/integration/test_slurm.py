@@ -18,9 +18,9 @@ import main
 from bundle.errors import ConfigError
 from bundle.runtime import slurm
 from bundle.runtime.localworld import free_port
-from tests.test_e2e import SMALL
+from tests.integration.test_e2e import SMALL
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "scripts" / "slurm" / "bundle.sbatch"
 
 # srun: logs its argv; FAKE_SRUN=exit:N exits N at once, =cancelled also signals the batch shell

@@ -21,9 +21,9 @@ import torch
 
 import main
 from tests.netns import NetnsPair
-from tests.test_equivalence import reference
+from tests.integration.test_equivalence import reference
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAIN = REPO / "main.py"
 PORT = 29531
 NODE_TIMEOUT = 120.0

@@ -14,7 +14,7 @@ import pytest
 
 from bundle.runtime.localworld import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = [
     "--model",
     "mlp",

@@ -13,7 +13,7 @@ from bundle import config as C
 from bundle.errors import ConfigError
 from bundle.lr_schedule import LRSchedule, Milestone, parse_milestones, warmup_steps
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def train(**kw) -> C.TrainConfig:

@@ -21,7 +21,7 @@ from bundle.errors import ConfigError
 from bundle.runtime.localworld import run_world
 from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology
-from tests.test_equivalence import TOL, _config
+from tests.integration.test_equivalence import TOL, _config
 
 IMAGE = TensorMeta((8, 4, 4), torch.float32)
 LABELS = TensorMeta((), torch.int64)

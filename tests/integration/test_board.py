@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from bundle.observe.board import Board
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CATEGORIES = ("data", "forward", "backward", "wait_act", "wait_grad", "send", "sync", "optimizer")
 
 
