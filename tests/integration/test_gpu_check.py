@@ -68,7 +68,7 @@ def test_without_cuda_it_exits_2_with_one_line_before_anything_else(tmp_path):
 def test_plan_covers_every_schedule_and_sync_and_shares_gpus_only_when_too_few(tmp_path, gpus):
     checks = _plan(gpus, tmp_path)
     assert [c.kind for c in checks] == ["pytest"] + ["train"] * 4 + ["bench"]
-    assert checks[0].argv == ("-m", "pytest", "-q", "-ra", "tests/test_nccl.py")
+    assert checks[0].argv == ("-m", "pytest", "-q", "-ra", "tests/integration/test_nccl.py")
     assert checks[-1].argv[0] == "scripts/bench_gpu.py" and "--json" in checks[-1].argv
     train = checks[1:-1]
     assert {(c.schedule, c.grad_sync) for c in train} == {
@@ -164,7 +164,7 @@ def test_report_table_json_and_exit_0_when_every_check_passes(monkeypatch, tmp_p
     rows = [ln for ln in text.splitlines() if ln.startswith("| ") and "`python" in ln]
     assert len(rows) == 6
     assert rows[0] == (
-        "| nccl tests | `python -m pytest -q -ra tests/test_nccl.py` | pass | - | - | 30.0 |"
+        "| nccl tests | `python -m pytest -q -ra tests/integration/test_nccl.py` | pass | - | - | 30.0 |"
     )
     train = rows[1].split(" | ")
     assert train[0] == "| train gpipe flat" and train[1].startswith("`python main.py ")

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import main
-from tests.netns import NetnsPair
 from tests.integration.test_equivalence import reference
+from tests.netns import NetnsPair
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN = REPO / "main.py"
