@@ -199,7 +199,7 @@ def _fake(rows: int, meta: TensorMeta) -> torch.Tensor:
 
 def stage_probe(session: Session) -> Callable[[], tuple[float, float]]:
     """(wall, thread CPU) seconds of one micro-batch's fwd+bwd through a copy of this rank's stage."""
-    runner, coord = session.runner, session.coord
+    runner, coord = session.engine, session.coord
     topo, tp = runner.topo, runner.transport
     module = copy.deepcopy(session.stage)
     rows = split_sizes(runner.sizes[0], topo.shape[coord.stage])[coord.replica]
@@ -253,10 +253,10 @@ def bundle_case(
     topo = Topology.from_config(cfg)
     session = build_session(cfg, topo, rank, CPU)
     if not timed:
-        session.runner.timer = NoTimer()
+        session.engine.timer = NoTimer()
     stream = train_stream(session, topo, cfg.train.seed, DATA_STEPS, 0)
     batches = [next(stream) for _ in range(DATA_STEPS)]
-    runner = session.runner
+    runner = session.engine
 
     def step(i: int) -> None:
         """One synchronous Bundle training step."""
@@ -489,7 +489,7 @@ def world_main(rank: int, world: int, job: str, sizes: Sizes) -> dict:
                         c.probe()
                         stage[c.name] += [c.probe() for _ in range(sizes.stage_reps)]
                 dist.barrier()
-    peak = {c.name: c.session.runner.peak_in_flight for c in cases if c.session is not None}
+    peak = {c.name: c.session.engine.peak_in_flight for c in cases if c.session is not None}
     return {
         "wall": wall,
         "cpu": cpu,

@@ -2,7 +2,7 @@
 
 Both sides train the same model (same seed, so the same initial weights) on the same batches,
 already resident on the device, with the same SGD optimizer: Bundle through its engine (shape
-``1``, one bundle, one micro-batch: ``StageRunner.train_step``), the plain loop as
+``1``, one bundle, one micro-batch: ``StageEngine.train_step``), the plain loop as
 ``loss.backward(); opt.step(); opt.zero_grad()``. Before timing, one step of each on the same
 batch checks that both compute the same loss (the same work). Then the two alternate round by
 round in ABBA order, so drifts of a shared machine hit both alike; a round is warm-up steps, then
@@ -130,7 +130,7 @@ def bundle_step(args: argparse.Namespace, device: torch.device) -> Callable:
             precision=args.precision, channels_last=args.channels_last, tf32=not args.no_tf32
         ),
     )
-    runner = build_session(cfg, Topology.from_config(cfg), 0, device).runner
+    runner = build_session(cfg, Topology.from_config(cfg), 0, device).engine
 
     def step(i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return runner.train_step(i, [(x, y)])

@@ -41,7 +41,7 @@ def count(case_for: Callable[[str, str], object]) -> dict[str, dict[str, int]]:
     out = {}
     for schedule, recompute in CASES:
         case = case_for(schedule, recompute)
-        runner = case.session.runner
+        runner = case.session.engine
         case.step(0)
         runner.saved_bytes = meter = SavedBytes(case.session.stage)
         case.step(1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,12 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
 
 
 class Checkpointer:
-    """``restore(path) -> step`` once before training; ``due(step)`` and ``save(step)`` after steps."""
+    """``restore(path) -> step`` once before training; ``maybe_save(step)`` after every step.
+
+    A save is due on the ``--save-every`` cadence (an epoch by default), after the run's last step
+    (``total``) and when the job stops for a signal. ``before_save`` holds what must happen just
+    before one (the reporter closes its loss window, the process names its phase).
+    """
 
     def __init__(
         self,
@@ -51,6 +57,7 @@ class Checkpointer:
         stage_group: dist.ProcessGroup | None,
         settings: dict,
         steps_per_epoch: int,
+        total: int = 0,
         async_group: dist.ProcessGroup | None = None,
         extra: dict[str, torch.Tensor] | None = None,
     ) -> None:
@@ -60,6 +67,8 @@ class Checkpointer:
         self.stage_group = stage_group if len(topo.stage_group(coord.stage)) > 1 else None
         self.settings = settings
         self.every = cfg.save_every or steps_per_epoch
+        self.total = total
+        self.before_save: list[Callable[[int], None]] = []
         self.canonical = coord.bundle == 0 and coord.replica == 0
         self.async_group = async_group
         # Entries the same on every rank (the loss scale), saved and restored in place.
@@ -94,9 +103,21 @@ class Checkpointer:
 
     # -- saving ------------------------------------------------------------------------------
 
-    def due(self, step: int, total: int, *, stopping: bool = False) -> bool:
+    def due(self, step: int, *, stopping: bool = False) -> bool:
         """Whether to save after ``step``: on the cadence, at the end, or when the job stops."""
-        return bool(self.cfg.save_dir) and (stopping or step % self.every == 0 or step == total)
+        return bool(self.cfg.save_dir) and (
+            stopping or step % self.every == 0 or step == self.total
+        )
+
+    def maybe_save(self, step: int, *, stopping: bool = False) -> bool:
+        """Save after ``step`` if a save is due (collective: every rank decides alike); a save
+        at the end or for a stop is complete on disk on return. Whether it saved."""
+        if not self.due(step, stopping=stopping):
+            return False
+        for hook in self.before_save:
+            hook(step)
+        self.save(step, block=stopping or step == self.total)
+        return True
 
     def _agree(self, state: dict[str, torch.Tensor], step: int) -> None:
         """Replicas must hold the same parameters and optimizer state (not buffers: BatchNorm

@@ -1,4 +1,5 @@
-"""One process's part of the job: its stage, its schedule, its transport and its gradient sync."""
+"""The per-step engine of one replica of one stage: its schedule's actions, the point-to-point
+calls they make, the gradient sync and the optimizer step; and the stages it runs, cut from the model."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def boundary_metas(
 MicroBatch = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
-class StageRunner:
+class StageEngine:
     """Runs training steps and evaluation passes of one replica through the pipeline schedule."""
 
     def __init__(
@@ -109,15 +110,11 @@ class StageRunner:
         self.peak_in_flight = 0
 
     @property
-    def where(self) -> str:
-        """What this replica was doing, for error messages."""
+    def position(self) -> str:
+        """What this replica is doing in its step ("step 3 recv_act1"), for the watchdog and errors."""
         step, what = self._at
         label = what if isinstance(what, str) else repr(what)
         return label if step < 0 else f"step {step + 1} {label}"
-
-    @where.setter
-    def where(self, text: str) -> None:
-        self._at = (-1, text)
 
     def train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
         """One synchronous step; returns this replica's share of the global mean loss (last stage).
@@ -150,7 +147,7 @@ class StageRunner:
         return (a.op, rows, k % (self.max_in_flight + 1 if a.op is Op.RECV_ACT else 2), k)
 
     def _train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
-        tp, policy, lap = self.transport, self.policy, self.timer.lap
+        transport, policy, lap = self.transport, self.policy, self.timer.lap
         inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         grads: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -161,7 +158,9 @@ class StageRunner:
             k = a.micro
             self._at = (step, a)
             for c in plan.post_at[i]:  # the calls posted here, each with every op in it
-                posted[c] = tp.call([self._part(op, outputs, inputs) for op in plan.calls[c].ops])
+                posted[c] = transport.call(
+                    [self._part(op, outputs, inputs) for op in plan.calls[c].ops]
+                )
             if a.op is Op.RECV_ACT:
                 (xs,) = posted[plan.call_of[i]].wait()
                 # A fresh autograd leaf over the reused buffer (in its wire form, so its gradient
@@ -172,7 +171,9 @@ class StageRunner:
                     xs = (policy.prepare_input(micro_data[k][0], self.device),)
                     inputs[k] = xs
                 else:
-                    xs = tuple(m.from_wire(x) for m, x in zip(tp.in_meta, inputs[k], strict=True))
+                    xs = tuple(
+                        m.from_wire(x) for m, x in zip(transport.in_meta, inputs[k], strict=True)
+                    )
                 self.stage.recompute = self.recompute[k]
                 with self.sync.no_sync(), policy.autocast():
                     out = self.sync.module(*xs)
@@ -185,7 +186,9 @@ class StageRunner:
                     loss_sum += loss.detach()
                     outputs[k] = (self.scaler.scaled(loss) if self.scaler else loss,)
                 else:
-                    outputs[k] = tuple(m.to_wire(o) for m, o in zip(tp.out_meta, out, strict=True))
+                    outputs[k] = tuple(
+                        m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True)
+                    )
                 self.peak_in_flight = max(self.peak_in_flight, len(outputs))
             elif a.op is Op.RECV_GRAD:
                 (grads[k],) = posted[plan.call_of[i]].wait()
@@ -232,19 +235,20 @@ class StageRunner:
 
         Returns [top-1 correct, top-5 correct, rows] on the last stage, zeros elsewhere.
         """
-        tp, policy = self.transport, self.policy
+        transport, policy = self.transport, self.policy
         if self.first:
             xs = (policy.prepare_input(micro[0], self.device),)
         else:
             xs = tuple(
-                m.from_wire(x) for m, x in zip(tp.in_meta, tp.recv_act(rows).wait()[0], strict=True)
+                m.from_wire(x)
+                for m, x in zip(transport.in_meta, transport.recv_act(rows).wait()[0], strict=True)
             )
         self.stage.recompute = False
         with policy.autocast():
             out = self.sync.module(*xs)
         if not self.last:
-            tp.send_act(
-                rows, tuple(m.to_wire(o) for m, o in zip(tp.out_meta, out, strict=True))
+            transport.send_act(
+                rows, tuple(m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True))
             ).wait()
             return torch.zeros(3, dtype=torch.float64, device=self.device)
         labels = micro[1].to(self.device)

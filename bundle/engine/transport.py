@@ -176,7 +176,7 @@ class Transport:
         """Receive buffers are allocated once per (size, slot) and reused every step.
 
         The caller picks ``slot`` so that a buffer is not received into again while the
-        micro-batch that used it is still alive (see StageRunner).
+        micro-batch that used it is still alive (see StageEngine).
         """
         key = (op, rows, slot)
         if key not in self._buffers:

@@ -4,15 +4,21 @@ merged trace."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+import torch.distributed as dist
 
 from bundle.config import RunConfig, parse_steps
 from bundle.observe import timing
 from bundle.observe.board import Board
 from bundle.observe.console import Console
-from bundle.observe.metrics import Progress
+from bundle.observe.metrics import Reporter
 from bundle.observe.trace import KernelProfiler, write_trace
 from bundle.topology import Topology
+
+if TYPE_CHECKING:
+    from bundle.session import Session
 
 
 def reporter_rank(topo: Topology) -> int:
@@ -20,30 +26,30 @@ def reporter_rank(topo: Topology) -> int:
     return topo.rank(0, topo.num_stages - 1, 0)
 
 
-def make_progress(
+def make_reporter(
     cfg: RunConfig,
     topo: Topology,
     rank: int,
-    session,
+    session: Session,
     *,
     total: int,
     steps_per_epoch: int,
     start: int,
     device: torch.device,
-) -> Progress:
+) -> Reporter:
     reporting = rank == reporter_rank(topo)
-    return Progress(
+    return Reporter(
         log_every=cfg.train.log_every,
         total=total,
         batch=cfg.train.batch_size,
         path=cfg.metrics_out,
-        group=session.last_group,
+        group=session.groups.last_stage,
         reporting=reporting,
         device=device,
         start=start,
         breakdown=timing.Breakdown(
-            session.runner.timer,
-            group=session.groups["control"],
+            session.engine.timer,
+            group=session.groups.control,
             rank=rank,
             reporter=reporter_rank(topo),
             stage_of=[topo.coord(r).stage for r in range(topo.world_size)],
@@ -62,9 +68,11 @@ def make_profiler(cfg: RunConfig, rank: int, device: torch.device) -> KernelProf
     return KernelProfiler(steps, cfg.observe.profile_dir, rank, device)
 
 
-def finish_trace(cfg: RunConfig, topo: Topology, rank: int, session, store) -> None:
+def finish_trace(
+    cfg: RunConfig, topo: Topology, rank: int, session: Session, store: dist.Store | None
+) -> None:
     """Collective when tracing: every rank sends its traced slices to rank 0, which writes them."""
-    timer = session.runner.timer
+    timer = session.engine.timer
     if timer.trace is None:
         return
     write_trace(
@@ -72,7 +80,7 @@ def finish_trace(cfg: RunConfig, topo: Topology, rank: int, session, store) -> N
         timer.slices,
         rank=rank,
         topo=topo,
-        group=session.groups["control"],
+        group=session.groups.control,
         store=store,
         timeout=cfg.launch.timeout,
         info={

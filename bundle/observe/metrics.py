@@ -1,11 +1,15 @@
-"""Throughput meter and the JSON-lines metrics file (the last line is the run's summary)."""
+"""What a run reports: the throughput meter, the JSON-lines metrics file, the ``Reporter`` of loss
+windows and validations, and the run's ``Summary`` (the metrics file's last line)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,9 +69,87 @@ class MetricsFile:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
-class Progress:
+@dataclass(frozen=True)
+class RunFacts:
+    """What the training loop knows of the run it finished, for its summary."""
+
+    model: str
+    shape: list[int]
+    num_bundles: int
+    world_size: int
+    micro_batches: int
+    schedule: str
+    grad_sync: str
+    precision: str
+    recompute: str
+    channels_last: bool
+    steps: int
+    start_step: int
+    attempt: int
+    elapsed_s: float
+    save_stall_s: list[float]
+    peak_in_flight: int
+    # Present only where they apply: loss scaling, a CUDA process, a planned run, a trace.
+    skipped_steps: int | None = None
+    loss_scale: float | None = None
+    peak_memory_mib: float | None = None
+    predicted_samples_per_s: float | None = None
+    trace: str | None = None
+
+
+_OPTIONAL = ("skipped_steps", "loss_scale", "peak_memory_mib", "predicted_samples_per_s", "trace")
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The run's last record: the metrics file's last line (with the per-stage breakdown) and the
+    one JSON line the reporting process prints (without it, floats to 4 significant digits)."""
+
+    run: RunFacts
+    samples_per_s: float
+    final_loss: float | None
+    val_accuracy: float | None = None
+    val_top5: float | None = None
+    val_samples: int | None = None  # present only when the run evaluated
+    breakdown: dict[str, Any] | None = field(default=None, repr=False)
+
+    def record(self) -> dict[str, Any]:
+        """The metrics file's summary record, every figure as measured."""
+        out: dict[str, Any] = {"summary": True, **asdict(self.run)}
+        for key in _OPTIONAL:
+            if out[key] is None:
+                del out[key]
+        out.update(
+            samples_per_s=self.samples_per_s,
+            final_loss=self.final_loss,
+            val_accuracy=self.val_accuracy,
+            val_top5=self.val_top5,
+            breakdown=self.breakdown,
+        )
+        if self.val_samples is not None:
+            out["val_samples"] = self.val_samples
+        return out
+
+    def line(self) -> str:
+        """The printed summary: the record's keys but the breakdown, floats to 4 significant digits."""
+        record = self.record()
+        del record["breakdown"]
+        return json.dumps(_significant(record), sort_keys=True)
+
+
+def _significant(value: Any, digits: int = 4) -> Any:
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: _significant(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_significant(v, digits) for v in value]
+    return value
+
+
+class Reporter:
     """The last stage's loss windows and what a run reports of them: progress on the console,
-    metrics records, TensorBoard scalars and the per-stage time breakdown.
+    metrics records, TensorBoard scalars, the per-stage time breakdown and the summary.
 
     A window closes every ``log_every`` steps, at the end, and at every checkpoint, so a resumed
     run logs the same losses as an uninterrupted one. ``step``, ``flush`` and ``finish`` are
@@ -102,6 +184,7 @@ class Progress:
         self.meter = Meter()
         self.window, self.steps = torch.zeros((), device=device), 0
         self.final_loss: float | None = None
+        self.validation: tuple[float, float | None, int] | None = None  # the latest
 
     def step(self, done: int, loss) -> None:
         """After step ``done`` (1-based): add this replica's share of the loss."""
@@ -133,6 +216,7 @@ class Progress:
         self.steps = 0
 
     def evaluated(self, done: int, top1: float, top5: float | None, seen: int) -> None:
+        self.validation = (top1, top5, seen)
         if self.group is not None:
             self._emit({"step": done, "val_accuracy": top1, "val_top5": top5, "val_samples": seen})
         top5_text = "" if top5 is None else f", top-5 {top5:.4f}"
@@ -140,16 +224,25 @@ class Progress:
             f"step {done}: validation accuracy {top1:.4f}{top5_text} on {seen} samples"
         )
 
-    def finish(self, summary: dict | None) -> dict | None:
-        """The run's breakdown (every rank takes part); the reporting rank completes ``summary``,
-        writes it and shows the breakdown as a table."""
+    def finish(self, run: RunFacts) -> Summary | None:
+        """The run's breakdown (every rank takes part); the reporting rank writes the summary,
+        shows the breakdown as a table and returns the summary; every other rank None."""
         times = self.breakdown.run() if self.breakdown is not None else None
         self.console.close()
         self.board.close()  # the summary adds no scalars: its figures have no step of their own
-        if not self.reporting or summary is None:
+        if not self.reporting:
             return None
-        summary["breakdown"] = times
-        self.metrics.write(summary)
+        top1, top5, seen = self.validation or (None, None, None)
+        summary = Summary(
+            run=run,
+            samples_per_s=self.meter.samples_per_s,
+            final_loss=self.final_loss,
+            val_accuracy=top1,
+            val_top5=top5,
+            val_samples=seen,
+            breakdown=times,
+        )
+        self.metrics.write(summary.record())
         if times is not None:
             self.console.line("where each step's time went, per stage:")
             for line in table(times):

@@ -1,6 +1,6 @@
 """The engine's own overheads and this machine's loopback links, measured once and cached.
 
-- ``compute_action`` and ``step``: the engine's ``StageRunner`` runs a tiny model as one stage in
+- ``compute_action`` and ``step``: the engine's ``StageEngine`` runs a tiny model as one stage in
   this process at 1 and 16 micro-batches of one row; what its steps take beyond the model's own
   forward and backward (as ``profile`` measures them) is the overhead per compute action and per
   step.
@@ -27,7 +27,7 @@ from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, Tr
 from bundle.engine.grad_sync import GradSync
 from bundle.engine.precision import Policy
 from bundle.engine.schedule import SCHEDULES
-from bundle.engine.stage_engine import StageRunner
+from bundle.engine.stage_engine import StageEngine
 from bundle.engine.transport import Transport
 from bundle.partition import split_model
 from bundle.plan import profile as prof
@@ -121,7 +121,7 @@ def interleaved(steps: dict, tiny: ProbePass, reps: int, warmup: int, barrier=No
 
 
 class TinyStage:
-    """The engine's StageRunner on the tiny model as one stage, at each of ``MICRO`` (no peers)."""
+    """The engine's StageEngine on the tiny model as one stage, at each of ``MICRO`` (no peers)."""
 
     def __init__(self) -> None:
         name, shape, classes = TINY.model, TINY.input_shape, TINY.classes
@@ -143,7 +143,7 @@ class TinyStage:
                 device=_CPU,
                 timeout=30.0,
             )
-            runner = StageRunner(
+            runner = StageEngine(
                 topo=topo,
                 coord=Coord(0, 0, 0),
                 sync=GradSync(stage),
@@ -255,7 +255,7 @@ class Pipelines:
             session = build_session(cfg, topo, rank, _CPU)
             stream = train_stream(session, topo, cfg.train.seed, cfg.train.steps, 0)
             batches = [next(stream) for _ in range(cfg.train.steps)]
-            runner = session.runner
+            runner = session.engine
             self.steps[schedule] = lambda i, r=runner, b=batches: r.train_step(i, b[i % len(b)])
 
     def measure(self, reps: int = 15, warmup: int = 3) -> dict:

@@ -4,18 +4,21 @@ stop signals, store, watchdogs and process group around the session, and how it 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 
 from bundle import log
 from bundle.config import RunConfig
 from bundle.errors import ConfigError
+from bundle.observe.build import reporter_rank
 from bundle.runtime.devices import device_for, prepare_backend_env, resolve_backend, torch_backend
+from bundle.runtime.phase import Phase
 from bundle.runtime.preemption import Stopped, StopRequest, exit_code, stop_line
 from bundle.runtime.store import (
     attempt_prefix,
@@ -27,20 +30,28 @@ from bundle.runtime.store import (
     store_barrier,
 )
 from bundle.runtime.watchdog import StepWatchdog, group_timeout, watch_limit
+from bundle.session import build_session
 from bundle.topology import Topology
+from bundle.trainer import build_trainer
 
 
 def start_step_watchdog(
-    store: dist.Store, me: str, where: dict, backend: str, timeout: float, *, exit=os._exit
+    store: dist.Store,
+    me: str,
+    phase: Phase,
+    backend: str,
+    timeout: float,
+    *,
+    exit: Callable[[int], None] = os._exit,
 ) -> StepWatchdog:
-    """End this process, reporting where, when training stops moving (bundle/watchdog.py)."""
+    """End this process, reporting where, when training stops moving (bundle/runtime/watchdog.py)."""
 
     def report(message: str) -> None:
         log.get().error(post_abort(store, message))
 
     return StepWatchdog(
         me=me,
-        position=lambda: where["runner"].where if "runner" in where else None,
+        position=lambda: str(phase),
         limit=watch_limit(backend, timeout),
         report=report,
         exit=exit,
@@ -57,25 +68,68 @@ def worker_main(
     local_rank: int,
     host: str,
     port: int,
-    progress=None,
+    progress: Any = None,
     *,
     attempt: int = 0,
     resume: str | None = None,
-    stop_shared=None,
+    stop_shared: Any = None,
 ) -> int:
-    """Body of every training process; returns its exit code (128 + signal when stopped by one)."""
-    from bundle import session as worker
+    """Body of every training process; returns its exit code (128 + signal when stopped by one).
 
+    ``progress`` (a shared integer) gets the current step for the node supervisor, ``resume``
+    is the checkpoint to start from, ``attempt`` counts restarts, and ``stop_shared`` is the
+    supervisor's stop flag (None under torchrun).
+    """
     c = topo.coord(rank)
-    log.setup(
-        f"[rank {rank} b{c.bundle} s{c.stage}]",
-        verbose=rank == topo.rank(0, topo.num_stages - 1, 0),
-    )
+    log.setup(f"[rank {rank} b{c.bundle} s{c.stage}]", verbose=rank == reporter_rank(topo))
     # A supervised worker leaves saying so to its supervisor; under torchrun each one says it.
     stop = StopRequest(shared=stop_shared, announce=stop_shared is None)
     stop.install(on_second=lambda signum: os._exit(exit_code(signum)))
     backend = torch_backend(resolve_backend(cfg))
     prepare_backend_env(backend, host, port, topo.procs_per_node)
+    store = _job_store(cfg, topo, rank, host, port, attempt)
+    me = topo.describe(rank)
+    start_abort_watch(store, rank, me)
+    phase = Phase()
+    watchdog = start_step_watchdog(store, me, phase, backend, cfg.launch.timeout)
+    try:
+        device = _join(cfg, topo, rank, local_rank, backend, store)
+        session = build_session(
+            cfg, topo, rank, device, arrive=lambda name: _arrive(cfg, topo, store, name)
+        )
+        phase.follow(session.engine)
+        trainer = build_trainer(
+            cfg,
+            topo,
+            rank,
+            session,
+            phase=phase,
+            attempt=attempt,
+            resume=resume,
+            stop=stop,
+            store=store,
+            progress=progress,
+        )
+        summary = trainer.train()
+        dist.barrier()
+        if summary is not None:
+            print(summary.line(), flush=True)
+        return 0
+    except Stopped as stopped:
+        watchdog.stop()
+        _say_stopped(cfg, local_rank, stopped)
+        return stopped.code
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the other processes
+        watchdog.stop()  # this error is the report
+        return _report_failure(store, me, rank, phase, exc)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _job_store(
+    cfg: RunConfig, topo: Topology, rank: int, host: str, port: int, attempt: int
+) -> dist.Store:
     # Every attempt of a restarted job keeps its keys apart: the store outlives the attempts.
     store = dist.PrefixStore(
         attempt_prefix(attempt),
@@ -84,76 +138,63 @@ def worker_main(
     if cfg.launch.torchrun:
         # No node supervisor compared settings: every process compares its own.
         exchange_config(store, cfg, rank, topo.world_size, cfg.launch.init_timeout)
-    me = topo.describe(rank)
-    start_abort_watch(store, rank, me)
-    where: dict = {}
-    watchdog = start_step_watchdog(store, me, where, backend, cfg.launch.timeout)
-    try:
-        store_barrier(store, "start", topo.world_size, cfg.launch.init_timeout)
-        # --share-gpus sets NCCL's multi-rank switch here, in the worker itself (self-spawned or
-        # under torchrun alike), before NCCL first reads its environment.
-        device = device_for(backend, local_rank, share_gpus=cfg.launch.share_gpus)
-        # With NCCL, naming the device forms the world communicator now, with every rank: the
-        # first batch_isend_irecv on the default group may then involve only two ranks (NCCL
-        # requires all of a group's ranks in its first call otherwise), and sub-groups are split
-        # from it instead of being bootstrapped one by one.
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore("bundle/pg", store),
-            rank=rank,
-            world_size=topo.world_size,
-            timeout=group_timeout(backend, cfg.launch.timeout),
-            device_id=device if backend == "nccl" else None,
+    return store
+
+
+def _arrive(cfg: RunConfig, topo: Topology, store: dist.Store, name: str) -> None:
+    store_barrier(store, name, topo.world_size, cfg.launch.init_timeout)
+
+
+def _join(
+    cfg: RunConfig, topo: Topology, rank: int, local_rank: int, backend: str, store: dist.Store
+) -> torch.device:
+    """Wait for every process, take this process's device and create the default group."""
+    _arrive(cfg, topo, store, "start")
+    # --share-gpus sets NCCL's multi-rank switch here, in the worker itself (self-spawned or
+    # under torchrun alike), before NCCL first reads its environment.
+    device = device_for(backend, local_rank, share_gpus=cfg.launch.share_gpus)
+    # With NCCL, naming the device forms the world communicator now, with every rank: the
+    # first batch_isend_irecv on the default group may then involve only two ranks (NCCL
+    # requires all of a group's ranks in its first call otherwise), and sub-groups are split
+    # from it instead of being bootstrapped one by one.
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("bundle/pg", store),
+        rank=rank,
+        world_size=topo.world_size,
+        timeout=group_timeout(backend, cfg.launch.timeout),
+        device_id=device if backend == "nccl" else None,
+    )
+    return device
+
+
+def _say_stopped(cfg: RunConfig, local_rank: int, stopped: Stopped) -> None:
+    """Under torchrun one process per node says how to resume (a supervisor does it otherwise)."""
+    if cfg.launch.torchrun and local_rank == 0:
+        launcher = "torchrun [the same torchrun options]"
+        print(
+            stop_line(stopped.signum, stopped.step, stopped.checkpoint, sys.argv[1:], launcher),
+            file=sys.stderr,
+            flush=True,
         )
-        summary = worker.run(
-            cfg,
-            topo,
-            rank,
-            device,
-            progress=progress,
-            where=where,
-            arrive=lambda name: store_barrier(
-                store, name, topo.world_size, cfg.launch.init_timeout
-            ),
-            attempt=attempt,
-            resume=resume,
-            stop=stop,
-            store=store,
-        )
-        dist.barrier()
-        if summary is not None:
-            print(json.dumps(summary, sort_keys=True), flush=True)
-        return 0
-    except Stopped as stopped:
-        watchdog.stop()
-        if cfg.launch.torchrun and local_rank == 0:
-            launcher = "torchrun [the same torchrun options]"
-            print(
-                stop_line(stopped.signum, stopped.step, stopped.checkpoint, sys.argv[1:], launcher),
-                file=sys.stderr,
-                flush=True,
-            )
-        return stopped.code
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the other processes
-        watchdog.stop()  # this error is the report
-        deadline = time.monotonic() + 2.0
-        cause = None
-        while cause is None and time.monotonic() < deadline:
-            cause = read_abort(store)
-            time.sleep(0.1) if cause is None else None
-        if cause is None:
-            at = where["runner"].where if "runner" in where else "start-up"
-            cause = post_abort(store, f"{me} failed at {at}: {type(exc).__name__}: {exc}")
-        if cause.startswith(me):
-            log.get().error(cause)
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            log.get().error(f"stopping rank {rank}: {cause}")
-        return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+
+def _report_failure(store: dist.Store, me: str, rank: int, phase: Phase, exc: BaseException) -> int:
+    """Post this failure to the job unless another process's came first (then say that one)."""
+    deadline = time.monotonic() + 2.0
+    cause = None
+    while cause is None and time.monotonic() < deadline:
+        cause = read_abort(store)
+        time.sleep(0.1) if cause is None else None
+    if cause is None:
+        cause = post_abort(store, f"{me} failed at {phase}: {type(exc).__name__}: {exc}")
+    if cause.startswith(me):
+        log.get().error(cause)
+        if not isinstance(exc, Exception):
+            raise exc
+    else:
+        log.get().error(f"stopping rank {rank}: {cause}")
+    return 1
 
 
 def spawned(*args, **kwargs) -> None:

@@ -19,12 +19,17 @@ stalled node by heartbeat in 20 s, and compares the nodes' settings field by fie
 
 from __future__ import annotations
 
+import enum
 import multiprocessing as mp
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_sentinels
+from multiprocessing.context import SpawnContext, SpawnProcess
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -49,6 +54,21 @@ _HEARTBEAT_STALE_S = 20.0
 _KILL_GRACE_S = 5.0
 
 
+class End(enum.Enum):
+    DONE = "done"  # every worker exited 0
+    STOPPED = "stopped"  # a stop signal: every worker saved and exited 128 + signal
+    FAILED = "failed"  # a worker died or raised, or a node stopped responding
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one attempt of this node's workers ended: ``signum`` when stopped, ``why`` when failed."""
+
+    end: End
+    signum: int = 0
+    why: str = ""
+
+
 def _exit_text(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
@@ -63,7 +83,7 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
     store = open_store(lc.master_addr, lc.master_port, server=node == 0, timeout=lc.init_timeout)
     exchange_config(store, cfg, node, topo.num_nodes, lc.init_timeout)
     ctx = mp.get_context("spawn")
-    running: dict = {}
+    running: dict[int, SpawnProcess] = {}
 
     def kill_now(signum: int) -> None:
         for p in running.values():
@@ -75,24 +95,23 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
     stop.install(on_second=kill_now)
     try:
         for attempt in range(lc.max_restarts + 1):
-            outcome, detail = _attempt(cfg, topo, store, ctx, attempt, resume, stop, running)
-            if outcome == "done":
+            outcome = _attempt(cfg, topo, store, ctx, attempt, resume, stop, running)
+            if outcome.end is End.DONE:
                 return 0
-            if outcome == "stopped" or stop.value:
-                signum = detail if outcome == "stopped" else stop.value
-                return _stopped(cfg, signum)
+            if outcome.end is End.STOPPED or stop.value:
+                return _stopped(cfg, outcome.signum or stop.value)
             if attempt == lc.max_restarts:
-                logger.error(f"job failed: {detail}")
+                logger.error(f"job failed: {outcome.why}")
                 return 1
             logger.warning(
-                f"attempt {attempt + 1} failed: {detail}; restart {attempt + 1} of "
+                f"attempt {attempt + 1} failed: {outcome.why}; restart {attempt + 1} of "
                 f"{lc.max_restarts} from the newest checkpoint"
             )
             try:  # every node has stopped this attempt's workers: no one starts the next alone
                 restart = f"{attempt_prefix(attempt)}/restart"
                 store_barrier(store, restart, topo.num_nodes, lc.init_timeout)
             except PeerFailure as exc:
-                logger.error(f"job failed: {detail}; no restart: {exc}")
+                logger.error(f"job failed: {outcome.why}; no restart: {exc}")
                 return 1
             resume, notes = ckpt.resolve(
                 "auto" if cfg.checkpoint.save_dir else None, cfg.checkpoint.save_dir
@@ -107,62 +126,105 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
         return 1
 
 
-def _attempt(cfg, topo, base, ctx, attempt, resume, stop, running) -> tuple[str, object]:
-    """Run one attempt of this node's workers: ("done", None), ("stopped", signum) or ("failed", why)."""
+def _attempt(
+    cfg: RunConfig,
+    topo: Topology,
+    base: dist.Store,
+    ctx: SpawnContext,
+    attempt: int,
+    resume: str | None,
+    stop: StopRequest,
+    running: dict[int, SpawnProcess],
+) -> Outcome:
+    """Run one attempt of this node's workers until they are done, stopped, or one failed."""
     lc = cfg.launch
-    node, logger = lc.node_rank, log.get()
+    node = lc.node_rank
     store = dist.PrefixStore(attempt_prefix(attempt), base)
-    procs, progress = {}, {}
-    for rank in topo.node_ranks(node):
-        progress[rank] = ctx.Value("q", -1, lock=False)
-        p = ctx.Process(
+    progress = {rank: ctx.Value("q", -1, lock=False) for rank in topo.node_ranks(node)}
+    procs = {
+        rank: ctx.Process(
             target=spawned,
             args=(cfg, topo, rank, topo.local_rank(rank), lc.master_addr, lc.master_port),
-            kwargs=dict(
-                progress=progress[rank], attempt=attempt, resume=resume, stop_shared=stop.shared
-            ),
+            kwargs=dict(progress=step, attempt=attempt, resume=resume, stop_shared=stop.shared),
             name=f"bundle-rank{rank}",
         )
+        for rank, step in progress.items()
+    }
+    for p in procs.values():
         p.start()
-        procs[rank] = p
     running.clear()
     running.update(procs)
-    logger.info(
+    log.get().info(
         f"started ranks {min(procs)}..{max(procs)} (pids {', '.join(str(p.pid) for p in procs.values())})"
         + (f", attempt {attempt + 1}" if attempt else "")
     )
-    failure, stopped = None, 0
     beats: dict[int, tuple[int, float]] = {}
-    stop_codes = {exit_code(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    outcome = Outcome(End.FAILED, why="the node supervisor lost its workers")
     try:
-        live = dict(procs)
-        while live and failure is None:
-            wait_sentinels([p.sentinel for p in live.values()], timeout=_POLL_S)
-            for rank, p in list(live.items()):
-                if p.exitcode is None:
-                    continue
-                del live[rank]
-                if p.exitcode in stop_codes:
-                    stopped = max(stopped, p.exitcode - 128)
-                elif p.exitcode != 0:
-                    step = progress[rank].value
-                    at = f"step {step + 1}" if step >= 0 else "start-up"
-                    failure = post_abort(
-                        store, f"{topo.describe(rank)} {_exit_text(p.exitcode)} during {at}"
-                    )
-            if failure is None:
-                failure = _heartbeat(base, store, node, topo.num_nodes, beats) or read_abort(store)
-        if failure is None:
+        outcome = watch(
+            procs,
+            step_of=lambda rank: int(progress[rank].value),
+            describe=topo.describe,
+            check=lambda: _heartbeat(base, store, node, topo.num_nodes, beats) or read_abort(store),
+            post=lambda message: post_abort(store, message),
+        )
+        if outcome.end is not End.FAILED:
             store.set(f"bundle/done/{node}", "1")
-            if node == 0:
-                # The store lives here: keep it up until every node has finished with it.
-                failure = _wait_done(store, topo.num_nodes, lc.timeout + lc.init_timeout)
+            # The store lives on node 0: keep it up until every node has finished with it.
+            failure = (
+                _wait_done(store, topo.num_nodes, lc.timeout + lc.init_timeout)
+                if node == 0
+                else None
+            )
+            outcome = Outcome(End.FAILED, why=failure) if failure else outcome
     finally:
-        _stop(procs.values(), grace=_KILL_GRACE_S if failure else 0.0)
+        _stop(procs.values(), grace=_KILL_GRACE_S if outcome.end is End.FAILED else 0.0)
         running.clear()
-    if failure:
-        return "failed", failure
-    return ("stopped", stopped) if stopped else ("done", None)
+    return outcome
+
+
+class Worker(Protocol):
+    @property
+    def sentinel(self) -> int: ...
+    @property
+    def exitcode(self) -> int | None: ...
+
+
+def watch(
+    procs: Mapping[int, Worker],
+    *,
+    step_of: Callable[[int], int],
+    describe: Callable[[int], str],
+    check: Callable[[], str | None],
+    post: Callable[[str], str],
+    wait: Callable[[list[int], float], object] = lambda fds, s: wait_sentinels(fds, timeout=s),
+) -> Outcome:
+    """Watch this node's workers (rank -> process) until all have exited or the job failed.
+
+    A worker exiting 128 + SIGTERM/SIGINT stopped for a signal; any other non-zero exit is a
+    failure, posted (``post``, which returns the job's first failure) with its rank and step
+    (``step_of``: the last step it began, -1 before the first). ``check`` returns the job's
+    failure once there is one (another node's, a stalled heartbeat).
+    """
+    stop_codes = {exit_code(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    live, stopped = dict(procs), 0
+    while live:
+        wait([p.sentinel for p in live.values()], _POLL_S)
+        for rank, p in list(live.items()):
+            if p.exitcode is None:
+                continue
+            del live[rank]
+            if p.exitcode in stop_codes:
+                stopped = max(stopped, p.exitcode - 128)
+            elif p.exitcode != 0:
+                step = step_of(rank)
+                at = f"step {step + 1}" if step >= 0 else "start-up"
+                why = post(f"{describe(rank)} {_exit_text(p.exitcode)} during {at}")
+                return Outcome(End.FAILED, why=why)
+        failure = check()
+        if failure is not None:
+            return Outcome(End.FAILED, why=failure)
+    return Outcome(End.STOPPED, signum=stopped) if stopped else Outcome(End.DONE)
 
 
 def _stopped(cfg: RunConfig, signum: int) -> int:
@@ -207,7 +269,7 @@ def _wait_done(store: dist.Store, nodes: int, timeout: float) -> str | None:
     return f"not every node reported completion within {timeout:.0f}s"
 
 
-def _stop(procs, *, grace: float) -> None:
+def _stop(procs: Iterable[SpawnProcess], *, grace: float) -> None:
     """Join every child; after ``grace`` seconds kill the ones still running, by pid.
 
     Not SIGTERM first: a worker takes SIGTERM as a request to finish its step and save.

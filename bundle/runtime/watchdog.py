@@ -6,13 +6,13 @@ timeout, and the transport's timed waits); the error reaches the store and every
 On NCCL nothing raises: ``work.wait()`` only orders the CUDA stream, the CPU runs ahead into the
 next wait, and NCCL's own watchdog thread aborts the process (SIGABRT, no message) once a
 collective outlives the group's timeout. So each worker runs this watchdog: a daemon thread that
-reads the runner's position (``StageRunner.where``, "step 3 recv_act1", which the runner keeps
-up to date anyway) every half second and, when it has not changed for the limit, posts
+reads the process's position (its ``Phase``: the engine's "step 3 recv_act1", which the engine
+keeps up to date anyway, or the loop's named phase) every half second and, when it has not changed for the limit, posts
 ``<rank> stalled at <position>: no progress in <limit>s`` to the store and exits with code 1; the
 other processes' abort watches then stop them. It costs nothing per micro-batch.
 
 What is watched: training steps, evaluation (each batch moves the position) and the end of the
-job. Not watched: start-up (no runner yet: ``--init-timeout`` bounds it), restoring a checkpoint
+job. Not watched: start-up (``--init-timeout`` bounds it), restoring a checkpoint
 (``resume``) and checkpoint saves (``checkpoint``...): a large model's write to a slow disk may
 legitimately outlast ``--timeout`` and has no peer to wait on; the saves' coordination runs on the
 gloo control group, whose operations raise after ``--timeout`` themselves.
@@ -39,8 +39,8 @@ NCCL_GRACE_S = 30.0
 GLOO_GROUP_GRACE_S = 3.0
 GLOO_WATCH_GRACE_S = 10.0
 POLL_S = 0.5
-# Positions (StageRunner.where) that are not watched: see the module docstring.
-UNWATCHED = ("set-up", "resume", "checkpoint")
+# Positions (a process's Phase) that are not watched: see the module docstring.
+UNWATCHED = ("start-up", "set-up", "resume", "checkpoint")
 
 
 def group_timeout(backend: str, timeout: float) -> timedelta:
@@ -63,7 +63,7 @@ def watch_limit(backend: str, timeout: float) -> float:
 class StepWatchdog:
     """Ends the process when ``position()`` stays the same for ``limit`` seconds.
 
-    ``position()`` returns the runner's position, or None before there is a runner. ``report``
+    ``position()`` returns the process's position (None: not watched). ``report``
     (given the message) posts it to the job; ``exit`` ends the process (``os._exit``; tests give
     their own). ``stop()`` disarms it (the process is already leaving with an error of its own).
     """

@@ -121,12 +121,12 @@ def _hybrid(rank: int, world: int, shape, bundles, backend: str = "auto") -> lis
         topo = Topology.from_config(cfg)
         session = build_session(cfg, topo, rank, torch.device("cpu"))
         emulated = isinstance(
-            getattr(session.runner.transport._post_call, "__self__", None), Emulator
+            getattr(session.engine.transport._post_call, "__self__", None), Emulator
         )
         assert emulated == (backend == "nccl-emu"), f"{backend}: emulated is {emulated}"
         batches = train_stream(session, topo, cfg.train.seed, STEPS, 0)
         for step in range(STEPS):
-            session.runner.train_step(step, next(batches))
+            session.engine.train_step(step, next(batches))
         mine = {k: v.detach() for k, v in session.stage.full_state_dict().items()}
         gathered = [None] * world if rank == 0 else None
         dist.gather_object((topo.coord(rank), mine), gathered, dst=0)

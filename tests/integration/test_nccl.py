@@ -75,7 +75,7 @@ def _nccl(rank: int, world: int, shape, bundles) -> list[str]:
         session = build_session(cfg, topo, rank, device)
         batches = train_stream(session, topo, cfg.train.seed, STEPS, 0)
         for step in range(STEPS):
-            session.runner.train_step(step, next(batches))
+            session.engine.train_step(step, next(batches))
         torch.cuda.synchronize(device)
         mine = {k: v.detach().cpu() for k, v in session.stage.full_state_dict().items()}
         gathered = [None] * world if rank == 0 else None

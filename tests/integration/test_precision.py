@@ -169,7 +169,7 @@ def _poisoned_skip(rank: int, world: int, save_dir: str) -> dict:
     cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save_dir=save_dir))
     topo = Topology.from_config(cfg)
     session = build_session(cfg, topo, rank, torch.device("cpu"))
-    runner, batches = session.runner, train_stream(session, topo, cfg.train.seed, 3, 0)
+    runner, batches = session.engine, train_stream(session, topo, cfg.train.seed, 3, 0)
     runner.train_step(0, next(batches))
     before = {k: v.clone() for k, v in session.stage.full_state_dict().items()}
     if rank == 1:  # one replica of the front stage overflows; the rear computes the loss
@@ -189,8 +189,8 @@ def _poisoned_skip(rank: int, world: int, save_dir: str) -> dict:
         "scale": scale_after_skip,
         "skipped": runner.scaler.skipped,
         "moved": moved,
-        "restored_scale": fresh.runner.scaler.scale,
-        "restored_skipped": fresh.runner.scaler.skipped,
+        "restored_scale": fresh.engine.scaler.scale,
+        "restored_skipped": fresh.engine.scaler.skipped,
     }
 
 
@@ -219,8 +219,8 @@ def _boundary(rank: int, world: int, compute: ComputeConfig, backend: str = "aut
     session = build_session(cfg, topo, rank, torch.device("cpu"))
     batches = train_stream(session, topo, cfg.train.seed, 2, 0)
     for step in range(2):
-        session.runner.train_step(step, next(batches))
-    tp = session.runner.transport
+        session.engine.train_step(step, next(batches))
+    tp = session.engine.transport
     bufs = [t for key, ts in tp._buffers.items() for t in ts if key[0] is Op.RECV_ACT]
     return {
         "params": {k: v.detach() for k, v in session.stage.full_state_dict().items()},

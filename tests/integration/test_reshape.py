@@ -55,7 +55,7 @@ def _train(cfg: RunConfig, rank: int, resume: str | None, until: int):
     loaded = _state(session)
     batches = train_stream(session, topo, cfg.train.seed, until, 0, start=start)
     for step in range(start, until):
-        session.runner.train_step(step, next(batches))
+        session.engine.train_step(step, next(batches))
     return session, saver, start, loaded
 
 

@@ -291,6 +291,8 @@ def test_imagefolder_resnet_with_batchnorm_replicas_and_loader_workers_resumes_e
                 "1",
                 "--checkpoint",
                 str(tmp_path / f"{name}.pt"),
+                "--metrics-out",
+                str(tmp_path / f"{name}.jsonl"),
                 "--portNum",
                 str(free_port()),
                 env={**os.environ, **env},
@@ -298,7 +300,8 @@ def test_imagefolder_resnet_with_batchnorm_replicas_and_loader_workers_resumes_e
             timeout=300,
         )
         assert code == 0, err
-        outs[name] = json.loads(out.strip().splitlines()[-1])
+        # The metrics file's summary: its figures in full (the printed line has 4 digits).
+        outs[name] = json.loads((tmp_path / f"{name}.jsonl").read_text().splitlines()[-1])
     assert outs["restarted"]["attempt"] == 1
     assert outs["restarted"]["val_accuracy"] == outs["straight"]["val_accuracy"]
     assert outs["restarted"]["final_loss"] == outs["straight"]["final_loss"]

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from bundle import session as worker
 from bundle.runtime import process
 from bundle.runtime import store as job_store
+from bundle.runtime.groups import ProcessGroups
+from bundle.runtime.phase import Phase
 from bundle.runtime.watchdog import NCCL_GRACE_S, StepWatchdog, group_timeout, watch_limit
 from bundle.topology import Topology
 
@@ -79,7 +80,7 @@ def test_nccl_groups_time_out_after_the_watchdog_gloo_groups_before_it():
 
 
 def test_the_worker_watchdog_posts_the_abort_to_the_store_and_exits():
-    """launch's wiring: the runner's position read from ``where``, the line posted to the store
+    """The process's wiring: the position read from its phase, the line posted to the store
     (the other processes' abort watches stop them), exit code 1."""
     store = dist.HashStore()
     exited = threading.Event()
@@ -89,11 +90,12 @@ def test_the_worker_watchdog_posts_the_abort_to_the_store_and_exits():
         codes.append(code)
         exited.set()
 
-    where = {}
-    dog = process.start_step_watchdog(store, ME, where, "nccl", 0.3, exit=exit)
+    phase = Phase()
+    dog = process.start_step_watchdog(store, ME, phase, "nccl", 0.3, exit=exit)
     try:
-        assert not exited.wait(1.0)  # no runner yet: start-up is not watched
-        where["runner"] = SimpleNamespace(where="step 3 recv_act1")
+        assert not exited.wait(1.0)  # no engine yet: start-up is not watched
+        phase.follow(SimpleNamespace(position="step 3 recv_act1"))
+        phase.training()
         assert exited.wait(5.0)
     finally:
         dog.stop()
@@ -106,7 +108,7 @@ def test_every_sub_group_gets_the_timeout(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "new_group", lambda ranks=None, **kw: made.append(kw) or object())
     topo = Topology(shape=(2, 1), num_bundles=2, procs_per_node=6, global_batch=8, micro_batches=2)
-    worker._groups(topo, topo.coord(0), "hierarchical", async_save=True, timeout=7)
+    ProcessGroups.build(topo, topo.coord(0), hierarchical=True, async_save=True, timeout=7)
     assert len(made) == 2 + 2 + 2 * 2 + 2  # control, async; stage, bundle and masters groups
     gloo = [kw["timeout"] for kw in made if kw.get("backend") == "gloo"]
     training = [kw["timeout"] for kw in made if "backend" not in kw]

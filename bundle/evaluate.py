@@ -1,0 +1,94 @@
+"""Validation accuracy after every epoch and at the end (``--eval``), pipelined forward-only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bundle import data
+from bundle.engine.stage_engine import MicroBatch, StageEngine, eval_rows
+from bundle.observe.metrics import Reporter
+from bundle.runtime.phase import Phase
+from bundle.session import Session, pins, reads_data, shard
+from bundle.topology import Topology
+
+
+class Evaluator:
+    """Top-1 and top-5 accuracy over the validation set in global batches of ``batch`` rows.
+
+    ``maybe_run(step)`` evaluates when due: ``every`` steps (an epoch) and after the last,
+    ``total``; each batch names the process's phase (a long evaluation is not a stall).
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        topo: Topology,
+        *,
+        batch: int,
+        workers: int,
+        every: int,
+        total: int,
+        enabled: bool,
+        reporter: Reporter,
+        phase: Phase,
+        device: torch.device,
+    ) -> None:
+        self.engine: StageEngine = session.engine
+        self.dataset: Any = session.splits.val
+        self.num_classes = session.splits.num_classes
+        self.coord, self.group = session.coord, session.groups.last_stage
+        self.topo, self.batch, self.workers, self.device = topo, batch, workers, device
+        self.every, self.total, self.enabled = every, total, enabled
+        self.reporter, self.phase = reporter, phase
+
+    def maybe_run(self, step: int) -> None:
+        """After ``step``: evaluate if due and report the result."""
+        if not self.enabled or (step % self.every and step != self.total):
+            return
+        top1, top5, seen = self.run(f"evaluation after step {step}")
+        self.reporter.evaluated(step, top1, top5, seen)
+
+    def run(self, label: str) -> tuple[float, float | None, int]:
+        """Top-1, top-5 (None with 5 classes or fewer) and the rows counted (collective)."""
+        stage = self.engine.sync.module
+        stage.eval()
+        usable = self._batches()
+        stream = self._stream([ix for ix, _ in usable])
+        counts = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for i, (_ix, rows) in enumerate(usable):
+            self.phase.enter(f"{label}, batch {i + 1} of {len(usable)}")
+            counts += self.engine.eval_batch(rows, next(stream) if stream else None)
+        stage.train()
+        if self.group is None:
+            return 0.0, None, 0
+        dist.all_reduce(counts, group=self.group)
+        top1, top5, total = counts.tolist()
+        if not total:
+            return 0.0, None, 0
+        # With 5 classes or fewer every row is in its top 5: no figure worth reporting.
+        return top1 / total, (top5 / total if self.num_classes > 5 else None), int(total)
+
+    def _batches(self) -> list[tuple[torch.Tensor, int]]:
+        """Each global batch's indices and this bundle's rows of it; a batch too small to give
+        every replica a row is left out."""
+        n = len(self.dataset) if isinstance(self.dataset, Sized) else 0
+        batches = [torch.arange(i, min(i + self.batch, n)) for i in range(0, n, self.batch)]
+        usable = [(ix, eval_rows(len(ix), self.topo, self.coord.bundle)) for ix in batches]
+        return [(ix, rows) for ix, rows in usable if rows is not None]
+
+    def _stream(self, batches: list[torch.Tensor]) -> Iterator[MicroBatch] | None:
+        if not reads_data(self.topo, self.coord):
+            return None
+        mine = shard(self.topo, self.coord, 1)
+        lists = [mine.micro_indices(ix)[0] for ix in batches]
+        return data.stage_micro_batches(
+            self.dataset,
+            lists,
+            first=self.coord.stage == 0,
+            workers=self.workers,
+            pin_memory=pins(self.device),
+        )

@@ -1,0 +1,81 @@
+"""Every process group of one rank, built once, collectively, in the same order on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from bundle.runtime.watchdog import group_timeout
+from bundle.topology import Coord, Topology
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The groups one rank trains with (``None`` where its layout has no such group).
+
+    ``control`` spans the job on gloo whatever the training backend: the per-step stop vote,
+    checkpoint coordination (CPU tensors, pickled plans) and the trace run there, apart from the
+    training traffic. ``async_save`` does the same for the writes of asynchronous saves, which run
+    in a thread of their own. ``stage`` holds this stage's replicas over every bundle (flat sync;
+    losses and accuracy are summed there on the last stage); ``bundle`` and ``masters`` are the
+    hierarchical sync's: this stage's replicas in this bundle, and replica 0 of this stage in
+    every bundle.
+    """
+
+    control: ProcessGroup
+    stage: ProcessGroup
+    bundle: ProcessGroup | None = None
+    masters: ProcessGroup | None = None
+    async_save: ProcessGroup | None = None
+    is_last_stage: bool = False
+
+    @property
+    def last_stage(self) -> ProcessGroup | None:
+        """The last stage's group on its ranks (losses and accuracy are summed there); else None."""
+        return self.stage if self.is_last_stage else None
+
+    @classmethod
+    def build(
+        cls,
+        topo: Topology,
+        coord: Coord,
+        *,
+        hierarchical: bool,
+        async_save: bool,
+        timeout: float,
+    ) -> ProcessGroups:
+        """Create every group on every rank in the same order (``new_group`` is collective).
+
+        Every group gets ``--timeout`` (``timeout``; NCCL's a little more, see
+        bundle/runtime/watchdog.py): without it, NCCL's sub-groups wait 10 minutes.
+        """
+        on_gloo = group_timeout("gloo", timeout)
+        training = group_timeout(dist.get_backend(), timeout)
+        control = dist.new_group(backend="gloo", timeout=on_gloo)
+        saving = dist.new_group(backend="gloo", timeout=on_gloo) if async_save else None
+        mine: dict[str, ProcessGroup] = {}
+        for s in range(topo.num_stages):
+            _keep(mine, "stage", s == coord.stage, list(topo.stage_group(s)), training)
+            if not hierarchical:
+                continue
+            for b in range(topo.num_bundles):
+                ranks = list(topo.bundle_stage_group(b, s))
+                _keep(mine, "bundle", (b, s) == (coord.bundle, coord.stage), ranks, training)
+            _keep(mine, "masters", s == coord.stage, list(topo.masters_group(s)), training)
+        return cls(
+            control=control,
+            stage=mine["stage"],
+            bundle=mine.get("bundle"),
+            masters=mine.get("masters"),
+            async_save=saving,
+            is_last_stage=coord.stage == topo.num_stages - 1,
+        )
+
+
+def _keep(mine: dict[str, ProcessGroup], name: str, ours: bool, ranks: list[int], timeout) -> None:
+    """Create one group (every rank must, in order) and keep it under ``name`` if it is ours."""
+    group = dist.new_group(ranks, timeout=timeout)
+    if ours:
+        mine[name] = group

@@ -1,0 +1,247 @@
+"""The training loop of one process: a ``Trainer`` built once from its session and components,
+whose ``train()`` runs the steps and lets each component act when it is due."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bundle import data, log
+from bundle.checkpoint import format as ckpt
+from bundle.checkpoint.manager import Checkpointer
+from bundle.config import RunConfig
+from bundle.engine import precision
+from bundle.engine.stage_engine import MicroBatch
+from bundle.errors import DataError
+from bundle.evaluate import Evaluator
+from bundle.lr_schedule import LRSchedule
+from bundle.observe import build as observe
+from bundle.observe.metrics import Reporter, RunFacts, Summary
+from bundle.observe.timing import Mark
+from bundle.observe.trace import KernelProfiler
+from bundle.runtime.phase import Phase
+from bundle.runtime.preemption import Stopped, StopRequest, StopVote, maybe_fail
+from bundle.session import Session, make_checkpointer, train_stream
+from bundle.topology import Topology
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of everything random in one step of one rank (dropout): resumes draw the same."""
+    return ((seed * 1_000_003 + step) * 1_009 + rank) % 2**63
+
+
+@dataclass
+class Run:
+    """Where one process stands in the job: its rank, the attempt, the steps it trains."""
+
+    cfg: RunConfig
+    topo: Topology
+    rank: int
+    attempt: int
+    start: int
+    total: int
+    steps_per_epoch: int
+
+
+class Trainer:
+    """Trains one rank's session from ``run.start`` to ``run.total``."""
+
+    def __init__(
+        self,
+        run: Run,
+        session: Session,
+        *,
+        batches: Iterator[list[MicroBatch] | None],
+        lr_schedule: LRSchedule,
+        checkpointer: Checkpointer,
+        evaluator: Evaluator,
+        reporter: Reporter,
+        profiler: KernelProfiler,
+        vote: StopVote,
+        phase: Phase,
+        store: dist.Store | None = None,
+        progress: Any = None,  # a shared integer: the node supervisor reads the current step
+    ) -> None:
+        self.run, self.session, self.engine = run, session, session.engine
+        self.batches, self.lr_schedule = batches, lr_schedule
+        self.checkpointer, self.evaluator, self.reporter = checkpointer, evaluator, reporter
+        self.profiler, self.vote, self.phase = profiler, vote, phase
+        self.store, self.progress = store, progress
+
+    def train(self) -> Summary | None:
+        """Train, evaluating and saving when due; then the trace and the final weights.
+
+        The reporting rank returns the run's summary, every other rank None. When the job stops
+        for a signal, every rank raises ``Stopped`` once the checkpoint is written.
+        """
+        run = self.run
+        self._announce()
+        clock = time.perf_counter()
+        for step in range(run.start, run.total):
+            signum = self._step(step)
+            done = step + 1
+            self.evaluator.maybe_run(done)
+            self.checkpointer.maybe_save(done, stopping=bool(signum))
+            if signum and done < run.total:
+                self.profiler.close()
+                raise Stopped(signum, done, self.checkpointer.last_saved)
+        elapsed = time.perf_counter() - clock
+        self.profiler.close()
+        self.phase.enter("trace")
+        observe.finish_trace(run.cfg, run.topo, run.rank, self.session, self.store)
+        self._save_final_weights()
+        return self.reporter.finish(self._facts(elapsed))
+
+    def _step(self, step: int) -> int:
+        """One step with what surrounds it; returns the signal the job stops for after it (0: none)."""
+        self.phase.training()
+        if self.progress is not None:
+            self.progress.value = step
+        maybe_fail(self.run.rank, step, self.run.attempt)
+        timer = self.engine.timer
+        timer.begin(step)
+        self.vote.begin()
+        torch.manual_seed(step_seed(self.run.cfg.train.seed, step, self.run.rank))
+        self.lr_schedule.apply(self.session.optimizer, step)
+        self.profiler.before(step)
+        timer.lap(Mark.OTHER)
+        micro_data = next(self.batches)
+        timer.lap(Mark.DATA)
+        loss = self.engine.train_step(step, micro_data)
+        # The vote was cast when the step began; its result is only read here.
+        signum = self.vote.decided()
+        self.checkpointer.poll()
+        timer.lap(Mark.OTHER)
+        timer.end()
+        self.profiler.after(step)
+        self.reporter.step(step + 1, loss)
+        return signum
+
+    def _announce(self) -> None:
+        run, cfg, topo = self.run, self.run.cfg, self.run.topo
+        if run.rank != observe.reporter_rank(topo):
+            return
+        log.get().info(
+            f"training {cfg.model.name}: shape {','.join(map(str, topo.shape))} x "
+            f"{topo.num_bundles} bundle(s), {topo.world_size} processes, batch "
+            f"{cfg.train.batch_size} in {topo.micro_batches} micro-batch(es), "
+            f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync, "
+            f"{precision.describe(cfg.compute)}, steps {run.start + 1}..{run.total} "
+            f"({run.steps_per_epoch}/epoch)"
+        )
+
+    def _save_final_weights(self) -> None:
+        # --checkpoint is a path on node 0 (other nodes may not name one): rank 0 decides.
+        groups = self.session.groups
+        final = [self.run.cfg.train.checkpoint]
+        dist.broadcast_object_list(final, src=0, group=groups.control)
+        if final[0]:
+            self.phase.enter("checkpoint")
+            ckpt.save_distributed(
+                final[0],
+                self.session.stage,
+                self.run.topo,
+                self.session.coord,
+                group=groups.control,
+            )
+
+    def _facts(self, elapsed: float) -> RunFacts:
+        cfg, topo, engine = self.run.cfg, self.run.topo, self.engine
+        scaler, device = engine.scaler, engine.device
+        # The reporting process's own peak (make gpu-check reads it).
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return RunFacts(
+            model=cfg.model.name,
+            shape=list(topo.shape),
+            num_bundles=topo.num_bundles,
+            world_size=topo.world_size,
+            micro_batches=topo.micro_batches,
+            schedule=cfg.parallel.schedule,
+            grad_sync=cfg.parallel.grad_sync,
+            precision=cfg.compute.precision,
+            recompute=cfg.compute.recompute,
+            channels_last=cfg.compute.channels_last,
+            steps=self.run.total,
+            start_step=self.run.start,
+            attempt=self.run.attempt,
+            elapsed_s=elapsed,
+            save_stall_s=self.checkpointer.stalls,
+            peak_in_flight=engine.peak_in_flight,
+            skipped_steps=scaler.skipped if scaler else None,
+            loss_scale=scaler.scale if scaler else None,
+            peak_memory_mib=round(peak / 2**20, 1) if peak is not None else None,
+            # The planner chose this plan (auto): its prediction beside the measured figure.
+            predicted_samples_per_s=cfg.predicted_samples_per_s,
+            trace=cfg.observe.trace or None,
+        )
+
+
+def build_trainer(
+    cfg: RunConfig,
+    topo: Topology,
+    rank: int,
+    session: Session,
+    *,
+    phase: Phase,
+    attempt: int = 0,
+    resume: str | None = None,
+    stop: StopRequest | None = None,
+    store: dist.Store | None = None,
+    progress: Any = None,
+) -> Trainer:
+    """The loop's components for this rank; restores ``resume`` (collective) to learn the start."""
+    batch = cfg.train.batch_size
+    spe = data.steps_per_epoch(len(session.splits.train), batch)
+    if spe == 0:
+        raise DataError(
+            f"the training set has {len(session.splits.train)} samples, fewer than one batch of "
+            f"{batch}"
+        )
+    total = cfg.train.steps or cfg.train.epochs * spe
+    checkpointer = make_checkpointer(cfg, topo, rank, session, total=total)
+    phase.enter("resume")
+    start = checkpointer.restore(resume)
+    run = Run(cfg, topo, rank, attempt, start, total, spe)
+    device = session.engine.device
+    session.engine.timer.trace = cfg.observe.trace_range(start, total)
+    reporter = observe.make_reporter(
+        cfg, topo, rank, session, total=total, steps_per_epoch=spe, start=start, device=device
+    )
+    # Before a save the loss window closes, so a resumed run logs the same windows.
+    checkpointer.before_save += [
+        reporter.flush,
+        lambda step: phase.enter(f"checkpoint after step {step}"),
+    ]
+    evaluator = Evaluator(
+        session,
+        topo,
+        batch=batch,
+        workers=cfg.data.workers,
+        every=spe,
+        total=total,
+        enabled=cfg.train.eval,
+        reporter=reporter,
+        phase=phase,
+        device=device,
+    )
+    return Trainer(
+        run,
+        session,
+        batches=train_stream(
+            session, topo, cfg.train.seed, total, cfg.data.workers, start=start, device=device
+        ),
+        lr_schedule=LRSchedule.of(cfg.train, steps_per_epoch=spe, total=total),
+        checkpointer=checkpointer,
+        evaluator=evaluator,
+        reporter=reporter,
+        profiler=observe.make_profiler(cfg, rank, device),
+        vote=StopVote(stop or StopRequest(), session.groups.control, cfg.launch.timeout),
+        phase=phase,
+        store=store,
+        progress=progress,
+    )

@@ -1,0 +1,103 @@
+"""bundle/checkpoint/manager.py: when a save is due, what happens before one, pruning, and a
+save read back, in one process (a world of one on gloo)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+from bundle import partition
+from bundle.checkpoint import format as ckpt
+from bundle.checkpoint.manager import Checkpointer
+from bundle.config import CheckpointConfig
+from bundle.topology import Topology
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+INPUT = (1, 4, 4)
+TOPO = Topology(shape=(1,), num_bundles=1, procs_per_node=1, global_batch=4, micro_batches=1)
+
+
+@pytest.fixture
+def world():
+    """This process as a job of one rank (DCP's saves and loads are collective)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.new_group(backend="gloo")
+    finally:
+        dist.destroy_process_group()
+
+
+def _checkpointer(save_dir, *, every=3, total=8, keep=2, group=None, seed=0) -> Checkpointer:
+    torch.manual_seed(seed)
+    model = models.build("mlp", num_classes=3, input_shape=INPUT)
+    (stage,) = partition.split_model(model, partition.resolve(None, models.blocks(model), 1, "mlp"))
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    return Checkpointer(
+        CheckpointConfig(save_dir=str(save_dir) if save_dir else None, save_every=every, keep=keep),
+        topo=TOPO,
+        coord=TOPO.coord(0),
+        rank=0,
+        stage=stage,
+        optimizer=opt,
+        group=group,
+        stage_group=None,
+        settings={"layout": {"stages": ["0"]}},
+        steps_per_epoch=5,
+        total=total,
+    )
+
+
+def test_a_save_is_due_on_the_cadence_at_the_end_and_when_stopping(tmp_path):
+    saver = _checkpointer(tmp_path, every=3, total=8)
+    assert [s for s in range(1, 9) if saver.due(s)] == [3, 6, 8]
+    assert saver.due(4, stopping=True)
+    # Without --save-every the cadence is an epoch; without --save-dir nothing is ever due.
+    assert [s for s in range(1, 12) if _checkpointer(tmp_path, every=0, total=11).due(s)] == [
+        5,
+        10,
+        11,
+    ]
+    assert not any(_checkpointer(None).due(s, stopping=True) for s in range(1, 9))
+
+
+def test_maybe_save_runs_the_hooks_first_and_blocks_only_at_the_end_or_a_stop(tmp_path):
+    saver = _checkpointer(tmp_path, every=3, total=8)
+    calls = []
+    saver.before_save += [
+        lambda s: calls.append(("flush", s)),
+        lambda s: calls.append(("phase", s)),
+    ]
+    saver.save = lambda step, *, block=True: calls.append(("save", step, block))
+    saved = [s for s in range(1, 9) if saver.maybe_save(s, stopping=s == 7)]
+    assert saved == [3, 6, 7, 8]
+    assert calls == [
+        ("flush", 3), ("phase", 3), ("save", 3, False),
+        ("flush", 6), ("phase", 6), ("save", 6, False),
+        ("flush", 7), ("phase", 7), ("save", 7, True),
+        ("flush", 8), ("phase", 8), ("save", 8, True),
+    ]  # fmt: skip
+
+
+def test_saves_keep_the_newest_and_read_back_exactly(tmp_path, world):
+    saver = _checkpointer(tmp_path, every=1, total=4, keep=2, group=world)
+    params = list(saver.stage.parameters())
+    for step in range(1, 5):
+        saver.stage(torch.randn(2, *INPUT))[0].sum().backward()
+        saver.optimizer.step()
+        saver.optimizer.zero_grad()
+        assert saver.maybe_save(step)
+    assert sorted(os.listdir(tmp_path)) == ["step-3", "step-4"]
+    assert saver.last_saved == ckpt.step_dir(str(tmp_path), 4)
+
+    fresh = _checkpointer(tmp_path, group=world, seed=1)
+    assert not all(torch.equal(a, b) for a, b in zip(params, fresh.stage.parameters(), strict=True))
+    assert fresh.restore(saver.last_saved) == 4
+    for a, b in zip(params, fresh.stage.parameters(), strict=True):
+        assert torch.equal(a, b)
+        momentum = saver.optimizer.state[a]["momentum_buffer"]
+        assert torch.equal(momentum, fresh.optimizer.state[b]["momentum_buffer"])
