@@ -1,0 +1,18 @@
+"""Bundle: synchronous hybrid (pipeline x data) parallel training with per-stage widths.
+
+From the data up:
+
+- ``errors``, ``log``: typed errors carrying the offending value; one rank-prefixed logger;
+- ``config``, ``options``, ``cli``: the frozen ``RunConfig``, the options table it is declared
+  in, and the command line and YAML that build it;
+- ``topology``: the job's ranks, groups and row plans as one pure value;
+- ``partition``, ``data``, ``lr_schedule``: where stages begin, the datasets and their
+  deterministic shards, the learning rate of every step;
+- ``preflight``: every check made before a process starts;
+- ``engine/``: one replica of one stage running a step (schedule, calls, transport, sync);
+- ``session``: one rank's stage, groups, engine and data, built once;
+- ``evaluate``, ``trainer``: the validation pass, and the ``Trainer`` whose loop drives it all;
+- ``checkpoint/``, ``observe/``: what is saved and resumed; what a run reports of itself;
+- ``runtime/``: the processes of a job: devices, the job's store, groups, supervisor, restarts;
+- ``plan/``: the planner behind ``--bundle-shape auto``.
+"""

@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,8 @@ class Checkpointer:
         self.async_group = async_group
         # Entries the same on every rank (the loss scale), saved and restored in place.
         self.extra = extra or {}
-        self.pending: tuple | None = None  # an asynchronous save in flight
+        # An asynchronous save in flight: its future (DCP's), step-N.tmp, step-N, N.
+        self.pending: tuple[Any, str, str, int] | None = None
         self.stalls: list[float] = []
         self.last_saved: str | None = None
 
@@ -145,7 +147,7 @@ class Checkpointer:
         """
         self.wait()
         t0 = time.perf_counter()
-        final = ckpt.step_dir(self.cfg.save_dir, step)
+        final = ckpt.step_dir(self._save_dir, step)
         tmp = final + ".tmp"
         state = self.state()
         self._agree(state, step)
@@ -164,6 +166,12 @@ class Checkpointer:
         self.stalls.append(round(time.perf_counter() - t0, 4))
         if block:
             self.wait()
+
+    @property
+    def _save_dir(self) -> str:
+        if not self.cfg.save_dir:
+            raise CheckpointError("a checkpoint save without --save-dir")
+        return self.cfg.save_dir
 
     def poll(self) -> None:
         """Between steps: finish an asynchronous save whose writes are done (no collective)."""
@@ -189,16 +197,18 @@ class Checkpointer:
         DCP's coordinator (rank 0) writes ``.metadata`` after every rank's data, so once rank 0's
         save has returned the checkpoint is whole, whatever the other ranks are doing.
         """
-        future, *written = self.pending
+        if self.pending is None:
+            return
+        future, tmp, final, step = self.pending
         self.pending = None
         future.result()  # raises what the writer thread raised
-        self._publish(*written)
+        self._publish(tmp, final, step)
 
     def _publish(self, tmp: str, final: str, step: int) -> None:
         """Rank 0 adds bundle.json and renames step-N.tmp to step-N; older ones are pruned."""
         if self.rank == 0:
             ckpt.publish(tmp, final, {**self.settings, "step": step})
-            ckpt.prune(self.cfg.save_dir, self.cfg.keep)
+            ckpt.prune(self._save_dir, self.cfg.keep)
         self.last_saved = final
 
     # -- resuming ----------------------------------------------------------------------------
@@ -245,7 +255,7 @@ class Checkpointer:
             )
 
 
-def _describe(layout: dict | None) -> str:
+def _describe(layout: Any) -> str:
     if not layout:
         return "an unknown layout"
     shape = ",".join(map(str, layout["shape"]))

@@ -4,6 +4,7 @@ calls they make, the gradient sync and the optimizer step; and the stages it run
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,26 @@ def boundary_metas(
 # What the data pipeline hands a stage for one micro-batch: stage 0 gets the inputs, the last
 # stage the labels of its own rows (read from the same deterministic shard), middle stages None.
 MicroBatch = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+def _given(t: torch.Tensor | None) -> torch.Tensor:
+    """A micro-batch's inputs (stage 0) or labels (the last stage): there, always present."""
+    if t is None:
+        raise ValueError("this stage reads data but was handed none")
+    return t
+
+
+@dataclass
+class _StepState:
+    """What one training step keeps between its actions, per micro-batch."""
+
+    loss_sum: torch.Tensor
+    inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    grads: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    posted: dict[int, Pending] = field(
+        default_factory=dict
+    )  # this step's calls (bundle.engine.p2p)
 
 
 class StageEngine:
@@ -147,69 +168,73 @@ class StageEngine:
         return (a.op, rows, k % (self.max_in_flight + 1 if a.op is Op.RECV_ACT else 2), k)
 
     def _train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
-        transport, policy, lap = self.transport, self.policy, self.timer.lap
-        inputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        outputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        grads: dict[int, tuple[torch.Tensor, ...]] = {}
-        plan = self.plan
-        posted: dict[int, Pending] = {}  # this step's calls (bundle.p2p)
-        loss_sum = torch.zeros((), device=self.device)
+        plan, lap = self.plan, self.timer.lap
+        st = _StepState(loss_sum=torch.zeros((), device=self.device))
         for i, a in enumerate(self.actions):
             k = a.micro
             self._at = (step, a)
             for c in plan.post_at[i]:  # the calls posted here, each with every op in it
-                posted[c] = transport.call(
-                    [self._part(op, outputs, inputs) for op in plan.calls[c].ops]
-                )
+                parts = [self._part(op, st.outputs, st.inputs) for op in plan.calls[c].ops]
+                st.posted[c] = self.transport.call(parts)
             if a.op is Op.RECV_ACT:
-                (xs,) = posted[plan.call_of[i]].wait()
+                (xs,) = st.posted[plan.call_of[i]].wait()
                 # A fresh autograd leaf over the reused buffer (in its wire form, so its gradient
                 # is too), so gradients never accumulate across micro-batches or steps.
-                inputs[k] = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
+                st.inputs[k] = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
             elif a.op is Op.FORWARD:
-                if self.first:
-                    xs = (policy.prepare_input(micro_data[k][0], self.device),)
-                    inputs[k] = xs
-                else:
-                    xs = tuple(
-                        m.from_wire(x) for m, x in zip(transport.in_meta, inputs[k], strict=True)
-                    )
-                self.stage.recompute = self.recompute[k]
-                with self.sync.no_sync(), policy.autocast():
-                    out = self.sync.module(*xs)
-                if self.saved_bytes is not None and self.recompute[k]:
-                    self._measure_recompute(k, xs)
-                if self.last:
-                    labels = micro_data[k][1].to(self.device, non_blocking=True)
-                    # The loss in fp32, outside autocast.
-                    loss = self.criterion(out[0].float(), labels) * self.inv_batch
-                    loss_sum += loss.detach()
-                    outputs[k] = (self.scaler.scaled(loss) if self.scaler else loss,)
-                else:
-                    outputs[k] = tuple(
-                        m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True)
-                    )
-                self.peak_in_flight = max(self.peak_in_flight, len(outputs))
+                self._forward(st, k, micro_data[k] if micro_data is not None else (None, None))
             elif a.op is Op.RECV_GRAD:
-                (grads[k],) = posted[plan.call_of[i]].wait()
+                (st.grads[k],) = st.posted[plan.call_of[i]].wait()
             elif a.op is Op.BACKWARD:
-                out = outputs.pop(k)
-                if self.saved_bytes is not None:
-                    self.saved_bytes.backward_starts(k)
-                last = i == self.last_backward
-                if self.last:
-                    self.sync.backward(out, None, last=last)
-                else:
-                    floats = (o for o in out if o.is_floating_point())
-                    pairs = [
-                        (o, g) for o, g in zip(floats, grads.pop(k), strict=True) if o.requires_grad
-                    ]
-                    self.sync.backward([o for o, _ in pairs], [g for _, g in pairs], last=last)
-                if self.first:
-                    inputs.pop(k)
+                self._backward(st, k, last=i == self.last_backward)
             lap(self._marks[i], k)
+        self._finish(step, st)
+        return st.loss_sum
+
+    def _forward(self, st: _StepState, k: int, micro: MicroBatch) -> None:
+        transport, policy = self.transport, self.policy
+        if self.first:
+            xs: tuple[torch.Tensor, ...] = (policy.prepare_input(_given(micro[0]), self.device),)
+            st.inputs[k] = xs
+        else:
+            xs = tuple(m.from_wire(x) for m, x in zip(transport.in_meta, st.inputs[k], strict=True))
+        self.stage.recompute = self.recompute[k]
+        with self.sync.no_sync(), policy.autocast():
+            out = self.sync.module(*xs)
+        if self.saved_bytes is not None and self.recompute[k]:
+            self._measure_recompute(self.saved_bytes, k, xs)
+        if self.last:
+            labels = _given(micro[1]).to(self.device, non_blocking=True)
+            # The loss in fp32, outside autocast.
+            loss = self.criterion(out[0].float(), labels) * self.inv_batch
+            st.loss_sum += loss.detach()
+            st.outputs[k] = (self.scaler.scaled(loss) if self.scaler else loss,)
+        else:
+            st.outputs[k] = tuple(
+                m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True)
+            )
+        self.peak_in_flight = max(self.peak_in_flight, len(st.outputs))
+
+    def _backward(self, st: _StepState, k: int, *, last: bool) -> None:
+        out = st.outputs.pop(k)
+        if self.saved_bytes is not None:
+            self.saved_bytes.backward_starts(k)
+        if self.last:
+            self.sync.backward(out, None, last=last)
+        else:
+            floats = (o for o in out if o.is_floating_point())
+            pairs = [
+                (o, g) for o, g in zip(floats, st.grads.pop(k), strict=True) if o.requires_grad
+            ]
+            self.sync.backward([o for o, _ in pairs], [g for _, g in pairs], last=last)
+        if self.first:
+            st.inputs.pop(k)
+
+    def _finish(self, step: int, st: _StepState) -> None:
+        """The step's sends complete, the gradients are summed, the optimizer steps."""
+        lap = self.timer.lap
         self._at = (step, "gradient sync")
-        for p in posted.values():  # the sends' calls; those with a receive were waited for already
+        for p in st.posted.values():  # the sends' calls; those with a receive were waited for
             p.wait()
         lap(Mark.SEND_WAIT)
         self.sync.finish()
@@ -219,15 +244,14 @@ class StageEngine:
             self.optimizer.step()
         self.sync.zero_grad(self.optimizer)
         lap(Mark.OPTIMIZER)
-        return loss_sum
 
-    def _measure_recompute(self, k: int, xs: tuple[torch.Tensor, ...]) -> None:
+    def _measure_recompute(self, saved: SavedBytes, k: int, xs: tuple[torch.Tensor, ...]) -> None:
         def plain() -> tuple[torch.Tensor, ...]:
             self.stage.recompute = False
             with self.policy.autocast():
                 return self.stage(*xs)
 
-        self.saved_bytes.recomputed_forward(k, self.stage, plain)
+        saved.recomputed_forward(k, self.stage, plain)
 
     @torch.no_grad()
     def eval_batch(self, rows: int, micro: MicroBatch | None) -> torch.Tensor:
@@ -236,8 +260,10 @@ class StageEngine:
         Returns [top-1 correct, top-5 correct, rows] on the last stage, zeros elsewhere.
         """
         transport, policy = self.transport, self.policy
+        micro = micro or (None, None)
+        xs: tuple[torch.Tensor, ...]
         if self.first:
-            xs = (policy.prepare_input(micro[0], self.device),)
+            xs = (policy.prepare_input(_given(micro[0]), self.device),)
         else:
             xs = tuple(
                 m.from_wire(x)
@@ -251,7 +277,7 @@ class StageEngine:
                 rows, tuple(m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True))
             ).wait()
             return torch.zeros(3, dtype=torch.float64, device=self.device)
-        labels = micro[1].to(self.device)
+        labels = _given(micro[1]).to(self.device)
         hits = top_k_correct(out[0], labels, (1, 5))
         rows_t = torch.tensor([float(len(labels))], dtype=torch.float64, device=self.device)
         return torch.cat([hits, rows_t])

@@ -53,6 +53,8 @@ class Board:
             self._scalars(step, breakdown_scalars(record["breakdown"]))
 
     def _scalars(self, step: int, values: dict[str, float | None]) -> None:
+        if self._writer is None:
+            return
         for tag, value in values.items():
             if value is not None:
                 self._writer.add_scalar(tag, value, global_step=step)

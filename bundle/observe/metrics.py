@@ -200,7 +200,7 @@ class Reporter:
         times = self.breakdown.window() if self.breakdown is not None and self.steps else None
         if self.steps and self.group is not None:
             dist.all_reduce(self.window, group=self.group)
-            record = {
+            record: dict[str, Any] = {
                 "step": done,
                 "loss": self.window.item() / self.steps,
                 "samples_per_s": round(self.meter.samples_per_s, 2),

@@ -48,6 +48,7 @@ def clock_offset(store: dist.Store, rank: int, world: int, timeout: float) -> in
         t2 = int(store.get(f"bundle/clock/{rank}/pong{i}"))
         if best is None or t3 - t1 < best[0]:
             best = (t3 - t1, t2 - (t1 + t3) // 2)
+    assert best is not None  # ROUNDS >= 1
     return best[1]
 
 
@@ -110,7 +111,7 @@ def write_trace(
     offset = clock_offset(store, rank, topo.world_size, timeout) if store is not None else 0
     gathered: list | None = [None] * topo.world_size if rank == 0 else None
     dist.gather_object((offset, slices), gathered, dst=0, group=group)
-    if rank != 0 or not path:
+    if gathered is None or not path:
         return
     doc = {
         "traceEvents": chrome_events(gathered, topo),
@@ -149,7 +150,7 @@ class KernelProfiler:
             self._prof.start()
 
     def after(self, step: int) -> None:
-        if self._prof is not None and step + 1 >= self.steps[1]:
+        if self._prof is not None and self.steps and step + 1 >= self.steps[1]:
             self.close()
 
     def close(self) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -53,8 +55,8 @@ class ProcessGroups:
         """
         on_gloo = group_timeout("gloo", timeout)
         training = group_timeout(dist.get_backend(), timeout)
-        control = dist.new_group(backend="gloo", timeout=on_gloo)
-        saving = dist.new_group(backend="gloo", timeout=on_gloo) if async_save else None
+        control = _group(None, backend="gloo", timeout=on_gloo)
+        saving = _group(None, backend="gloo", timeout=on_gloo) if async_save else None
         mine: dict[str, ProcessGroup] = {}
         for s in range(topo.num_stages):
             _keep(mine, "stage", s == coord.stage, list(topo.stage_group(s)), training)
@@ -74,8 +76,16 @@ class ProcessGroups:
         )
 
 
-def _keep(mine: dict[str, ProcessGroup], name: str, ours: bool, ranks: list[int], timeout) -> None:
+def _keep(
+    mine: dict[str, ProcessGroup], name: str, ours: bool, ranks: list[int], timeout: timedelta
+) -> None:
     """Create one group (every rank must, in order) and keep it under ``name`` if it is ours."""
-    group = dist.new_group(ranks, timeout=timeout)
+    group = _group(ranks, timeout=timeout)
     if ours:
         mine[name] = group
+
+
+def _group(ranks: list[int] | None, **kwargs: Any) -> ProcessGroup:
+    # new_group returns GroupMember.NON_GROUP_MEMBER to a rank outside ``ranks``; such a group is
+    # never kept (``_keep``), and the job-wide ones hold every rank.
+    return cast(ProcessGroup, dist.new_group(ranks, **kwargs))

@@ -22,6 +22,7 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch
@@ -76,7 +77,7 @@ class StopVote:
         self.request, self.group = request, group
         self.timeout = timedelta(seconds=timeout)
         self.flag = torch.zeros(1, dtype=torch.int32)
-        self.work = None
+        self.work: dist.Work | None = None
 
     def begin(self) -> None:
         self.flag.fill_(self.request.value)
@@ -86,6 +87,8 @@ class StopVote:
 
     def decided(self) -> int:
         """The signal the job stops for after this step (0: go on)."""
+        if self.work is None:
+            raise RuntimeError("StopVote.decided() before begin()")
         self.work.wait(self.timeout)
         return int(self.flag.item())
 
@@ -103,10 +106,10 @@ class Stopped(Exception):
 
 
 def stop_line(
-    signum: int, step: int, checkpoint: str | None, argv: list[str], launcher: str
+    signum: int, step: int | None, checkpoint: str | None, argv: list[str], launcher: str
 ) -> str:
     """The one line a stopped job prints: where its checkpoint is and how to resume it."""
-    head = f"stopped by {signal.Signals(signum).name} after step {step}"
+    head = f"stopped by {signal.Signals(signum).name} after step {'?' if step is None else step}"
     if not checkpoint:
         return f"{head}; no checkpoint written (set --save-dir to make runs resumable)"
     return f"{head}; checkpoint {checkpoint}; resume with: {resume_command(argv, launcher)}"
@@ -125,7 +128,7 @@ def resume_command(argv: list[str], launcher: str) -> str:
     return " ".join([launcher, "main.py", *map(shlex.quote, args), "--resume", "auto"])
 
 
-def parse_fault(env: dict[str, str]) -> tuple[int, int] | None:
+def parse_fault(env: Mapping[str, str]) -> tuple[int, int] | None:
     """``BUNDLE_FAULT=RANK:STEP`` -> (rank, step), checked before anything starts."""
     text = env.get(FAULT_ENV)
     if not text:

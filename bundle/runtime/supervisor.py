@@ -232,7 +232,7 @@ def _stopped(cfg: RunConfig, signum: int) -> int:
     path = None
     if cfg.checkpoint.save_dir:
         path, _ = ckpt.latest(cfg.checkpoint.save_dir)
-    step = ckpt.read_info(path)["step"] if path else "?"
+    step = int(ckpt.read_info(path)["step"]) if path else None
     print(stop_line(signum, step, path, sys.argv[1:], "python"), file=sys.stderr, flush=True)
     return exit_code(signum)
 
