@@ -1,0 +1,212 @@
+"""RunConfig: what nodes compare at start (shared_view) and what a checkpoint records (run_settings)."""
+
+from __future__ import annotations
+
+from bundle import config as C
+from bundle.checkpoint import format as ckpt
+from bundle.lr_schedule import Milestone
+
+DEFAULT = C.RunConfig()
+
+# Every node-local value set, and the trace on: none of them may make two nodes disagree.
+TRACED = C.RunConfig(
+    parallel=C.ParallelConfig(shape=(4, 2), num_bundles=2),
+    model=C.ModelConfig(name="mlp"),
+    data=C.DataConfig(dataset="synthetic"),
+    train=C.TrainConfig(
+        steps=1000,
+        lr_schedule="step",
+        lr_steps=(Milestone(500, "step"), Milestone(900, "step")),
+        checkpoint="w.pt",
+    ),
+    launch=C.LaunchConfig(node_rank=1, num_nodes=2),
+    checkpoint=C.CheckpointConfig(save_dir="ck", resume="auto"),
+    compute=C.ComputeConfig(precision="bf16"),
+    observe=C.ObserveConfig(trace="t.json", trace_steps="3:4", profile_dir="p", tensorboard="tb"),
+    metrics_out="m.jsonl",
+)
+
+# Every recorded setting away from its default, and a planner's prediction.
+TUNED = C.RunConfig(
+    parallel=C.ParallelConfig(micro_batches=4, schedule="gpipe", grad_sync="hierarchical"),
+    model=C.ModelConfig(name="resnet50", partition="resnet50_2stage"),
+    data=C.DataConfig(dataset="imagefolder", root="/data", workers=2),
+    train=C.TrainConfig(
+        batch_size=256,
+        epochs=90,
+        lr=0.1,
+        momentum=0.8,
+        weight_decay=1e-4,
+        nesterov=True,
+        lr_schedule="step",
+        lr_steps=(Milestone(30, "epoch"), Milestone(60, "epoch")),
+        lr_gamma=0.2,
+        warmup_epochs=0.5,
+        label_smoothing=0.1,
+        seed=7,
+    ),
+    compute=C.ComputeConfig(precision="fp16", recompute="always", channels_last=True, tf32=False),
+    observe=C.ObserveConfig(profile_steps="2:3", profile_dir="prof"),
+    predicted_samples_per_s=123.4,
+)
+
+
+def shared(**sections):
+    """DEFAULT's shared view with some sections' entries replaced."""
+    view = {
+        "parallel": {
+            "shape": [1, 1],
+            "num_bundles": 1,
+            "micro_batches": 1,
+            "schedule": "1f1b",
+            "grad_sync": "flat",
+            "bucket_mb": 25.0,
+        },
+        "model": {"name": "digits_cnn", "partition": None},
+        "data": {
+            "dataset": "digits",
+            "root": None,
+            "workers": 0,
+            "image_size": 224,
+            "num_classes": 10,
+            "synthetic_size": 4096,
+        },
+        "train": {
+            "batch_size": 64,
+            "steps": 0,
+            "epochs": 5,
+            "lr": 0.05,
+            "momentum": 0.9,
+            "weight_decay": 0.0,
+            "nesterov": False,
+            "lr_schedule": "constant",
+            "lr_steps": [],
+            "lr_gamma": 0.1,
+            "warmup_epochs": 0.0,
+            "label_smoothing": 0.0,
+            "seed": 0,
+            "log_every": 10,
+            "eval": True,
+        },
+        "launch": {
+            "num_nodes": 1,
+            "nproc_per_node": 0,
+            "master_addr": "127.0.0.1",
+            "master_port": 29500,
+            "backend": "auto",
+            "timeout": 30.0,
+            "init_timeout": 300.0,
+            "torchrun": False,
+            "max_restarts": 0,
+            "share_gpus": False,
+            "emu_eager_bytes": 0,
+        },
+        "checkpoint": {"save_every": 0, "keep": 3, "async_save": False},
+        "compute": {
+            "precision": "fp32",
+            "recompute": "never",
+            "channels_last": False,
+            "tf32": True,
+        },
+        "observe": {"trace": False, "trace_steps": None, "profile_steps": None},
+        "predicted_samples_per_s": None,
+    }
+    for name, entries in sections.items():
+        if isinstance(view[name], dict):
+            view[name] = {**view[name], **entries}
+        else:
+            view[name] = entries
+    return view
+
+
+RECORDED_DEFAULT = {
+    "model": "digits_cnn",
+    "dataset": "digits",
+    "micro_batches": 1,
+    "batch_size": 64,
+    "seed": 0,
+    "lr": 0.05,
+    "momentum": 0.9,
+    "weight_decay": 0.0,
+    "nesterov": False,
+    "lr_schedule": "constant",
+    "lr_steps": "",
+    "lr_gamma": 0.1,
+    "warmup_epochs": 0.0,
+    "label_smoothing": 0.0,
+    "precision": "fp32",
+    "recompute": "never",
+    "channels_last": False,
+}
+
+
+def test_shared_view_of_the_defaults():
+    assert DEFAULT.shared_view() == shared()
+
+
+def test_shared_view_drops_node_local_values_and_keeps_whether_to_trace():
+    assert TRACED.shared_view() == shared(
+        parallel={"shape": [4, 2], "num_bundles": 2},
+        model={"name": "mlp"},
+        data={"dataset": "synthetic"},
+        train={"steps": 1000, "lr_schedule": "step", "lr_steps": [[500, "step"], [900, "step"]]},
+        launch={"num_nodes": 2},
+        compute={"precision": "bf16"},
+        observe={"trace": True, "trace_steps": "3:4"},
+    )
+
+
+def test_shared_view_of_every_recorded_setting_changed():
+    assert TUNED.shared_view() == shared(
+        parallel={"micro_batches": 4, "schedule": "gpipe", "grad_sync": "hierarchical"},
+        model={"name": "resnet50", "partition": "resnet50_2stage"},
+        data={"dataset": "imagefolder", "root": "/data", "workers": 2},
+        train={
+            "batch_size": 256,
+            "epochs": 90,
+            "lr": 0.1,
+            "momentum": 0.8,
+            "weight_decay": 1e-4,
+            "nesterov": True,
+            "lr_schedule": "step",
+            "lr_steps": [[30, "epoch"], [60, "epoch"]],
+            "lr_gamma": 0.2,
+            "warmup_epochs": 0.5,
+            "label_smoothing": 0.1,
+            "seed": 7,
+        },
+        compute={"precision": "fp16", "recompute": "always", "channels_last": True, "tf32": False},
+        observe={"profile_steps": "2:3"},
+        predicted_samples_per_s=123.4,
+    )
+
+
+def test_a_checkpoint_records_the_training_settings():
+    assert ckpt.run_settings(DEFAULT) == RECORDED_DEFAULT
+    assert ckpt.run_settings(TRACED) == {
+        **RECORDED_DEFAULT,
+        "model": "mlp",
+        "dataset": "synthetic",
+        "lr_schedule": "step",
+        "lr_steps": "500s,900s",
+        "precision": "bf16",
+    }
+    assert ckpt.run_settings(TUNED) == {
+        "model": "resnet50",
+        "dataset": "imagefolder",
+        "micro_batches": 4,
+        "batch_size": 256,
+        "seed": 7,
+        "lr": 0.1,
+        "momentum": 0.8,
+        "weight_decay": 1e-4,
+        "nesterov": True,
+        "lr_schedule": "step",
+        "lr_steps": "30,60",
+        "lr_gamma": 0.2,
+        "warmup_epochs": 0.5,
+        "label_smoothing": 0.1,
+        "precision": "fp16",
+        "recompute": "always",
+        "channels_last": True,
+    }
