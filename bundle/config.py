@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import Field, dataclass, field, fields, is_dataclass
+from types import MappingProxyType
+from typing import Any
 
-from bundle.engine.schedule import SCHEDULES
+from bundle.engine.schedule import SCHEDULES as SCHEDULES
 from bundle.errors import ConfigError
 from bundle.lr_schedule import LR_SCHEDULES, Milestone, spell
 
@@ -15,6 +18,22 @@ DATASETS = ("digits", "imagefolder", "synthetic")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTES = ("never", "except-last", "always")
 AUTO_SHAPE: tuple[int, ...] = ()  # --bundle-shape auto, until bundle.plan.auto resolves it
+
+# How far a setting reaches beyond its process, declared once in its field's metadata; the views
+# RunConfig.shared_view (what the nodes compare when they join) and RunConfig.run_settings (what a
+# checkpoint records and a resume compares) follow from it. Unmarked, a setting must agree between
+# nodes and is not recorded.
+NODE_LOCAL: Mapping[str, str] = MappingProxyType({"nodes": "local"})  # nodes may differ (paths)
+NODES_AGREE_IF_SET: Mapping[str, str] = MappingProxyType({"nodes": "whether set"})
+
+
+def recorded(key: str = "") -> Mapping[str, str]:
+    """A setting a checkpoint records, under ``key`` (default: the field's name); it is the
+    option's name too, as the note about a setting changed on resume spells it (``--key``)."""
+    return MappingProxyType({"recorded": key})
+
+
+RECORDED = recorded()
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -54,7 +73,7 @@ def _positive(key: str, value: int, minimum: int = 1) -> None:
 class ParallelConfig:
     shape: tuple[int, ...] = (1, 1)
     num_bundles: int = 1
-    micro_batches: int = 1
+    micro_batches: int = field(default=1, metadata=RECORDED)
     schedule: str = "1f1b"
     grad_sync: str = "flat"
     bucket_mb: float = 25.0  # gradient bucket size of either sync strategy (DDP's default)
@@ -80,9 +99,11 @@ class ParallelConfig:
 class ComputeConfig:
     """How each stage computes: precision, activation recompute, memory format, TF32."""
 
-    precision: str = "fp32"  # bf16/fp16: autocast with fp32 master weights and optimizer state
-    recompute: str = "never"  # activation checkpointing of each stage's blocks
-    channels_last: bool = False
+    # bf16/fp16: autocast with fp32 master weights and optimizer state
+    precision: str = field(default="fp32", metadata=RECORDED)
+    # activation checkpointing of each stage's blocks
+    recompute: str = field(default="never", metadata=RECORDED)
+    channels_last: bool = field(default=False, metadata=RECORDED)
     tf32: bool = True  # CUDA only: fp32 matmuls and convolutions in TF32
 
     def __post_init__(self) -> None:
@@ -98,13 +119,13 @@ class ComputeConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    name: str = "digits_cnn"
+    name: str = field(default="digits_cnn", metadata=recorded("model"))
     partition: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    dataset: str = "digits"
+    dataset: str = field(default="digits", metadata=RECORDED)
     root: str | None = None
     workers: int = 0
     image_size: int = 224
@@ -121,22 +142,25 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    batch_size: int = 64
+    batch_size: int = field(default=64, metadata=RECORDED)
     steps: int = 0  # 0: run whole epochs
     epochs: int = 5
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    nesterov: bool = False
-    lr_schedule: str = "constant"  # see bundle/lr_schedule.py
-    lr_steps: tuple[Milestone, ...] = ()  # step schedule: epochs, or steps ("500s")
-    lr_gamma: float = 0.1
-    warmup_epochs: float = 0.0
-    label_smoothing: float = 0.0
-    seed: int = 0
+    lr: float = field(default=0.05, metadata=RECORDED)
+    momentum: float = field(default=0.9, metadata=RECORDED)
+    weight_decay: float = field(default=0.0, metadata=RECORDED)
+    nesterov: bool = field(default=False, metadata=RECORDED)
+    # The learning-rate schedule is a function of the step: these settings and the step are all
+    # of its state, so a checkpoint records them.
+    lr_schedule: str = field(default="constant", metadata=RECORDED)  # bundle/lr_schedule.py
+    # step schedule: epochs, or steps ("500s")
+    lr_steps: tuple[Milestone, ...] = field(default=(), metadata=RECORDED)
+    lr_gamma: float = field(default=0.1, metadata=RECORDED)
+    warmup_epochs: float = field(default=0.0, metadata=RECORDED)
+    label_smoothing: float = field(default=0.0, metadata=RECORDED)
+    seed: int = field(default=0, metadata=RECORDED)
     log_every: int = 10
     eval: bool = True
-    checkpoint: str | None = None
+    checkpoint: str | None = field(default=None, metadata=NODE_LOCAL)
 
     def __post_init__(self) -> None:
         _positive("--batch-size", self.batch_size)
@@ -191,7 +215,7 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    node_rank: int = 0
+    node_rank: int = field(default=0, metadata=NODE_LOCAL)
     num_nodes: int = 1
     nproc_per_node: int = 0  # 0: all processes spread evenly over the nodes
     master_addr: str = "127.0.0.1"
@@ -235,10 +259,13 @@ class LaunchConfig:
 class CheckpointConfig:
     """Resumable checkpoints: where, how often, how many, and where to resume from."""
 
-    save_dir: str | None = None
+    # Paths may differ between nodes (mount points); the checkpoint each node resumes from is
+    # compared by step when training starts.
+    save_dir: str | None = field(default=None, metadata=NODE_LOCAL)
     save_every: int = 0  # 0: at the end of every epoch
     keep: int = 3
-    resume: str | None = None  # "auto", a step-N directory, or None: start fresh
+    # "auto", a step-N directory, or None: start fresh
+    resume: str | None = field(default=None, metadata=NODE_LOCAL)
     async_save: bool = False
 
     def __post_init__(self) -> None:
@@ -254,11 +281,14 @@ class CheckpointConfig:
 class ObserveConfig:
     """What a run records beyond its progress lines: trace, kernel profile, TensorBoard."""
 
-    trace: str | None = None  # Chrome/Perfetto trace of every rank, written by rank 0
+    # A Chrome/Perfetto trace of every rank: whether to trace must agree (every rank records and
+    # sends its slices); where to write is rank 0's business, as is where TensorBoard and
+    # profiles go.
+    trace: str | None = field(default=None, metadata=NODES_AGREE_IF_SET)
     trace_steps: str | None = None  # "A:B"; None: the two steps after the first
     profile_steps: str | None = None  # "A:B": torch.profiler traces per rank
-    profile_dir: str = "profile"
-    tensorboard: str | None = None
+    profile_dir: str = field(default="profile", metadata=NODE_LOCAL)
+    tensorboard: str | None = field(default=None, metadata=NODE_LOCAL)
 
     def __post_init__(self) -> None:
         parse_steps("--trace-steps", self.trace_steps)
@@ -285,7 +315,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
-    metrics_out: str | None = None
+    metrics_out: str | None = field(default=None, metadata=NODE_LOCAL)
     # Set by bundle.plan.auto when the planner chose the shape or split: reported beside the
     # measured throughput in the run's summary.
     predicted_samples_per_s: float | None = None
@@ -304,19 +334,38 @@ class RunConfig:
             )
         return total // nodes
 
-    def shared_view(self) -> dict:
-        """Everything that must agree between nodes, as plain JSON types (not node-local paths)."""
-        shared = json.loads(json.dumps(asdict(self)))
-        shared["launch"].pop("node_rank")
-        shared.pop("metrics_out")
-        shared["train"].pop("checkpoint")
-        # Paths may differ between nodes (mount points); the checkpoint each node resumes from is
-        # compared by step when training starts.
-        shared["checkpoint"].pop("save_dir")
-        shared["checkpoint"].pop("resume")
-        # Whether to trace must agree (every rank records and sends its slices); where to write
-        # is rank 0's business, as is where TensorBoard and profiles go.
-        shared["observe"]["trace"] = self.observe.trace is not None
-        shared["observe"].pop("tensorboard")
-        shared["observe"].pop("profile_dir")
-        return shared
+    def shared_view(self) -> dict[str, Any]:
+        """Everything that must agree between nodes, as plain JSON types."""
+        view: dict[str, Any] = json.loads(json.dumps(_shared(self)))
+        return view
+
+    def run_settings(self) -> dict[str, Any]:
+        """The recorded settings by key; a tuple as its flag spells it (``--lr-steps 30,60``)."""
+        return {
+            f.metadata["recorded"] or f.name: ",".join(map(str, v)) if isinstance(v, tuple) else v
+            for f, v in _leaves(self)
+            if "recorded" in f.metadata
+        }
+
+
+def _shared(config: Any) -> dict[str, Any]:
+    view: dict[str, Any] = {}
+    for f in fields(config):
+        nodes, value = f.metadata.get("nodes"), getattr(config, f.name)
+        if nodes == "local":
+            continue
+        if is_dataclass(value):
+            view[f.name] = _shared(value)
+        else:
+            view[f.name] = value is not None if nodes == "whether set" else value
+    return view
+
+
+def _leaves(config: Any) -> Iterator[tuple[Field[Any], Any]]:
+    """Every setting of a config and its sections, with its field, in declaration order."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if is_dataclass(value):
+            yield from _leaves(value)
+        else:
+            yield f, value

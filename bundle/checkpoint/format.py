@@ -30,14 +30,15 @@ import re
 import shutil
 import tempfile
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from bundle.config import RunConfig
 from bundle.errors import CheckpointError
-from bundle.lr_schedule import spell
 from bundle.topology import Coord, Topology
 
 INFO = "bundle.json"
@@ -165,30 +166,10 @@ def publish(tmp: str, final: str, info: dict) -> None:
     os.replace(tmp, final)
 
 
-def run_settings(cfg) -> dict:
-    """The training settings a checkpoint records of the run that wrote it (``cfg``: RunConfig).
-
-    The learning-rate schedule is among them: it is a function of the step, so these settings and
-    the step are all of its state."""
-    return {
-        "model": cfg.model.name,
-        "dataset": cfg.data.dataset,
-        "micro_batches": cfg.parallel.micro_batches,
-        "batch_size": cfg.train.batch_size,
-        "seed": cfg.train.seed,
-        "lr": cfg.train.lr,
-        "momentum": cfg.train.momentum,
-        "weight_decay": cfg.train.weight_decay,
-        "nesterov": cfg.train.nesterov,
-        "lr_schedule": cfg.train.lr_schedule,
-        "lr_steps": spell(cfg.train.lr_steps),
-        "lr_gamma": cfg.train.lr_gamma,
-        "warmup_epochs": cfg.train.warmup_epochs,
-        "label_smoothing": cfg.train.label_smoothing,
-        "precision": cfg.compute.precision,
-        "recompute": cfg.compute.recompute,
-        "channels_last": cfg.compute.channels_last,
-    }
+def run_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The training settings a checkpoint records of the run that wrote it: those RunConfig marks
+    recorded (the model, data, batch, optimizer, learning-rate schedule and compute policy)."""
+    return cfg.run_settings()
 
 
 def read_info(path: str) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bundle import config as C
+from bundle import options
 from bundle.checkpoint import format as ckpt
 from bundle.lr_schedule import Milestone
 
@@ -210,3 +211,8 @@ def test_a_checkpoint_records_the_training_settings():
         "recompute": "always",
         "channels_last": True,
     }
+
+
+def test_a_recorded_setting_is_named_as_its_option():
+    # A resume under another value is noted as "resuming with --KEY VALUE".
+    assert set(DEFAULT.run_settings()) <= {o.dest for o in options.OPTIONS if o.field}
