@@ -1,4 +1,4 @@
-"""Typed, validated run configuration: built once in main.py, never mutated afterwards."""
+"""Typed, validated run configuration: built once by bundle.cli, never mutated afterwards."""
 
 from __future__ import annotations
 

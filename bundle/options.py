@@ -39,13 +39,13 @@ class Option:
     """One option: its spelling, the RunConfig field it fills, and how --help shows it.
 
     Type and unset value come from the field, so the dataclass stays the one place that knows
-    them. An option without a field (``--DP-ONLY``, ``--config``) is a mode that main.to_config
+    them. An option without a field (``--DP-ONLY``, ``--config``) is a mode that cli.to_config
     reads itself and names its own ``kind``.
     """
 
     group: str | None  # argparse group title; None: the parser's own (the positional)
     flag: str  # names the argparse dest and the YAML key; without dashes: a positional
-    field: str | None  # "section.name" in RunConfig; None: a mode main.to_config reads
+    field: str | None  # "section.name" in RunConfig; None: a mode cli.to_config reads
     _: KW_ONLY
     help: str
     metavar: str | None = None
@@ -211,7 +211,7 @@ OPTIONS: tuple[Option, ...] = (
            help="split points from partitions/NAME.yaml, a YAML file or inline (the block where "
                 "each stage begins); auto: balanced by the planner's timing "
                 "(default: balanced by parameters)"),
-    # Unset, the data set follows DATA_DIR (main.to_config), so the field's default cannot stand.
+    # Unset, the data set follows DATA_DIR (cli.to_config), so the field's default cannot stand.
     Option(MODEL, "--dataset", "data.dataset", choices=C.DATASETS, default=None,
            help="default: imagefolder when DATA_DIR is given, else digits"),
     Option(MODEL, "--image-size", "data.image_size",
@@ -233,7 +233,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(SPEED, "--no-tf32", "compute.tf32", negate=True,
            help="CUDA: fp32 matmuls and convolutions use TF32 unless this is given"),
 
-    # torchrun's or a Slurm step's environment overrides the node layout (main.to_config).
+    # torchrun's or a Slurm step's environment overrides the node layout (cli.to_config).
     Option(LAUNCH, "--rank", "launch.node_rank", metavar="NODE", aliases=("--node-rank",),
            help="this node's rank"),
     Option(LAUNCH, "--world-size", "launch.num_nodes", metavar="NODES", help="number of nodes"),

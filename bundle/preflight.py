@@ -1,11 +1,13 @@
-"""Checks made before any process starts: the model and partition, the paths the run writes,
-and the checkpoint it resumes from. Each failure is one typed error naming the flag."""
+"""Every check made before any process starts (check_all), each failure one typed error naming
+the flag: the data, the planner's choices, devices, model and partition, paths and the checkpoint."""
 
 from __future__ import annotations
 
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,6 +20,37 @@ from bundle.data import input_spec
 from bundle.engine.precision import DTYPES
 from bundle.errors import ConfigError, DataError
 from bundle.lr_schedule import LRSchedule, needs_epoch_length
+from bundle.plan import auto
+from bundle.runtime import devices
+from bundle.runtime.preemption import parse_fault
+from bundle.topology import Topology
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What passed every check: the config with the planner's choices in place of ``auto``, its
+    topology, the checkpoint to resume from (None: fresh) and the attempt (torchrun's restarts)."""
+
+    cfg: RunConfig
+    topo: Topology
+    resume: str | None
+    attempt: int
+
+
+def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
+    """Every pre-launch check, once each, in order; the first that fails raises."""
+    data.check_data(cfg.data)  # before the planner, which reads the data's sample shape
+    cfg = auto.resolve(cfg)
+    topo = Topology.from_config(cfg)
+    devices.check_devices(cfg, topo)
+    shapes = check_model(cfg, topo.num_stages)
+    check_precision(cfg, devices.resolve_backend(cfg))
+    check_lr_schedule(cfg)
+    check_paths(cfg)
+    check_observed_steps(cfg)
+    parse_fault(env)
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if cfg.launch.torchrun else 0
+    return LaunchPlan(cfg, topo, check_resume(cfg, shapes, attempt), attempt)
 
 
 def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:

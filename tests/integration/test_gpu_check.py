@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import main
+from bundle import cli
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
@@ -90,10 +90,10 @@ def test_plan_covers_every_schedule_and_sync_and_shares_gpus_only_when_too_few(t
 
 @pytest.mark.parametrize("gpus", [1, 4, 8])
 def test_every_planned_command_parses_with_its_own_parser(tmp_path, gpus):
-    """The flags cannot rot: main.py's commands through main.parse, bench_gpu's through its own."""
+    """The flags cannot rot: main.py's commands through cli.parse, bench_gpu's through its own."""
     for c in _train_checks(gpus, tmp_path):
         assert c.argv[0] == "main.py"
-        cfg = main.parse(list(c.argv[1:]), {})
+        cfg = cli.parse(list(c.argv[1:]), {})
         assert cfg.launch.backend == "nccl" and cfg.parallel.shape == (1, 1)
         assert (cfg.parallel.schedule, cfg.parallel.grad_sync) == (c.schedule, c.grad_sync)
         assert cfg.parallel.micro_batches == 4 and cfg.train.steps > 0

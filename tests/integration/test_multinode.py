@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import main
+from bundle import cli
 from tests.integration.test_equivalence import reference
 from tests.netns import NetnsPair
 
@@ -123,7 +123,7 @@ def _original_flags(hosts: NetnsPair, node: int) -> list[str]:
 def _check_against_reference(ckpt: Path, argv: list[str]) -> None:
     assert ckpt.exists(), "rank 0 wrote no checkpoint"
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    ref = reference(main.parse(argv, env={}))
+    ref = reference(cli.parse(argv, env={}))
     assert set(ref) <= set(state), f"missing from the checkpoint: {sorted(set(ref) - set(state))}"
     errors = {name: (state[name] - value).abs().max().item() for name, value in ref.items()}
     worst = max(errors, key=errors.__getitem__)

@@ -176,11 +176,11 @@ def test_console_bar_on_a_terminal_and_plain_lines_otherwise(caplog):
 
 @pytest.mark.parametrize("steps", ["4:2", "0:1", "a:b"])
 def test_bad_trace_steps_are_refused_naming_the_flag(steps):
-    import main
+    from bundle import cli
     from bundle.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--trace-steps"):
-        main.parse(["--trace", "t.json", "--trace-steps", steps], {})
+        cli.parse(["--trace", "t.json", "--trace-steps", steps], {})
 
 
 def _slices(trace: dict) -> dict[int, list[dict]]:

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 
-import main
-from bundle import preflight
+from bundle import cli, preflight
 from bundle.runtime.localworld import free_port
 from tests.integration.test_containers import ENTRYPOINT, FakeDocker, _clean_env
 from tests.integration.test_e2e import finish, image_folder
@@ -180,7 +179,7 @@ def docker(tmp_path) -> FakeDocker:
 def check_container(args: list[str], rank: int, master: str, data: Path) -> None:
     """main.py in the container accepts them: the original's model name and its split."""
     assert args[-1] == "/data"  # the mount of the data directory
-    cfg = main.parse([*args[:-1], str(data)], {})
+    cfg = cli.parse([*args[:-1], str(data)], {})
     assert (cfg.model.name, cfg.model.partition) == ("resnet101", "resnet101_trial4")
     assert (cfg.launch.node_rank, cfg.launch.master_addr) == (rank, master)
     preflight.check_model(cfg, len(cfg.parallel.shape))

@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-import main
 import models
+from bundle import cli
 from bundle.config import AUTO_SHAPE
 from bundle.errors import ConfigError
 from bundle.plan import auto
@@ -142,31 +142,31 @@ def test_plans_for_a_cluster_file(tmp_path, capsys):
     assert "pure data parallelism" in text and best["command"] in text
     # The command's arguments are main.py's own, split points included.
     cmd = best["command"].split()[2:]
-    cfg = main.parse(cmd, {})
+    cfg = cli.parse(cmd, {})
     assert cfg.parallel.shape == tuple(best["shape"])
     assert cfg.parallel.micro_batches == best["micro_batches"]
 
 
 def test_auto_is_parsed_and_refused_beside_dp_only():
-    cfg = main.parse(["--bundle-shape", "auto"], {})
+    cfg = cli.parse(["--bundle-shape", "auto"], {})
     assert cfg.parallel.shape == AUTO_SHAPE and auto.wanted(cfg)
-    assert auto.wanted(main.parse(["--partition", "auto"], {}))
-    assert not auto.wanted(main.parse([], {}))
+    assert auto.wanted(cli.parse(["--partition", "auto"], {}))
+    assert not auto.wanted(cli.parse([], {}))
     with pytest.raises(ConfigError, match="--DP-ONLY"):
-        main.parse(["--bundle-shape", "auto", "--DP-ONLY"], {})
+        cli.parse(["--bundle-shape", "auto", "--DP-ONLY"], {})
 
 
 def test_auto_under_torchrun_plans_the_same_from_counts_alone():
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
     argv = ["--bundle-shape", "auto", "--model", "resnet18", "--dataset", "synthetic"]
     argv += ["--image-size", "32", "--batch-size", "64"]
-    first = auto.resolve(main.parse(argv, env))
-    again = auto.resolve(main.parse(argv, env))
+    first = auto.resolve(cli.parse(argv, env))
+    again = auto.resolve(cli.parse(argv, env))
     assert first == again  # every process plans alike: the configs they compare agree
     assert first.parallel.world_size == 4 and first.launch.nproc_per_node == 2
     assert first.predicted_samples_per_s > 0
     # The resolved config is an ordinary one: its split parses and fits the model.
-    main_cfg = main.parse(argv, env)
+    main_cfg = cli.parse(argv, env)
     assert main_cfg.parallel.shape == AUTO_SHAPE
     if len(first.parallel.shape) > 1:
         assert "," in first.model.partition
@@ -237,7 +237,7 @@ def test_partition_auto_splits_the_given_shape_by_time():
         "--micro-batches",
         "4",
     ]
-    cfg = auto.resolve(main.parse(argv, env))
+    cfg = auto.resolve(cli.parse(argv, env))
     assert cfg.parallel.shape == (2, 1) and cfg.parallel.micro_batches == 4
     first, second = cfg.model.partition.split(",")
     assert first == "features.0" and second != first
@@ -280,7 +280,7 @@ def test_auto_measures_in_a_child_process(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     argv = ["--bundle-shape", "auto", "--nproc-per-node", "2", "--model", "mlp"]
     argv += ["--dataset", "synthetic", "--image-size", "4", "--batch-size", "16"]
-    cfg = main.parse(argv, {})
+    cfg = cli.parse(argv, {})
     calls = []
 
     def run_in_child(fn, request, **kwargs):

@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import main
+from bundle import cli
 from bundle.lr_schedule import LRSchedule
 from bundle.runtime.localworld import free_port
 from tests.integration.test_e2e import SMALL, finish, image_folder, start, start_logged
@@ -107,7 +107,7 @@ def test_a_killed_worker_restarts_from_the_checkpoint_bit_identical(
     assert_identical(uninterrupted / "a.pt", tmp_path / "b.pt")
     assert losses(tmp_path / "m.jsonl") == losses(uninterrupted / "m.jsonl")
     # Both ran every step at its scheduled rate, the resumed one from where it stopped.
-    schedule = LRSchedule.of(main.parse(RUN, {}).train, steps_per_epoch=16, total=STEPS)
+    schedule = LRSchedule.of(cli.parse(RUN, {}).train, steps_per_epoch=16, total=STEPS)
     assert schedule.warmup == 4 and len({schedule.at(t) for t in range(STEPS)}) == STEPS
     expected = {t + 1: schedule.at(t) for t in range(STEPS)}
     assert (
@@ -245,11 +245,11 @@ def test_incomplete_newest_is_skipped_and_another_model_is_refused(uninterrupted
     (damaged / ".metadata").unlink()  # as if killed before DCP wrote its index
     from bundle import preflight
 
-    cfg = main.parse([*RUN, "--save-dir", str(save_dir), "--resume", "auto"], env={})
+    cfg = cli.parse([*RUN, "--save-dir", str(save_dir), "--resume", "auto"], env={})
     shapes = preflight.check_model(cfg, 2)
     assert preflight.check_resume(cfg, shapes, attempt=0) == str(newest)
     # Another precision resumes, and says so.
-    bf16 = main.parse([*RUN, "--save-dir", str(save_dir), "--precision", "bf16"], env={})
+    bf16 = cli.parse([*RUN, "--save-dir", str(save_dir), "--precision", "bf16"], env={})
     capsys.readouterr()
     preflight.check_resume(replace(bf16, checkpoint=cfg.checkpoint), shapes, attempt=0)
     assert "resuming with --precision bf16 (the checkpoint was written with fp32)" in (

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import main
+from bundle import cli
 from bundle.errors import ConfigError
 from bundle.runtime import slurm
 from bundle.runtime.localworld import free_port
@@ -113,18 +113,16 @@ def test_a_malformed_host_list_is_refused(nodelist):
 
 
 def test_the_job_step_sets_the_node_layout():
-    c = main.parse(["--bundle-shape", "4,2", "--rank", "0", "--IP", "elsewhere"], step_env())
+    c = cli.parse(["--bundle-shape", "4,2", "--rank", "0", "--IP", "elsewhere"], step_env())
     launch = c.launch
     assert (launch.node_rank, launch.num_nodes, launch.master_addr) == (1, 2, "gpu07")
     assert (launch.nproc_per_node, launch.torchrun) == (3, False)
     # An explicit --nproc-per-node beats the GPU count; --DP-ONLY takes every process.
-    c = main.parse(["--bundle-shape", "2,2", "--nproc-per-node", "2"], step_env())
+    c = cli.parse(["--bundle-shape", "2,2", "--nproc-per-node", "2"], step_env())
     assert c.launch.nproc_per_node == 2
-    assert main.parse(["--DP-ONLY"], step_env()).parallel.shape == (6,)
+    assert cli.parse(["--DP-ONLY"], step_env()).parallel.shape == (6,)
     # CPU nodes: the shape's processes spread evenly over the nodes.
-    assert (
-        main.parse(["--bundle-shape", "1,1"], step_env(SLURM_GPUS_ON_NODE="")).procs_per_node == 1
-    )
+    assert cli.parse(["--bundle-shape", "1,1"], step_env(SLURM_GPUS_ON_NODE="")).procs_per_node == 1
 
 
 def test_outside_a_job_step_the_flags_stand():
@@ -132,11 +130,11 @@ def test_outside_a_job_step_the_flags_stand():
     allocation_only = {k: v for k, v in step_env().items() if not k.startswith("SLURM_STEP")}
     batch_script = step_env(SLURM_STEP_ID="4294967294")
     for env in ({}, allocation_only, batch_script):
-        c = main.parse(flags, env)
+        c = cli.parse(flags, env)
         assert (c.launch.node_rank, c.launch.master_addr) == (1, "10.0.0.1")
     # torchrun started under srun: torchrun's environment wins.
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    c = main.parse(["--bundle-shape", "1,1"], {**step_env(), **torchrun})
+    c = cli.parse(["--bundle-shape", "1,1"], {**step_env(), **torchrun})
     assert c.launch.torchrun and c.launch.num_nodes == 1
 
 
@@ -158,7 +156,7 @@ def test_the_sbatch_examples_fit_their_allocations(monkeypatch):
             SLURM_STEP_NUM_TASKS=nodes,
             SLURM_GPUS_ON_NODE=gpus,
         )
-        assert main.parse(shlex.split(args), env).parallel.world_size == int(nodes) * int(gpus)
+        assert cli.parse(shlex.split(args), env).parallel.world_size == int(nodes) * int(gpus)
 
 
 def test_scontrol_names_the_master_where_it_exists(fake_slurm, tmp_path):
@@ -184,7 +182,7 @@ def test_an_allocation_that_does_not_fit_is_one_line_and_exit_2(name, capsys, mo
             monkeypatch.delenv(key)
     for key, value in step_env(**extra).items():
         monkeypatch.setenv(key, value)
-    assert main.main(argv) == 2
+    assert cli.main(argv) == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("main.py: error:") and needle in lines[0], lines
 

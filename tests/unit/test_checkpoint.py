@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import main
+from bundle import cli
 from bundle.checkpoint import format as ckpt
 from bundle.errors import CheckpointError, ConfigError
 from bundle.runtime.preemption import parse_fault, resume_command, stop_line
@@ -174,17 +174,17 @@ def test_unwritable_paths_are_exit_2_before_start(tmp_path, flag, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     path = str(blocker / "sub") if flag == "--save-dir" else str(blocker / "sub" / "out")
-    assert main.main([flag, path, "--itr", "1"]) == 2
+    assert cli.main([flag, path, "--itr", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err and "writable directory" in err, err
 
 
 def test_resume_auto_needs_a_save_dir():
     with pytest.raises(ConfigError, match="--resume"):
-        main.parse(["--resume", "auto"], env={})
+        cli.parse(["--resume", "auto"], env={})
 
 
 def test_max_restarts_under_torchrun_points_to_torchrun():
     env = {"RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     with pytest.raises(ConfigError, match="torchrun --max-restarts N"):
-        main.parse(["--max-restarts", "1"], env=env)
+        cli.parse(["--max-restarts", "1"], env=env)

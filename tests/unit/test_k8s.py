@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-import main
+from bundle import cli
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "docker" / "k8s" / "bundle.yaml"
@@ -76,7 +76,7 @@ def test_the_arguments_go_to_the_images_entrypoint_and_main_py(monkeypatch):
     args = flags(container["args"])
     for node in range(int(args["--world-size"])):
         argv = [a.replace("$(NODE_RANK)", str(node)) for a in container["args"]]
-        cfg = main.parse(argv, {})
+        cfg = cli.parse(argv, {})
         assert (cfg.launch.node_rank, cfg.data.root, cfg.model.name) == (node, "/data", "resnet50")
         # Every GPU of every pod runs one process of the bundles.
         assert cfg.parallel.world_size == cfg.launch.num_nodes * cfg.launch.nproc_per_node

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import main
+from bundle import cli
 from bundle import config as C
 from bundle.errors import ConfigError
 from bundle.lr_schedule import LRSchedule, Milestone, parse_milestones, warmup_steps
@@ -96,7 +96,7 @@ def test_bad_milestones_name_the_flag(text):
 def test_recipe_flags_fill_the_training_config(tmp_path):
     argv = ["--lr-schedule", "step", "--lr-steps", "2,4", "--lr-gamma", "0.2", "--epochs", "5"]
     argv += ["--warmup-epochs", "0.5", "--label-smoothing", "0.1", "--nesterov", "--wd", "1e-4"]
-    t = main.parse(argv, {}).train
+    t = cli.parse(argv, {}).train
     assert (t.lr_schedule, t.lr_steps, t.lr_gamma) == ("step", parse_milestones("2,4"), 0.2)
     assert (t.warmup_epochs, t.label_smoothing, t.nesterov, t.weight_decay) == (
         0.5,
@@ -107,12 +107,12 @@ def test_recipe_flags_fill_the_training_config(tmp_path):
     # YAML takes the milestones as a list or as the command line's text.
     path = tmp_path / "recipe.yaml"
     path.write_text("lr-schedule: step\nlr_steps: [30s, 60s]\nitr: 100\nwd: 0.001\n")
-    t = main.parse(["--config", str(path)], {}).train
+    t = cli.parse(["--config", str(path)], {}).train
     assert (t.lr_steps, t.weight_decay) == (parse_milestones("30s,60s"), 0.001)
 
 
 def test_node_rank_is_the_original_spelling_of_rank():
-    assert main.parse(["--node-rank", "1", "--world-size", "2"], {}).launch.node_rank == 1
+    assert cli.parse(["--node-rank", "1", "--world-size", "2"], {}).launch.node_rank == 1
 
 
 # Each is refused before any process starts: one line naming the flag, exit code 2. The last
@@ -149,7 +149,7 @@ def test_bad_schedule_is_one_line_and_exit_2(name, capsys, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     args, needle = BAD[name]
     try:
-        code = main.main(args)
+        code = cli.main(args)
     except SystemExit as exc:  # argparse's own errors
         code = exc.code
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
@@ -160,7 +160,7 @@ def test_bad_schedule_is_one_line_and_exit_2(name, capsys, monkeypatch):
 def test_the_imagenet_config_is_pytorch_examples_recipe(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     (tmp_path / "train" / "n01440764").mkdir(parents=True)
-    c = main.parse(["--config", "configs/imagenet-resnet50.yaml", str(tmp_path)], {})
+    c = cli.parse(["--config", "configs/imagenet-resnet50.yaml", str(tmp_path)], {})
     assert (c.model.name, c.data.dataset, c.data.root) == ("resnet50", "imagefolder", str(tmp_path))
     t = c.train
     assert (t.batch_size, t.lr, t.momentum, t.weight_decay, t.epochs) == (256, 0.1, 0.9, 1e-4, 90)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import main
+from bundle import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -31,7 +31,7 @@ def test_main_flags_named_in_the_readme_exist():
     """Every flag in the Usage section and on any ``main.py`` command line is a real flag."""
     usage = README.split("## Usage", 1)[1].split("\n## ", 1)[0]
     lines = [ln for ln in README.splitlines() if re.search(r"main\.py\s+(\[|--)", ln)]
-    help_text = main.build_parser().format_help()
+    help_text = cli.build_parser().format_help()
     flags = set(re.findall(r"(--[A-Za-z][\w-]*)", usage + "\n".join(lines)))
     assert "--bundle-shape" in flags
     for flag in flags:

@@ -1,26 +1,21 @@
-"""The command line: flags -> RunConfig, YAML precedence, and one clear line + exit 2 on bad input."""
+"""The command line in one process: flags and YAML -> RunConfig, --help, one-line errors."""
 
 from __future__ import annotations
 
-import dataclasses
-import socket
-import subprocess
-import sys
-import typing
+import ast
+from pathlib import Path
 
 import pytest
-import yaml
 
-import main
+from bundle import cli
 from bundle import config as C
-from bundle import options
 from bundle.errors import ConfigError
 
-ROOT = main.__file__.rsplit("/", 1)[0]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cfg(argv, env=None):
-    return main.parse(argv, env or {})
+    return cli.parse(argv, env or {})
 
 
 def test_defaults_are_one_bundle_of_front_and_rear_on_digits():
@@ -161,44 +156,8 @@ def test_bad_speed_and_memory_flag_is_one_line_and_exit_2(argv, capsys):
     assert argv[0].split("=")[0] in lines[0]
 
 
-# RunConfig fields no option fills, on purpose: set from torchrun's environment in to_config, and
-# by the planner when it resolves --bundle-shape/--partition auto.
-NOT_OPTIONS = {"launch.torchrun", "predicted_samples_per_s"}
-
-
-def leaf_fields(cls: type, prefix: str = "") -> set[str]:
-    hints = typing.get_type_hints(cls)
-    out: set[str] = set()
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
-            out |= leaf_fields(kind, f"{prefix}{f.name}.")
-        else:
-            out.add(prefix + f.name)
-    return out
-
-
-def test_the_option_table_is_the_single_source(tmp_path):
-    # Unset options give exactly the dataclass defaults: no default is restated anywhere.
-    assert cfg([]) == C.RunConfig()
-    # Every field is some option's (or deliberately none), and no two options fill one field.
-    filled = [o.field for o in options.OPTIONS if o.field]
-    assert len(filled) == len(set(filled))
-    assert set(filled) | NOT_OPTIONS == leaf_fields(C.RunConfig)
-    assert not set(filled) & NOT_OPTIONS
-    # Every entry is in --help, and (but --config) a YAML key whose unset value is the default.
-    text = main.build_parser().format_help()
-    for opt in options.OPTIONS:
-        assert (opt.flag if opt.flag.startswith("-") else opt.metavar) in text, opt.flag
-    values = {opt.flag.lstrip("-"): opt.unset for opt in options.OPTIONS if opt.yaml}
-    assert [o.flag for o in options.OPTIONS if not o.yaml] == ["--config"]
-    path = tmp_path / "unset.yaml"
-    path.write_text(yaml.safe_dump(values))
-    assert cfg(["--config", str(path)]) == C.RunConfig()
-
-
 def test_help_is_grouped_and_lists_every_flag():
-    text = main.build_parser().format_help()
+    text = cli.build_parser().format_help()
     for group in (
         "parallelism",
         "training",
@@ -238,76 +197,10 @@ def test_help_is_grouped_and_lists_every_flag():
         assert flag in text
 
 
-def run_main(*args, timeout=60):
-    return subprocess.run(
-        [sys.executable, "main.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-@pytest.fixture
-def busy_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        s.listen()
-        yield str(s.getsockname()[1])
-
-
-BAD = {
-    "shape zero": (["--bundle-shape", "0,1"], "--bundle-shape"),
-    "shape letters": (["--bundle-shape", "a,b"], "--bundle-shape"),
-    "shape empty": (["--bundle-shape", ""], "--bundle-shape"),
-    "more processes than devices": (["--backend", "nccl"], "--nproc-per-node"),
-    "batch too small": (["--bundle-shape", "4,2", "--batch-size", "3"], "--batch-size"),
-    "unknown model": (["--model", "resnet9000"], "--model"),
-    "unknown partition": (["--partition", "nope"], "--partition"),
-    "partition for another model": (["--partition", "mlp_2stage"], "mlp"),
-    "missing data dir": (["/nonexistent/data"], "does not exist"),
-    "rank beyond world": (["--rank", "2", "--world-size", "2"], "--rank"),
-    "bad schedule": (["--schedule", "zigzag"], "--schedule"),
-    "bad precision": (["--precision", "fp8"], "--precision"),
-    "channels-last on an MLP": (["--model", "mlp", "--channels-last"], "--channels-last"),
-    "traced steps beyond the run": (
-        ["--itr", "3", "--trace", "t.json", "--trace-steps", "3:4"],
-        "--trace-steps",
-    ),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(BAD))
-def test_bad_input_is_one_line_and_exit_2(name):
-    args, needle = BAD[name]
-    r = run_main(*args)
-    assert r.returncode == 2, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle in lines[0], r.stderr
-    assert lines[0].startswith("main.py: error:")
-    assert "started ranks" not in r.stderr
-
-
-@pytest.mark.slow
-def test_empty_data_dir_is_exit_2(tmp_path):
-    (tmp_path / "train").mkdir()
-    (tmp_path / "val").mkdir()
-    r = run_main(str(tmp_path))
-    assert r.returncode == 2 and "missing or empty" in r.stderr
-
-
-@pytest.mark.slow
-def test_port_in_use_is_exit_2(busy_port):
-    r = run_main("--portNum", busy_port)
-    assert r.returncode == 2, r.stderr
-    assert f"--portNum {busy_port}" in r.stderr and "in use" in r.stderr
-
-
 def test_help_names_every_registered_model():
     import models
 
-    text = " ".join(main.build_parser().format_help().split())
+    text = " ".join(cli.build_parser().format_help().split())
     assert all(name in text for name in models.available())
 
 
@@ -322,3 +215,9 @@ def test_the_originals_model_names_are_a_model_and_its_split():
     assert cfg(["--model", "mlp_wide"]).model == C.ModelConfig(name="mlp_wide")
     with pytest.raises(ConfigError, match="--partition: 'resnet101_trial1'.*--model resnet101$"):
         cfg(["--model", "resnet101_trial4", "--partition", "resnet101_trial1"])
+
+
+def test_help_says_what_main_py_says_it_is():
+    doc = ast.get_docstring(ast.parse((ROOT / "main.py").read_text()))
+    assert doc.splitlines()[0] == cli.DESCRIPTION
+    assert cli.DESCRIPTION in " ".join(cli.build_parser().format_help().split())

@@ -1,0 +1,140 @@
+"""The command line: flags and YAML -> one frozen RunConfig, then the pre-launch checks and launch."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, NoReturn
+
+import yaml  # type: ignore[import-untyped,unused-ignore]
+
+from bundle import config as C
+from bundle import options
+from bundle.errors import BundleError, ConfigError
+
+# main.py's first docstring line: the command's --help says what it is.
+DESCRIPTION = (
+    "Bundle: train a model with bundle-based hybrid parallelism "
+    "(pipeline stages x data-parallel bundles)."
+)
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        # "(default: None)" and "(default: False)" say nothing; the help text says what unset means.
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, like every other input error; the full usage is one --help away.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
+    """The parser of bundle.options' table; suppress: only what the command line gives is set."""
+    p = _Parser(
+        prog="main.py",
+        description=DESCRIPTION,
+        formatter_class=_Formatter,
+        argument_default=argparse.SUPPRESS if suppress else None,
+    )
+    options.add_arguments(p, suppress=suppress)
+    return p
+
+
+def _merge_yaml(args: argparse.Namespace, explicit: set[str]) -> None:
+    try:
+        with open(args.config) as f:
+            values = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError("--config", args.config, f"must be a readable YAML file ({exc})") from exc
+    if not isinstance(values, dict):
+        raise ConfigError("--config", args.config, "must hold a mapping of option: value")
+    for key, value in values.items():
+        opt = options.BY_YAML_KEY.get(str(key).replace("-", "_"))
+        if opt is None:
+            allowed = ", ".join(sorted(options.BY_YAML_KEY))
+            raise ConfigError(f"--config {args.config} key", key, f"allowed keys: {allowed}")
+        if opt.dest not in explicit:
+            setattr(args, opt.dest, opt.from_yaml(value, f"{key} (in --config {args.config})"))
+
+
+def _torchrun_layout(env: dict[str, str]) -> dict[str, Any]:
+    # torchrun has laid out the nodes already; its environment beats the node flags.
+    nproc = int(env["LOCAL_WORLD_SIZE"])
+    return {
+        "torchrun": True,
+        "nproc_per_node": nproc,
+        "num_nodes": max(1, int(env["WORLD_SIZE"]) // nproc),
+        "node_rank": int(env.get("GROUP_RANK", int(env["RANK"]) // nproc)),
+    }
+
+
+def _dp_only(args: argparse.Namespace, parallel: dict[str, Any], launch: dict[str, Any]) -> None:
+    """--DP-ONLY: one stage over every process of the job."""
+    if parallel["shape"] == C.AUTO_SHAPE:
+        raise ConfigError("--DP-ONLY", True, "fixes the shape: drop it or --bundle-shape auto")
+    nproc, nodes = launch["nproc_per_node"], launch["num_nodes"]
+    total = sum(parallel["shape"]) * parallel["num_bundles"]
+    procs = args.num_hp or (nproc * nodes if nproc else total)
+    parallel.update(shape=(procs,), num_bundles=1)
+
+
+def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
+    """The one place flags become the typed, frozen RunConfig.
+
+    The table fills every field; what follows are the rules between options that no one entry
+    can state.
+    """
+    from bundle.partition import split_model_name
+    from bundle.runtime import slurm
+
+    values = options.field_values(args)
+    parallel, data, launch, model = (values[k] for k in ("parallel", "data", "launch", "model"))
+    model["name"], model["partition"] = split_model_name(model["name"], model["partition"])
+    torchrun = "LOCAL_WORLD_SIZE" in env and "RANK" in env
+    allocation = None if torchrun else slurm.allocation(env)  # srun torchrun ...: torchrun's
+    if torchrun:
+        launch.update(_torchrun_layout(env))
+    elif allocation is not None:
+        # srun started one main.py per node: the job step's layout beats the node flags.
+        launch.update(allocation.launch_fields(launch["nproc_per_node"]))
+    if args.DP_ONLY:
+        _dp_only(args, parallel, launch)
+    data["dataset"] = data["dataset"] or ("imagefolder" if data["root"] else "digits")
+    cfg = options.build(values)
+    if allocation is not None:
+        allocation.check_fits(cfg)
+    return cfg
+
+
+def parse(argv: list[str] | None, env: dict[str, str]) -> C.RunConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        explicit = set(vars(build_parser(suppress=True).parse_args(argv)))
+        _merge_yaml(args, explicit)
+    return to_config(args, env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """main.py: parse, check everything before any process starts, then launch; the exit code."""
+    # Imported here: parsing needs none of the engine (tests and tools parse without it).
+    from bundle import preflight
+    from bundle.runtime import process
+    from bundle.runtime.supervisor import supervise
+
+    env = dict(os.environ)
+    try:
+        plan = preflight.check_all(parse(argv, env), env)
+        torchrun = process.torchrun_env() if plan.cfg.launch.torchrun else None
+        if torchrun is not None:
+            return process.run_torchrun(plan.cfg, plan.topo, torchrun, plan.resume)
+        return supervise(plan.cfg, plan.topo, plan.resume)
+    except BundleError as exc:
+        print(f"main.py: error: {exc}", file=sys.stderr)
+        return 2
