@@ -50,7 +50,7 @@ class Option:
     help: str
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
-    aliases: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # other spellings, shown beside it in --help
     negate: bool = False  # "--no-X": given sets the (bool) field to False
     kind: type | None = None  # only for options without a field
     default: Any = _FROM_FIELD  # only where unset must not be the field's default
@@ -159,7 +159,7 @@ OPTIONS: tuple[Option, ...] = (
 
     Option(TRAIN, "--batch-size", "train.batch_size", metavar="B",
            help="global batch per step, over all bundles"),
-    Option(TRAIN, "--itr", "train.steps", metavar="STEPS",
+    Option(TRAIN, "--itr", "train.steps", metavar="STEPS", aliases=("--steps",),
            help="training steps (0: run --epochs whole epochs)"),
     Option(TRAIN, "--epochs", "train.epochs", help="whole epochs when --itr is 0"),
     Option(TRAIN, "--lr", "train.lr", help="SGD learning rate"),
@@ -236,9 +236,12 @@ OPTIONS: tuple[Option, ...] = (
     # torchrun's or a Slurm step's environment overrides the node layout (cli.to_config).
     Option(LAUNCH, "--rank", "launch.node_rank", metavar="NODE", aliases=("--node-rank",),
            help="this node's rank"),
-    Option(LAUNCH, "--world-size", "launch.num_nodes", metavar="NODES", help="number of nodes"),
-    Option(LAUNCH, "--IP", "launch.master_addr", metavar="HOST", help="master node address"),
-    Option(LAUNCH, "--portNum", "launch.master_port", metavar="PORT", help="master port"),
+    Option(LAUNCH, "--world-size", "launch.num_nodes", metavar="NODES", aliases=("--num-nodes",),
+           help="number of nodes"),
+    Option(LAUNCH, "--IP", "launch.master_addr", metavar="HOST", aliases=("--master-addr",),
+           help="master node address"),
+    Option(LAUNCH, "--portNum", "launch.master_port", metavar="PORT", aliases=("--master-port",),
+           help="master port"),
     Option(LAUNCH, "--nproc-per-node", "launch.nproc_per_node", metavar="N",
            help="processes on each node (0: all processes spread evenly over the nodes)"),
     Option(LAUNCH, "--backend", "launch.backend", choices=C.BACKENDS,

@@ -221,3 +221,48 @@ def test_help_says_what_main_py_says_it_is():
     doc = ast.get_docstring(ast.parse((ROOT / "main.py").read_text()))
     assert doc.splitlines()[0] == cli.DESCRIPTION
     assert cli.DESCRIPTION in " ".join(cli.build_parser().format_help().split())
+
+
+# Each original flag and its self-explaining spelling: (original, alias, value, field).
+ALIASES = [
+    ("--world-size", "--num-nodes", "4", "launch.num_nodes"),
+    ("--itr", "--steps", "7", "train.steps"),
+    ("--IP", "--master-addr", "10.0.0.9", "launch.master_addr"),
+    ("--portNum", "--master-port", "4000", "launch.master_port"),
+    ("--rank", "--node-rank", "1", "launch.node_rank"),
+    ("--weight-decay", "--wd", "0.01", "train.weight_decay"),
+]
+
+
+@pytest.mark.parametrize("original, alias, value, field", ALIASES)
+def test_an_alias_sets_the_same_field_as_the_original_flag(original, alias, value, field):
+    extra = [] if "num_nodes" in field else ["--world-size", "4"]  # a node rank below the nodes
+    with_original, with_alias = cfg([*extra, original, value]), cfg([*extra, alias, value])
+    assert with_alias == with_original != cfg(extra)
+    section, name = field.split(".")
+    assert str(getattr(getattr(with_alias, section), name)) == value
+
+
+@pytest.mark.parametrize("original, alias, value, field", ALIASES)
+def test_an_alias_is_shown_beside_its_flag(original, alias, value, field):
+    text = cli.build_parser().format_help()
+    assert any(original in ln and alias in ln for ln in text.splitlines()), alias
+
+
+@pytest.mark.parametrize("original, alias, value, field", ALIASES)
+def test_the_yaml_key_of_the_original_flag_still_works(tmp_path, original, alias, value, field):
+    path = tmp_path / "run.yaml"
+    nodes = "" if original == "--world-size" else "world-size: 4\n"
+    path.write_text(f"{nodes}{original.lstrip('-')}: {value}\n")
+    assert cfg(["--config", str(path)]) == cfg(["--world-size", "4", original, value])
+    # And the command line's alias beats it.
+    other = {"10.0.0.9": "10.0.0.8"}.get(value, "2")
+    assert cfg(["--config", str(path), alias, other]) == cfg(["--world-size", "4", alias, other])
+
+
+@pytest.mark.parametrize("original, alias, value, field", ALIASES)
+def test_an_alias_is_a_yaml_key_too(tmp_path, original, alias, value, field):
+    # --config takes "keys as the long options", and an alias is one.
+    path = tmp_path / "run.yaml"
+    path.write_text(f"world-size: 4\n{alias.lstrip('-')}: {value}\n")
+    assert cfg(["--config", str(path)]) == cfg(["--world-size", "4", original, value])

@@ -49,3 +49,10 @@ def test_the_option_table_is_the_single_source(tmp_path):
     path = tmp_path / "unset.yaml"
     path.write_text(yaml.safe_dump(values))
     assert cfg(["--config", str(path)]) == C.RunConfig()
+
+
+def test_no_two_options_share_a_spelling():
+    spellings = [f for o in options.OPTIONS for f in (o.flag, *o.aliases)]
+    assert len(spellings) == len(set(spellings))
+    keys = [k for o in options.OPTIONS if o.yaml for k in o.keys]
+    assert len(keys) == len(set(keys)) == len(options.BY_YAML_KEY)
