@@ -31,7 +31,8 @@ def _scalar(annotation: Any) -> type:
     """``str | None`` -> ``str``; ``tuple[int, ...]`` -> ``tuple``."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         (annotation,) = (a for a in typing.get_args(annotation) if a is not type(None))
-    return typing.get_origin(annotation) or annotation
+    scalar: type = typing.get_origin(annotation) or annotation
+    return scalar
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,11 @@ class Option:
 
     @property
     def value_type(self) -> type:
-        return self.kind if self.field is None else _scalar(_annotation(self.field))
+        if self.field is not None:
+            return _scalar(_annotation(self.field))
+        if self.kind is None:
+            raise TypeError(f"{self.flag} fills no RunConfig field, so it must name its kind")
+        return self.kind
 
     @property
     def unset(self) -> Any:
