@@ -1,4 +1,4 @@
-"""The command line: flags and YAML -> one frozen RunConfig, then the pre-launch checks and launch."""
+"""The command line: flags and YAML -> one frozen RunConfig; then the checks and the launch."""
 
 from __future__ import annotations
 
