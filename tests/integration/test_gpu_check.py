@@ -260,15 +260,15 @@ def test_run_command_kills_the_process_group_of_a_hang(monkeypatch):
     assert _gone(int(outcome.stdout.strip()))
 
 
-def test_make_gpu_check_runs_the_script_in_the_test_venv_and_the_readme_shows_it():
+def test_make_gpu_check_runs_the_script_in_the_test_venv_and_the_docs_show_it():
     makefile = (REPO / "Makefile").read_text()
     phony = re.search(r"^\.PHONY:(.*)$", makefile, re.M).group(1).split()
     assert "gpu-check" in phony and "make gpu-check" in makefile.split("\n\n", 1)[0]
     recipe = re.search(r"^gpu-check: (.*)\n\t(.*)", makefile, re.M)
     assert recipe.group(1) == "$(VENV)/.dev"
     assert recipe.group(2).startswith("$(RUN) scripts/gpu_check.py ")
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## On a GPU: `make gpu-check`", 1)[1].split("\n## ", 1)[0]
+    page = (REPO / "docs" / "gpu.md").read_text()
+    section = page.split("## On a GPU: `make gpu-check`", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash", 1)[1].split("```", 1)[0]
     assert block.strip() == "make gpu-check"
     ignored = (REPO / ".gitignore").read_text().split()

@@ -139,12 +139,12 @@ def test_outside_a_job_step_the_flags_stand():
 
 
 def test_the_sbatch_examples_fit_their_allocations(monkeypatch):
-    """Every `sbatch ... bundle.sbatch ARGS` of the script and the README, under the allocation
+    """Every `sbatch ... bundle.sbatch ARGS` of the script and its docs page, under the allocation
     it asks for (its own options over the #SBATCH lines), uses every GPU."""
     monkeypatch.chdir(REPO)  # --config paths are relative to the repository
     script = SBATCH.read_text()
     defaults = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.M))
-    text = (script + (REPO / "README.md").read_text()).replace("\\\n", " ")
+    text = (script + (REPO / "docs" / "clusters.md").read_text()).replace("\\\n", " ")
     examples = re.findall(r"sbatch ((?:--[\w-]+ \S+ )*)scripts/slurm/bundle\.sbatch ([^\n]*)", text)
     assert len(examples) >= 3, examples
     for options, args in examples:
