@@ -1,4 +1,4 @@
-"""Typed errors of the engine: each carries the offending value; only main.py maps them to exit codes."""
+"""Typed errors of the engine: each carries the offending value; only bundle.cli.main maps them to exit codes."""
 
 from __future__ import annotations
 
