@@ -15,8 +15,9 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -32,10 +33,23 @@ _IMAGENET_MEAN = (0.485, 0.456, 0.406)
 _IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+def size(dataset: Dataset[Any]) -> int:
+    """The samples in ``dataset`` (torch's Dataset declares no ``__len__``; every one here has it)."""
+    return len(cast(Sized, dataset))
+
+
+def _root(cfg: DataConfig) -> str:
+    if not cfg.root:
+        raise DataError(
+            f"--dataset {cfg.dataset} needs DATA_DIR (a directory with train/ and val/)"
+        )
+    return cfg.root
+
+
 @dataclass(frozen=True)
 class DataSplits:
-    train: Dataset
-    val: Dataset
+    train: Dataset[Any]
+    val: Dataset[Any]
     num_classes: int
     input_shape: tuple[int, int, int]
 
@@ -75,21 +89,21 @@ def _synthetic(cfg: DataConfig, seed: int) -> DataSplits:
     )
 
 
-class SeededAugment(Dataset):
+class SeededAugment(Dataset[Any]):
     """``base[i]`` for key ``epoch * len(base) + i``, its random transforms seeded by the key.
 
     The seed depends on ``(seed, epoch, i)`` only, never on the process, the loader worker or what
     ran before; the caller's RNG state is left as it was.
     """
 
-    def __init__(self, base: Dataset, seed: int) -> None:
+    def __init__(self, base: Dataset[Any], seed: int) -> None:
         self.base, self.seed = base, seed
 
     def __len__(self) -> int:
-        return len(self.base)
+        return size(self.base)
 
     def __getitem__(self, key: int):
-        epoch, i = divmod(int(key), len(self.base))
+        epoch, i = divmod(int(key), size(self.base))
         digest = hashlib.blake2b(f"{self.seed}:{epoch}:{i}".encode(), digest_size=8).digest()
         with torch.random.fork_rng(devices=[]):
             # Not torch.manual_seed: that also reseeds every CUDA generator, which
@@ -122,7 +136,7 @@ def _image_folder(cfg: DataConfig, seed: int) -> DataSplits:
     )
     splits = {}
     for name, tf in (("train", train_tf), ("val", val_tf)):
-        path = os.path.join(cfg.root, name)
+        path = os.path.join(_root(cfg), name)
         try:
             splits[name] = datasets.ImageFolder(path, transform=tf)
         except (FileNotFoundError, RuntimeError) as exc:
@@ -141,7 +155,7 @@ def check_data(cfg: DataConfig) -> None:
     if not os.path.isdir(cfg.root):
         raise DataError(f"data directory {cfg.root!r} does not exist")
     for name in ("train", "val"):
-        path = os.path.join(cfg.root, name)
+        path = os.path.join(_root(cfg), name)
         if not os.path.isdir(path) or not any(os.scandir(path)):
             raise DataError(
                 f"data directory {cfg.root!r}: {name}/ is missing or empty (expected DIR/{name}/CLASS/*.jpg)"
@@ -153,11 +167,11 @@ def train_size(cfg: DataConfig) -> int:
     if cfg.dataset == "synthetic":
         return cfg.synthetic_size
     if cfg.dataset == "digits":
-        return len(_digits().train)
+        return size(_digits().train)
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
     check_data(cfg)
-    return len(make_dataset(os.path.join(cfg.root, "train"), extensions=IMG_EXTENSIONS))
+    return len(make_dataset(os.path.join(_root(cfg), "train"), extensions=IMG_EXTENSIONS))
 
 
 def load(cfg: DataConfig, seed: int) -> DataSplits:
@@ -212,22 +226,22 @@ class Shard:
         return [batch[slice(*self.rows(len(batch), k))] for k in range(self.micro_batches)]
 
 
-def _fetch(dataset: Dataset, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fetch(dataset: Dataset[Any], keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The (inputs, labels) of the samples named by ``keys`` (see the module docstring)."""
     if isinstance(dataset, TensorDataset):
         x, y = dataset.tensors
         idx = keys % len(y)
         return x[idx], y[idx]
     if not isinstance(dataset, SeededAugment):
-        keys = keys % len(dataset)
+        keys = keys % size(dataset)
     xs, ys = zip(*(dataset[int(k)] for k in keys), strict=True)
     return torch.stack(xs), torch.as_tensor(ys)
 
 
-class _BatchFetch(Dataset):
+class _BatchFetch(Dataset[Any]):
     """Loader workers fetch whole micro-batches through ``_fetch``, exactly as ``workers=0`` does."""
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: Dataset[Any]) -> None:
         self.dataset = dataset
 
     def __getitem__(self, keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,7 +267,7 @@ def worker_init_fn(_worker_id: int) -> None:
 
 
 def micro_batches(
-    dataset: Dataset,
+    dataset: Dataset[Any],
     index_lists: Iterable[torch.Tensor],
     *,
     workers: int,
@@ -279,7 +293,7 @@ def micro_batches(
     )
 
 
-def labels_of(dataset: Dataset) -> torch.Tensor:
+def labels_of(dataset: Dataset[Any]) -> torch.Tensor:
     """Every label of ``dataset``, without decoding a single image."""
     if isinstance(dataset, SeededAugment):
         return labels_of(dataset.base)
@@ -287,11 +301,11 @@ def labels_of(dataset: Dataset) -> torch.Tensor:
         return dataset.tensors[1]
     if hasattr(dataset, "targets"):  # torchvision ImageFolder and friends
         return torch.as_tensor(dataset.targets)
-    return torch.as_tensor([dataset[i][1] for i in range(len(dataset))])
+    return torch.as_tensor([dataset[i][1] for i in range(size(dataset))])
 
 
 def stage_micro_batches(
-    dataset: Dataset,
+    dataset: Dataset[Any],
     index_lists: Iterable[torch.Tensor],
     *,
     first: bool,
@@ -320,7 +334,7 @@ def replica_indices(
         raise DataError(f"the training set has {n} samples, fewer than one batch of {batch}")
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
-    keys, epoch = None, -1
+    keys, epoch = torch.empty(0, dtype=torch.long), -1
     for step in range(start, steps):
         if step // spe != epoch:
             epoch = step // spe

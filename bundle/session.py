@@ -14,7 +14,7 @@ from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig
 from bundle.engine import nccl_emu, precision
-from bundle.engine.grad_sync import Collectives, FlatSync, GradSync, HierarchicalSync
+from bundle.engine.grad_sync import Comm, FlatSync, GradSync, HierarchicalSync
 from bundle.engine.precision import Policy
 from bundle.engine.stage_engine import MicroBatch, StageEngine, boundary_metas, build_stages
 from bundle.engine.transport import Transport, post_with_torch
@@ -131,7 +131,7 @@ def _make_sync(
     stage: Stage,
     groups: ProcessGroups,
     device: torch.device,
-    comm: Collectives | None,
+    comm: Comm | None,
 ) -> GradSync:
     if len(topo.stage_group(coord.stage)) == 1:
         return GradSync(stage)
@@ -194,7 +194,7 @@ def train_stream(
     if not reads_data(topo, coord):
         while True:
             yield None
-    n = len(session.splits.train)
+    n = data.size(session.splits.train)
     lists = data.replica_indices(
         shard(topo, coord, topo.micro_batches), n, topo.global_batch, seed, total, start=start
     )
@@ -239,7 +239,7 @@ def make_checkpointer(
         group=session.groups.control,
         stage_group=session.groups.stage,
         settings=checkpoint_settings(cfg, session),
-        steps_per_epoch=data.steps_per_epoch(len(session.splits.train), cfg.train.batch_size),
+        steps_per_epoch=data.steps_per_epoch(data.size(session.splits.train), cfg.train.batch_size),
         total=total,
         async_group=session.groups.async_save,
         extra=scaler.state() if scaler else None,

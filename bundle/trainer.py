@@ -196,10 +196,10 @@ def build_trainer(
 ) -> Trainer:
     """The loop's components for this rank; restores ``resume`` (collective) to learn the start."""
     batch = cfg.train.batch_size
-    spe = data.steps_per_epoch(len(session.splits.train), batch)
+    spe = data.steps_per_epoch(data.size(session.splits.train), batch)
     if spe == 0:
         raise DataError(
-            f"the training set has {len(session.splits.train)} samples, fewer than one batch of "
+            f"the training set has {data.size(session.splits.train)} samples, fewer than one batch of "
             f"{batch}"
         )
     total = cfg.train.steps or cfg.train.epochs * spe

@@ -49,7 +49,7 @@ def build(name: str, *, num_classes: int, input_shape: tuple[int, int, int]) -> 
     shape = tuple(input_shape)
     if len(shape) != 3 or not all(isinstance(d, int) and d > 0 for d in shape):
         raise ConfigError("input_shape", input_shape, "three positive integers (C, H, W)")
-    return _REGISTRY[name](num_classes, shape)  # type: ignore[arg-type]
+    return _REGISTRY[name](num_classes, (shape[0], shape[1], shape[2]))
 
 
 def blocks(model: nn.Module) -> list[Block]:

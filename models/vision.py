@@ -53,4 +53,4 @@ def _no_inplace_at_boundaries(model: nn.Module) -> None:
     top = resnet_blocks(model) if isinstance(model, ResNet) else vgg_blocks(model)
     for _, module in top:
         if getattr(module, "inplace", False):
-            module.inplace = False
+            setattr(module, "inplace", False)  # noqa: B010 - nn.Module's own attribute

@@ -30,7 +30,7 @@ import re
 import shutil
 import tempfile
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from torch import nn
 
 from bundle.config import RunConfig
 from bundle.errors import CheckpointError
+from bundle.partition import Stage
 from bundle.topology import Coord, Topology
 
 INFO = "bundle.json"
@@ -64,8 +65,8 @@ def load(path: str) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _unwrap(stage: nn.Module) -> nn.Module:
-    return getattr(stage, "module", stage)
+def _unwrap(stage: nn.Module) -> Stage:
+    return cast(Stage, getattr(stage, "module", stage))  # a stage, or DDP around one
 
 
 def save_distributed(
@@ -114,7 +115,7 @@ def checkpoints(save_dir: str) -> list[tuple[int, str]]:
 
 def latest(save_dir: str) -> tuple[str | None, list[str]]:
     """The newest complete checkpoint, and the newer incomplete ones passed over."""
-    skipped = []
+    skipped: list[str] = []
     for _step, path in reversed(checkpoints(save_dir)):
         if is_complete(path):
             return path, skipped

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,18 +23,42 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 
+class Started(Protocol):
+    """A collective in flight: torch's ``Work``, or the emulator's."""
+
+    def wait(self, timeout: timedelta = ...) -> bool: ...
+
+    def get_future(self) -> torch.futures.Future[Any]: ...
+
+
+class Comm(Protocol):
+    """What a sync needs to start its collectives asynchronously."""
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Started: ...
+
+    def reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> Started: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> Started: ...
+
+
 class Collectives:
-    """The sync's collectives, started asynchronously; ``bundle.nccl_emu.Emulator`` has the same
-    methods and runs them on per-group in-order streams, as NCCL does."""
+    """The sync's collectives on torch.distributed; ``bundle.engine.nccl_emu.Emulator`` has the
+    same methods and runs them on per-group in-order streams, as NCCL does."""
 
-    def all_reduce(self, tensor: torch.Tensor, group):
-        return dist.all_reduce(tensor, group=group, async_op=True)
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+        return _started(dist.all_reduce(tensor, group=group, async_op=True))
 
-    def reduce(self, tensor: torch.Tensor, dst: int, group):
-        return dist.reduce(tensor, dst=dst, group=group, async_op=True)
+    def reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> dist.Work:
+        return _started(dist.reduce(tensor, dst=dst, group=group, async_op=True))
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group):
-        return dist.broadcast(tensor, src=src, group=group, async_op=True)
+    def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> dist.Work:
+        return _started(dist.broadcast(tensor, src=src, group=group, async_op=True))
+
+
+def _started(work: dist.Work | None) -> dist.Work:
+    if work is None:  # async_op=True in a group this rank belongs to always returns its work
+        raise RuntimeError("a collective started in a group this rank is not in")
+    return work
 
 
 def _sum_hook(state, bucket):  # DDP checks real (not postponed) annotations, so none here
@@ -64,6 +90,8 @@ class GradSync:
 
 
 class FlatSync(GradSync):
+    module: DistributedDataParallel
+
     def __init__(
         self,
         stage: nn.Module,
@@ -71,7 +99,7 @@ class FlatSync(GradSync):
         device: torch.device,
         *,
         bucket_mb: float,
-        comm: Collectives | None = None,
+        comm: Comm | None = None,
     ) -> None:
         super().__init__(
             DistributedDataParallel(
@@ -119,7 +147,7 @@ class HierarchicalSync(GradSync):
         masters_group: dist.ProcessGroup | None,
         is_master: bool,
         bucket_mb: float,
-        comm: Collectives | None = None,
+        comm: Comm | None = None,
     ) -> None:
         super().__init__(stage)
         self.comm = comm or Collectives()
@@ -196,10 +224,12 @@ class HierarchicalSync(GradSync):
                 works[b].wait()
             works[b] = start(buf) if start is not None else None
 
-    def _allreduce(self, buf: torch.Tensor):
+    def _allreduce(self, buf: torch.Tensor) -> Started:
+        assert self.masters_group is not None  # started only where there is one
         return self.comm.all_reduce(buf, self.masters_group)
 
-    def _broadcast(self, buf: torch.Tensor):
+    def _broadcast(self, buf: torch.Tensor) -> Started:
+        assert self.bundle_group is not None  # started only where there is one
         return self.comm.broadcast(buf, self.bundle_master, self.bundle_group)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:

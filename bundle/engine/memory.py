@@ -47,7 +47,7 @@ def _statistics_frozen(norms: Sequence[_NormBase]) -> Iterator[None]:
     finally:
         for m, (momentum, n), count in zip(norms, saved, counts, strict=True):
             m.momentum = momentum
-            if n is not None:
+            if n is not None and count is not None:
                 n.copy_(count)
 
 

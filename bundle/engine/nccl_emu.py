@@ -42,6 +42,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,7 +108,7 @@ class Work:
             raise RuntimeError(self._call.error)
         return True
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         assert self._call.future is not None, "only collectives carry a future"
         return self._call.future
 
@@ -237,6 +238,7 @@ class Emulator:
                 time.sleep(pause)
                 pause = min(2 * pause, _POLL_MAX_S)
         for op, w in works:
+            assert w is not None  # a point-to-point operation to a peer always returns its work
             w.wait(timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
             op.state = "done"
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,8 @@ from torch import nn
 from bundle.config import ComputeConfig
 from bundle.engine.schedule import Action, backward_follows_forward
 from bundle.engine.transport import TensorMeta
+
+M = TypeVar("M", bound=nn.Module)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,7 +75,7 @@ class Policy:
         keep = backward_follows_forward(acts) if self.recompute == "except-last" else set()
         return [k not in keep for k in range(micro_batches)]
 
-    def prepare_stage(self, stage: nn.Module) -> nn.Module:
+    def prepare_stage(self, stage: M) -> M:
         return stage.to(memory_format=torch.channels_last) if self.channels_last else stage
 
     def prepare_input(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -97,7 +100,8 @@ def describe(cfg: ComputeConfig) -> str:
 
 def set_tf32(enabled: bool) -> None:
     """fp32 matmuls and convolutions on CUDA in TF32 (PyTorch's default: convolutions only)."""
-    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    matmul = torch.backends.cuda.matmul
+    conv = getattr(torch.backends.cudnn, "conv")  # noqa: B009 - set up at import, not in the stubs
     if hasattr(matmul, "fp32_precision"):  # torch >= 2.9; the allow_tf32 flags are deprecated
         matmul.fp32_precision = conv.fp32_precision = "tf32" if enabled else "ieee"
     else:

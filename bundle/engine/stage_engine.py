@@ -4,6 +4,7 @@ calls they make, the gradient sync and the optimizer step; and the stages it run
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,8 +26,8 @@ from bundle.topology import Coord, Topology, split_sizes
 
 
 def build_stages(
-    cfg: RunConfig, num_stages: int, input_shape: tuple[int, ...], num_classes: int
-) -> list[nn.Module]:
+    cfg: RunConfig, num_stages: int, input_shape: tuple[int, int, int], num_classes: int
+) -> list[Stage]:
     """The full model, seeded identically on every process, cut into stages."""
     spec = partition.load_spec(cfg.model.partition) if cfg.model.partition else None
     torch.manual_seed(cfg.train.seed)
@@ -37,7 +38,7 @@ def build_stages(
 
 @torch.no_grad()
 def boundary_metas(
-    stages: list[nn.Module], input_shape: tuple[int, ...], policy: Policy
+    stages: Sequence[nn.Module], input_shape: tuple[int, ...], policy: Policy
 ) -> list[tuple[TensorMeta, ...]]:
     """What crosses each stage boundary: shapes from one dummy row on the CPU, once; dtype and
     layout from the precision policy, which every rank holds alike."""

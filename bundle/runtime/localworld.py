@@ -15,7 +15,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -111,7 +111,10 @@ def run_world(
     """
     if backend not in ("gloo", "nccl", "nccl-emu"):
         raise ValueError(f"backend: {backend!r} is not valid; choose gloo, nccl or nccl-emu")
-    ctx = mp.get_context(start_method if start_method in mp.get_all_start_methods() else "spawn")
+    # Typed as the base context, whose stubs lack Process; every concrete context has it.
+    ctx: Any = mp.get_context(
+        start_method if start_method in mp.get_all_start_methods() else "spawn"
+    )
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
         procs = [

@@ -7,7 +7,8 @@ On NCCL nothing raises: ``work.wait()`` only orders the CUDA stream, the CPU run
 next wait, and NCCL's own watchdog thread aborts the process (SIGABRT, no message) once a
 collective outlives the group's timeout. So each worker runs this watchdog: a daemon thread that
 reads the process's position (its ``Phase``: the engine's "step 3 recv_act1", which the engine
-keeps up to date anyway, or the loop's named phase) every half second and, when it has not changed for the limit, posts
+keeps up to date anyway, or the loop's named phase) every half second and, when it has not
+changed for the limit, posts
 ``<rank> stalled at <position>: no progress in <limit>s`` to the store and exits with code 1; the
 other processes' abort watches then stop them. It costs nothing per micro-batch.
 
