@@ -6,69 +6,14 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from bundle.runtime.localworld import free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = [
-    "--model",
-    "mlp",
-    "--dataset",
-    "synthetic",
-    "--image-size",
-    "4",
-    "--num-classes",
-    "5",
-    "--synthetic-size",
-    "256",
-    "--batch-size",
-    "16",
-    "--no-eval",
-    "--log-every",
-    "1",
-]
+from tests.support.processes import SMALL, finish, image_folder, start, start_logged
 
 pytestmark = pytest.mark.slow
-
-
-def start(*args, **kw) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        **kw,
-    )
-
-
-def start_logged(log, *args, **kw) -> subprocess.Popen:
-    """A long run: stderr goes to the file ``log`` (a pipe nobody reads would fill and block it)."""
-    with open(log, "w") as err_file:
-        return subprocess.Popen(
-            [sys.executable, *args],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=err_file,
-            start_new_session=True,
-            **kw,
-        )
-
-
-def finish(p: subprocess.Popen, timeout: float = 180) -> tuple[int, str, str]:
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"timed out after {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
-    return p.returncode, out, err
 
 
 def two_nodes_on_loopback(port: str) -> list[str]:
@@ -268,18 +213,6 @@ def test_nodes_with_different_settings_are_told_which(tmp_path):
     for err in (e0, e1):
         assert "different settings" in err and "train.lr" in err, err
     assert "started ranks" not in e0 + e1
-
-
-def image_folder(root) -> None:
-    """Three classes of plain-coloured JPEGs of varied sizes: 12 per class to train, 4 to validate."""
-    from PIL import Image
-
-    for split, count in (("train", 12), ("val", 4)):
-        for c, color in enumerate(((200, 30, 30), (30, 200, 30), (30, 30, 200))):
-            d = root / split / f"class{c}"
-            d.mkdir(parents=True)
-            for i in range(count):
-                Image.new("RGB", (40 + i, 36), color).save(d / f"{i}.jpg")
 
 
 def test_image_folder_resnet_with_a_partition_loader_workers_and_checkpoint(tmp_path):

@@ -22,25 +22,15 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import models
 from bundle import data
-from bundle.config import (
-    ComputeConfig,
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-    RunConfig,
-    TrainConfig,
-)
 from bundle.engine.nccl_emu import Emulator
 from bundle.runtime.localworld import run_world
 from bundle.session import build_session, train_stream
 from bundle.topology import Topology
+from tests.support.reference import STEPS, TOL, equivalence_config, reference
 
-STEPS = 3
-TOL = 1e-5
 SHAPES = [(1,), (2,), (1, 1), (2, 1), (1, 2), (2, 3), (1, 1, 1), (2, 2, 1)]
 # (schedule, micro-batches, sync, precision, recompute)
 VARIANTS = [
@@ -54,60 +44,6 @@ VARIANTS = [
     ("1f1b", 3, "hierarchical", "fp32", "always"),
 ]
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _config(
-    shape, bundles, schedule, micro, sync, model, precision="fp32", recompute="never"
-) -> RunConfig:
-    return RunConfig(
-        parallel=ParallelConfig(
-            shape=shape,
-            num_bundles=bundles,
-            micro_batches=micro,
-            schedule=schedule,
-            grad_sync=sync,
-            # tiny buckets with 3 micro-batches: every parameter syncs in its own bucket
-            bucket_mb=0.001 if micro == 3 else 25.0,
-        ),
-        model=ModelConfig(name=model),
-        data=DataConfig(dataset="synthetic", image_size=4, num_classes=5, synthetic_size=128),
-        # 23 rows: bundles of 12/11, micro-batches of 4/4/3 (or 4/4/4), replicas of 2/1/1 ...
-        train=TrainConfig(
-            batch_size=23, steps=STEPS, lr=0.1, momentum=0.9, weight_decay=0.01, seed=7, eval=False
-        ),
-        compute=ComputeConfig(precision=precision, recompute=recompute),
-    )
-
-
-def reference(cfg: RunConfig, steps: int | None = None) -> dict[str, torch.Tensor]:
-    """One process, the unsplit model, the same global batches, mean loss over each batch.
-
-    Mixed precision: the forward under the same autocast, the loss in fp32, fp16 through
-    ``torch.amp.GradScaler`` (the anchor Bundle's loss scaling follows)."""
-    splits = data.load(cfg.data, cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
-    model = models.build(
-        cfg.model.name, num_classes=splits.num_classes, input_shape=splits.input_shape
-    )
-    opt = torch.optim.SGD(
-        model.parameters(),
-        lr=cfg.train.lr,
-        momentum=cfg.train.momentum,
-        weight_decay=cfg.train.weight_decay,
-    )
-    x, y = splits.train.tensors
-    precision = cfg.compute.precision
-    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
-    for step in range(cfg.train.steps if steps is None else steps):
-        idx = data.global_batch(len(y), cfg.train.batch_size, cfg.train.seed, step)
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=DTYPES.get(precision), enabled=precision in DTYPES):
-            out = model(x[idx])
-        scaler.scale(F.cross_entropy(out.float(), y[idx])).backward()
-        scaler.step(opt)
-        scaler.update()
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def _hybrid(rank: int, world: int, shape, bundles, backend: str = "auto") -> list[str]:
@@ -115,7 +51,7 @@ def _hybrid(rank: int, world: int, shape, bundles, backend: str = "auto") -> lis
     failures, refs = [], {}
     for schedule, micro, sync, precision, recompute in VARIANTS:
         model = "skip_mlp" if len(shape) > 1 and micro == 3 else "mlp"
-        cfg = _config(shape, bundles, schedule, micro, sync, model, precision, recompute)
+        cfg = equivalence_config(shape, bundles, schedule, micro, sync, model, precision, recompute)
         cfg = replace(cfg, launch=replace(cfg.launch, backend=backend))
         name = f"{schedule} M={micro} {sync} {precision} recompute {recompute} {model}"
         topo = Topology.from_config(cfg)
@@ -135,7 +71,8 @@ def _hybrid(rank: int, world: int, shape, bundles, backend: str = "auto") -> lis
         for key in {(model, "fp32"), (model, precision), (model, "init")} - set(refs):
             fp = "fp32" if key[1] == "init" else key[1]
             refs[key] = reference(
-                _config((1,), 1, "gpipe", 1, "flat", model, fp), 0 if key[1] == "init" else None
+                equivalence_config((1,), 1, "gpipe", 1, "flat", model, fp),
+                0 if key[1] == "init" else None,
             )
         ref, init = refs[(model, precision)], refs[(model, "init")]
         tol = TOL
@@ -184,7 +121,7 @@ def test_hybrid_equals_single_process_under_nccl_emu(shape, bundles):
 
 def test_reference_moves_parameters():
     """The comparison is not vacuous: training changes the parameters well beyond the tolerance."""
-    cfg = _config((1,), 1, "gpipe", 1, "flat", "mlp")
+    cfg = equivalence_config((1,), 1, "gpipe", 1, "flat", "mlp")
     splits = data.load(cfg.data, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     init = dict(

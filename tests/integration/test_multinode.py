@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from bundle import cli
-from tests.integration.test_equivalence import reference
-from tests.netns import NetnsPair
+from tests.support.netns import NetnsPair
+from tests.support.reference import reference
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN = REPO / "main.py"

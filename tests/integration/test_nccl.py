@@ -22,7 +22,7 @@ from bundle.config import ComputeConfig, RunConfig
 from bundle.runtime import devices, localworld
 from bundle.session import build_session, train_stream
 from bundle.topology import Topology
-from tests.integration.test_equivalence import STEPS, TOL, _config, reference
+from tests.support.reference import STEPS, TOL, equivalence_config, reference
 
 DEVICE = "cuda:0"
 CASES = [((1, 1), 1), ((2, 1), 1), ((1, 1), 2)]  # (shape, bundles)
@@ -46,7 +46,7 @@ SKIP = _skip_reason()
 
 def _gpu_config(shape, bundles, micro: int, sync: str) -> RunConfig:
     model = "skip_mlp" if micro == 3 else "mlp"  # two tensors cross the boundary with M = 3
-    cfg = _config(shape, bundles, "1f1b", micro, sync, model)
+    cfg = equivalence_config(shape, bundles, "1f1b", micro, sync, model)
     return replace(cfg, compute=ComputeConfig(precision="fp32", tf32=False))
 
 

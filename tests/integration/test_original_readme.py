@@ -25,8 +25,8 @@ import pytest
 
 from bundle import cli, preflight
 from bundle.runtime.localworld import free_port
-from tests.integration.test_containers import ENTRYPOINT, FakeDocker, _clean_env
-from tests.integration.test_e2e import finish, image_folder
+from tests.support.docker import ENTRYPOINT, FakeDocker, clean_env
+from tests.support.processes import finish, image_folder
 
 REPO = Path(__file__).resolve().parents[2]
 ORIGINAL = (REPO / "docs" / "reference" / "original-README.md").read_text()
@@ -156,7 +156,7 @@ def script(docker: FakeDocker, argv: list[str], stdin: str = "", **env: str):
         input=stdin,
         capture_output=True,
         text=True,
-        env=_clean_env(docker.bin_dir, FAKE_DOCKER_LOG=str(docker.log), **env),
+        env=clean_env(docker.bin_dir, FAKE_DOCKER_LOG=str(docker.log), **env),
         timeout=30,
     )
     assert r.returncode == 0, r.stderr
@@ -233,7 +233,7 @@ def test_run_the_bundle_container(docker, data, tmp_path):
                     stderr=err,
                     text=True,
                     start_new_session=True,
-                    env=_clean_env(
+                    env=clean_env(
                         docker.bin_dir,
                         **container_env,
                         BUNDLE_PYTHON=sys.executable,

@@ -21,7 +21,7 @@ from bundle.errors import ConfigError
 from bundle.runtime.localworld import run_world
 from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology
-from tests.integration.test_equivalence import TOL, _config
+from tests.support.reference import TOL, equivalence_config
 
 IMAGE = TensorMeta((8, 4, 4), torch.float32)
 LABELS = TensorMeta((), torch.int64)
@@ -165,7 +165,7 @@ def test_loss_scaler_follows_grad_scaler_rules():
 
 
 def _poisoned_skip(rank: int, world: int, save_dir: str) -> dict:
-    cfg = _config((2, 1), 1, "1f1b", 3, "flat", "mlp", precision="fp16")
+    cfg = equivalence_config((2, 1), 1, "1f1b", 3, "flat", "mlp", precision="fp16")
     cfg = dataclasses.replace(cfg, checkpoint=CheckpointConfig(save_dir=save_dir))
     topo = Topology.from_config(cfg)
     session = build_session(cfg, topo, rank, torch.device("cpu"))
@@ -207,7 +207,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
 def _boundary(rank: int, world: int, compute: ComputeConfig, backend: str = "auto") -> dict:
     # Two rear replicas: the front sends each its rows of the NHWC wire tensor, and the rear's
     # hierarchical sync runs over channels-last parameters.
-    cfg = _config((1, 2), 1, "1f1b", 2, "hierarchical", "small_resnet")
+    cfg = equivalence_config((1, 2), 1, "1f1b", 2, "hierarchical", "small_resnet")
     cfg = dataclasses.replace(
         cfg,
         data=dataclasses.replace(cfg.data, image_size=8),
@@ -270,7 +270,8 @@ def test_channels_last_and_bf16_cross_the_boundary():
 
 def test_precision_the_devices_cannot_run_is_refused_before_start(monkeypatch):
     bf16 = dataclasses.replace(
-        _config((1, 1), 1, "1f1b", 1, "flat", "mlp"), compute=ComputeConfig(precision="bf16")
+        equivalence_config((1, 1), 1, "1f1b", 1, "flat", "mlp"),
+        compute=ComputeConfig(precision="bf16"),
     )
     preflight.check_precision(bf16, "gloo")  # this CPU runs bf16 autocast
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
@@ -283,7 +284,9 @@ def test_precision_the_devices_cannot_run_is_refused_before_start(monkeypatch):
     monkeypatch.setattr(torch, "autocast", no_autocast)
     with pytest.raises(ConfigError, match="--precision: 'bf16'.*cannot run it"):
         preflight.check_precision(bf16, "gloo")
-    preflight.check_precision(_config((1, 1), 1, "1f1b", 1, "flat", "mlp"), "gloo")  # fp32
+    preflight.check_precision(
+        equivalence_config((1, 1), 1, "1f1b", 1, "flat", "mlp"), "gloo"
+    )  # fp32
 
 
 def test_loss_is_fp32_under_autocast():

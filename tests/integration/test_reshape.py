@@ -16,7 +16,7 @@ from bundle.config import CheckpointConfig, RunConfig
 from bundle.runtime.localworld import run_world
 from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology
-from tests.integration.test_equivalence import TOL, _config, reference
+from tests.support.reference import TOL, equivalence_config, reference
 
 SAVED_AT = 3
 MORE = 3  # steps 3..5 cross the epoch boundary (128 samples, batch 23: 5 steps per epoch)
@@ -28,7 +28,7 @@ TARGETS = {
 
 
 def _cfg(shape, bundles, sync, steps: int, save_dir: str) -> RunConfig:
-    cfg = _config(shape, bundles, "1f1b", 3, sync, "mlp")
+    cfg = equivalence_config(shape, bundles, "1f1b", 3, sync, "mlp")
     return dataclasses.replace(
         cfg,
         train=dataclasses.replace(cfg.train, steps=steps),

@@ -20,7 +20,7 @@ import torch
 from bundle import cli
 from bundle.lr_schedule import LRSchedule
 from bundle.runtime.localworld import free_port
-from tests.integration.test_e2e import SMALL, finish, image_folder, start, start_logged
+from tests.support.processes import SMALL, finish, image_folder, start, start_logged
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from bundle import cli
 from bundle.errors import ConfigError
 from bundle.runtime import slurm
 from bundle.runtime.localworld import free_port
-from tests.integration.test_e2e import SMALL
+from tests.support.processes import SMALL
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "scripts" / "slurm" / "bundle.sbatch"

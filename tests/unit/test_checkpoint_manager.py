@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import models
 from bundle import partition
@@ -20,16 +19,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 INPUT = (1, 4, 4)
 TOPO = Topology(shape=(1,), num_bundles=1, procs_per_node=1, global_batch=4, micro_batches=1)
-
-
-@pytest.fixture
-def world():
-    """This process as a job of one rank (DCP's saves and loads are collective)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 def _checkpointer(save_dir, *, every=3, total=8, keep=2, group=None, seed=0) -> Checkpointer:
@@ -83,8 +72,8 @@ def test_maybe_save_runs_the_hooks_first_and_blocks_only_at_the_end_or_a_stop(tm
     ]  # fmt: skip
 
 
-def test_saves_keep_the_newest_and_read_back_exactly(tmp_path, world):
-    saver = _checkpointer(tmp_path, every=1, total=4, keep=2, group=world)
+def test_saves_keep_the_newest_and_read_back_exactly(tmp_path, world_of_one):
+    saver = _checkpointer(tmp_path, every=1, total=4, keep=2, group=world_of_one)
     params = list(saver.stage.parameters())
     for step in range(1, 5):
         saver.stage(torch.randn(2, *INPUT))[0].sum().backward()
@@ -94,7 +83,7 @@ def test_saves_keep_the_newest_and_read_back_exactly(tmp_path, world):
     assert sorted(os.listdir(tmp_path)) == ["step-3", "step-4"]
     assert saver.last_saved == ckpt.step_dir(str(tmp_path), 4)
 
-    fresh = _checkpointer(tmp_path, group=world, seed=1)
+    fresh = _checkpointer(tmp_path, group=world_of_one, seed=1)
     assert not all(torch.equal(a, b) for a, b in zip(params, fresh.stage.parameters(), strict=True))
     assert fresh.restore(saver.last_saved) == 4
     for a, b in zip(params, fresh.stage.parameters(), strict=True):

@@ -7,7 +7,7 @@ import pytest
 from bundle.errors import ConfigError
 from bundle.plan.cluster import Link
 from bundle.plan.search import Plan, Splitter, compositions, evaluate, micro_counts, search
-from tests.plan_fixtures import FREE, literal_cost
+from tests.support.plan_fixtures import FREE, literal_cost
 
 
 def test_compositions_and_micro_counts():

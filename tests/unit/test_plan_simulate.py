@@ -8,7 +8,7 @@ import pytest
 from bundle.errors import ScheduleError
 from bundle.plan.cluster import Link
 from bundle.plan.simulate import COMPUTE, SEND, Layout, simulate
-from tests.plan_fixtures import literal_cost
+from tests.support.plan_fixtures import literal_cost
 
 
 def _layout(shape, micro, schedule, *, starts=None, batch=None, sync="flat") -> Layout:

@@ -7,10 +7,11 @@ import os
 import pytest
 import torch
 
-from bundle.config import LaunchConfig, ParallelConfig, RunConfig
+from bundle.config import RunConfig
 from bundle.errors import ConfigError
 from bundle.runtime import devices as dev
 from bundle.topology import Topology
+from tests.support.config import make_config
 
 ENV = dev.MULTI_RANK_GPU_ENV
 
@@ -32,9 +33,8 @@ def gpus(monkeypatch):
 
 
 def _cfg(procs: int, *, share: bool = False, backend: str = "nccl") -> RunConfig:
-    return RunConfig(
-        parallel=ParallelConfig(shape=(procs,)),
-        launch=LaunchConfig(backend=backend, share_gpus=share),
+    return make_config(
+        parallel={"shape": (procs,)}, launch={"backend": backend, "share_gpus": share}
     )
 
 

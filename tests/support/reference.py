@@ -1,0 +1,76 @@
+"""Gradient equivalence's yardstick: one process training the unsplit model on the same global
+batches, and the small configs the equivalence tests run."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import models
+from bundle import data
+from bundle.config import RunConfig
+from tests.support.config import make_config
+
+STEPS = 3
+TOL = 1e-5
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def equivalence_config(
+    shape, bundles, schedule, micro, sync, model, precision="fp32", recompute="never"
+) -> RunConfig:
+    """Synthetic 4x4 images in 5 classes; 23 rows a batch: bundles of 12/11, micro-batches of
+    4/4/3 (or 4/4/4), replicas of 2/1/1 ... all uneven."""
+    return make_config(
+        parallel={
+            "shape": shape,
+            "num_bundles": bundles,
+            "micro_batches": micro,
+            "schedule": schedule,
+            "grad_sync": sync,
+            # tiny buckets with 3 micro-batches: every parameter syncs in its own bucket
+            "bucket_mb": 0.001 if micro == 3 else 25.0,
+        },
+        model={"name": model},
+        data={"dataset": "synthetic", "image_size": 4, "num_classes": 5, "synthetic_size": 128},
+        train={
+            "batch_size": 23,
+            "steps": STEPS,
+            "lr": 0.1,
+            "momentum": 0.9,
+            "weight_decay": 0.01,
+            "seed": 7,
+            "eval": False,
+        },
+        compute={"precision": precision, "recompute": recompute},
+    )
+
+
+def reference(cfg: RunConfig, steps: int | None = None) -> dict[str, torch.Tensor]:
+    """One process, the unsplit model, the same global batches, mean loss over each batch.
+
+    Mixed precision: the forward under the same autocast, the loss in fp32, fp16 through
+    ``torch.amp.GradScaler`` (the anchor Bundle's loss scaling follows)."""
+    splits = data.load(cfg.data, cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    model = models.build(
+        cfg.model.name, num_classes=splits.num_classes, input_shape=splits.input_shape
+    )
+    opt = torch.optim.SGD(
+        model.parameters(),
+        lr=cfg.train.lr,
+        momentum=cfg.train.momentum,
+        weight_decay=cfg.train.weight_decay,
+    )
+    x, y = splits.train.tensors
+    precision = cfg.compute.precision
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    for step in range(cfg.train.steps if steps is None else steps):
+        idx = data.global_batch(len(y), cfg.train.batch_size, cfg.train.seed, step)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=DTYPES.get(precision), enabled=precision in DTYPES):
+            out = model(x[idx])
+        scaler.scale(F.cross_entropy(out.float(), y[idx])).backward()
+        scaler.step(opt)
+        scaler.update()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}

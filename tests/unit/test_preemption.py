@@ -1,0 +1,58 @@
+"""bundle/runtime/preemption.py: the stop vote agrees on one signal for the whole job, read after
+the step it was cast in (a fake all-reduce stands in for the control group)."""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+
+from bundle.runtime import preemption
+from bundle.runtime.preemption import StopRequest, StopVote
+
+
+class Job:
+    """Every rank's vote flag, combined with MAX when all have voted (one all-reduce)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.flags: list[torch.Tensor] = []
+        self.ranks = ranks
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        self.flags.append(tensor)
+        job = self
+
+        class Work:
+            def wait(self, timeout=None) -> bool:
+                top = max(int(f.item()) for f in job.flags)
+                tensor.fill_(top)
+                return True
+
+        return Work()
+
+
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(monkeypatch):
+    job = Job(3)
+    monkeypatch.setattr(preemption.dist, "all_reduce", job.all_reduce)
+    requests = [StopRequest() for _ in range(3)]
+    votes = [StopVote(r, group=None, timeout=5.0) for r in requests]
+    decided = []
+    for step in range(4):
+        if step == 2:
+            requests[1].signum = signal.SIGTERM  # arrives on rank 1 during step 2
+        job.flags = []
+        for v in votes:
+            v.begin()
+        decided.append([v.decided() for v in votes])
+    assert decided == [[0, 0, 0], [0, 0, 0], [signal.SIGTERM] * 3, [signal.SIGTERM] * 3]
+
+
+def test_the_vote_carries_the_strongest_signal(monkeypatch):
+    job = Job(2)
+    monkeypatch.setattr(preemption.dist, "all_reduce", job.all_reduce)
+    requests = [StopRequest(), StopRequest()]
+    requests[0].signum, requests[1].signum = signal.SIGINT, signal.SIGTERM
+    votes = [StopVote(r, group=None, timeout=5.0) for r in requests]
+    for v in votes:
+        v.begin()
+    assert {v.decided() for v in votes} == {max(signal.SIGINT, signal.SIGTERM)}
