@@ -36,6 +36,7 @@ gpu-check: $(VENV)/.dev
 	$(RUN) scripts/gpu_check.py --json gpu-check-report.json $(ARGS)
 
 lint: $(VENV)/.dev
+	$(RUN) -m mypy
 	$(RUN) -m ruff check .
 	$(RUN) -m ruff format --check .
 	$(WITH_VENV) hadolint Dockerfile
