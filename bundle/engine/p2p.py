@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from bundle.engine.schedule import Action, Op, actions
 from bundle.topology import Topology, Transfer
@@ -182,66 +183,95 @@ def replay(programs: dict[int, list[Step]], eager_bytes: int = 0) -> list[str]:
     only while its matching receive's call runs, unless it has at most ``eager_bytes`` bytes; a
     receive completes once its send ran.
     """
-    pc = dict.fromkeys(programs, 0)
-    posted: dict[int, list[list[Msg]]] = {r: [] for r in programs}
-    head = dict.fromkeys(programs, 0)  # index of the running call on each rank's stream
-    done: dict[int, list[set[int]]] = {r: [] for r in programs}  # completed ops per call
-    seq: dict[tuple[int, int, str], int] = {}
-    ids: dict[int, list[list[tuple[int, int, int]]]] = {r: [] for r in programs}  # (src, dst, n)
-    ran: set[tuple[int, int, int, str]] = set()  # messages whose call has started, by side
-
+    streams = _Streams(programs, eager_bytes)
     progress = True
     while progress:
-        progress = False
-        for r, prog in programs.items():  # the ranks' computes: post and wait
-            while pc[r] < len(prog):
-                kind, arg = prog[pc[r]]
-                if kind == "post":
-                    msgs: list[Msg] = arg  # type: ignore[assignment]
-                    keys = []
-                    for op, peer, _ in msgs:
-                        src, dst = (r, peer) if op == "send" else (peer, r)
-                        n = seq.get((src, dst, op), 0)
-                        seq[(src, dst, op)] = n + 1
-                        keys.append((src, dst, n))
-                    posted[r].append(list(msgs))
-                    ids[r].append(keys)
-                    done[r].append(set())
-                elif head[r] <= arg:  # type: ignore[operator]
-                    break  # waiting for a call still on the stream
-                pc[r] += 1
-                progress = True
-        for r in programs:  # the running calls mark their operations as started
-            if head[r] < len(posted[r]):
-                for (op, _, _), key in zip(posted[r][head[r]], ids[r][head[r]], strict=True):
-                    ran.add((*key, op))
-        for r in programs:  # then progress together
-            h = head[r]
-            if h >= len(posted[r]):
-                continue
-            for j, ((op, _, size), key) in enumerate(zip(posted[r][h], ids[r][h], strict=True)):
-                other = "recv" if op == "send" else "send"
-                if j in done[r][h]:
-                    continue
-                if (*key, other) in ran or (op == "send" and size <= eager_bytes):
-                    done[r][h].add(j)
-                    progress = True
-            if len(done[r][h]) == len(posted[r][h]):
-                head[r] += 1
-                progress = True
-    stuck = []
-    for r, prog in programs.items():
-        if head[r] < len(posted[r]):
-            h = head[r]
-            waiting = [
-                f"{op} {'to' if op == 'send' else 'from'} rank {peer}"
-                for j, (op, peer, _) in enumerate(posted[r][h])
-                if j not in done[r][h]
-            ]
-            stuck.append(f"rank {r}: call {h} stuck on {', '.join(waiting)}")
-        elif pc[r] < len(prog):
-            stuck.append(f"rank {r}: stopped at step {pc[r]} of its program")
-    return stuck
+        progress = any([streams.compute(r) for r in programs])  # every rank, each time
+        streams.mark_running()
+        progress = any([streams.advance(r) for r in programs]) or progress
+    return streams.stuck()
+
+
+class _Streams:
+    """The state of ``replay``: each rank's program counter, posted calls and running call."""
+
+    def __init__(self, programs: dict[int, list[Step]], eager_bytes: int) -> None:
+        self.programs, self.eager_bytes = programs, eager_bytes
+        self.pc = dict.fromkeys(programs, 0)
+        self.posted: dict[int, list[list[Msg]]] = {r: [] for r in programs}
+        self.head = dict.fromkeys(programs, 0)  # index of the running call on each rank's stream
+        self.done: dict[int, list[set[int]]] = {r: [] for r in programs}  # completed ops per call
+        self.seq: dict[tuple[int, int, str], int] = {}
+        # (src, dst, n) of every op: the n-th message from src to dst.
+        self.ids: dict[int, list[list[tuple[int, int, int]]]] = {r: [] for r in programs}
+        self.ran: set[tuple[int, int, int, str]] = set()  # messages whose call started, by side
+
+    def compute(self, r: int) -> bool:
+        """Rank ``r``'s compute posts calls until it waits for one still on its stream."""
+        prog, moved = self.programs[r], False
+        while self.pc[r] < len(prog):
+            kind, arg = prog[self.pc[r]]
+            if kind == "post":
+                self._post(r, cast(list[Msg], arg))
+            elif self.head[r] <= cast(int, arg):
+                break  # waiting for a call still on the stream
+            self.pc[r] += 1
+            moved = True
+        return moved
+
+    def _post(self, r: int, msgs: list[Msg]) -> None:
+        keys = []
+        for op, peer, _ in msgs:
+            src, dst = (r, peer) if op == "send" else (peer, r)
+            n = self.seq.get((src, dst, op), 0)
+            self.seq[(src, dst, op)] = n + 1
+            keys.append((src, dst, n))
+        self.posted[r].append(list(msgs))
+        self.ids[r].append(keys)
+        self.done[r].append(set())
+
+    def mark_running(self) -> None:
+        """The running calls mark their operations as started."""
+        for r in self.programs:
+            h = self.head[r]
+            if h < len(self.posted[r]):
+                for (op, _, _), key in zip(self.posted[r][h], self.ids[r][h], strict=True):
+                    self.ran.add((*key, op))
+
+    def advance(self, r: int) -> bool:
+        """The operations of rank ``r``'s running call progress together; whether any did."""
+        h = self.head[r]
+        if h >= len(self.posted[r]):
+            return False
+        moved = False
+        for j, ((op, _, size), key) in enumerate(
+            zip(self.posted[r][h], self.ids[r][h], strict=True)
+        ):
+            other = "recv" if op == "send" else "send"
+            if j not in self.done[r][h] and (
+                (*key, other) in self.ran or (op == "send" and size <= self.eager_bytes)
+            ):
+                self.done[r][h].add(j)
+                moved = True
+        if len(self.done[r][h]) == len(self.posted[r][h]):
+            self.head[r] += 1
+            moved = True
+        return moved
+
+    def stuck(self) -> list[str]:
+        out = []
+        for r, prog in self.programs.items():
+            h = self.head[r]
+            if h < len(self.posted[r]):
+                waiting = [
+                    f"{op} {'to' if op == 'send' else 'from'} rank {peer}"
+                    for j, (op, peer, _) in enumerate(self.posted[r][h])
+                    if j not in self.done[r][h]
+                ]
+                out.append(f"rank {r}: call {h} stuck on {', '.join(waiting)}")
+            elif self.pc[r] < len(prog):
+                out.append(f"rank {r}: stopped at step {self.pc[r]} of its program")
+        return out
 
 
 def programs(
