@@ -65,13 +65,13 @@ class Trainer:
         vote: StopVote,
         phase: Phase,
         store: dist.Store | None = None,
-        progress: Any = None,  # a shared integer: the node supervisor reads the current step
+        step_now: Any = None,  # a shared integer: the node supervisor reads the current step
     ) -> None:
         self.run, self.session, self.engine = run, session, session.engine
         self.batches, self.lr_schedule = batches, lr_schedule
         self.checkpointer, self.evaluator, self.reporter = checkpointer, evaluator, reporter
         self.profiler, self.vote, self.phase = profiler, vote, phase
-        self.store, self.progress = store, progress
+        self.store, self.step_now = store, step_now
 
     def train(self) -> Summary | None:
         """Train, evaluating and saving when due; then the trace and the final weights.
@@ -100,8 +100,8 @@ class Trainer:
     def _step(self, step: int) -> int:
         """One step with what surrounds it; returns the signal the job stops for after it (0: none)."""
         self.phase.training()
-        if self.progress is not None:
-            self.progress.value = step
+        if self.step_now is not None:
+            self.step_now.value = step
         maybe_fail(self.run.rank, step, self.run.attempt)
         timer = self.engine.timer
         timer.begin(step)
@@ -192,7 +192,7 @@ def build_trainer(
     resume: str | None = None,
     stop: StopRequest | None = None,
     store: dist.Store | None = None,
-    progress: Any = None,
+    step_now: Any = None,
 ) -> Trainer:
     """The loop's components for this rank; restores ``resume`` (collective) to learn the start."""
     batch = cfg.train.batch_size
@@ -243,5 +243,5 @@ def build_trainer(
         vote=StopVote(stop or StopRequest(), session.groups.control, cfg.launch.timeout),
         phase=phase,
         store=store,
-        progress=progress,
+        step_now=step_now,
     )

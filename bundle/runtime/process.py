@@ -68,7 +68,7 @@ def worker_main(
     local_rank: int,
     host: str,
     port: int,
-    progress: Any = None,
+    step_now: Any = None,
     *,
     attempt: int = 0,
     resume: str | None = None,
@@ -76,7 +76,7 @@ def worker_main(
 ) -> int:
     """Body of every training process; returns its exit code (128 + signal when stopped by one).
 
-    ``progress`` (a shared integer) gets the current step for the node supervisor, ``resume``
+    ``step_now`` (a shared integer) holds the step in progress, for the node supervisor, ``resume``
     is the checkpoint to start from, ``attempt`` counts restarts, and ``stop_shared`` is the
     supervisor's stop flag (None under torchrun).
     """
@@ -108,7 +108,7 @@ def worker_main(
             resume=resume,
             stop=stop,
             store=store,
-            progress=progress,
+            step_now=step_now,
         )
         summary = trainer.train()
         dist.barrier()

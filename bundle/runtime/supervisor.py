@@ -140,15 +140,15 @@ def _attempt(
     lc = cfg.launch
     node = lc.node_rank
     store = dist.PrefixStore(attempt_prefix(attempt), base)
-    progress = {rank: ctx.Value("q", -1, lock=False) for rank in topo.node_ranks(node)}
+    step_now = {rank: ctx.Value("q", -1, lock=False) for rank in topo.node_ranks(node)}
     procs = {
         rank: ctx.Process(
             target=spawned,
             args=(cfg, topo, rank, topo.local_rank(rank), lc.master_addr, lc.master_port),
-            kwargs=dict(progress=step, attempt=attempt, resume=resume, stop_shared=stop.shared),
+            kwargs=dict(step_now=step, attempt=attempt, resume=resume, stop_shared=stop.shared),
             name=f"bundle-rank{rank}",
         )
-        for rank, step in progress.items()
+        for rank, step in step_now.items()
     }
     for p in procs.values():
         p.start()
@@ -163,7 +163,7 @@ def _attempt(
     try:
         outcome = watch(
             procs,
-            step_of=lambda rank: int(progress[rank].value),
+            step_of=lambda rank: int(step_now[rank].value),
             describe=topo.describe,
             check=lambda: _heartbeat(base, store, node, topo.num_nodes, beats) or read_abort(store),
             post=lambda message: post_abort(store, message),
