@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -66,7 +67,7 @@ class Evaluated:
     stage_compute: list[float]  # per stage: compute seconds per step of its busiest replica
 
 
-def compositions(total: int, parts: int):
+def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
     """Every tuple of ``parts`` positive integers summing to ``total``."""
     for cuts in itertools.combinations(range(1, total), parts - 1):
         bounds = (0, *cuts, total)
@@ -150,28 +151,16 @@ def search(
     """Plans for ``nodes x per_node`` devices, best first (those that fit in memory first);
     ``exact``: only plans that use every device (a job whose processes are given)."""
     devices = nodes * per_node
-    link = cost.cluster.intra if nodes == 1 else cost.cluster.inter
-    splitter = Splitter(cost, link.bandwidth, link.latency)
-    best: list[_Candidate] = []  # a heap of the simulate_top best estimates
-    for b in range(1, devices + 1):
-        bundle_rows = batch // b
-        if exact:
-            fit = [(devices // b, per_node if devices % b == 0 else None)]
-        else:
-            fit = [(w, placement(b * w, nodes, per_node)) for w in range(devices // b, 0, -1)]
-        width, ppn = next(((w, p) for w, p in fit if p is not None), (0, None))
-        if bundle_rows < 1 or ppn is None:
-            continue
-        for stages in range(1, min(max_stages, width, cost.n) + 1):
-            for widths in compositions(width, stages):
-                for m in micro_counts(bundle_rows, max(widths), max_micro):
-                    starts, slowest = splitter.split(widths, -(-bundle_rows // m))
-                    plan = Plan(widths, b, starts, m, ppn)
-                    item = _Candidate(-_estimate(cost, plan, batch, slowest), plan)
-                    if len(best) < simulate_top:
-                        heapq.heappush(best, item)
-                    elif item > best[0]:
-                        heapq.heapreplace(best, item)
+    best = _best_estimates(
+        cost,
+        nodes=nodes,
+        per_node=per_node,
+        batch=batch,
+        max_stages=max_stages,
+        max_micro=max_micro,
+        keep=simulate_top,
+        exact=exact,
+    )
     if not best:
         raise ConfigError(
             "--batch-size",
@@ -181,6 +170,56 @@ def search(
     plans = {c.plan for c in best}
     if batch >= devices:
         plans.add(data_parallel(nodes, per_node))
+    return rank([evaluate(cost, v, batch) for v in _variants(plans, schedules, syncs)])
+
+
+def _bundle_layout(
+    b: int, *, devices: int, nodes: int, per_node: int, exact: bool
+) -> tuple[int, int | None]:
+    """The widest bundle ``b`` bundles can have on the devices, and its processes per node."""
+    if exact:
+        fit = [(devices // b, per_node if devices % b == 0 else None)]
+    else:
+        fit = [(w, placement(b * w, nodes, per_node)) for w in range(devices // b, 0, -1)]
+    return next(((w, p) for w, p in fit if p is not None), (0, None))
+
+
+def _best_estimates(
+    cost: CostModel,
+    *,
+    nodes: int,
+    per_node: int,
+    batch: int,
+    max_stages: int,
+    max_micro: int,
+    keep: int,
+    exact: bool,
+) -> list[_Candidate]:
+    """The ``keep`` plans with the best estimates, over bundles, stage widths and micro-batches."""
+    devices = nodes * per_node
+    link = cost.cluster.intra if nodes == 1 else cost.cluster.inter
+    splitter = Splitter(cost, link.bandwidth, link.latency)
+    best: list[_Candidate] = []  # a heap of the ``keep`` best estimates
+    for b in range(1, devices + 1):
+        bundle_rows = batch // b
+        width, ppn = _bundle_layout(b, devices=devices, nodes=nodes, per_node=per_node, exact=exact)
+        if bundle_rows < 1 or ppn is None:
+            continue
+        for stages in range(1, min(max_stages, width, cost.n) + 1):
+            for widths in compositions(width, stages):
+                for m in micro_counts(bundle_rows, max(widths), max_micro):
+                    starts, slowest = splitter.split(widths, -(-bundle_rows // m))
+                    plan = Plan(widths, b, starts, m, ppn)
+                    item = _Candidate(-_estimate(cost, plan, batch, slowest), plan)
+                    if len(best) < keep:
+                        heapq.heappush(best, item)
+                    elif item > best[0]:
+                        heapq.heapreplace(best, item)
+    return best
+
+
+def _variants(plans: set[Plan], schedules: tuple[str, ...], syncs: tuple[str, ...]) -> set[Plan]:
+    """Each plan under every schedule and sync that makes a difference to it."""
     variants = set()
     single = "1f1b" if "1f1b" in schedules else schedules[0]
     for plan in plans:
@@ -190,7 +229,7 @@ def search(
             if sync != syncs[0] and not _has_hierarchy(plan):
                 continue
             variants.add(_canonical(replace(plan, schedule=schedule, grad_sync=sync)))
-    return rank([evaluate(cost, v, batch) for v in variants])
+    return variants
 
 
 def _canonical(plan: Plan) -> Plan:
@@ -216,7 +255,7 @@ def rank(evaluated: list[Evaluated]) -> list[Evaluated]:
     """Fitting plans first, then by throughput (to 4 digits: the simulation's resolution); on a
     tie the simpler plan: fewer processes, stages and bundles, 1F1B (less memory), flat sync."""
 
-    def key(e: Evaluated):
+    def key(e: Evaluated) -> tuple[bool, float, tuple[int, int, int, bool, bool]]:
         p = e.plan
         simpler = (
             p.processes,

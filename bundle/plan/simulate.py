@@ -20,10 +20,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import Op, actions, peak_in_flight
+from bundle.engine.schedule import Action, Op, actions, peak_in_flight
 from bundle.errors import ScheduleError
 from bundle.plan.cost import CostModel
-from bundle.topology import Topology, split_sizes
+from bundle.topology import Topology, Transfer, split_sizes
 
 COMPUTE, WAIT, SEND, SYNC, OPTIMIZER = "compute", "wait", "send", "sync", "optimizer"
 
@@ -91,135 +91,176 @@ def _stage_bounds(layout: Layout, n_blocks: int) -> list[tuple[int, int]]:
 
 def simulate(layout: Layout, cost: CostModel, *, timeline: bool = False) -> SimResult:
     """Simulate one step of ``layout``; ``timeline`` keeps every span (for pictures)."""
-    topo = layout.topology()
-    S, M = topo.num_stages, topo.micro_batches
-    if len(layout.starts) != S:
-        raise ScheduleError(f"{len(layout.starts)} split points for {S} stages")
-    bounds = _stage_bounds(layout, cost.n)
-    sizes = topo.micro_sizes(0)
-    policy = Policy(recompute=cost.recompute)
-    procs = [(s, i) for s in range(S) for i in range(topo.shape[s])]
-    rank = {p: topo.rank(0, *p) for p in procs}
-    node = {p: topo.node_of(rank[p]) for p in procs}
-    lists = {p: actions(layout.schedule, p[0], S, M) for p in procs}
-    recomputed = {p: policy.recomputes(lists[p], M) for p in procs}
-    rows = {p: [split_sizes(sizes[k], topo.shape[p[0]])[p[1]] for k in range(M)] for p in procs}
+    sim = _Simulation(layout, cost, timeline=timeline)
+    sim.run_actions()
+    return sim.finish()
 
-    clock = dict.fromkeys(procs, 0.0)
-    pc = dict.fromkeys(procs, 0)
-    busy = dict.fromkeys(procs, 0.0)
-    sent = dict.fromkeys(procs, 0.0)  # when this replica's last send has left
-    last_bwd: dict = {}
-    arrived: dict = defaultdict(list)  # (direction, stage, replica, micro) -> arrival times
-    channel: dict = defaultdict(float)  # (src rank, dst rank) -> when the pair's link is free
-    spans: list[Span] = []
-    oh = cost.overheads
 
-    def span(p, kind, label, start, end):
-        if timeline and end > start:
-            spans.append(Span(rank[p], kind, label, start, end))
+Replica = tuple[int, int]  # (stage, replica) in bundle 0
 
-    def transfer(p, q, nbytes, key, label):
-        link = cost.link(node[p], node[q])
-        start = max(clock[p], channel[(rank[p], rank[q])])
+
+class _Simulation:
+    """Every replica's clock, position in its action list and transfers in flight."""
+
+    def __init__(self, layout: Layout, cost: CostModel, *, timeline: bool) -> None:
+        topo = layout.topology()
+        S, M = topo.num_stages, topo.micro_batches
+        if len(layout.starts) != S:
+            raise ScheduleError(f"{len(layout.starts)} split points for {S} stages")
+        self.layout, self.cost, self.topo, self.timeline = layout, cost, topo, timeline
+        self.bounds = _stage_bounds(layout, cost.n)
+        self.sizes = topo.micro_sizes(0)
+        policy = Policy(recompute=cost.recompute)
+        procs = [(s, i) for s in range(S) for i in range(topo.shape[s])]
+        self.procs = procs
+        self.rank = {p: topo.rank(0, *p) for p in procs}
+        self.node = {p: topo.node_of(self.rank[p]) for p in procs}
+        self.lists = {p: actions(layout.schedule, p[0], S, M) for p in procs}
+        self.recomputed = {p: policy.recomputes(self.lists[p], M) for p in procs}
+        self.rows = {
+            p: [split_sizes(self.sizes[k], topo.shape[p[0]])[p[1]] for k in range(M)] for p in procs
+        }
+        self.clock = dict.fromkeys(procs, 0.0)
+        self.pc = dict.fromkeys(procs, 0)
+        self.busy = dict.fromkeys(procs, 0.0)
+        self.sent = dict.fromkeys(procs, 0.0)  # when this replica's last send has left
+        self.last_bwd: dict[Replica, tuple[float, float]] = {}
+        # (direction, stage, replica, micro) -> arrival times
+        self.arrived: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
+        # (src rank, dst rank) -> when the pair's link is free
+        self.channel: dict[tuple[int, int], float] = defaultdict(float)
+        self.spans: list[Span] = []
+
+    def span(self, p: Replica, kind: str, label: str, start: float, end: float) -> None:
+        if self.timeline and end > start:
+            self.spans.append(Span(self.rank[p], kind, label, start, end))
+
+    def transfer(
+        self, p: Replica, q: Replica, nbytes: float, key: tuple[str, int, int, int], label: str
+    ) -> None:
+        link = self.cost.link(self.node[p], self.node[q])
+        pair = (self.rank[p], self.rank[q])
+        start = max(self.clock[p], self.channel[pair])
         done = start + nbytes / link.bandwidth
-        channel[(rank[p], rank[q])] = done
-        arrived[key].append(done + link.latency)
-        sent[p] = max(sent[p], done)
-        span(p, SEND, label, start, done)
+        self.channel[pair] = done
+        self.arrived[key].append(done + link.latency)
+        self.sent[p] = max(self.sent[p], done)
+        self.span(p, SEND, label, start, done)
 
-    def peers(s, i, k, forward):
+    def peers(self, s: int, i: int, k: int, *, forward: bool) -> list[Transfer]:
         """The row plan of micro-batch k at stage s's outgoing (forward) or incoming boundary."""
-        return topo.sends(s, i, sizes[k]) if forward else topo.recvs(s, i, sizes[k])
+        sizes = self.sizes[k]
+        return list(self.topo.sends(s, i, sizes) if forward else self.topo.recvs(s, i, sizes))
 
-    def step(p) -> bool:
+    def step(self, p: Replica) -> bool:
         """Run p's next action if it can start; False when it waits on a transfer."""
-        s, i = p
-        a = lists[p][pc[p]]
-        k, (lo, hi) = a.micro, bounds[s]
+        a = self.lists[p][self.pc[p]]
         if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
-            fwd = a.op is Op.RECV_ACT
-            want = len(peers(s, i, k, forward=not fwd))
-            got = arrived[("act" if fwd else "grad", s, i, k)]
-            if len(got) < want:
+            if not self._receive(p, a):
                 return False
-            ready = max(got, default=clock[p])
-            span(p, WAIT, repr(a), clock[p], ready)
-            clock[p] = max(clock[p], ready) + oh.comm_action
-        elif a.op is Op.FORWARD:
-            d = cost.forward(lo, hi, rows[p][k])
-            span(p, COMPUTE, f"F{k}", clock[p], clock[p] + d)
-            clock[p] += d
-            busy[p] += d
-        elif a.op is Op.BACKWARD:
-            d = cost.backward(lo, hi, rows[p][k], recompute=recomputed[p][k])
-            last_bwd[p] = (clock[p], clock[p] + d)
-            span(p, COMPUTE, f"B{k}", clock[p], clock[p] + d)
-            clock[p] += d
-            busy[p] += d
-        elif a.op is Op.SEND_ACT:
-            for t in peers(s, i, k, forward=True):
-                nbytes = cost.boundary_bytes(hi, t.stop - t.start)
-                transfer(p, (s + 1, t.dst), nbytes, ("act", s + 1, t.dst, k), f"A{k}")
-            clock[p] += oh.comm_action
-        elif a.op is Op.SEND_GRAD:
-            for t in peers(s, i, k, forward=False):
-                nbytes = cost.boundary_bytes(lo, t.stop - t.start, grad=True)
-                transfer(p, (s - 1, t.src), nbytes, ("grad", s - 1, t.src, k), f"G{k}")
-            clock[p] += oh.comm_action
-        pc[p] += 1
+        elif a.op in (Op.FORWARD, Op.BACKWARD):
+            self._compute(p, a)
+        else:
+            self._send(p, a)
+        self.pc[p] += 1
         return True
 
-    left = set(procs)
-    while left:
-        moved = False
-        for p in sorted(left):
-            while pc[p] < len(lists[p]) and step(p):
-                moved = True
-            if pc[p] == len(lists[p]):
-                left.discard(p)
-        if left and not moved:
-            stuck = ", ".join(
-                f"stage {s} replica {i} at {lists[(s, i)][pc[(s, i)]]!r}" for s, i in sorted(left)
-            )
-            raise ScheduleError(f"the schedules wait on each other: {stuck}")
+    def _receive(self, p: Replica, a: Action) -> bool:
+        (s, i), fwd = p, a.op is Op.RECV_ACT
+        want = len(self.peers(s, i, a.micro, forward=not fwd))
+        got = self.arrived[("act" if fwd else "grad", s, i, a.micro)]
+        if len(got) < want:
+            return False
+        ready = max(got, default=self.clock[p])
+        self.span(p, WAIT, repr(a), self.clock[p], ready)
+        self.clock[p] = max(self.clock[p], ready) + self.cost.overheads.comm_action
+        return True
 
-    done = {p: max(clock[p], sent[p]) for p in procs}
-    finish, sync_wait = {}, {}
-    for s in range(S):
-        members = [p for p in procs if p[0] == s]
-        synced = _sync(layout, topo, cost, s, bounds[s], members, done, last_bwd, rows)
-        for p in members:
-            ready = max(done[p], synced)
-            sync_wait[p] = ready - done[p]
-            span(p, SYNC, "sync", done[p], ready)
-            opt = cost.optimizer(*bounds[s])
-            span(p, OPTIMIZER, "optimizer", ready, ready + opt)
-            finish[p] = ready + opt + oh.step
-    return SimResult(
-        step_time=max(finish.values()),
-        ranks=[rank[p] for p in procs],
-        stage_of=[p[0] for p in procs],
-        busy=[busy[p] for p in procs],
-        sync=[sync_wait[p] for p in procs],
-        peak_in_flight=[peak_in_flight(lists[p]) for p in procs],
-        timeline=spans,
-    )
+    def _compute(self, p: Replica, a: Action) -> None:
+        k, (lo, hi) = a.micro, self.bounds[p[0]]
+        if a.op is Op.FORWARD:
+            d = self.cost.forward(lo, hi, self.rows[p][k])
+            label = f"F{k}"
+        else:
+            d = self.cost.backward(lo, hi, self.rows[p][k], recompute=self.recomputed[p][k])
+            self.last_bwd[p] = (self.clock[p], self.clock[p] + d)
+            label = f"B{k}"
+        self.span(p, COMPUTE, label, self.clock[p], self.clock[p] + d)
+        self.clock[p] += d
+        self.busy[p] += d
+
+    def _send(self, p: Replica, a: Action) -> None:
+        (s, i), k, (lo, hi) = p, a.micro, self.bounds[p[0]]
+        if a.op is Op.SEND_ACT:
+            for t in self.peers(s, i, k, forward=True):
+                nbytes = self.cost.boundary_bytes(hi, t.stop - t.start)
+                self.transfer(p, (s + 1, t.dst), nbytes, ("act", s + 1, t.dst, k), f"A{k}")
+        else:
+            for t in self.peers(s, i, k, forward=False):
+                nbytes = self.cost.boundary_bytes(lo, t.stop - t.start, grad=True)
+                self.transfer(p, (s - 1, t.src), nbytes, ("grad", s - 1, t.src, k), f"G{k}")
+        self.clock[p] += self.cost.overheads.comm_action
+
+    def run_actions(self) -> None:
+        """Every replica runs its actions, each as early as it can; a deadlock is an error."""
+        left = set(self.procs)
+        while left:
+            moved = False
+            for p in sorted(left):
+                while self.pc[p] < len(self.lists[p]) and self.step(p):
+                    moved = True
+                if self.pc[p] == len(self.lists[p]):
+                    left.discard(p)
+            if left and not moved:
+                stuck = ", ".join(
+                    f"stage {s} replica {i} at {self.lists[(s, i)][self.pc[(s, i)]]!r}"
+                    for s, i in sorted(left)
+                )
+                raise ScheduleError(f"the schedules wait on each other: {stuck}")
+
+    def finish(self) -> SimResult:
+        """After its actions a replica waits for its sends, its stage's sync, the optimizer."""
+        procs, cost = self.procs, self.cost
+        done = {p: max(self.clock[p], self.sent[p]) for p in procs}
+        finish, sync_wait = {}, {}
+        for s in range(self.topo.num_stages):
+            members = [p for p in procs if p[0] == s]
+            synced = _sync(self, s, members, done)
+            for p in members:
+                ready = max(done[p], synced)
+                sync_wait[p] = ready - done[p]
+                self.span(p, SYNC, "sync", done[p], ready)
+                opt = cost.optimizer(*self.bounds[s])
+                self.span(p, OPTIMIZER, "optimizer", ready, ready + opt)
+                finish[p] = ready + opt + cost.overheads.step
+        return SimResult(
+            step_time=max(finish.values()),
+            ranks=[self.rank[p] for p in procs],
+            stage_of=[p[0] for p in procs],
+            busy=[self.busy[p] for p in procs],
+            sync=[sync_wait[p] for p in procs],
+            peak_in_flight=[peak_in_flight(self.lists[p]) for p in procs],
+            timeline=self.spans,
+        )
 
 
-def _sync(layout, topo, cost, s, bounds, members, done, last_bwd, rows) -> float:
+def _sync(sim: _Simulation, s: int, members: list[Replica], done: dict[Replica, float]) -> float:
     """When stage ``s``'s gradients are summed over its stage group (every bundle alike)."""
+    topo, cost = sim.topo, sim.cost
     group = topo.stage_group(s)
     if len(group) == 1:
         return 0.0
-    lo, hi = bounds
+    lo, hi = sim.bounds[s]
     # Buckets are collective: one is ready when the slowest replica of the stage has filled it.
-    slowest = max(members, key=lambda p: last_bwd[p][1])
-    b0, b1 = last_bwd[slowest]
-    share = cost.backward_share(lo, hi, rows[slowest][-1])
+    slowest = max(members, key=lambda p: sim.last_bwd[p][1])
+    b0, b1 = sim.last_bwd[slowest]
+    share = cost.backward_share(lo, hi, sim.rows[slowest][-1])
     finished = max(done[p] for p in members)
-    nodes = lambda ranks: [topo.node_of(r) for r in ranks]  # noqa: E731
-    if layout.grad_sync == "flat":
+
+    def nodes(ranks: tuple[int, ...] | list[int]) -> list[int]:
+        return [topo.node_of(r) for r in ranks]
+
+    if sim.layout.grad_sync == "flat":
         t = 0.0
         for j, nbytes in cost.buckets(lo, hi, ddp=True):
             ready = b0 + share[j - lo] * (b1 - b0)
