@@ -85,40 +85,42 @@ class _Reader:
     def fail(self, key: str, value: Any, allowed: str) -> ConfigError:
         return ConfigError(f"--cluster {self.path}: key {key}", value, allowed)
 
-    def section(self, doc: Mapping, key: str, prefix: str = "") -> Mapping:
+    def section(self, doc: Mapping[str, Any], key: str, prefix: str = "") -> Mapping[str, Any]:
         value = doc.get(key) if isinstance(doc, Mapping) else None
         if not isinstance(value, Mapping):
             raise self.fail(prefix + key, value, "must be a mapping (see clusters/*.yaml)")
         return value
 
-    def number(self, doc: Mapping, key: str, prefix: str = "", *, zero: bool = False) -> float:
+    def number(
+        self, doc: Mapping[str, Any], key: str, prefix: str = "", *, zero: bool = False
+    ) -> float:
         value = doc.get(key)
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok or value < 0 or (value == 0 and not zero):
+        if not isinstance(value, (int, float)) or not ok or value < 0 or (value == 0 and not zero):
             bound = ">= 0" if zero else "> 0"
             raise self.fail(prefix + key, value, f"must be a number {bound}")
         return float(value)
 
-    def count(self, doc: Mapping, key: str) -> int:
+    def count(self, doc: Mapping[str, Any], key: str) -> int:
         value = doc.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise self.fail(key, value, "must be an integer >= 1")
         return value
 
-    def text(self, doc: Mapping, key: str, prefix: str = "") -> str:
+    def text(self, doc: Mapping[str, Any], key: str, prefix: str = "") -> str:
         value = doc.get(key)
         if not isinstance(value, str) or not value:
             raise self.fail(prefix + key, value, "must be a non-empty string")
         return value
 
-    def link(self, doc: Mapping, key: str) -> Link:
+    def link(self, doc: Mapping[str, Any], key: str) -> Link:
         sec = self.section(doc, key)
         return Link(
             self.number(sec, "bandwidth_gbs", f"{key}.") * 1e9,
             self.number(sec, "latency_us", f"{key}.", zero=True) * 1e-6,
         )
 
-    def speed(self, device: Mapping) -> Speed | None:
+    def speed(self, device: Mapping[str, Any]) -> Speed | None:
         if device.get("speed") == "measure":
             return None
         sec = self.section(device, "speed", "device.")

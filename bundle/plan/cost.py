@@ -67,6 +67,17 @@ class Memory:
         )
 
 
+# Per operator of every block: its block, FLOPs, fixed bytes, bytes per row, half precision.
+_OpArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _speed(cluster: Cluster) -> Speed:
+    """The device's speeds, where the cluster file gives them (else the timings are measured)."""
+    if cluster.speed is None:
+        raise ValueError("a cost model without measured timings needs the device's speeds")
+    return cluster.speed
+
+
 class _Roofline:
     """Per-block seconds from operator counts: each operator takes the slowest of its FLOPs,
     its bytes and one kernel's latency."""
@@ -80,12 +91,12 @@ class _Roofline:
         self.classes = anatomy.num_classes
 
     @staticmethod
-    def _arrays(per_block):
+    def _arrays(per_block: list[tuple[tuple[float, float, float, int], ...]]) -> _OpArrays:
         rows = [(i, *op) for i, ops in enumerate(per_block) for op in ops]
         a = np.asarray(rows, dtype=float).reshape(-1, 5)
         return a[:, 0].astype(int), a[:, 1], a[:, 2], a[:, 3], a[:, 4]
 
-    def _blocks(self, ops, rows: float) -> np.ndarray:
+    def _blocks(self, ops: _OpArrays, rows: float) -> np.ndarray:
         s = self.speed
         index, flops, fixed, per_row, half = ops
         peak = np.where(half > 0, s.peak_flops[self.precision], s.peak_flops.get("fp32", 0.0))
@@ -129,7 +140,7 @@ class CostModel:
         self.overlap = overlap
         self.n = len(anatomy.blocks)
         self._source = (
-            timings if timings is not None else _Roofline(anatomy, cluster.speed, precision)
+            timings if timings is not None else _Roofline(anatomy, _speed(cluster), precision)
         )
         self._times: dict[float, tuple[np.ndarray, np.ndarray, float]] = {}
         self._prefix: dict[float, np.ndarray] = {}
@@ -237,7 +248,7 @@ class CostModel:
         params = float(self.params[a:b].sum())
         if isinstance(self._source, Timings):
             return params * self._source.optimizer_per_param
-        speed = self.cluster.speed
+        speed = _speed(self.cluster)
         return params * _OPTIMIZER_BYTES / (speed.memory_bandwidth * speed.efficiency)
 
     # -- memory ----------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def run_in_child(
         got = _result(child, results, what, timeout)
         child.join(timeout=30)
     finally:
-        if child.is_alive():
+        if child.is_alive() and child.pid is not None:
             os.kill(child.pid, signal.SIGKILL)
             child.join()
         results.close()

@@ -4,7 +4,9 @@ machine measured), and search."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -74,7 +76,7 @@ def check(request: Request, cluster: Cluster | None) -> None:
 
 
 @contextlib.contextmanager
-def _threads(n: int):
+def _threads(n: int) -> Iterator[None]:
     """Measure with the threads each worker of the job will have (bundle.launch sets them)."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -173,7 +175,8 @@ def cost_model(
     this one, which may be the supervisor of the job that runs the plan.
     """
     anatomy = prof.anatomy(request.model, request.input_shape, request.num_classes, cache)
-    common = dict(
+    common = functools.partial(
+        CostModel,
         anatomy=anatomy,
         precision=request.precision,
         recompute=request.recompute,
@@ -182,7 +185,7 @@ def cost_model(
     if cluster is not None and cluster.speed is not None:
         # An estimated accelerator runs its kernels behind the host, asynchronously: the engine's
         # host-side overheads (measured on this CPU) are not counted, nothing is measured here.
-        return CostModel(cluster=cluster, **common)
+        return common(cluster=cluster)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     measured = isolate.run_in_child(
         measure,
@@ -196,12 +199,11 @@ def cost_model(
         timeout=timeout,
     )
     # Gloo on the CPU reduces on the cores the backward runs on: no overlap to count on.
-    return CostModel(
+    return common(
         cluster=measured.cluster,
         timings=measured.timings,
         overheads=measured.overheads,
         overlap=device_type != "cpu",
-        **common,
     )
 
 

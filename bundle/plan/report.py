@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import shlex
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from bundle.plan.cost import CostModel
 from bundle.plan.search import Evaluated, Plan
@@ -53,7 +55,7 @@ def command(plan: Plan, job: Job, cost: CostModel) -> str:
     return shlex.join([*args, *job.extra])
 
 
-def row(e: Evaluated, job: Job, cost: CostModel) -> dict:
+def row(e: Evaluated, job: Job, cost: CostModel) -> dict[str, Any]:
     """One plan as plain JSON types."""
     p = e.plan
     return {
@@ -86,11 +88,11 @@ def row(e: Evaluated, job: Job, cost: CostModel) -> dict:
     }
 
 
-def _ms(values) -> str:
+def _ms(values: Iterable[float]) -> str:
     return "/".join(f"{v * 1e3:.1f}" for v in values)
 
 
-def table(rows: list[dict], device_memory: float) -> str:
+def table(rows: list[dict[str, Any]], device_memory: float) -> str:
     """The ranked plans as text, one line each, then each plan's command."""
     head = (
         f"{'#':>2} {'shape':<12} {'b':>2} {'M':>3} {'sched':<5} {'sync':<5} {'samples/s':>10} "
@@ -125,7 +127,7 @@ _COLOURS = {
 }
 
 
-def draw(path: str, best: Evaluated, rows: list[dict], title: str) -> None:
+def draw(path: str, best: Evaluated, rows: list[dict[str, Any]], title: str) -> None:
     """The best plan's simulated step (one row per process of bundle 0) beside the top plans."""
     import matplotlib
 
