@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed
@@ -219,6 +220,18 @@ def _pytest_counts(stdout: str) -> str:
     return ""
 
 
+def _read_summary(check: Check, summary: dict[str, Any], notes: list[str]) -> bool:
+    """Notes from a training run's summary line; whether it ran the schedule and sync asked for."""
+    got = (summary.get("schedule"), summary.get("grad_sync"))
+    matches = got == (check.schedule, check.grad_sync)
+    if not matches:
+        notes.append(f"summary reports schedule/sync {got}")
+    if summary.get("final_loss") is not None:
+        notes.append(f"final loss {summary['final_loss']:.4f}")
+    notes.append(f"{summary.get('world_size')} processes")
+    return matches
+
+
 def evaluate(check: Check, outcome: Outcome) -> Result:
     """Pass/fail and the figures of one check from what its command did."""
     ok = outcome.returncode == 0
@@ -236,15 +249,8 @@ def evaluate(check: Check, outcome: Outcome) -> Result:
             ok = False
             notes.append("no JSON summary line on stdout")
         else:
-            samples = summary.get("samples_per_s")
-            peak = summary.get("peak_memory_mib")
-            got = (summary.get("schedule"), summary.get("grad_sync"))
-            if got != (check.schedule, check.grad_sync):
-                ok = False
-                notes.append(f"summary reports schedule/sync {got}")
-            if summary.get("final_loss") is not None:
-                notes.append(f"final loss {summary['final_loss']:.4f}")
-            notes.append(f"{summary.get('world_size')} processes")
+            samples, peak = summary.get("samples_per_s"), summary.get("peak_memory_mib")
+            ok = _read_summary(check, summary, notes) and ok
     elif check.kind == "bench":
         try:
             report = details = json.loads(Path(check.json_out or "").read_text())
