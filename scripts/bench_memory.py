@@ -1,7 +1,7 @@
 """Activation memory of the benchmark's small_resnet split: exact byte counts, not timings.
 
 Per case (schedule x recompute mode) and stage, over one training step counted with
-``bundle.memory.SavedBytes``:
+``bundle.engine.memory.SavedBytes``:
 
 - ``kept``: the most bytes saved for backward alive at once, as the schedule holds them between
   forwards and backwards (what ``saved_tensors_hooks`` see);

@@ -12,7 +12,7 @@ activation k+1 while stage 1 sends gradient k). The calls are built so that cann
    provided the stage across the boundary has the mirror pair side by side too. Both sides of a
    boundary therefore post the same messages, grouped the same way, in the same order (Megatron's
    ``send_forward_recv_backward`` / ``send_backward_recv_forward``; NVIDIA/nccl#783).
-3. Every peer of a boundary (uneven widths) is inside the same call (bundle.transport).
+3. Every peer of a boundary (uneven widths) is inside the same call (bundle.engine.transport).
 
 1F1B, S=2, M=3 (``|`` separates calls; compute between them not drawn)::
 
@@ -21,7 +21,7 @@ activation k+1 while stage 1 sends gradient k). The calls are built so that cann
 
 ``replay`` runs the calls of every rank through a model of NCCL's streams and reports whether
 they all complete: the pure check behind the tests of every shape, schedule and M, and the same
-model that ``--backend nccl-emu`` enforces at run time (bundle.nccl_emu).
+model that ``--backend nccl-emu`` enforces at run time (bundle.engine.nccl_emu).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class StageEngine:
         self.first = coord.stage == 0
         self.last = coord.stage == topo.num_stages - 1
         self.sizes = topo.micro_sizes(coord.bundle)
-        # The calls of a step and where each is posted (bundle.p2p).
+        # The calls of a step and where each is posted (bundle.engine.p2p).
         self.plan = step_plan(
             schedule,
             coord.stage,
@@ -118,11 +118,11 @@ class StageEngine:
             early_receives=early_receives,
         )
         self.actions = list(self.plan.actions)
-        # Each action ends with a lap of the step timer (see bundle.timing).
+        # Each action ends with a lap of the step timer (see bundle.observe.timing).
         self.timer = timer or StepTimer()
         self._marks = [MARK_OF_OP[a.op] for a in self.actions]
         self.recompute = self.policy.recomputes(self.actions, topo.micro_batches)
-        # Counts saved-for-backward bytes during steps when set (see bundle.memory.SavedBytes).
+        # Counts saved-for-backward bytes during steps when set (see bundle.engine.memory.SavedBytes).
         self.saved_bytes: SavedBytes | None = None
         self.last_backward = max(i for i, a in enumerate(self.actions) if a.op is Op.BACKWARD)
         self.inv_batch = 1.0 / topo.global_batch

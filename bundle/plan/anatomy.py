@@ -2,7 +2,7 @@
 
 Per block of ``models.blocks(model)``, counted at two row counts so that every count is
 ``fixed + per_row * rows``: parameters; what a cut after the block sends; the bytes the block's
-forward saves for backward (storages once, parameters never, as ``bundle.memory.SavedBytes``
+forward saves for backward (storages once, parameters never, as ``bundle.engine.memory.SavedBytes``
 counts them; and how many of those its predecessor saves too: the tensor between them); and every
 operator's FLOPs and bytes moved, forward and backward, for the roofline estimate of a device the
 planner does not run on.

@@ -77,7 +77,7 @@ def check(request: Request, cluster: Cluster | None) -> None:
 
 @contextlib.contextmanager
 def _threads(n: int) -> Iterator[None]:
-    """Measure with the threads each worker of the job will have (bundle.launch sets them)."""
+    """Measure with the threads each worker of the job will have (bundle.runtime.devices sets them)."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

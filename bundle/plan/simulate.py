@@ -1,6 +1,6 @@
 """An event simulation of one training step, driven by the engine's own schedule action lists.
 
-Every replica of bundle 0 (bundles are alike) runs ``bundle.schedule.actions(...)`` for its stage
+Every replica of bundle 0 (bundles are alike) runs ``bundle.engine.schedule.actions(...)`` for its stage
 in order, each action at the earliest time it can: a forward or backward takes the stage's
 compute time at the rows this replica holds (``Topology.global_rows``: the engine's row split); a
 send hands each peer of the topology's row plan its rows, over the link between the two ranks'

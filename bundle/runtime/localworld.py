@@ -32,7 +32,7 @@ def _bind_gpu(rank: int, world: int, device: str | None) -> torch.device:
     """An NCCL child's device, made current before its process group exists.
 
     ``device`` puts every child on that one GPU; without it, children go round-robin over the
-    visible ones. Children that share a GPU need NCCL's multi-rank mode (bundle.launch).
+    visible ones. Children that share a GPU need NCCL's multi-rank mode (bundle.runtime.devices).
     """
     import torch
 
@@ -71,7 +71,7 @@ def _entry(
             "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=120)
         )
         # Naming the device forms NCCL's world communicator with every rank now, as a job's
-        # workers do (bundle.launch.worker_main): point-to-point between two ranks may come first.
+        # workers do (bundle.runtime.process.worker_main): point-to-point between two ranks may come first.
         dist.init_process_group(
             "gloo" if backend == "nccl-emu" else backend,
             store=store,
@@ -107,7 +107,7 @@ def run_world(
     (e.g. ``"cuda:0"``, every child on one GPU) or round-robin over the visible GPUs; ``fn``
     finds it as the current device. Several children on one GPU need NCCL 2.30 or later.
     ``backend="nccl-emu"`` runs gloo underneath; a session whose config says ``nccl-emu`` adds
-    NCCL's ordering (bundle.nccl_emu).
+    NCCL's ordering (bundle.engine.nccl_emu).
     """
     if backend not in ("gloo", "nccl", "nccl-emu"):
         raise ValueError(f"backend: {backend!r} is not valid; choose gloo, nccl or nccl-emu")

@@ -105,7 +105,7 @@ def test_hybrid_equals_single_process(shape, bundles):
     assert results[0] == [], "\n".join(results[0])
 
 
-# Under NCCL's ordering (bundle.nccl_emu): uneven widths, three stages and several bundles, with
+# Under NCCL's ordering (bundle.engine.nccl_emu): uneven widths, three stages and several bundles, with
 # every variant above (both schedules and syncs, skip connections, bf16 and fp16 on the wire).
 EMU_CASES = [((1, 1), 2), ((2, 3), 1), ((1, 1, 1), 1), ((2, 2, 1), 2)]
 

@@ -57,7 +57,7 @@ def _run(emu, calls: list, rank: int) -> tuple[dict, str | None, float]:
 
 
 WAIT = "wait"  # the call's data is needed before the next call is posted
-OLD = {  # receives posted ahead of the sends (the engine's order before bundle.p2p), 1F1B M=1
+OLD = {  # receives posted ahead of the sends (the engine's order before bundle.engine.p2p), 1F1B M=1
     0: [[("recv", "recv_grad0")], [("send", "send_act0")]],
     1: [[("recv", "recv_act0"), WAIT], [("send", "send_grad0")]],
 }
@@ -65,7 +65,7 @@ CROSSED = {  # 1F1B M=2 with receives posted where they stand, sends unfused
     0: [[("send", "send_act0")], [("send", "send_act1")], [("recv", "recv_grad0"), WAIT]],
     1: [[("recv", "recv_act0"), WAIT], [("send", "send_grad0")], [("recv", "recv_act1"), WAIT]],
 }
-FUSED = {  # bundle.p2p's calls for the same actions
+FUSED = {  # bundle.engine.p2p's calls for the same actions
     0: [[("send", "send_act0")], [("send", "send_act1"), ("recv", "recv_grad0"), WAIT]],
     1: [[("recv", "recv_act0"), WAIT], [("send", "send_grad0"), ("recv", "recv_act1"), WAIT]],
 }
