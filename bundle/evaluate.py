@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -75,7 +75,7 @@ class Evaluator:
     def _batches(self) -> list[tuple[torch.Tensor, int]]:
         """Each global batch's indices and this bundle's rows of it; a batch too small to give
         every replica a row is left out."""
-        n = len(self.dataset) if isinstance(self.dataset, Sized) else 0
+        n = data.size(self.dataset)
         batches = [torch.arange(i, min(i + self.batch, n)) for i in range(0, n, self.batch)]
         usable = [(ix, eval_rows(len(ix), self.topo, self.coord.bundle)) for ix in batches]
         return [(ix, rows) for ix, rows in usable if rows is not None]
