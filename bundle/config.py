@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import Field, dataclass, field, fields, is_dataclass
@@ -14,7 +15,8 @@ from bundle.lr_schedule import LR_SCHEDULES, Milestone, spell
 
 BACKENDS = ("auto", "nccl", "gloo", "nccl-emu")
 GRAD_SYNCS = ("flat", "hierarchical")
-DATASETS = ("digits", "imagefolder", "synthetic")
+DATASETS = ("digits", "imagefolder", "synthetic", "text")
+OPTIMIZERS = ("sgd", "adamw", "adam")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTES = ("never", "except-last", "always")
 AUTO_SHAPE: tuple[int, ...] = ()  # --bundle-shape auto, until bundle.plan.auto resolves it
@@ -117,10 +119,58 @@ class ComputeConfig:
             )
 
 
+def is_reference(text: str) -> bool:
+    """``package.module:function`` (or ``file.py:function``): a user's own callable."""
+    where, sep, attr = str(text).rpartition(":")
+    return bool(sep and where and attr)
+
+
+def parse_model_args(text: str | None) -> dict[str, Any]:
+    """``"layers=6,width=384"`` -> ``{"layers": 6, "width": 384}`` (Python literals, else text)."""
+    out: dict[str, Any] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ConfigError("--model-args", text, "give KEY=VALUE pairs separated by commas")
+        try:
+            out[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[key.strip()] = value.strip()
+    return out
+
+
+def parse_betas(text: str) -> tuple[float, ...]:
+    """``"0.9,0.95"`` -> ``(0.9, 0.95)``: Adam's two coefficients, each in [0, 1)."""
+    try:
+        betas = tuple(float(p) for p in str(text).split(","))
+    except ValueError:
+        betas = ()
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError("--betas", text, "give two numbers in [0, 1) separated by a comma")
+    return betas
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = field(default="digits_cnn", metadata=recorded("model"))
     partition: str | None = None
+    # Keyword arguments of the model's builder (gpt's size, a zoo model's options, a factory's).
+    args: str | None = field(default=None, metadata=recorded("model_args"))
+    # A full-model state dict loaded before the model is cut (fine-tuning); paths may differ.
+    weights: str | None = field(default=None, metadata=NODE_LOCAL)
+    # A user's loss, module:function(outputs, labels) -> the micro-batch's mean; None: cross-entropy.
+    loss: str | None = field(default=None, metadata=RECORDED)
+
+    def __post_init__(self) -> None:
+        parse_model_args(self.args)
+        if self.loss is not None and not is_reference(self.loss):
+            raise ConfigError("--loss", self.loss, "name a function as package.module:function")
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return parse_model_args(self.args)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,10 +181,19 @@ class DataConfig:
     image_size: int = 224
     num_classes: int = 10
     synthetic_size: int = 4096
+    data_file: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset text
+    seq_len: int = field(default=64, metadata=RECORDED)  # --dataset text: tokens per sample
 
     def __post_init__(self) -> None:
-        if self.dataset not in DATASETS:
-            raise ConfigError("--dataset", self.dataset, f"choose one of: {', '.join(DATASETS)}")
+        if self.dataset not in DATASETS and not is_reference(self.dataset):
+            raise ConfigError(
+                "--dataset",
+                self.dataset,
+                f"choose one of: {', '.join(DATASETS)}, or package.module:function",
+            )
+        _positive("--seq-len", self.seq_len)
+        if self.dataset == "text" and not self.data_file:
+            raise ConfigError("--dataset", "text", "needs --data-file FILE (any UTF-8 text)")
         _positive("--workers", self.workers, 0)
         _positive("--image-size", self.image_size)
         _positive("--num-classes", self.num_classes, 2)
@@ -149,6 +208,11 @@ class TrainConfig:
     momentum: float = field(default=0.9, metadata=RECORDED)
     weight_decay: float = field(default=0.0, metadata=RECORDED)
     nesterov: bool = field(default=False, metadata=RECORDED)
+    optimizer: str = field(default="sgd", metadata=RECORDED)
+    betas: tuple[float, ...] = field(default=(0.9, 0.999), metadata=RECORDED)  # adam, adamw
+    eps: float = field(default=1e-8, metadata=RECORDED)  # adam, adamw
+    # No weight decay on 1-d parameters (biases, norm scales); default: decay applies to all.
+    no_decay_norm_bias: bool = field(default=False, metadata=RECORDED)
     # The learning-rate schedule is a function of the step: these settings and the step are all
     # of its state, so a checkpoint records them.
     lr_schedule: str = field(default="constant", metadata=RECORDED)  # bundle/lr_schedule.py
@@ -173,6 +237,14 @@ class TrainConfig:
             raise ConfigError("--momentum", self.momentum, "must be in [0, 1)")
         if self.weight_decay < 0:
             raise ConfigError("--weight-decay", self.weight_decay, "must be >= 0")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                "--optimizer", self.optimizer, f"choose one of: {', '.join(OPTIMIZERS)}"
+            )
+        if self.eps <= 0:
+            raise ConfigError("--eps", self.eps, "must be > 0")
+        if self.nesterov and self.optimizer != "sgd":
+            raise ConfigError("--nesterov with --optimizer", self.optimizer, "needs sgd")
         if self.nesterov and not self.momentum:
             raise ConfigError("--nesterov with --momentum", self.momentum, "needs a momentum > 0")
         if not 0 <= self.label_smoothing < 1:

@@ -51,7 +51,7 @@ class DataSplits:
     train: Dataset[Any]
     val: Dataset[Any]
     num_classes: int
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
 
 
 def _digits() -> DataSplits:
@@ -168,10 +168,83 @@ def train_size(cfg: DataConfig) -> int:
         return cfg.synthetic_size
     if cfg.dataset == "digits":
         return size(_digits().train)
+    if cfg.dataset == "text":
+        return size(_text(cfg).train)
+    if cfg.dataset != "imagefolder":
+        return size(_custom(cfg).train)
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
     check_data(cfg)
     return len(make_dataset(os.path.join(_root(cfg), "train"), extensions=IMG_EXTENSIONS))
+
+
+# --dataset text: byte-level tokens, so the vocabulary is every byte value.
+TEXT_VOCAB = 256
+_TEXT_VAL_FRACTION = 0.1
+
+
+def _text_bytes(cfg: DataConfig) -> bytes:
+    path = cfg.data_file or ""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise DataError(f"--data-file {path!r}: {exc.strerror or exc}") from None
+    # Two windows of seq_len + 1 bytes at least: one to train on, one to validate with.
+    need = 2 * (cfg.seq_len + 1) * 10
+    if len(raw) < need:
+        raise DataError(
+            f"--data-file {path!r} holds {len(raw)} bytes; --seq-len {cfg.seq_len} needs at "
+            f"least {need} (a tenth of it is the validation set, one window at least)"
+        )
+    return raw
+
+
+def _windows(tokens: torch.Tensor, seq_len: int) -> TensorDataset:
+    """Non-overlapping windows: inputs tokens[i*T : i*T+T], labels the same shifted by one."""
+    n = (len(tokens) - 1) // seq_len
+    x = tokens[: n * seq_len].view(n, seq_len)
+    y = tokens[1 : n * seq_len + 1].view(n, seq_len)
+    return TensorDataset(x.long(), y.long())
+
+
+def _text(cfg: DataConfig) -> DataSplits:
+    """Byte-level tokens of any file: the first nine tenths train, the rest validates."""
+    tokens = torch.frombuffer(bytearray(_text_bytes(cfg)), dtype=torch.uint8)
+    cut = int(len(tokens) * (1 - _TEXT_VAL_FRACTION))
+    return DataSplits(
+        _windows(tokens[:cut], cfg.seq_len),
+        _windows(tokens[cut:], cfg.seq_len),
+        TEXT_VOCAB,
+        (cfg.seq_len,),
+    )
+
+
+def _custom(cfg: DataConfig) -> DataSplits:
+    """A user's ``module:function``, called as ``function(split)`` for "train" and "val"."""
+    from models import load_callable
+
+    factory = load_callable(cfg.dataset, "--dataset")
+    splits = {}
+    for split in ("train", "val"):
+        try:
+            ds = factory(split)
+        except Exception as exc:  # noqa: BLE001 - the user's code failed: say where
+            raise DataError(
+                f"--dataset {cfg.dataset}({split!r}) raised {type(exc).__name__}: {exc}"
+            ) from None
+        if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
+            raise DataError(
+                f"--dataset {cfg.dataset}({split!r}) returned a {type(ds).__name__}, "
+                "not a dataset with __getitem__ and __len__"
+            )
+        if len(ds) == 0:
+            raise DataError(f"--dataset {cfg.dataset}({split!r}) is empty")
+        splits[split] = ds
+    x, _ = splits["train"][0]
+    return DataSplits(
+        splits["train"], splits["val"], cfg.num_classes, tuple(torch.as_tensor(x).shape)
+    )
 
 
 def load(cfg: DataConfig, seed: int) -> DataSplits:
@@ -179,7 +252,11 @@ def load(cfg: DataConfig, seed: int) -> DataSplits:
         return _digits()
     if cfg.dataset == "synthetic":
         return _synthetic(cfg, seed)
-    return _image_folder(cfg, seed)
+    if cfg.dataset == "text":
+        return _text(cfg)
+    if cfg.dataset == "imagefolder":
+        return _image_folder(cfg, seed)
+    return _custom(cfg)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -235,7 +312,9 @@ def _fetch(dataset: Dataset[Any], keys: torch.Tensor) -> tuple[torch.Tensor, tor
     if not isinstance(dataset, SeededAugment):
         keys = keys % size(dataset)
     xs, ys = zip(*(dataset[int(k)] for k in keys), strict=True)
-    return torch.stack(xs), torch.as_tensor(ys)
+    return torch.stack([torch.as_tensor(x) for x in xs]), torch.stack(
+        [torch.as_tensor(y) for y in ys]
+    )
 
 
 class _BatchFetch(Dataset[Any]):
@@ -301,7 +380,7 @@ def labels_of(dataset: Dataset[Any]) -> torch.Tensor:
         return dataset.tensors[1]
     if hasattr(dataset, "targets"):  # torchvision ImageFolder and friends
         return torch.as_tensor(dataset.targets)
-    return torch.as_tensor([dataset[i][1] for i in range(size(dataset))])
+    return torch.stack([torch.as_tensor(dataset[i][1]) for i in range(size(dataset))])
 
 
 def stage_micro_batches(
@@ -343,10 +422,16 @@ def replica_indices(
         yield from shard.micro_indices(keys[t * batch : (t + 1) * batch])
 
 
-def input_spec(cfg: DataConfig) -> tuple[int, tuple[int, int, int]]:
+def input_spec(cfg: DataConfig) -> tuple[int, tuple[int, ...]]:
     """(classes, input shape) without loading the data: what the model must be built for."""
     if cfg.dataset == "digits":
         return 10, (1, 8, 8)
+    if cfg.dataset == "text":
+        _text_bytes(cfg)  # the file is there and long enough
+        return TEXT_VOCAB, (cfg.seq_len,)
+    if cfg.dataset not in ("synthetic", "imagefolder"):
+        splits = _custom(cfg)
+        return splits.num_classes, splits.input_shape
     shape = (3, cfg.image_size, cfg.image_size)
     if cfg.dataset == "synthetic":
         return cfg.num_classes, shape

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -9,15 +10,16 @@ import torch
 import torch.distributed as dist
 
 from bundle import data
-from bundle.engine.stage_engine import MicroBatch, StageEngine, eval_rows
-from bundle.observe.metrics import Reporter
+from bundle.engine.stage_engine import EVAL_COUNTS, MicroBatch, StageEngine, eval_rows
+from bundle.observe.metrics import Reporter, Validation
 from bundle.runtime.phase import Phase
 from bundle.session import Session, pins, reads_data, shard
 from bundle.topology import Topology
 
 
 class Evaluator:
-    """Top-1 and top-5 accuracy over the validation set in global batches of ``batch`` rows.
+    """Top-1 and top-5 accuracy, loss and (for tokens) perplexity over the validation set, in
+    global batches of ``batch`` rows.
 
     ``maybe_run(step)`` evaluates when due: ``every`` steps (an epoch) and after the last,
     ``total``; each batch names the process's phase (a long evaluation is not a stall).
@@ -49,28 +51,35 @@ class Evaluator:
         """After ``step``: evaluate if due and report the result."""
         if not self.enabled or (step % self.every and step != self.total):
             return
-        top1, top5, seen = self.run(f"evaluation after step {step}")
-        self.reporter.evaluated(step, top1, top5, seen)
+        self.reporter.evaluated(step, self.run(f"evaluation after step {step}"))
 
-    def run(self, label: str) -> tuple[float, float | None, int]:
-        """Top-1, top-5 (None with 5 classes or fewer) and the rows counted (collective)."""
+    def run(self, label: str) -> Validation:
+        """Accuracy, loss and perplexity over the validation set (collective)."""
         stage = self.engine.sync.module
         stage.eval()
         usable = self._batches()
         stream = self._stream([ix for ix, _ in usable])
-        counts = torch.zeros(3, dtype=torch.float64, device=self.device)
+        counts = torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)
         for i, (_ix, rows) in enumerate(usable):
             self.phase.enter(f"{label}, batch {i + 1} of {len(usable)}")
             counts += self.engine.eval_batch(rows, next(stream) if stream else None)
         stage.train()
         if self.group is None:
-            return 0.0, None, 0
+            return Validation(None, None, None, None, 0)
         dist.all_reduce(counts, group=self.group)
-        top1, top5, total = counts.tolist()
-        if not total:
-            return 0.0, None, 0
-        # With 5 classes or fewer every row is in its top 5: no figure worth reporting.
-        return top1 / total, (top5 / total if self.num_classes > 5 else None), int(total)
+        top1, top5, positions, loss, rows = counts.tolist()
+        if not rows:
+            return Validation(None, None, None, None, 0)
+        mean = loss / rows
+        return Validation(
+            top1=top1 / positions if positions else None,
+            # With 5 classes or fewer every row is in its top 5: no figure worth reporting.
+            top5=top5 / positions if positions and self.num_classes > 5 else None,
+            loss=mean,
+            # Labels per row beyond one (tokens): a language model's perplexity.
+            perplexity=math.exp(min(mean, 700.0)) if positions > rows else None,
+            seen=int(rows),
+        )
 
     def _batches(self) -> list[tuple[torch.Tensor, int]]:
         """Each global batch's indices and this bundle's rows of it; a batch too small to give

@@ -167,11 +167,18 @@ OPTIONS: tuple[Option, ...] = (
     Option(TRAIN, "--itr", "train.steps", metavar="STEPS", aliases=("--steps",),
            help="training steps (0: run --epochs whole epochs)"),
     Option(TRAIN, "--epochs", "train.epochs", help="whole epochs when --itr is 0"),
-    Option(TRAIN, "--lr", "train.lr", help="SGD learning rate"),
+    Option(TRAIN, "--optimizer", "train.optimizer", choices=C.OPTIMIZERS,
+           help="sgd (with --momentum), adamw (decoupled weight decay) or adam (L2 decay)"),
+    Option(TRAIN, "--lr", "train.lr", help="learning rate (peak, under a schedule)"),
     Option(TRAIN, "--momentum", "train.momentum", help="SGD momentum"),
     Option(TRAIN, "--weight-decay", "train.weight_decay", aliases=("--wd",),
-           help="SGD weight decay"),
+           help="weight decay, as the optimizer applies it"),
+    Option(TRAIN, "--no-decay-norm-bias", "train.no_decay_norm_bias",
+           help="no weight decay on 1-d parameters (biases and normalisation scales)"),
     Option(TRAIN, "--nesterov", "train.nesterov", help="SGD with Nesterov momentum"),
+    Option(TRAIN, "--betas", "train.betas", metavar="B1,B2", parse=C.parse_betas,
+           help="adam/adamw: coefficients of the running averages of the gradient and its square"),
+    Option(TRAIN, "--eps", "train.eps", help="adam/adamw: term added to the denominator"),
     Option(TRAIN, "--lr-schedule", "train.lr_schedule", choices=lr_schedule.LR_SCHEDULES,
            help="learning rate per step: constant; step: times --lr-gamma at each of --lr-steps; "
                 "cosine: down towards 0 at the end of the run (after any warm-up)"),
@@ -208,17 +215,34 @@ OPTIONS: tuple[Option, ...] = (
            help="when a process or node fails, "
                 "restart the whole job from the newest checkpoint up to N times"),
 
-    Option(MODEL, "--model", "model.name",
-           help="digits_cnn, mlp, mlp_wide, skip_mlp, small_resnet, "
-                "resnet18, resnet50, resnet101, vgg16; or MODEL_SPLIT, the model with "
-                "partitions/MODEL_SPLIT.yaml (the original's resnet101_trial0..4)"),
+    Option(MODEL, "--model", "model.name", metavar="NAME|package.module:factory",
+           help="digits_cnn, mlp, mlp_wide, skip_mlp, small_resnet, gpt; any torchvision "
+                "classification model (resnet18, resnet50, resnet101, vgg16, mobilenet_v3_small, "
+                "vit_b_16, ...); a factory "
+                "of your own, called with num_classes= and input_shape= (docs/models.md); or "
+                "MODEL_SPLIT, the model with partitions/MODEL_SPLIT.yaml (resnet101_trial0..4)"),
+    Option(MODEL, "--model-args", "model.args", metavar="K=V,...",
+           help="keyword arguments of the model's builder, e.g. gpt's "
+                "layers=6,width=384,heads=6 (Python literals)"),
+    Option(MODEL, "--weights", "model.weights", metavar="FILE",
+           help="load this full-model state dict (torch.save of model.state_dict()) before the "
+                "model is cut: fine-tuning from a local file"),
+    Option(MODEL, "--loss", "model.loss", metavar="package.module:function",
+           help="loss(outputs, labels) -> the mean over the micro-batch's rows "
+                "(default: cross-entropy over the last dimension, per row or per token)"),
     Option(MODEL, "--partition", "model.partition", metavar="NAME|FILE.yaml|B0,B1,...|auto",
            help="split points from partitions/NAME.yaml, a YAML file or inline (the block where "
                 "each stage begins); auto: balanced by the planner's timing "
                 "(default: balanced by parameters)"),
     # Unset, the data set follows DATA_DIR (cli.to_config), so the field's default cannot stand.
-    Option(MODEL, "--dataset", "data.dataset", choices=C.DATASETS, default=None,
-           help="default: imagefolder when DATA_DIR is given, else digits"),
+    Option(MODEL, "--dataset", "data.dataset", default=None,
+           metavar="{" + ",".join(C.DATASETS) + "}|package.module:function",
+           help="default: imagefolder when DATA_DIR is given, else digits; text: byte-level "
+                "tokens of --data-file; or a function of your own, f(split) -> Dataset"),
+    Option(MODEL, "--data-file", "data.data_file", metavar="FILE",
+           help="--dataset text: any UTF-8 text file (its last tenth is the validation set)"),
+    Option(MODEL, "--seq-len", "data.seq_len", metavar="T",
+           help="--dataset text: tokens per sample (the model's context)"),
     Option(MODEL, "--image-size", "data.image_size",
            help="input side for imagefolder and synthetic data"),
     Option(MODEL, "--num-classes", "data.num_classes", help="classes of synthetic data"),

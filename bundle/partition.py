@@ -26,10 +26,12 @@ import torch
 import torch.nn as nn
 import yaml
 
+import models
+from bundle.config import ModelConfig
 from bundle.engine.memory import run_recomputed
 from bundle.errors import ConfigError, PartitionError
-from models import Block, apply_blocks, available
-from models import blocks as model_blocks
+from models import Block, apply_blocks, is_known
+from models.graph import Segment
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PARTITIONS_DIR = REPO_ROOT / "partitions"
@@ -95,10 +97,10 @@ def split_model_name(name: str, partition: str | None) -> tuple[str, str | None]
     Returns (model, partition); any other name is returned as it is, to be checked as a model.
     """
     path = PARTITIONS_DIR / f"{name}.yaml"
-    if name in available() or not path.is_file():
+    if is_known(name) or not path.is_file():
         return name, partition
     model = load_spec(name).model
-    if model not in available() or not name.startswith(f"{model}_"):
+    if not is_known(model) or not name.startswith(f"{model}_"):
         return name, partition
     if partition not in (None, name):
         raise ConfigError(
@@ -206,8 +208,12 @@ class Stage(nn.Module):
             raise PartitionError("a stage needs at least one block")
         self.names: tuple[str, ...] = tuple(name for name, _ in blocks)
         self.blocks = nn.ModuleList(module for _, module in blocks)
+        # A graph split's blocks name their parameters as the full model does already.
+        self._named_fully = tuple(isinstance(m, Segment) for _, m in blocks)
         # Set by the runner per micro-batch: keep only the stage's inputs, recompute the rest.
         self.recompute = False
+        # What the model takes (token ids: long), for inputs made up before training.
+        self.input_dtype = torch.float32
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         blocks = list(zip(self.names, self.blocks, strict=True))
@@ -223,7 +229,7 @@ class Stage(nn.Module):
         index, _, leaf = rest.partition(".")
         if head != "blocks" or not index.isdigit() or int(index) >= len(self.names) or not leaf:
             raise PartitionError(f"{name!r} is not a parameter or buffer name of this stage")
-        return f"{self.names[int(index)]}.{leaf}"
+        return leaf if self._named_fully[int(index)] else f"{self.names[int(index)]}.{leaf}"
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters and buffers keyed by full-model names."""
@@ -241,12 +247,47 @@ class Stage(nn.Module):
         self.load_state_dict({k: state[full] for k, full in own.items()}, strict=True)
 
 
-def split_model(model: nn.Module, starts: Sequence[int]) -> list[Stage]:
-    """Cut ``model`` into stages beginning at the given block indices (from ``resolve``)."""
-    blocks = model_blocks(model)
+def build_model(cfg: ModelConfig, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
+    """``--model`` built for the data (``--model-args`` passed), ``--weights`` loaded."""
+    model = models.build(
+        cfg.name, num_classes=num_classes, input_shape=input_shape, args=cfg.kwargs
+    )
+    if cfg.weights:
+        models.load_weights(model, cfg.weights)
+    return model
+
+
+def cut(
+    model: nn.Module, cfg: ModelConfig, num_stages: int, input_shape: Sequence[int]
+) -> list[Stage]:
+    """The model cut into ``num_stages`` stages at ``--partition`` (default: balanced)."""
+    spec = load_spec(cfg.partition) if cfg.partition else None
+    blocks = models.blocks(model, input_shape, spec.starts if spec else ())
+    stages = split_model(blocks, resolve(spec, blocks, num_stages, cfg.name))
+    for stage in stages:
+        stage.input_dtype = models.input_dtype(model)
+    return stages
+
+
+def split_model(model: nn.Module | Sequence[Block], starts: Sequence[int]) -> list[Stage]:
+    """Cut a model (or its ``blocks``) into stages beginning at the given block indices (from
+    ``resolve``). A parameter or buffer used by two stages (tied weights) cannot be: one line
+    names it."""
+    blocks = models.blocks(model) if isinstance(model, nn.Module) else list(model)
     bounds = [*starts, len(blocks)]
     if not starts or starts[0] != 0 or any(a >= b for a, b in pairwise(bounds)):
         raise PartitionError(
             f"stage starts {tuple(starts)} must begin at 0 and increase below {len(blocks)}"
         )
-    return [Stage(blocks[a:b]) for a, b in pairwise(bounds)]
+    stages = [Stage(blocks[a:b]) for a, b in pairwise(bounds)]
+    owner: dict[int, tuple[int, str]] = {}
+    for i, stage in enumerate(stages):
+        for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+            first = owner.setdefault(id(t), (i, stage.full_name(name)))
+            if first[0] != i:
+                raise PartitionError(
+                    f"cannot cut at {stage.names[0]!r}: {first[1]} is used by stage {first[0]} "
+                    f"and by stage {i} ({stage.full_name(name)}); tied weights must stay in one "
+                    "stage: cut elsewhere or untie them"
+                )
+    return stages

@@ -57,18 +57,24 @@ def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
     """Unknown model or partition is an input error: resolve it on the meta device, no memory.
 
     Returns the shape of every entry of the model's state dict."""
-    if cfg.model.name not in models.available():
+    if not models.is_known(cfg.model.name):
         raise ConfigError(
             "--model",
             cfg.model.name,
-            f"choose one of: {', '.join(models.available())}; "
+            f"choose one of: {', '.join(models.available())}, any torchvision classification "
+            "model, a factory package.module:function; "
             f"or one cut by its partitions/ file: {', '.join(partition.available_specs())}",
         )
-    spec = partition.load_spec(cfg.model.partition) if cfg.model.partition else None
+    if cfg.model.loss:
+        models.load_callable(cfg.model.loss, "--loss")
     num_classes, input_shape = input_spec(cfg.data)
     with torch.device("meta"):
-        model = models.build(cfg.model.name, num_classes=num_classes, input_shape=input_shape)
-    partition.resolve(spec, models.blocks(model), num_stages, cfg.model.name)
+        model = models.build(
+            cfg.model.name, num_classes=num_classes, input_shape=input_shape, args=cfg.model.kwargs
+        )
+        if cfg.model.weights:
+            models.load_weights(model, cfg.model.weights, check_only=True)
+        partition.cut(model, cfg.model, num_stages, input_shape)
     if cfg.compute.channels_last and not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         raise ConfigError(
             "--channels-last with --model",

@@ -15,8 +15,16 @@ from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig
 from bundle.engine import nccl_emu, precision
 from bundle.engine.grad_sync import Comm, FlatSync, GradSync, HierarchicalSync
+from bundle.engine.optim import make_optimizer
 from bundle.engine.precision import Policy
-from bundle.engine.stage_engine import MicroBatch, StageEngine, boundary_metas, build_stages
+from bundle.engine.stage_engine import (
+    Loss,
+    MicroBatch,
+    StageEngine,
+    boundary_metas,
+    build_stages,
+    cross_entropy,
+)
 from bundle.engine.transport import Transport, post_with_torch
 from bundle.observe import timing
 from bundle.partition import Stage
@@ -96,13 +104,7 @@ def build_session(
         timeout=cfg.launch.timeout,
         post=emu.batch_isend_irecv if emu is not None else post_with_torch,
     )
-    optimizer = torch.optim.SGD(
-        stage.parameters(),
-        lr=cfg.train.lr,
-        momentum=cfg.train.momentum,
-        weight_decay=cfg.train.weight_decay,
-        nesterov=cfg.train.nesterov,
-    )
+    optimizer = make_optimizer(cfg.train, stage)
     engine = StageEngine(
         topo=topo,
         coord=coord,
@@ -116,12 +118,21 @@ def build_session(
         # The skip decision spans the job: the default group holds every rank.
         scaler=policy.make_scaler(device),
         timer=timing.make_timer(device),
-        label_smoothing=cfg.train.label_smoothing,
+        loss=make_loss(cfg),
         # gloo alone lets a receive progress on its own: there it is posted ahead (bundle.engine.p2p).
         early_receives=backend == "gloo",
     )
     arrive("ready to train")
     return Session(engine, stage, splits, coord, groups, optimizer, layout)
+
+
+def make_loss(cfg: RunConfig) -> Loss:
+    """``--loss module:function``, else cross-entropy (with ``--label-smoothing``)."""
+    if cfg.model.loss:
+        from models import load_callable
+
+        return load_callable(cfg.model.loss, "--loss")
+    return cross_entropy(cfg.train.label_smoothing)
 
 
 def _make_sync(

@@ -1,63 +1,245 @@
-"""Model registry: build a model by name and flatten it into the ordered blocks stages are cut from."""
+"""Models by name and their flattening into the ordered blocks stages are cut from.
+
+``--model`` names one of three kinds:
+
+- a model shipped here (``available()``): the small CPU models, and ``gpt``;
+- any torchvision classification model (``torchvision.models.list_models``), random weights;
+- a user's factory, ``package.module:function`` (or ``path/to/file.py:function``), called with
+  the keyword arguments it declares among ``num_classes`` and ``input_shape`` (and any of
+  ``--model-args``), returning an ``nn.Module``.
+
+``blocks(model, input_shape)`` gives the ordered (name, module) pairs whose chained application
+equals ``model(x)``: a model's own chain where it has one (the small models, ResNets, VGG,
+``nn.Sequential``), else a split of its ``torch.fx`` graph (``models.graph``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
+import torch
 import torch.nn as nn
 from torchvision.models import ResNet
 from torchvision.models.vgg import VGG
 
+from bundle.config import is_reference
 from bundle.errors import ConfigError, PartitionError
+from models import graph
+from models.gpt import GPT
 from models.small import MLP, Block, Chain, DigitsCNN, SkipMLP, SmallResNet, apply_blocks
-from models.vision import build_torchvision, resnet_blocks, vgg_blocks
+from models.vision import build_zoo, no_inplace, resnet_blocks, vgg_blocks, zoo_names
 
-__all__ = ["Block", "apply_blocks", "available", "blocks", "build"]
+__all__ = [
+    "Block",
+    "apply_blocks",
+    "available",
+    "blocks",
+    "build",
+    "example_input",
+    "input_dtype",
+    "is_known",
+    "load_weights",
+]
 
-Builder = Callable[[int, tuple[int, int, int]], nn.Module]
-
-
-def _torchvision(name: str) -> Builder:
-    return lambda num_classes, shape: build_torchvision(name, num_classes, shape)
-
+Builder = Callable[..., nn.Module]
 
 _REGISTRY: dict[str, Builder] = {
-    "resnet18": _torchvision("resnet18"),
-    "resnet50": _torchvision("resnet50"),
-    "resnet101": _torchvision("resnet101"),
-    "vgg16": _torchvision("vgg16"),
     "mlp": lambda num_classes, shape: MLP(shape, num_classes),
     # Compute-heavy enough per micro-batch that a pipeline's own overhead can be seen (benchmark).
     "mlp_wide": lambda num_classes, shape: MLP(shape, num_classes, width=1024),
     "digits_cnn": lambda num_classes, shape: DigitsCNN(shape, num_classes),
     "skip_mlp": lambda num_classes, shape: SkipMLP(shape, num_classes),
     "small_resnet": lambda num_classes, shape: SmallResNet(shape, num_classes),
+    # A language model: num_classes is the vocabulary, the shape (seq_len,).
+    "gpt": lambda num_classes, shape, **kw: GPT(vocab=num_classes, seq_len=shape[0], **kw),
 }
+# The ones that take --model-args.
+_TAKES_ARGS = frozenset({"gpt"})
+# The torchvision models named in --help and errors (any other zoo name works too).
+_SHOWN_ZOO = ("resnet18", "resnet50", "resnet101", "vgg16")
 
 
 def available() -> list[str]:
-    """Registered model names, sorted."""
-    return sorted(_REGISTRY)
+    """Model names shipped here and the best-known torchvision ones, sorted."""
+    return sorted([*_REGISTRY, *_SHOWN_ZOO])
 
 
-def build(name: str, *, num_classes: int, input_shape: tuple[int, int, int]) -> nn.Module:
+def is_factory(name: str) -> bool:
+    return is_reference(name)
+
+
+def is_known(name: str) -> bool:
+    """Whether ``name`` is a model this build can make (a factory is checked when built)."""
+    return name in _REGISTRY or name in zoo_names() or is_factory(name)
+
+
+def build(
+    name: str,
+    *,
+    num_classes: int,
+    input_shape: Sequence[int],
+    args: Mapping[str, Any] | None = None,
+) -> nn.Module:
     """A freshly initialised model (random weights; seed torch first for reproducibility)."""
-    if name not in _REGISTRY:
-        raise ConfigError("--model", name, f"choose one of: {', '.join(available())}")
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ConfigError("num_classes", num_classes, "a positive integer")
     shape = tuple(input_shape)
-    if len(shape) != 3 or not all(isinstance(d, int) and d > 0 for d in shape):
-        raise ConfigError("input_shape", input_shape, "three positive integers (C, H, W)")
-    return _REGISTRY[name](num_classes, (shape[0], shape[1], shape[2]))
+    if not shape or not all(isinstance(d, int) and d > 0 for d in shape):
+        raise ConfigError("input_shape", input_shape, "positive integers")
+    kwargs = dict(args or {})
+    if is_factory(name):
+        return _from_factory(name, num_classes, shape, kwargs)
+    if kwargs and name not in _TAKES_ARGS and name not in zoo_names():
+        raise ConfigError("--model-args", kwargs, f"--model {name} takes none")
+    if name in _REGISTRY:
+        try:
+            return _REGISTRY[name](num_classes, shape, **kwargs)
+        except TypeError as exc:
+            raise ConfigError("--model-args", kwargs, f"--model {name}: {exc}") from None
+    if name in zoo_names():
+        return build_zoo(name, num_classes, shape, kwargs)
+    raise ConfigError(
+        "--model",
+        name,
+        f"choose one of: {', '.join(available())}, any other torchvision classification model "
+        "(e.g. mobilenet_v3_small, vit_b_16), or a factory package.module:function",
+    )
 
 
-def blocks(model: nn.Module) -> list[Block]:
+def _import(name: str) -> Any:
+    """``pkg.mod:attr`` or ``path/file.py:attr`` -> the attribute (the current directory first)."""
+    where, _, attr = name.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            path = Path(where).resolve()
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            if spec is None or spec.loader is None or not path.is_file():
+                raise ImportError(f"no file {where}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules.setdefault(path.stem, module)
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(where)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's import raised
+        raise ConfigError(
+            "--model", name, f"cannot import {where}: {type(exc).__name__}: {exc}"
+        ) from None
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ConfigError("--model", name, f"{where} has no attribute {attr!r}")
+        target = getattr(target, part)
+    return target
+
+
+def load_callable(name: str, what: str) -> Callable[..., Any]:
+    """A user's function named ``module:function`` (the factories of models, data and losses)."""
+    fn = _import(name)
+    if not callable(fn):
+        raise ConfigError(
+            what, name, f"{name.rpartition(':')[2]} is a {type(fn).__name__}, not a function"
+        )
+    return fn
+
+
+def _from_factory(
+    name: str, num_classes: int, shape: tuple[int, ...], kwargs: dict[str, Any]
+) -> nn.Module:
+    factory = load_callable(name, "--model")
+    offered = {"num_classes": num_classes, "input_shape": shape, **kwargs}
+    try:
+        params = inspect.signature(factory).parameters
+        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    except (TypeError, ValueError):
+        params, takes_all = {}, True  # a builtin or C function: offer everything
+    chosen = offered if takes_all else {k: v for k, v in offered.items() if k in params}
+    unused = sorted(set(kwargs) - set(chosen))
+    if unused:
+        raise ConfigError("--model-args", kwargs, f"{name} takes no argument(s) {unused}")
+    try:
+        model = factory(**chosen)
+    except Exception as exc:  # noqa: BLE001 - the user's code failed: say where
+        raise ConfigError(
+            "--model", name, f"the factory raised {type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            "--model", name, f"the factory returned a {type(model).__name__}, not an nn.Module"
+        )
+    return model
+
+
+def load_weights(model: nn.Module, path: str, *, check_only: bool = False) -> None:
+    """Load a full-model state dict (``--weights``), checked against the model: one line if not.
+
+    ``check_only``: read and compare, load nothing (a model on the meta device, before launch)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - unreadable in any way: the same one line
+        raise ConfigError(
+            "--weights", path, f"cannot read it: {type(exc).__name__}: {exc}"
+        ) from None
+    for key in ("state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError("--weights", path, "it holds no state dict (names -> tensors)")
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [
+        f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and tuple(state[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or shapes:
+        problems = [
+            f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
+            f"{len(unexpected)} unexpected (e.g. {unexpected[0]})" if unexpected else "",
+            f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else "",
+        ]
+        raise ConfigError(
+            "--weights", path, "it does not fit the model: " + "; ".join(p for p in problems if p)
+        )
+    if not check_only:
+        model.load_state_dict(state)
+
+
+def input_dtype(model: nn.Module) -> torch.dtype:
+    """What the model takes: its ``input_dtype`` attribute if it declares one, token ids (long)
+    if its first layer with parameters is an embedding, else float32."""
+    declared = getattr(model, "input_dtype", None)
+    if isinstance(declared, torch.dtype):
+        return declared
+    first = next(
+        (m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None
+    )
+    return torch.long if isinstance(first, nn.Embedding) else torch.float32
+
+
+def example_input(model: nn.Module, input_shape: Sequence[int], rows: int = 1) -> torch.Tensor:
+    """A batch of zeros the model can take (zeros are valid token ids too)."""
+    return torch.zeros(rows, *input_shape, dtype=input_dtype(model))
+
+
+def blocks(
+    model: nn.Module, input_shape: Sequence[int] | None = None, points: Sequence[str] = ()
+) -> list[Block]:
     """The model as ordered (dotted name, module) pairs whose chained application equals model(x).
 
-    Names are the model's own module paths, so ``f"{name}.{param}"`` is a key of
-    ``model.named_parameters()``; the only exception is a parameterless ``flatten`` block that
-    stands in for a functional ``torch.flatten`` in torchvision forwards.
+    A block's name is its module path; its parameters' full-model names are ``f"{name}.{param}"``
+    (a ``graph.Segment`` names them fully itself). The only invented name is a parameterless
+    ``flatten`` standing in for torchvision's functional ``torch.flatten``. ``points`` are split
+    points a graph split must cut at besides its own (other models take theirs as they are).
     """
     if isinstance(model, Chain):
         return model.blocks()
@@ -65,7 +247,20 @@ def blocks(model: nn.Module) -> list[Block]:
         return resnet_blocks(model)
     if isinstance(model, VGG):
         return vgg_blocks(model)
-    raise PartitionError(
-        f"cannot flatten a {type(model).__name__} into blocks; "
-        f"use a model from models.build ({', '.join(available())})"
-    )
+    no_inplace(model)
+    if isinstance(model, nn.Sequential):
+        return sequential_blocks(model)
+    if input_shape is None:
+        raise PartitionError(f"cutting a {type(model).__name__} needs the shape of its input")
+    return graph.blocks(model, example_input(model, input_shape, rows=3), points)
+
+
+def sequential_blocks(model: nn.Sequential, prefix: str = "") -> list[Block]:
+    """An nn.Sequential's children in order, nested Sequentials opened."""
+    out: list[Block] = []
+    for name, child in model.named_children():
+        if type(child) is nn.Sequential:
+            out += sequential_blocks(child, f"{prefix}{name}.")
+        else:
+            out.append((f"{prefix}{name}", child))
+    return out

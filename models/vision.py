@@ -1,32 +1,77 @@
-"""torchvision ResNets and VGG-16 (random init) and their flattening into pipeline blocks."""
+"""torchvision classification models by name (random init, nothing downloaded) and the hand-written
+flattening of ResNets and VGGs into pipeline blocks (every other model is cut by its graph)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import re
+from typing import Any
 
 import torch.nn as nn
-from torchvision.models import ResNet, resnet18, resnet50, resnet101, vgg16
+import torchvision
+from torchvision.models import ResNet
 from torchvision.models.vgg import VGG
 
 from bundle.errors import ConfigError
 
 Block = tuple[str, nn.Module]
 
-_TORCHVISION: dict[str, Callable[..., nn.Module]] = {
-    "resnet18": resnet18,
-    "resnet50": resnet50,
-    "resnet101": resnet101,
-    "vgg16": vgg16,
-}
+
+@functools.cache
+def zoo_names() -> frozenset[str]:
+    """Every torchvision classification model name."""
+    return frozenset(torchvision.models.list_models(module=torchvision.models))
 
 
-def build_torchvision(name: str, num_classes: int, input_shape: tuple[int, int, int]) -> nn.Module:
-    """One torchvision classifier with random weights (never downloads anything)."""
-    if input_shape[0] != 3:
-        raise ConfigError("input_shape", input_shape, f"{name} takes 3-channel images")
-    model = _TORCHVISION[name](weights=None, num_classes=num_classes)
-    _no_inplace_at_boundaries(model)
+def size_rule(name: str) -> tuple[int, int]:
+    """(multiple, minimum) an image side must be for model ``name`` (1, 1: anything works)."""
+    patch = re.fullmatch(r"vit_\w_(\d+)", name)
+    if patch:
+        return int(patch.group(1)), int(patch.group(1))
+    if name.startswith("maxvit"):
+        return 224, 224  # a 7x7 partition at every one of its four strides of two after the stem
+    if name == "inception_v3":
+        return 1, 75
+    if name in ("alexnet", "googlenet") or name.startswith("squeezenet"):
+        return 1, 64
+    return 1, 1
+
+
+def build_zoo(
+    name: str, num_classes: int, input_shape: tuple[int, ...], kwargs: dict[str, Any]
+) -> nn.Module:
+    """One torchvision classifier for ``num_classes`` and this image size, random weights."""
+    if len(input_shape) != 3 or input_shape[0] != 3:
+        raise ConfigError("input_shape", input_shape, f"{name} takes 3-channel images (3, H, W)")
+    side = input_shape[1]
+    multiple, minimum = size_rule(name)
+    if input_shape[1] != input_shape[2] or side % multiple or side < minimum:
+        works = f"multiples of {multiple}" if multiple > 1 else f"at least {minimum}"
+        raise ConfigError("--image-size", side, f"{name} takes square images of side {works}")
+    extra: dict[str, Any] = {}
+    if name.startswith("vit_"):
+        extra["image_size"] = side
+    elif name.startswith("maxvit"):
+        extra["input_size"] = (side, side)
+    elif name in ("googlenet", "inception_v3"):
+        # One output (no auxiliary heads), as every other model here; no pretrained-style init.
+        extra.update(aux_logits=False, init_weights=True)
+    try:
+        model = torchvision.models.get_model(
+            name, weights=None, num_classes=num_classes, **{**extra, **kwargs}
+        )
+    except TypeError as exc:
+        raise ConfigError("--model-args", kwargs, f"--model {name}: {exc}") from None
+    no_inplace(model)
     return model
+
+
+def no_inplace(model: nn.Module) -> None:
+    """In-place activations off: a stage's first layer gets a received tensor that autograd
+    tracks as a leaf, and an in-place op on it raises. Output values are unchanged."""
+    for module in model.modules():
+        if getattr(module, "inplace", False) is True:
+            setattr(module, "inplace", False)  # noqa: B010 - nn.Module's own attribute
 
 
 def resnet_blocks(model: ResNet) -> list[Block]:
@@ -45,12 +90,3 @@ def vgg_blocks(model: VGG) -> list[Block]:
     out += [("avgpool", model.avgpool), ("flatten", nn.Flatten(1))]
     out += [(f"classifier.{i}", m) for i, m in enumerate(model.classifier)]
     return out
-
-
-def _no_inplace_at_boundaries(model: nn.Module) -> None:
-    # A top-level block may begin a stage, where its input is a received leaf tensor that
-    # requires grad; an in-place ReLU there raises in autograd. Output values are unchanged.
-    top = resnet_blocks(model) if isinstance(model, ResNet) else vgg_blocks(model)
-    for _, module in top:
-        if getattr(module, "inplace", False):
-            setattr(module, "inplace", False)  # noqa: B010 - nn.Module's own attribute

@@ -224,11 +224,7 @@ class Checkpointer:
         same_layout = info.get("layout") == self.settings["layout"]
         params = self._params()
         want = {f"model.{name}": p.detach() for name, p in params.items()}
-        momenta = {}
-        for name, p in params.items():
-            key = f"optim.{name}.momentum_buffer"
-            if key in stored:
-                momenta[p] = want[key] = torch.zeros_like(p)
+        optim_state = self._optimizer_slots(params, stored, want)
         for name, b in self._buffers().items():
             mine = self._buffer_key(name)
             want[mine if same_layout and mine in stored else f"model.{name}"] = b
@@ -238,11 +234,32 @@ class Checkpointer:
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} entries, e.g. {missing[:3]}")
         dcp.load(want, storage_reader=ckpt.SafeReader(path), process_group=self.group)
-        for p, buf in momenta.items():
-            self.optimizer.state[p]["momentum_buffer"] = buf
+        for p, slots in optim_state.items():
+            self.optimizer.state[p].update(slots)
         layout = "" if same_layout else f", written at {_describe(info.get('layout'))}"
         log.get().info(f"resumed from {path} (step {step}{layout})")
         return step
+
+    @staticmethod
+    def _optimizer_slots(
+        params: dict[str, torch.nn.Parameter],
+        stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        want: dict[str, torch.Tensor],
+    ) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        """Tensors to load the stored optimizer state of each parameter into (SGD's momentum,
+        Adam's moments and step count), added to ``want``; whatever the optimizer stored."""
+        slots: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+        for name, p in params.items():
+            prefix = f"optim.{name}."
+            for key, (shape, dtype) in stored.items():
+                slot = key[len(prefix) :]
+                if not key.startswith(prefix) or "." in slot:
+                    continue
+                # A 0-d entry (Adam's step) lives on the CPU, as the optimizer keeps it.
+                device = p.device if shape else torch.device("cpu")
+                want[key] = torch.zeros(shape, dtype=dtype, device=device)
+                slots.setdefault(p, {})[slot] = want[key]
+        return slots
 
     def _same_everywhere(self, step: int, path: str | None) -> None:
         """Every rank must start from the same step (a --save-dir every node sees)."""

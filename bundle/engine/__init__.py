@@ -8,6 +8,7 @@ Modules, from the data up:
 - ``nccl_emu``: ``--backend nccl-emu``, gloo with NCCL's in-order streams on top;
 - ``grad_sync``: a stage's gradients summed over its replicas (flat or hierarchical);
 - ``precision``: the compute policy: dtypes, the boundary's wire form, loss scaling;
+- ``optim``: a stage's optimizer (SGD, AdamW, Adam) and its parameter groups;
 - ``memory``: recompute of a stage's blocks, and a count of what backward keeps;
 - ``stage_engine``: ``StageEngine``, which runs a step's actions, calls and optimizer step.
 """

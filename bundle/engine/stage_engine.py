@@ -3,15 +3,13 @@ calls they make, the gradient sync and the optimizer step; and the stages it run
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-import models
 from bundle import partition
 from bundle.config import RunConfig
 from bundle.engine.grad_sync import GradSync
@@ -26,24 +24,22 @@ from bundle.topology import Coord, Topology, split_sizes
 
 
 def build_stages(
-    cfg: RunConfig, num_stages: int, input_shape: tuple[int, int, int], num_classes: int
+    cfg: RunConfig, num_stages: int, input_shape: tuple[int, ...], num_classes: int
 ) -> list[Stage]:
-    """The full model, seeded identically on every process, cut into stages."""
-    spec = partition.load_spec(cfg.model.partition) if cfg.model.partition else None
+    """The full model, seeded identically on every process (``--weights`` loaded), cut into stages."""
     torch.manual_seed(cfg.train.seed)
-    model = models.build(cfg.model.name, num_classes=num_classes, input_shape=input_shape)
-    starts = partition.resolve(spec, models.blocks(model), num_stages, cfg.model.name)
-    return partition.split_model(model, starts)
+    model = partition.build_model(cfg.model, num_classes, input_shape)
+    return partition.cut(model, cfg.model, num_stages, input_shape)
 
 
 @torch.no_grad()
 def boundary_metas(
-    stages: Sequence[nn.Module], input_shape: tuple[int, ...], policy: Policy
+    stages: Sequence[Stage], input_shape: tuple[int, ...], policy: Policy
 ) -> list[tuple[TensorMeta, ...]]:
     """What crosses each stage boundary: shapes from one dummy row on the CPU, once; dtype and
     layout from the precision policy, which every rank holds alike."""
     modes = [s.training for s in stages]
-    metas, x = [], (torch.zeros(1, *input_shape),)
+    metas, x = [], (torch.zeros(1, *input_shape, dtype=stages[0].input_dtype),)
     try:
         for s in stages[:-1]:
             x = s.eval()(*x)
@@ -96,16 +92,14 @@ class StageEngine:
         policy: Policy | None = None,
         scaler: LossScaler | None = None,
         timer: StepTimer | None = None,
-        label_smoothing: float = 0.0,
+        loss: Loss | None = None,
         early_receives: bool = False,
     ) -> None:
         self.topo, self.coord, self.sync, self.transport = topo, coord, sync, transport
         self.optimizer, self.device, self.stage = optimizer, device, stage
         self.policy, self.scaler = policy or Policy(device_type=device.type), scaler
-        # Summed over the rows, scaled by 1 / global batch below: the global mean, shared out.
-        self.criterion = functools.partial(
-            F.cross_entropy, reduction="sum", label_smoothing=label_smoothing
-        )
+        # The micro-batch's mean, scaled by rows / global batch below: the global mean, shared out.
+        self.loss = loss or cross_entropy()
         self.first = coord.stage == 0
         self.last = coord.stage == topo.num_stages - 1
         self.sizes = topo.micro_sizes(coord.bundle)
@@ -207,7 +201,7 @@ class StageEngine:
         if self.last:
             labels = _given(micro[1]).to(self.device, non_blocking=True)
             # The loss in fp32, outside autocast.
-            loss = self.criterion(out[0].float(), labels) * self.inv_batch
+            loss = self.loss(_as_float(out), labels) * (len(labels) * self.inv_batch)
             st.loss_sum += loss.detach()
             st.outputs[k] = (self.scaler.scaled(loss) if self.scaler else loss,)
         else:
@@ -258,7 +252,7 @@ class StageEngine:
     def eval_batch(self, rows: int, micro: MicroBatch | None) -> torch.Tensor:
         """Forward-only pass of one bundle batch of ``rows`` rows.
 
-        Returns [top-1 correct, top-5 correct, rows] on the last stage, zeros elsewhere.
+        Returns the last stage's ``EvalCounts`` of the batch, zeros elsewhere.
         """
         transport, policy = self.transport, self.policy
         micro = micro or (None, None)
@@ -277,11 +271,54 @@ class StageEngine:
             transport.send_act(
                 rows, tuple(m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True))
             ).wait()
-            return torch.zeros(3, dtype=torch.float64, device=self.device)
+            return torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)
         labels = _given(micro[1]).to(self.device)
-        hits = top_k_correct(out[0], labels, (1, 5))
-        rows_t = torch.tensor([float(len(labels))], dtype=torch.float64, device=self.device)
-        return torch.cat([hits, rows_t])
+        out_f = _as_float(out)
+        loss = self.loss(out_f, labels).detach().double() * len(labels)
+        counts = [loss.reshape(1), torch.tensor([float(len(labels))], device=self.device)]
+        if isinstance(out_f, torch.Tensor) and _classifies(out_f, labels):
+            hits = top_k_correct(out_f.flatten(0, -2), labels.flatten(), (1, 5))
+            counts.insert(0, torch.cat([hits, hits.new_tensor([float(labels.numel())])]))
+        else:
+            counts.insert(0, torch.zeros(3, dtype=torch.float64, device=self.device))
+        return torch.cat([c.to(torch.float64) for c in counts])
+
+
+# What eval_batch counts: top-1 and top-5 hits, the label positions they are out of (rows, or
+# tokens), the loss summed over rows, the rows.
+EVAL_COUNTS = 5
+
+# A loss as torch's losses compute by default: the mean over the micro-batch it is given.
+Loss = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(label_smoothing: float = 0.0) -> Loss:
+    """Cross-entropy over the last dimension: per row for (rows, classes) logits, per token for
+    (rows, tokens, vocabulary) ones; the mean over every label of the micro-batch."""
+
+    def loss(logits: Any, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(logits, tuple):  # a model with several outputs: its first is the logits
+            logits = logits[0]
+        return F.cross_entropy(
+            logits.flatten(0, -2), labels.flatten(), label_smoothing=label_smoothing
+        )
+
+    return loss
+
+
+def _as_float(out: tuple[torch.Tensor, ...]) -> Any:
+    """What a loss gets: the last stage's one output (or all of them), in fp32 (outside autocast)."""
+    floats = tuple(o.float() if o.is_floating_point() else o for o in out)
+    return floats[0] if len(floats) == 1 else floats
+
+
+def _classifies(logits: torch.Tensor, labels: torch.Tensor) -> bool:
+    """Whether outputs are logits over classes for integer labels (accuracy means something)."""
+    return (
+        not labels.is_floating_point()
+        and logits.dim() == labels.dim() + 1
+        and logits.shape[:-1] == labels.shape
+    )
 
 
 def top_k_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]) -> torch.Tensor:

@@ -47,6 +47,8 @@ class Board:
                 "train/lr": record.get("lr"),
                 "val/top1": record.get("val_accuracy"),
                 "val/top5": record.get("val_top5"),
+                "val/loss": record.get("val_loss"),
+                "val/perplexity": record.get("val_perplexity"),
             },
         )
         if record.get("breakdown"):

@@ -101,6 +101,38 @@ _OPTIONAL = ("skipped_steps", "loss_scale", "peak_memory_mib", "predicted_sample
 
 
 @dataclass(frozen=True)
+class Validation:
+    """One pass over the validation set: accuracy (None where outputs are no class logits; top-5
+    None with 5 classes or fewer), the mean loss, perplexity (token-level tasks), rows counted."""
+
+    top1: float | None
+    top5: float | None
+    loss: float | None
+    perplexity: float | None
+    seen: int
+
+    def record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"val_accuracy": self.top1, "val_top5": self.top5}
+        if self.loss is not None:
+            out["val_loss"] = self.loss
+        if self.perplexity is not None:
+            out["val_perplexity"] = self.perplexity
+        return {**out, "val_samples": self.seen}
+
+    def text(self) -> str:
+        parts = []
+        if self.top1 is not None:
+            parts.append(f"accuracy {self.top1:.4f}")
+        if self.top5 is not None:
+            parts.append(f"top-5 {self.top5:.4f}")
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        if self.perplexity is not None:
+            parts.append(f"perplexity {self.perplexity:.2f}")
+        return f"validation {', '.join(parts)} on {self.seen} samples"
+
+
+@dataclass(frozen=True)
 class Summary:
     """The run's last record: the metrics file's last line (with the per-stage breakdown) and the
     one JSON line the reporting process prints (without it, floats to 4 significant digits)."""
@@ -112,6 +144,8 @@ class Summary:
     val_top5: float | None = None
     val_samples: int | None = None  # present only when the run evaluated
     breakdown: dict[str, Any] | None = field(default=None, repr=False)
+    val_loss: float | None = None
+    val_perplexity: float | None = None  # token-level tasks
 
     def record(self) -> dict[str, Any]:
         """The metrics file's summary record, every figure as measured."""
@@ -128,6 +162,9 @@ class Summary:
         )
         if self.val_samples is not None:
             out["val_samples"] = self.val_samples
+        for key in ("val_loss", "val_perplexity"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
     def line(self) -> str:
@@ -184,7 +221,7 @@ class Reporter:
         self.meter = Meter()
         self.window, self.steps = torch.zeros((), device=device), 0
         self.final_loss: float | None = None
-        self.validation: tuple[float, float | None, int] | None = None  # the latest
+        self.validation: Validation | None = None  # the latest
 
     def step(self, done: int, loss) -> None:
         """After step ``done`` (1-based): add this replica's share of the loss."""
@@ -215,14 +252,11 @@ class Reporter:
         self.window.zero_()
         self.steps = 0
 
-    def evaluated(self, done: int, top1: float, top5: float | None, seen: int) -> None:
-        self.validation = (top1, top5, seen)
+    def evaluated(self, done: int, result: Validation) -> None:
+        self.validation = result
         if self.group is not None:
-            self._emit({"step": done, "val_accuracy": top1, "val_top5": top5, "val_samples": seen})
-        top5_text = "" if top5 is None else f", top-5 {top5:.4f}"
-        self.console.line(
-            f"step {done}: validation accuracy {top1:.4f}{top5_text} on {seen} samples"
-        )
+            self._emit({"step": done, **result.record()})
+        self.console.line(f"step {done}: {result.text()}")
 
     def finish(self, run: RunFacts) -> Summary | None:
         """The run's breakdown (every rank takes part); the reporting rank writes the summary,
@@ -232,15 +266,17 @@ class Reporter:
         self.board.close()  # the summary adds no scalars: its figures have no step of their own
         if not self.reporting:
             return None
-        top1, top5, seen = self.validation or (None, None, None)
+        v = self.validation
         summary = Summary(
             run=run,
             samples_per_s=self.meter.samples_per_s,
             final_loss=self.final_loss,
-            val_accuracy=top1,
-            val_top5=top5,
-            val_samples=seen,
+            val_accuracy=v.top1 if v else None,
+            val_top5=v.top5 if v else None,
+            val_samples=v.seen if v else None,
             breakdown=times,
+            val_loss=v.loss if v else None,
+            val_perplexity=v.perplexity if v else None,
         )
         self.metrics.write(summary.record())
         if times is not None:

@@ -63,7 +63,7 @@ def shared(**sections):
             "grad_sync": "flat",
             "bucket_mb": 25.0,
         },
-        "model": {"name": "digits_cnn", "partition": None},
+        "model": {"name": "digits_cnn", "partition": None, "args": None, "loss": None},
         "data": {
             "dataset": "digits",
             "root": None,
@@ -71,6 +71,7 @@ def shared(**sections):
             "image_size": 224,
             "num_classes": 10,
             "synthetic_size": 4096,
+            "seq_len": 64,
         },
         "train": {
             "batch_size": 64,
@@ -80,6 +81,10 @@ def shared(**sections):
             "momentum": 0.9,
             "weight_decay": 0.0,
             "nesterov": False,
+            "optimizer": "sgd",
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+            "no_decay_norm_bias": False,
             "lr_schedule": "constant",
             "lr_steps": [],
             "lr_gamma": 0.1,
@@ -130,6 +135,10 @@ RECORDED_DEFAULT = {
     "momentum": 0.9,
     "weight_decay": 0.0,
     "nesterov": False,
+    "optimizer": "sgd",
+    "betas": "0.9,0.999",
+    "eps": 1e-8,
+    "no_decay_norm_bias": False,
     "lr_schedule": "constant",
     "lr_steps": "",
     "lr_gamma": 0.1,
@@ -138,6 +147,9 @@ RECORDED_DEFAULT = {
     "precision": "fp32",
     "recompute": "never",
     "channels_last": False,
+    "model_args": None,
+    "loss": None,
+    "seq_len": 64,
 }
 
 
@@ -193,6 +205,7 @@ def test_a_checkpoint_records_the_training_settings():
         "precision": "bf16",
     }
     assert ckpt.run_settings(TUNED) == {
+        **RECORDED_DEFAULT,
         "model": "resnet50",
         "dataset": "imagefolder",
         "micro_batches": 4,

@@ -1,0 +1,33 @@
+"""The optimizer of a stage: SGD, AdamW or Adam over the stage's parameters, built alike on every
+replica; with ``--no-decay-norm-bias`` the 1-d parameters (biases, normalisation scales) form a
+second group without weight decay. The learning rate of every group follows the schedule
+(bundle.lr_schedule); the state is checkpointed per parameter under its full-model name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bundle.config import TrainConfig
+from bundle.partition import Stage
+
+
+def param_groups(cfg: TrainConfig, stage: Stage) -> list[dict[str, Any]]:
+    """One group, or decayed and undecayed groups with ``--no-decay-norm-bias``."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if not cfg.no_decay_norm_bias:
+        return [{"params": params, "weight_decay": cfg.weight_decay}]
+    decayed = [p for p in params if p.dim() >= 2]
+    plain = [p for p in params if p.dim() < 2]
+    groups = [{"params": decayed, "weight_decay": cfg.weight_decay}]
+    return groups + [{"params": plain, "weight_decay": 0.0}] if plain else groups
+
+
+def make_optimizer(cfg: TrainConfig, stage: Stage) -> torch.optim.Optimizer:
+    """This stage's optimizer; every replica of the stage builds the same one."""
+    groups = param_groups(cfg, stage)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return kind(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps)
