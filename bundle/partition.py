@@ -60,6 +60,8 @@ def load_spec(ref: str) -> PartitionSpec:
             raise ConfigError("--partition", ref, "inline split points need a name between commas")
         return PartitionSpec(model=None, starts=points)
     if not (path.suffix in (".yaml", ".yml") or path.parent != Path(".")):
+        if not (PARTITIONS_DIR / f"{ref}.yaml").is_file() and "." in ref:
+            return PartitionSpec(model=None, starts=(ref,))  # one split point: two stages
         path = PARTITIONS_DIR / f"{ref}.yaml"
     if not path.is_file():
         names = ", ".join(available_specs())

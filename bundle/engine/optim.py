@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from bundle.config import TrainConfig
-from bundle.partition import Stage
 
 
-def param_groups(cfg: TrainConfig, stage: Stage) -> list[dict[str, Any]]:
+def param_groups(cfg: TrainConfig, stage: nn.Module) -> list[dict[str, Any]]:
     """One group, or decayed and undecayed groups with ``--no-decay-norm-bias``."""
     params = [p for p in stage.parameters() if p.requires_grad]
     if not cfg.no_decay_norm_bias:
@@ -24,7 +24,7 @@ def param_groups(cfg: TrainConfig, stage: Stage) -> list[dict[str, Any]]:
     return groups + [{"params": plain, "weight_decay": 0.0}] if plain else groups
 
 
-def make_optimizer(cfg: TrainConfig, stage: Stage) -> torch.optim.Optimizer:
+def make_optimizer(cfg: TrainConfig, stage: nn.Module) -> torch.optim.Optimizer:
     """This stage's optimizer; every replica of the stage builds the same one."""
     groups = param_groups(cfg, stage)
     if cfg.optimizer == "sgd":

@@ -3,12 +3,15 @@ batches, and the small configs the equivalence tests run."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from dataclasses import replace
 
-import models
-from bundle import data
+import torch
+
+from bundle import data, partition
 from bundle.config import RunConfig
+from bundle.engine.optim import make_optimizer
+from bundle.lr_schedule import LRSchedule
+from bundle.session import make_loss
 from tests.support.config import make_config
 
 STEPS = 3
@@ -17,11 +20,20 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def equivalence_config(
-    shape, bundles, schedule, micro, sync, model, precision="fp32", recompute="never"
+    shape,
+    bundles,
+    schedule,
+    micro,
+    sync,
+    model,
+    precision="fp32",
+    recompute="never",
+    sections: dict | None = None,
 ) -> RunConfig:
     """Synthetic 4x4 images in 5 classes; 23 rows a batch: bundles of 12/11, micro-batches of
-    4/4/3 (or 4/4/4), replicas of 2/1/1 ... all uneven."""
-    return make_config(
+    4/4/3 (or 4/4/4), replicas of 2/1/1 ... all uneven. ``sections`` change fields of theirs
+    (``{"data": {"image_size": 8}}``), as ``make_config`` does."""
+    cfg = make_config(
         parallel={
             "shape": shape,
             "num_bundles": bundles,
@@ -44,33 +56,42 @@ def equivalence_config(
         },
         compute={"precision": precision, "recompute": recompute},
     )
+    return replace(
+        cfg,
+        **{n: replace(getattr(cfg, n), **change) for n, change in (sections or {}).items()},
+    )
 
 
-def reference(cfg: RunConfig, steps: int | None = None) -> dict[str, torch.Tensor]:
+def reference(
+    cfg: RunConfig, steps: int | None = None, grads: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """One process, the unsplit model, the same global batches, mean loss over each batch.
 
     Mixed precision: the forward under the same autocast, the loss in fp32, fp16 through
-    ``torch.amp.GradScaler`` (the anchor Bundle's loss scaling follows)."""
+    ``torch.amp.GradScaler`` (the anchor Bundle's loss scaling follows). ``grads``, when given,
+    receives the first step's gradient of every parameter."""
     splits = data.load(cfg.data, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    model = models.build(
-        cfg.model.name, num_classes=splits.num_classes, input_shape=splits.input_shape
+    model = partition.build_model(cfg.model, splits.num_classes, splits.input_shape)
+    opt = make_optimizer(cfg.train, model)
+    schedule = LRSchedule.of(
+        cfg.train,
+        steps_per_epoch=data.steps_per_epoch(len(splits.train), cfg.train.batch_size),
+        total=cfg.train.steps,
     )
-    opt = torch.optim.SGD(
-        model.parameters(),
-        lr=cfg.train.lr,
-        momentum=cfg.train.momentum,
-        weight_decay=cfg.train.weight_decay,
-    )
+    loss_fn = make_loss(cfg)
     x, y = splits.train.tensors
     precision = cfg.compute.precision
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     for step in range(cfg.train.steps if steps is None else steps):
         idx = data.global_batch(len(y), cfg.train.batch_size, cfg.train.seed, step)
+        schedule.apply(opt, step)
         opt.zero_grad()
         with torch.autocast("cpu", dtype=DTYPES.get(precision), enabled=precision in DTYPES):
             out = model(x[idx])
-        scaler.scale(F.cross_entropy(out.float(), y[idx])).backward()
+        scaler.scale(loss_fn(out.float(), y[idx])).backward()
+        if grads is not None and step == 0:
+            grads.update({k: p.grad.clone() for k, p in model.named_parameters()})
         scaler.step(opt)
         scaler.update()
     return {k: v.detach().clone() for k, v in model.named_parameters()}
