@@ -57,11 +57,10 @@ def _group_norm(channels: int, *args, **kwargs) -> nn.Module:
 
 
 def _per_sample_norms(model: nn.Module) -> nn.Module:
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.BatchNorm2d):
                 setattr(module, child_name, nn.GroupNorm(1, child.num_features))
-    del name
     return model
 
 
