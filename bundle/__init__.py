@@ -14,5 +14,6 @@ From the data up:
 - ``evaluate``, ``trainer``: the validation pass, and the ``Trainer`` whose loop drives it all;
 - ``checkpoint/``, ``observe/``: what is saved and resumed; what a run reports of itself;
 - ``runtime/``: the processes of a job: devices, the job's store, groups, supervisor, restarts;
-- ``plan/``: the planner behind ``--bundle-shape auto``.
+- ``plan/``: the planner behind ``--bundle-shape auto``;
+- ``api``: ``train(model, dataset=, loss=, **options)``: what main.py runs, from Python.
 """

@@ -60,7 +60,7 @@ def load_spec(ref: str) -> PartitionSpec:
             raise ConfigError("--partition", ref, "inline split points need a name between commas")
         return PartitionSpec(model=None, starts=points)
     if not (path.suffix in (".yaml", ".yml") or path.parent != Path(".")):
-        if not (PARTITIONS_DIR / f"{ref}.yaml").is_file() and "." in ref:
+        if not (PARTITIONS_DIR / f"{ref}.yaml").is_file():
             return PartitionSpec(model=None, starts=(ref,))  # one split point: two stages
         path = PARTITIONS_DIR / f"{ref}.yaml"
     if not path.is_file():
@@ -133,8 +133,9 @@ def _index_of(point: str, names: Sequence[str]) -> int:
     for i, name in enumerate(names):
         if name.startswith(point + "."):
             return i
+    specs = "" if "." in point else f"; or a spec of partitions/: {', '.join(available_specs())}"
     raise PartitionError(
-        f"unknown split point {point!r}; valid points: {', '.join(valid_points(names))}"
+        f"unknown split point {point!r}; valid points: {', '.join(valid_points(names))}{specs}"
     )
 
 

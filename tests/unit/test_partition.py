@@ -86,10 +86,17 @@ def test_load_by_path_and_first_block_prepended(tmp_path: Path) -> None:
 
 
 def test_unknown_spec_name_lists_shipped_specs() -> None:
-    with pytest.raises(ConfigError) as err:
-        load_spec("no_such_split")
-    assert err.value.key == "--partition" and err.value.value == "no_such_split"
-    assert "resnet101_trial0" in str(err.value) and ".yaml" in str(err.value)
+    # A name that is no shipped spec is one split point: unknown to the model, the error says
+    # which points and which specs there are.
+    spec = load_spec("no_such_split")
+    assert spec == PartitionSpec(None, ("no_such_split",))
+    with pytest.raises(PartitionError) as err:
+        resolve(spec, models.blocks(built("resnet18")), 2, "resnet18")
+    assert "unknown split point 'no_such_split'" in str(err.value)
+    assert "layer3.1" in str(err.value) and "resnet101_trial0" in str(err.value)
+    with pytest.raises(ConfigError) as missing:
+        load_spec("no/such.yaml")
+    assert missing.value.key == "--partition" and ".yaml" in str(missing.value)
 
 
 @pytest.mark.parametrize(
