@@ -12,7 +12,8 @@ import models
 from bundle import partition
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
-from bundle.config import CheckpointConfig
+from bundle.config import CheckpointConfig, TrainConfig
+from bundle.engine.optim import make_optimizer
 from bundle.topology import Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -21,11 +22,13 @@ INPUT = (1, 4, 4)
 TOPO = Topology(shape=(1,), num_bundles=1, procs_per_node=1, global_batch=4, micro_batches=1)
 
 
-def _checkpointer(save_dir, *, every=3, total=8, keep=2, group=None, seed=0) -> Checkpointer:
+def _checkpointer(
+    save_dir, *, every=3, total=8, keep=2, group=None, seed=0, optimizer="sgd"
+) -> Checkpointer:
     torch.manual_seed(seed)
     model = models.build("mlp", num_classes=3, input_shape=INPUT)
     (stage,) = partition.split_model(model, partition.resolve(None, models.blocks(model), 1, "mlp"))
-    opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    opt = make_optimizer(TrainConfig(optimizer=optimizer, lr=0.1, weight_decay=0.01), stage)
     return Checkpointer(
         CheckpointConfig(save_dir=str(save_dir) if save_dir else None, save_every=every, keep=keep),
         topo=TOPO,
@@ -90,3 +93,27 @@ def test_saves_keep_the_newest_and_read_back_exactly(tmp_path, world_of_one):
         assert torch.equal(a, b)
         momentum = saver.optimizer.state[a]["momentum_buffer"]
         assert torch.equal(momentum, fresh.optimizer.state[b]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam"])
+def test_adam_moments_and_step_counts_read_back_exactly(tmp_path, world_of_one, optimizer):
+    saver = _checkpointer(tmp_path, every=1, total=3, group=world_of_one, optimizer=optimizer)
+    for step in range(1, 4):
+        saver.stage(torch.randn(2, *INPUT))[0].sum().backward()
+        saver.optimizer.step()
+        saver.optimizer.zero_grad()
+        saver.maybe_save(step)
+    fresh = _checkpointer(tmp_path, group=world_of_one, seed=1, optimizer=optimizer)
+    assert fresh.restore(saver.last_saved) == 3
+    for a, b in zip(saver.stage.parameters(), fresh.stage.parameters(), strict=True):
+        want, got = saver.optimizer.state[a], fresh.optimizer.state[b]
+        assert set(got) == {"step", "exp_avg", "exp_avg_sq"} == set(want)
+        assert all(torch.equal(want[k], got[k]) and want[k].dtype == got[k].dtype for k in want)
+        assert got["step"].device.type == "cpu" and float(got["step"]) == 3.0
+    # The next step is the same step.
+    x = torch.randn(2, *INPUT)
+    for s in (saver, fresh):
+        s.stage(x)[0].sum().backward()
+        s.optimizer.step()
+    for a, b in zip(saver.stage.parameters(), fresh.stage.parameters(), strict=True):
+        assert torch.equal(a, b)

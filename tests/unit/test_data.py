@@ -206,3 +206,41 @@ def test_loader_pins_memory_only_for_a_cuda_process(device, pinned, monkeypatch)
     stream = train_stream(session, topo, 0, 2, 1, device=torch.device(device))
     next(stream)
     assert [kw["pin_memory"] for kw in built] == [pinned]
+
+
+def _text_cfg(path, seq_len=8) -> DataConfig:
+    return DataConfig(dataset="text", data_file=str(path), seq_len=seq_len)
+
+
+def test_text_is_byte_windows_with_labels_shifted_by_one(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_bytes(bytes(range(256)) * 2)
+    splits = data.load(_text_cfg(path), seed=0)
+    x, y = splits.train.tensors
+    assert splits.num_classes == 256 and splits.input_shape == (8,)
+    assert x.dtype == y.dtype == torch.long and x.shape[1] == 8
+    assert torch.equal(x[0], torch.arange(8)) and torch.equal(y[0], torch.arange(1, 9))
+    assert len(splits.val) == (512 - 460 - 1) // 8  # the last tenth, in whole windows
+    assert data.input_spec(_text_cfg(path)) == (256, (8,))
+
+
+@pytest.mark.parametrize("content", [b"", b"short text"])
+def test_a_text_file_too_short_for_its_windows_is_one_line(tmp_path, content):
+    path = tmp_path / "t.txt"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=f"holds {len(content)} bytes; --seq-len 8 needs at least"):
+        data.load(_text_cfg(path), seed=0)
+    with pytest.raises(DataError, match="No such file"):
+        data.load(_text_cfg(tmp_path / "missing.txt"), seed=0)
+
+
+def test_a_users_dataset_function_gives_both_splits():
+    cfg = DataConfig(dataset="tests.support.user_data:tiny", num_classes=3)
+    splits = data.load(cfg, seed=0)
+    assert splits.input_shape == (1, 4, 4) and len(splits.train) == 40 and len(splits.val) == 8
+    x, y = data._fetch(splits.train, torch.tensor([0, 41]))
+    assert x.shape == (2, 1, 4, 4) and torch.equal(
+        y, torch.stack([splits.train[0][1], splits.train[1][1]])
+    )
+    with pytest.raises(DataError, match="returned a int, not a dataset"):
+        data.load(DataConfig(dataset="tests.support.user_data:not_data"), seed=0)

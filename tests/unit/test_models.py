@@ -132,3 +132,79 @@ def test_digits_cnn_learns_digits() -> None:
     with torch.no_grad():
         accuracy = (model(x[split:]).argmax(1) == y[split:]).float().mean().item()
     assert accuracy >= 0.9
+
+
+# -- a user's factory, torchvision's zoo, --weights -------------------------------------------
+
+
+def test_a_factory_is_called_with_the_arguments_it_declares(tmp_path, monkeypatch):
+    model = models.build(
+        "tests.support.user_models:sequential", num_classes=3, input_shape=(1, 4, 4)
+    )
+    assert isinstance(model, nn.Sequential) and model[-1].out_features == 3
+    # A file path works too, and only the arguments the function takes are passed (+ model args).
+    (tmp_path / "mine.py").write_text(
+        "import torch.nn as nn\n"
+        "def build(num_classes, width=8):\n"
+        "    return nn.Sequential(nn.Flatten(1), nn.Linear(16, width), nn.Linear(width, num_classes))\n"
+    )
+    built_ = models.build(
+        f"{tmp_path}/mine.py:build", num_classes=2, input_shape=(1, 4, 4), args={"width": 5}
+    )
+    assert built_[1].out_features == 5
+    monkeypatch.chdir(tmp_path)
+    assert isinstance(models.build("mine:build", num_classes=2, input_shape=(16,)), nn.Sequential)
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("no_such_module_xyz:build", "cannot import no_such_module_xyz: ModuleNotFoundError"),
+        ("tests.support.user_models:nope", "has no attribute 'nope'"),
+        ("tests.support.user_models:not_a_model", "returned a dict, not an nn.Module"),
+        ("tests.support.user_models:SkipNet.forward.x", "has no attribute"),
+    ],
+)
+def test_a_bad_factory_is_one_config_error(name, says):
+    with pytest.raises(ConfigError, match=says) as err:
+        models.build(name, num_classes=3, input_shape=(1, 4, 4))
+    assert err.value.key == "--model" and "\n" not in str(err.value)
+
+
+def test_any_zoo_model_builds_and_image_sizes_are_checked():
+    assert models.is_known("mobilenet_v3_small") and models.is_known("swin_t")
+    vit = models.build("vit_b_32", num_classes=4, input_shape=(3, 64, 64))
+    assert vit.image_size == 64 and vit.heads.head.out_features == 4
+    with pytest.raises(ConfigError, match="vit_b_16 takes square images of side multiples of 16"):
+        models.build("vit_b_16", num_classes=4, input_shape=(3, 40, 40))
+    with pytest.raises(ConfigError, match="inception_v3 takes square images of side at least 75"):
+        models.build("inception_v3", num_classes=4, input_shape=(3, 32, 32))
+    with pytest.raises(ConfigError, match="--model-args"):
+        models.build("mlp", num_classes=4, input_shape=(1, 4, 4), args={"width": 3})
+
+
+def test_weights_load_before_the_cut_and_a_misfit_is_one_line(tmp_path):
+    torch.manual_seed(1)
+    source = models.build("mlp", num_classes=3, input_shape=(1, 4, 4))
+    torch.save(source.state_dict(), tmp_path / "w.pt")
+    target = models.build("mlp", num_classes=3, input_shape=(1, 4, 4))
+    models.load_weights(target, str(tmp_path / "w.pt"))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(source.state_dict().values(), target.state_dict().values(), strict=True)
+    )
+    other = models.build("mlp", num_classes=5, input_shape=(1, 4, 4))
+    with pytest.raises(
+        ConfigError,
+        match=r"does not fit the model: 2 of another shape \(e.g. head.weight: \(3, 256\) vs \(5, 256\)\)",
+    ):
+        models.load_weights(other, str(tmp_path / "w.pt"))
+    (tmp_path / "junk.pt").write_text("not a checkpoint")
+    with pytest.raises(ConfigError, match="cannot read it"):
+        models.load_weights(other, str(tmp_path / "junk.pt"))
+
+
+def test_what_a_model_takes():
+    assert models.input_dtype(built("gpt")) == torch.long
+    assert models.input_dtype(nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2))) == torch.long
+    assert models.input_dtype(built("digits_cnn")) == torch.float32

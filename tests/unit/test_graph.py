@@ -1,0 +1,186 @@
+"""models.graph: any module cut by its torch.fx graph, the blocks chained equal to the model
+exactly, points named by module path, and every cut that cannot be made refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import models
+from bundle import partition
+from bundle.errors import PartitionError
+from models import apply_blocks
+from models.graph import Segment
+from tests.support import user_models
+
+
+def zoo(name: str, side: int = 32) -> nn.Module:
+    torch.manual_seed(0)
+    return models.build(name, num_classes=10, input_shape=(3, side, side))
+
+
+def chained(model: nn.Module, shape, points=()) -> tuple[list, torch.Tensor, torch.Tensor]:
+    blocks = models.blocks(model, shape, points)
+    x = torch.randn(2, *shape)
+    model.eval()
+    with torch.no_grad():
+        return blocks, model(x), apply_blocks(blocks, x)
+
+
+GRAPH_MODELS = {
+    "mobilenet_v3_small": lambda: zoo("mobilenet_v3_small"),
+    "efficientnet_b0": lambda: zoo("efficientnet_b0"),
+    "regnet_y_400mf": lambda: zoo("regnet_y_400mf"),
+    "shufflenet_v2_x0_5": lambda: zoo("shufflenet_v2_x0_5"),
+    "squeezenet1_1": lambda: zoo("squeezenet1_1", 64),
+    "small_densenet": lambda: user_models.densenet(10, (3, 32, 32)),
+    "small_vit": lambda: user_models.vit(10, (3, 32, 32)),
+    "skip_net": lambda: user_models.skip_net(10, (3, 32, 32)),
+}
+
+
+@pytest.mark.parametrize("name", list(GRAPH_MODELS))
+def test_graph_blocks_chained_equal_the_model_exactly(name):
+    model = GRAPH_MODELS[name]()
+    blocks, want, got = chained(model, (3, 64, 64) if "squeeze" in name else (3, 32, 32))
+    assert len(blocks) >= 4 and all(isinstance(b, Segment) for _, b in blocks)
+    assert torch.equal(got, want)
+    # Every parameter lives in exactly one block, under its full-model name.
+    names = [n for _, b in blocks for n, _ in b.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_default_points_follow_the_module_tree():
+    names = [n for n, _ in models.blocks(user_models.vit(10, (3, 32, 32)), (3, 32, 32))]
+    assert names[0] == "conv_proj" and names[-1] == "heads.head"
+    assert [n for n in names if n.startswith("encoder.layers.")] == [
+        f"encoder.layers.encoder_layer_{i}" for i in range(3)
+    ]
+    dense = [n for n, _ in models.blocks(user_models.densenet(10, (3, 8, 8)), (3, 8, 8))]
+    assert "features.denseblock1.denselayer2" in dense
+
+
+def test_a_skip_connection_crosses_as_more_tensors():
+    model = user_models.densenet(10, (3, 8, 8)).eval()
+    blocks = models.blocks(model, (3, 8, 8))
+    x, widths = torch.randn(2, 3, 8, 8), []
+    with torch.no_grad():
+        for _, block in blocks:
+            x = block(*x) if isinstance(x, tuple) else block(x)
+            widths.append(len(x) if isinstance(x, tuple) else 1)
+    assert max(widths) >= 2  # inside a dense block, every earlier layer's output crosses
+
+
+def test_a_point_deeper_than_the_defaults_is_cut_there():
+    model = zoo("mobilenet_v3_small")
+    blocks, want, got = chained(model, (3, 32, 32), ["features.4.block.1"])
+    assert "features.4.block.1" in [n for n, _ in blocks] and torch.equal(got, want)
+    stages = partition.split_model(
+        blocks,
+        partition.resolve(partition.PartitionSpec(None, ("features.4.block.1",)), blocks, 2, "x"),
+    )
+    assert stages[1].names[0] == "features.4.block.1"
+    assert stages[0].full_name("blocks.0.features.0.0.weight") == "features.0.0.weight"
+
+
+@pytest.mark.parametrize(
+    ("point", "says"),
+    [
+        ("features.0.1", "runs inside 'features.0', which runs whole"),
+        ("features.99", "no such module"),
+        ("nothing.here", "no such module"),
+    ],
+)
+def test_a_point_that_cannot_be_cut_says_why(point, says):
+    with pytest.raises(PartitionError, match=says):
+        models.blocks(zoo("mobilenet_v3_small"), (3, 32, 32), [point])
+
+
+class _Unused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.spare, self.b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_a_module_the_forward_never_calls_is_no_point():
+    with pytest.raises(PartitionError, match="never calls it"):
+        models.blocks(_Unused(), (4,), ["spare"])
+
+
+class _Masked(nn.Module):
+    """A (T, T) mask made first and used last: it has no batch dimension to split by rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.mid, self.b = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        mask = torch.ones_like(x[0]).diag().tril()
+        h = self.mid(self.a(x))
+        return self.b(h @ mask)
+
+
+def test_a_cut_that_a_tensor_without_the_batch_crosses_is_refused():
+    with pytest.raises(PartitionError, match=r"cannot cut at 'mid': .* without the batch first"):
+        models.blocks(_Masked(), (6,), ["mid"])
+    # The defaults leave such a place out: 'b' is still a point (the mask is used by it).
+    names = [n for n, _ in models.blocks(_Masked(), (6,))]
+    assert "mid" not in names and names[0] == "a"
+
+
+class _Doubling(nn.Module):
+    def forward(self, x):
+        return x * 2 if self.training else x
+
+
+class _ModeDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.d, self.b = nn.Linear(4, 4), _Doubling(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(self.d(self.a(x)))
+
+
+def test_a_module_that_reads_self_training_runs_whole_in_both_modes():
+    model = _ModeDependent()
+    blocks = models.blocks(model, (4,))
+    x = torch.randn(3, 4)
+    for mode in (True, False):
+        model.train(mode)
+        for _, b in blocks:
+            b.train(mode)
+        assert torch.equal(apply_blocks(blocks, x), model(x))
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x) if x.sum() > 0 else x
+
+
+def test_an_untraceable_forward_is_refused_in_one_line():
+    with pytest.raises(PartitionError, match="torch.fx cannot trace") as err:
+        models.blocks(_DataDependent(), (4,))
+    assert "\n" not in str(err.value)
+
+
+def test_tied_weights_across_stages_are_refused():
+    blocks = models.blocks(user_models.tied(3, (4,)), (4,))
+    names = [n for n, _ in blocks]
+    with pytest.raises(PartitionError, match="shared.weight is used by stage 0 and by stage 1"):
+        partition.split_model(blocks, (0, names.index("mid")))
+    # Both uses in one stage: fine.
+    partition.split_model(blocks, (0, names.index("out")))
+
+
+def test_a_sequential_is_cut_between_its_children():
+    blocks = models.blocks(user_models.sequential(3, (4,)), (4,))
+    assert [n for n, _ in blocks] == ["0", "1", "2", "3.0", "3.1", "4", "5", "6"]

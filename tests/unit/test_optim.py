@@ -1,0 +1,51 @@
+"""bundle/engine/optim.py: the optimizer a stage builds from --optimizer and its groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models
+from bundle.config import TrainConfig, parse_betas
+from bundle.engine.optim import make_optimizer
+from bundle.errors import ConfigError
+
+
+def test_each_optimizer_with_its_settings():
+    model = models.build(
+        "gpt", num_classes=16, input_shape=(4,), args={"layers": 1, "width": 8, "heads": 2}
+    )
+    sgd = make_optimizer(TrainConfig(lr=0.1, momentum=0.8, weight_decay=0.01, nesterov=True), model)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["nesterov"]
+    assert sgd.param_groups[0]["weight_decay"] == 0.01 and sgd.defaults["momentum"] == 0.8
+    cfg = TrainConfig(optimizer="adamw", betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    adamw = make_optimizer(cfg, model)
+    assert type(adamw) is torch.optim.AdamW and adamw.defaults["betas"] == (0.9, 0.95)
+    assert adamw.defaults["eps"] == 1e-6 and len(adamw.param_groups) == 1
+    assert type(make_optimizer(TrainConfig(optimizer="adam"), model)) is torch.optim.Adam
+
+
+def test_no_decay_on_biases_and_norm_scales_when_asked():
+    model = models.build(
+        "gpt", num_classes=16, input_shape=(4,), args={"layers": 1, "width": 8, "heads": 2}
+    )
+    opt = make_optimizer(
+        TrainConfig(optimizer="adamw", weight_decay=0.1, no_decay_norm_bias=True), model
+    )
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(
+        p.dim() == 1 for p in plain["params"]
+    )
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+def test_optimizer_settings_are_checked():
+    assert parse_betas("0.9,0.95") == (0.9, 0.95)
+    for bad in ("0.9", "0.9,1.0", "a,b"):
+        with pytest.raises(ConfigError, match="--betas"):
+            parse_betas(bad)
+    with pytest.raises(ConfigError, match="--optimizer"):
+        TrainConfig(optimizer="lion")
+    with pytest.raises(ConfigError, match="needs sgd"):
+        TrainConfig(optimizer="adamw", nesterov=True)
