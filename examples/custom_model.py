@@ -64,6 +64,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--shape", default="2,1")
+    p.add_argument("--port", type=int, default=29500, help="the job's rendezvous port")
     args = p.parse_args()
     result = train(
         build_model,
@@ -79,6 +80,7 @@ def main() -> int:
         lr=3e-3,
         lr_schedule="cosine",
         log_every=20,
+        portNum=args.port,
     )
     if not result.ok or result.summary is None:
         return result.exit_code or 1

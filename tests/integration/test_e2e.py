@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -253,3 +254,55 @@ def test_image_folder_resnet_with_a_partition_loader_workers_and_checkpoint(tmp_
     state = torch.load(ckpt, weights_only=True)
     expected = models.build("resnet18", num_classes=3, input_shape=(3, 32, 32)).state_dict()
     assert set(state) == set(expected)
+
+
+USER_MODEL = """
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, channels):
+        super().__init__()
+        self.stem = nn.Conv2d(channels, 8, 3, padding=1)
+        self.body = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True))
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        s = torch.relu(self.stem(x))
+        return self.head((self.body(s) + s).mean(dim=(2, 3)))
+
+
+def build(num_classes, input_shape):
+    return Net(num_classes, input_shape[0])
+"""
+
+
+def test_a_users_factory_a_zoo_model_a_language_model_and_the_example_train(tmp_path):
+    (tmp_path / "mynet.py").write_text(USER_MODEL)
+    image = ["--dataset", "synthetic", "--image-size", "16", "--synthetic-size", "128"]
+    image += ["--batch-size", "16", "--micro-batches", "2", "--itr", "3"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((Path(json.__file__).read_text() + "\n") * 3)
+    runs = {
+        "factory": ["--model", f"{tmp_path}/mynet.py:build", "--partition", "body", *image],
+        "zoo": ["--model", "mobilenet_v3_small", "--image-size", "32", *image[:2], *image[4:]],
+        "gpt": [
+            "--model", "gpt", "--model-args", "layers=2,width=32,heads=2", "--dataset", "text",
+            "--data-file", str(corpus), "--seq-len", "16", "--batch-size", "8", "--itr", "4",
+            "--micro-batches", "2", "--optimizer", "adamw", "--lr", "0.003",
+        ],
+    }  # fmt: skip
+    procs = {}
+    for name, args in runs.items():
+        m = tmp_path / f"{name}.jsonl"
+        code, _, err = finish(
+            start("main.py", *args, "--bundle-shape", "2,1", "--metrics-out", str(m),
+                  "--portNum", str(free_port()))
+        )  # fmt: skip
+        assert code == 0, f"{name}: {err[-3000:]}"
+        procs[name] = summary(m)
+    assert procs["gpt"]["val_perplexity"] > 1 and procs["gpt"]["val_accuracy"] is not None
+    assert procs["zoo"]["model"] == "mobilenet_v3_small" and procs["factory"]["steps"] == 3
+    code, out, err = finish(start("examples/custom_model.py", "--steps", "4", "--port", str(free_port())))
+    assert code == 0 and "validation accuracy" in out, err[-3000:]

@@ -30,6 +30,7 @@ def busy_port():
         yield str(s.getsockname()[1])
 
 
+ZOO = ["--model", "mobilenet_v3_small", "--dataset", "synthetic", "--image-size", "32"]
 BAD = {
     "shape zero": (["--bundle-shape", "0,1"], "--bundle-shape"),
     "shape letters": (["--bundle-shape", "a,b"], "--bundle-shape"),
@@ -44,6 +45,24 @@ BAD = {
     "bad schedule": (["--schedule", "zigzag"], "--schedule"),
     "bad precision": (["--precision", "fp8"], "--precision"),
     "channels-last on an MLP": (["--model", "mlp", "--channels-last"], "--channels-last"),
+    "unimportable factory": (["--model", "no_such_pkg_xyz:build"], "cannot import"),
+    "factory returns no module": (
+        ["--model", "tests.support.user_models:not_a_model"],
+        "not an nn.Module",
+    ),
+    "split point that does not exist": (
+        [*ZOO, "--partition", "features.99"],
+        "unknown split point 'features.99': no such module",
+    ),
+    "split point inside a whole module": (
+        [*ZOO, "--partition", "features.0.1"],
+        "runs inside 'features.0', which runs whole",
+    ),
+    "split point between tied uses": (
+        ["--model", "tests.support.user_models:tied", "--partition", "mid"],
+        "tied weights must stay in one stage",
+    ),
+    "text without a file": (["--dataset", "text"], "--data-file"),
     "traced steps beyond the run": (
         ["--itr", "3", "--trace", "t.json", "--trace-steps", "3:4"],
         "--trace-steps",
@@ -76,3 +95,17 @@ def test_port_in_use_is_exit_2(busy_port):
     r = run_main("--portNum", busy_port)
     assert r.returncode == 2, r.stderr
     assert f"--portNum {busy_port}" in r.stderr and "in use" in r.stderr
+
+
+@pytest.mark.slow
+def test_weights_that_do_not_fit_and_an_empty_text_file_are_exit_2(tmp_path):
+    import torch
+
+    torch.save({"fc.weight": torch.zeros(3, 3)}, tmp_path / "w.pt")
+    r = run_main("--model", "mlp", "--weights", str(tmp_path / "w.pt"))
+    assert r.returncode == 2 and "--weights" in r.stderr and "does not fit the model" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    (tmp_path / "empty.txt").write_text("")
+    r = run_main("--model", "gpt", "--dataset", "text", "--data-file", str(tmp_path / "empty.txt"))
+    assert r.returncode == 2 and "holds 0 bytes" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
