@@ -304,5 +304,7 @@ def test_a_users_factory_a_zoo_model_a_language_model_and_the_example_train(tmp_
         procs[name] = summary(m)
     assert procs["gpt"]["val_perplexity"] > 1 and procs["gpt"]["val_accuracy"] is not None
     assert procs["zoo"]["model"] == "mobilenet_v3_small" and procs["factory"]["steps"] == 3
-    code, out, err = finish(start("examples/custom_model.py", "--steps", "4", "--port", str(free_port())))
+    code, out, err = finish(
+        start("examples/custom_model.py", "--steps", "4", "--port", str(free_port()))
+    )
     assert code == 0 and "validation accuracy" in out, err[-3000:]
