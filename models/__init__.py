@@ -227,8 +227,9 @@ def input_dtype(model: nn.Module) -> torch.dtype:
 
 
 def example_input(model: nn.Module, input_shape: Sequence[int], rows: int = 1) -> torch.Tensor:
-    """A batch of zeros the model can take (zeros are valid token ids too)."""
-    return torch.zeros(rows, *input_shape, dtype=input_dtype(model))
+    """A batch of zeros the model can take (zeros are valid token ids too), on its device."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return torch.zeros(rows, *input_shape, dtype=input_dtype(model), device=device)
 
 
 def blocks(

@@ -160,7 +160,7 @@ class _Analysis:
         self.model.eval()
         try:
             with torch.random.fork_rng(devices=[]):
-                Probe(fx.GraphModule(self.model, self.graph)).run(example)
+                _interpret(Probe(fx.GraphModule(self.model, self.graph)), example)
         except Exception as exc:  # noqa: BLE001 - reported as the model's own failure
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise PartitionError(
@@ -197,6 +197,16 @@ class _Analysis:
         except AttributeError:
             raise PartitionError(f"unknown split point {point!r}: no such module") from None
         raise PartitionError(f"cannot cut at {point!r}: the model's forward never calls it")
+
+
+def _interpret(probe: fx.Interpreter, example: torch.Tensor) -> None:
+    """``probe.run(example)`` without its progress bar (whose lock outlives a worker process),
+    each value dropped after its last use."""
+    probe.env, probe.args_iter = {}, iter([example])
+    for node in probe.graph.nodes:
+        probe.env[node] = probe.run_node(node)
+        for dead in probe.user_to_last_uses.get(node, []):
+            del probe.env[dead]
 
 
 def _expands(module: nn.Module, path: str, a: _Analysis) -> bool:

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 import models
+from bundle.config import parse_model_args
 
 # (flops per row, bytes fixed, bytes per row, 1 if the op computes in the autocast dtype)
 Op = tuple[float, float, float, int]
@@ -93,13 +94,22 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _count_blocks(model_name: str, input_shape, num_classes: int, rows: int) -> list[dict]:
+def _count_blocks(
+    model_name: str, input_shape, num_classes: int, rows: int, args: str | None = None
+) -> list[dict]:
     """One pass over the blocks on the meta device at ``rows`` rows."""
     with torch.device("meta"):
         torch.manual_seed(0)
-        model = models.build(model_name, num_classes=num_classes, input_shape=input_shape)
-    blocks = models.blocks(model)
-    x: tuple[torch.Tensor, ...] = (torch.empty(rows, *input_shape, device="meta"),)
+        model = models.build(
+            model_name,
+            num_classes=num_classes,
+            input_shape=input_shape,
+            args=parse_model_args(args),
+        )
+        blocks = models.blocks(model, input_shape)
+    x: tuple[torch.Tensor, ...] = (
+        torch.empty(rows, *input_shape, device="meta", dtype=models.input_dtype(model)),
+    )
     out_rows, prev_saved, prev_keep = [], {}, []
     for i, (name, block) in enumerate(blocks):
         params = {_storage(p) for p in block.parameters()}
@@ -137,9 +147,11 @@ def _count_blocks(model_name: str, input_shape, num_classes: int, rows: int) -> 
     return out_rows
 
 
-def count_anatomy(model_name: str, input_shape, num_classes: int) -> Anatomy:
+def count_anatomy(
+    model_name: str, input_shape, num_classes: int, args: str | None = None
+) -> Anatomy:
     """The anatomy of a model, counted at 2 and 4 rows and fitted linearly in rows."""
-    two, four = (_count_blocks(model_name, input_shape, num_classes, r) for r in (2, 4))
+    two, four = (_count_blocks(model_name, input_shape, num_classes, r, args) for r in (2, 4))
     blocks = []
     for a, b in zip(two, four, strict=True):
         ops = {}

@@ -69,6 +69,7 @@ def _request(cfg: RunConfig, nodes: int, per_node: int) -> planner.Request:
         precision=cfg.compute.precision,
         recompute=cfg.compute.recompute,
         bucket_mb=cfg.parallel.bucket_mb,
+        model_args=cfg.model.args,
     )
 
 
@@ -77,7 +78,9 @@ def _cost(cfg: RunConfig, request: planner.Request) -> tuple[CostModel, str]:
     if cfg.launch.torchrun or request.nodes > 1:
         kind = _device_type(cfg)
         cluster = nominal(kind, request.nodes, request.per_node)
-        anatomy = count_anatomy(request.model, request.input_shape, request.num_classes)
+        anatomy = count_anatomy(
+            request.model, request.input_shape, request.num_classes, request.model_args
+        )
         cost = CostModel(
             anatomy=anatomy,
             cluster=cluster,

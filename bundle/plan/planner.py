@@ -26,13 +26,14 @@ class Request:
     batch: int
     nodes: int
     per_node: int  # devices (processes) per node
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
     num_classes: int
     precision: str = "fp32"
     recompute: str = "never"
     bucket_mb: float = 25.0
     max_stages: int = 4
     max_micro: int = 64
+    model_args: str | None = None  # --model-args of the model measured
 
     @property
     def devices(self) -> int:
@@ -41,9 +42,12 @@ class Request:
 
 def check(request: Request, cluster: Cluster | None) -> None:
     """Input errors, each one ConfigError naming the flag, before anything is measured."""
-    if request.model not in models.available():
+    if not models.is_known(request.model):
         raise ConfigError(
-            "--model", request.model, f"choose one of: {', '.join(models.available())}"
+            "--model",
+            request.model,
+            f"choose one of: {', '.join(models.available())}, any torchvision classification "
+            "model or a factory package.module:function",
         )
     for flag, value in (
         ("--nodes", request.nodes),
@@ -128,6 +132,7 @@ def measure(
             precision=request.precision,
             device=device,
             repeats=repeats,
+            args=request.model_args,
         )
     if cluster is not None:
         return Measured(timings, overheads, cluster)
@@ -174,7 +179,9 @@ def cost_model(
     The measuring runs in a child process (``isolate``): a CUDA profile leaves nothing behind in
     this one, which may be the supervisor of the job that runs the plan.
     """
-    anatomy = prof.anatomy(request.model, request.input_shape, request.num_classes, cache)
+    anatomy = prof.anatomy(
+        request.model, request.input_shape, request.num_classes, cache, request.model_args
+    )
     common = functools.partial(
         CostModel,
         anatomy=anatomy,

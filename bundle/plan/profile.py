@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import models
+from bundle.config import parse_model_args
 from bundle.engine.precision import Policy
 from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear, count_anatomy
 
@@ -126,6 +127,7 @@ def measure_timings(
     warmup: int = 2,
     repeats: int = 5,
     progress: Progress | None = None,
+    args: str | None = None,
 ) -> Timings:
     """Forward and backward seconds of every block at each row count (median of ``repeats``).
 
@@ -135,8 +137,14 @@ def measure_timings(
     progress = progress or Progress(f"profiling {model_name} on {device.type}")
     policy = Policy(precision=precision, device_type=device.type)
     torch.manual_seed(0)
-    model = models.build(model_name, num_classes=num_classes, input_shape=input_shape).to(device)
-    blocks = models.blocks(model)
+    model = models.build(
+        model_name,
+        num_classes=num_classes,
+        input_shape=input_shape,
+        args=parse_model_args(args),
+    ).to(device)
+    blocks = models.blocks(model, input_shape)
+    dtype = models.input_dtype(model)
     fwd_grid, bwd_grid, loss_grid = [], [], []
     passes = warmup + repeats
     for k, r in enumerate(rows, 1):
@@ -144,7 +152,16 @@ def measure_timings(
         for j in range(passes):
             progress.at = f"{r} rows (grid point {k}/{len(rows)}), pass {j + 1}/{passes}"
             runs.append(
-                one_pass(blocks, policy, device, r, input_shape, num_classes, tick=progress.tick)
+                one_pass(
+                    blocks,
+                    policy,
+                    device,
+                    r,
+                    input_shape,
+                    num_classes,
+                    tick=progress.tick,
+                    dtype=dtype,
+                )  # fmt: skip
             )
         timed = runs[warmup:]
         fwd_grid.append(
@@ -176,6 +193,7 @@ def one_pass(
     num_classes: int,
     *,
     tick: Callable[[str, int, int], None] | None = None,
+    dtype: torch.dtype = torch.float32,
 ):
     """One forward and one backward through every block, as a stage runs them, timed per block.
 
@@ -185,7 +203,11 @@ def one_pass(
     block, blocks)`` is called after each block's clock reading (``Progress.tick``).
     """
     tick = tick or (lambda phase, block, blocks: None)
-    x: tuple[torch.Tensor, ...] = (torch.randn(rows, *input_shape, device=device),)
+    x: tuple[torch.Tensor, ...] = (
+        torch.randint(0, num_classes, (rows, *input_shape), device=device)
+        if dtype == torch.long
+        else torch.randn(rows, *input_shape, device=device),
+    )
     n = len(blocks)
     fwd, left = [], [0.0] * (n + 1)  # left[i]: when backward has finished block i (and all after)
 
@@ -212,9 +234,9 @@ def one_pass(
                     t.register_hook(stamp(i + 1))
     logits = x[0].float()
     logits.register_hook(stamp(n))
-    labels = torch.randint(0, num_classes, (rows,), device=device)
+    labels = torch.randint(0, num_classes, logits.shape[:-1], device=device)
     t0 = time.perf_counter()
-    loss = F.cross_entropy(logits, labels, reduction="sum")
+    loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="sum")
     loss_fwd = time.perf_counter() - t0
     _sync(device)
     start = time.perf_counter()
@@ -243,8 +265,9 @@ def optimizer_per_param(model: torch.nn.Module, warmup: int, repeats: int, devic
 
 
 def row_grid(max_rows: int) -> tuple[int, ...]:
-    """Powers of two up to ``max_rows``, and ``max_rows`` itself."""
-    grid, r = [], 1
+    """Powers of two from 2 up to ``max_rows``, and ``max_rows`` itself: a model with batch
+    normalisation after global pooling cannot train on one row (1 row is extrapolated)."""
+    grid, r = [], min(2, max_rows)
     while r < max_rows:
         grid.append(r)
         r *= 2
@@ -311,17 +334,20 @@ def _anatomy_from(doc: dict) -> Anatomy:
     return Anatomy(doc["model"], tuple(doc["input_shape"]), doc["num_classes"], blocks)
 
 
-def anatomy(model: str, input_shape, num_classes: int, cache: ProfileCache) -> Anatomy:
+def anatomy(
+    model: str, input_shape, num_classes: int, cache: ProfileCache, args: str | None = None
+) -> Anatomy:
     """The model's anatomy, from the cache or counted now (well under a second)."""
     key = {
         "model": model,
+        "model_args": args,
         "input": list(input_shape),
         "classes": num_classes,
         "torch": torch.__version__,
     }
     doc = cache.get("anatomy", key)
     if doc is None:
-        found = count_anatomy(model, tuple(input_shape), num_classes)
+        found = count_anatomy(model, tuple(input_shape), num_classes, args)
         cache.put("anatomy", key, asdict(found))
         return found
     return _anatomy_from(doc)
@@ -337,11 +363,13 @@ def timings(
     precision: str = "fp32",
     device: torch.device | None = None,
     repeats: int = 5,
+    args: str | None = None,
 ) -> Timings:
     """Measured timings, from the cache when this device, dtype, thread count and grid were seen."""
     device = device or torch.device("cpu")
     key = {
         "model": model,
+        "model_args": args,
         "input": list(input_shape),
         "classes": num_classes,
         "device": device_name(device),
@@ -368,6 +396,7 @@ def timings(
         precision=precision,
         device=device,
         repeats=repeats,
+        args=args,
     )
     cache.put("timings", key, asdict(found))
     return found

@@ -79,7 +79,7 @@ def test_timings_interpolate_in_rows():
     assert fwd == pytest.approx([2.0, 3.0]) and bwd == pytest.approx([4.0, 4.0])
     assert loss == pytest.approx(0.2)
     assert t.at(8)[0] == pytest.approx([8.0, 9.0])  # the last segment's slope beyond the grid
-    assert prof.row_grid(12) == (1, 2, 4, 8, 12) and prof.row_grid(1) == (1,)
+    assert prof.row_grid(12) == (2, 4, 8, 12) and prof.row_grid(1) == (1,)
 
 
 def test_measured_timings_are_cached_by_device_and_grid(tmp_path):
