@@ -68,10 +68,10 @@ def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
     if cfg.model.loss:
         models.load_callable(cfg.model.loss, "--loss")
     num_classes, input_shape = input_spec(cfg.data)
+    model = models.build_on_meta(
+        cfg.model.name, num_classes=num_classes, input_shape=input_shape, args=cfg.model.kwargs
+    )
     with torch.device("meta"):
-        model = models.build(
-            cfg.model.name, num_classes=num_classes, input_shape=input_shape, args=cfg.model.kwargs
-        )
         if cfg.model.weights:
             models.load_weights(model, cfg.model.weights, check_only=True)
         partition.cut(model, cfg.model, num_stages, input_shape)

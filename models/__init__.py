@@ -42,6 +42,7 @@ __all__ = [
     "available",
     "blocks",
     "build",
+    "build_on_meta",
     "example_input",
     "input_dtype",
     "is_known",
@@ -111,6 +112,24 @@ def build(
         f"choose one of: {', '.join(available())}, any other torchvision classification model "
         "(e.g. mobilenet_v3_small, vit_b_16), or a factory package.module:function",
     )
+
+
+def build_on_meta(
+    name: str,
+    *,
+    num_classes: int,
+    input_shape: Sequence[int],
+    args: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """The model with its tensors on the meta device (no memory), to check and count it.
+
+    A model whose construction reads tensor values (RegNet's widths) cannot be built on the meta
+    device: it is built on the CPU and moved there."""
+    try:
+        with torch.device("meta"):
+            return build(name, num_classes=num_classes, input_shape=input_shape, args=args)
+    except Exception:  # noqa: BLE001 - whatever failed on meta: the CPU build says it again
+        return build(name, num_classes=num_classes, input_shape=input_shape, args=args).to("meta")
 
 
 def _import(name: str) -> Any:

@@ -98,14 +98,11 @@ def _count_blocks(
     model_name: str, input_shape, num_classes: int, rows: int, args: str | None = None
 ) -> list[dict]:
     """One pass over the blocks on the meta device at ``rows`` rows."""
+    torch.manual_seed(0)
+    model = models.build_on_meta(
+        model_name, num_classes=num_classes, input_shape=input_shape, args=parse_model_args(args)
+    )
     with torch.device("meta"):
-        torch.manual_seed(0)
-        model = models.build(
-            model_name,
-            num_classes=num_classes,
-            input_shape=input_shape,
-            args=parse_model_args(args),
-        )
         blocks = models.blocks(model, input_shape)
     x: tuple[torch.Tensor, ...] = (
         torch.empty(rows, *input_shape, device="meta", dtype=models.input_dtype(model)),
