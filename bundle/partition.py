@@ -102,7 +102,7 @@ def split_model_name(name: str, partition: str | None) -> tuple[str, str | None]
     if is_known(name) or not path.is_file():
         return name, partition
     model = load_spec(name).model
-    if not is_known(model) or not name.startswith(f"{model}_"):
+    if model is None or not is_known(model) or not name.startswith(f"{model}_"):
         return name, partition
     if partition not in (None, name):
         raise ConfigError(

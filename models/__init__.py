@@ -177,10 +177,12 @@ def _from_factory(
     offered = {"num_classes": num_classes, "input_shape": shape, **kwargs}
     try:
         params = inspect.signature(factory).parameters
-        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     except (TypeError, ValueError):
-        params, takes_all = {}, True  # a builtin or C function: offer everything
-    chosen = offered if takes_all else {k: v for k, v in offered.items() if k in params}
+        params = None  # a builtin or C function: offer everything
+    takes_all = params is None or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )
+    chosen = offered if takes_all else {k: v for k, v in offered.items() if k in (params or {})}
     unused = sorted(set(kwargs) - set(chosen))
     if unused:
         raise ConfigError("--model-args", kwargs, f"{name} takes no argument(s) {unused}")

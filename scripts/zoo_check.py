@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torchvision
 
+from bundle.runtime.localworld import free_port
 from models.vision import size_rule
 
 MAIN = Path(__file__).resolve().parent.parent / "main.py"
@@ -43,6 +44,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         "--synthetic-size", str(4 * args.batch_size), "--batch-size", str(args.batch_size),
         "--micro-batches", str(args.micro_batches), "--itr", str(args.steps),
         "--bundle-shape", args.shape, "--no-eval", "--log-every", "1", "--timeout", "300",
+        "--portNum", str(free_port()),
     ]  # fmt: skip
     t0 = time.perf_counter()
     try:
