@@ -118,7 +118,10 @@ class _Analysis:
 
     def __init__(self, model: nn.Module, graph: fx.Graph, example: torch.Tensor) -> None:
         self.model, self.graph = model, graph
-        self.inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        # The data input; the forward's other arguments keep their defaults (concrete when
+        # traced): every segment takes them as defaulted arguments of its own, none crosses.
+        self.inputs, self.defaulted = placeholders[:1], placeholders[1:]
         self.output = next(n for n in graph.nodes if n.op == "output")
         self.body = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
         self.index = {n: i for i, n in enumerate(self.body)}
@@ -275,6 +278,9 @@ def _segment(a: _Analysis, lo: int, hi: int) -> Segment:
     env: dict[fx.Node, fx.Node] = {}
     for n in a.crossing(lo) if lo else a.inputs:
         env[n] = graph.placeholder(n.name)
+    for n in a.defaulted:
+        default = n.args[0] if n.args else None
+        env[n] = graph.placeholder(n.name, default_value=default)
 
     def arg(n: fx.Node) -> fx.Node:
         if n not in env:

@@ -184,3 +184,38 @@ def test_tied_weights_across_stages_are_refused():
 def test_a_sequential_is_cut_between_its_children():
     blocks = models.blocks(user_models.sequential(3, (4,)), (4,))
     assert [n for n, _ in blocks] == ["0", "1", "2", "3.0", "3.1", "4", "5", "6"]
+
+
+class _WithOptionalArgs(nn.Module):
+    """A forward with defaulted arguments (timm's ``attn_mask=None``): they keep their defaults."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x, mask=None, scale: float = 2.0):
+        h = self.a(x) * scale
+        if mask is not None:
+            h = h * mask
+        return self.b(h)
+
+
+def test_a_forwards_defaulted_arguments_keep_their_defaults_in_every_segment():
+    model = _WithOptionalArgs()
+    blocks, want, got = chained(model, (4,), ["b"])
+    assert [n for n, _ in blocks] == ["a", "b"] and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "convnext_atto", "resnet18d"])
+def test_timm_models_through_their_factory(name):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = models.build(
+        "timm:create_model",
+        num_classes=5,
+        input_shape=(3, 32, 32),
+        args={"model_name": name, **({"img_size": 32} if "vit" in name else {})},
+    )
+    assert isinstance(model, nn.Module) and model.num_classes == 5 and timm.__version__
+    blocks, want, got = chained(model, (3, 32, 32))
+    assert len(blocks) >= 4 and torch.equal(got, want)
