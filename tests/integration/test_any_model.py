@@ -1,8 +1,8 @@
 """Any model, exact: users' models (an nn.Sequential; a module whose skip connection and integer
 side input cross stage boundaries, with a loss of the user's), torchvision models of three
-structures (MobileNetV3, DenseNet, ViT) cut by their graph, and the GPT language model on
-byte-level text, each trained by the hybrid at shapes 2,1 x 2 bundles and 1,2,1 under both
-schedules: the first step's summed gradient must be the one process's gradient of the unsplit
+structures (MobileNetV3, DenseNet, also with recompute, ViT) cut by their graph, and the GPT
+language model on byte-level text, each trained by the hybrid at shapes 2,1 x 2 bundles and
+1,2,1 under both schedules: the first step's summed gradient must be the one process's gradient of the unsplit
 model (1e-5), and after 3 steps of SGD every parameter must be where that process's is (1e-5).
 
 With AdamW only the gradient is compared: Adam divides each gradient by its own running
@@ -42,6 +42,8 @@ CASES = {
     ),
     "mobilenet_v3": ({"name": f"{USER}:mobilenet"}, {"image_size": 8}, {}, {}),
     "densenet": ({"name": f"{USER}:densenet"}, {"image_size": 8}, {}, {}),
+    # recompute: each stage's blocks run again in backward, multi-tensor boundaries and all
+    "densenet+recompute": ({"name": f"{USER}:densenet"}, {"image_size": 8}, {}, {}),
     "vit": ({"name": f"{USER}:vit"}, {"image_size": 8}, {}, {}),
     "gpt": (
         {"name": "gpt", "args": "layers=3,width=16,heads=2"},
@@ -81,7 +83,10 @@ def case_config(name: str, shape, bundles: int, schedule: str, text: str):
         data = {**data, "data_file": text}
     sync = "hierarchical" if schedule == "gpipe" else "flat"
     sections = {"model": model, "data": data, "train": train}
-    return equivalence_config(shape, bundles, schedule, 3, sync, "mlp", sections=sections)
+    recompute = "always" if "recompute" in name else "never"
+    return equivalence_config(
+        shape, bundles, schedule, 3, sync, "mlp", "fp32", recompute, sections=sections
+    )
 
 
 def _hybrid(rank: int, world: int, shape, bundles: int, text: str) -> list[str]:

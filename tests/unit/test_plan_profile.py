@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import models
+from bundle.config import parse_model_args
 from bundle.engine.memory import SavedBytes
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
@@ -145,3 +146,24 @@ def test_measure_timings_ticks_every_block_both_ways():
     first = [t for t in ticks if t[0] == "2 rows (grid point 1/1), pass 1/1"]
     assert [t[2] for t in first if t[1] == "forward"] == list(range(1, n + 1))
     assert {t[2] for t in first if t[1] == "backward"} >= {n}
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "classes", "args"),
+    [
+        ("mobilenet_v3_small", (3, 32, 32), 10, None),  # a graph split, batch norm
+        ("regnet_x_400mf", (3, 32, 32), 10, None),  # cannot be built on the meta device
+        ("gpt", (16,), 64, "layers=2,width=16,heads=2"),  # token ids in, (rows, T, V) out
+    ],
+)
+def test_the_planner_counts_and_times_any_model(name, shape, classes, args):
+    anatomy = count_anatomy(name, shape, classes, args)
+    torch.manual_seed(0)
+    model = models.build(name, num_classes=classes, input_shape=shape, args=parse_model_args(args))
+    blocks = models.blocks(model, shape)
+    assert anatomy.names == [n for n, _ in blocks]
+    assert sum(b.params for b in anatomy.blocks) == sum(p.numel() for p in model.parameters())
+    timings = prof.measure_timings(
+        name, shape, classes, rows=(2, 4), warmup=0, repeats=1, args=args
+    )
+    assert len(timings.fwd[0]) == len(blocks) and all(t >= 0 for t in timings.bwd[1])
