@@ -274,14 +274,13 @@ class StageEngine:
             return torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)
         labels = _given(micro[1]).to(self.device)
         out_f = _as_float(out)
-        loss = self.loss(out_f, labels).detach().double() * len(labels)
-        counts = [loss.reshape(1), torch.tensor([float(len(labels))], device=self.device)]
+        counts = torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)
         if isinstance(out_f, torch.Tensor) and _classifies(out_f, labels):
-            hits = top_k_correct(out_f.flatten(0, -2), labels.flatten(), (1, 5))
-            counts.insert(0, torch.cat([hits, hits.new_tensor([float(labels.numel())])]))
-        else:
-            counts.insert(0, torch.zeros(3, dtype=torch.float64, device=self.device))
-        return torch.cat([c.to(torch.float64) for c in counts])
+            counts[:2] = top_k_correct(out_f.flatten(0, -2), labels.flatten(), (1, 5))
+            counts[2] = labels.numel()
+        counts[3] = self.loss(out_f, labels).detach().double() * len(labels)
+        counts[4] = len(labels)
+        return counts
 
 
 # What eval_batch counts: top-1 and top-5 hits, the label positions they are out of (rows, or
