@@ -176,14 +176,15 @@ def _from_factory(
     factory = load_callable(name, "--model")
     offered = {"num_classes": num_classes, "input_shape": shape, **kwargs}
     try:
-        params = dict(inspect.signature(factory).parameters)
+        params = list(inspect.signature(factory).parameters.values())
     except (TypeError, ValueError):
-        params = {}  # a builtin or C function: what its docs say is all we know
+        params = []  # a builtin or C function: what its docs say is all we know
+    takes = {p.name for p in params}
     # A function taking **kwargs (timm.create_model) gets num_classes and the model args;
     # input_shape only where it names it (a model's own constructor would refuse it).
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        params.update({"num_classes": None, **dict.fromkeys(kwargs)})
-    chosen = {k: v for k, v in offered.items() if k in params}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        takes |= {"num_classes", *kwargs}
+    chosen = {k: v for k, v in offered.items() if k in takes}
     unused = sorted(set(kwargs) - set(chosen))
     if unused:
         raise ConfigError("--model-args", kwargs, f"{name} takes no argument(s) {unused}")
