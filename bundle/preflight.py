@@ -71,6 +71,7 @@ def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
     model = models.build_on_meta(
         cfg.model.name, num_classes=num_classes, input_shape=input_shape, args=cfg.model.kwargs
     )
+    _check_input_kind(cfg, model)
     with torch.device("meta"):
         if cfg.model.weights:
             models.load_weights(model, cfg.model.weights, check_only=True)
@@ -82,6 +83,24 @@ def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
             "needs a CNN (a model with 2-d convolutions)",
         )
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _check_input_kind(cfg: RunConfig, model: nn.Module) -> None:
+    """Token ids for a model that takes them, and only for one (the shipped datasets)."""
+    if cfg.data.dataset not in ("digits", "synthetic", "imagefolder", "text"):
+        return  # a user's dataset: its samples are what its model takes
+    takes_tokens = models.input_dtype(model) == torch.long
+    if takes_tokens and cfg.data.dataset != "text":
+        raise ConfigError(
+            "--model", cfg.model.name, "takes token ids: give it --dataset text --data-file FILE"
+        )
+    if cfg.data.dataset == "text" and not takes_tokens:
+        raise ConfigError(
+            "--dataset",
+            "text",
+            f"gives token ids, which --model {cfg.model.name} does not take (its first layer "
+            "is no nn.Embedding and it declares no input_dtype = torch.long)",
+        )
 
 
 def check_precision(cfg: RunConfig, backend: str) -> None:

@@ -63,6 +63,7 @@ BAD = {
         "tied weights must stay in one stage",
     ),
     "text without a file": (["--dataset", "text"], "--data-file"),
+    "a language model on images": (["--model", "gpt"], "takes token ids"),
     "traced steps beyond the run": (
         ["--itr", "3", "--trace", "t.json", "--trace-steps", "3:4"],
         "--trace-steps",
