@@ -102,7 +102,9 @@ def trace(model: nn.Module) -> fx.Graph:
             )
             node = list(train.nodes)[min(i, len(a) - 1)]
             path = _module_of(node)
-            if not path or path in leaves:
+            while path in leaves:  # kept whole already: the choice is its parent's
+                path = path.rpartition(".")[0]
+            if not path:
                 raise PartitionError(
                     f"cannot cut {type(model).__name__} into stages: its own forward depends on "
                     "self.training (traced differently in training and evaluation mode)"

@@ -146,8 +146,29 @@ class _ModeDependent(nn.Module):
         return self.b(self.d(self.a(x)))
 
 
-def test_a_module_that_reads_self_training_runs_whole_in_both_modes():
-    model = _ModeDependent()
+class _Chooser(nn.Module):
+    """Calls one child in training and another in evaluation: the parent itself runs whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x) if self.training else self.b(x) * 2
+
+
+class _ChoosesInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.choose, self.post = nn.Linear(4, 4), _Chooser(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.post(self.choose(self.pre(x)))
+
+
+@pytest.mark.parametrize("make", [_ModeDependent, _ChoosesInside])
+def test_a_module_that_reads_self_training_runs_whole_in_both_modes(make):
+    model = make()
     blocks = models.blocks(model, (4,))
     x = torch.randn(3, 4)
     for mode in (True, False):
