@@ -265,8 +265,13 @@ def cut(
 ) -> list[Stage]:
     """The model cut into ``num_stages`` stages at ``--partition`` (default: balanced)."""
     spec = load_spec(cfg.partition) if cfg.partition else None
-    blocks = models.blocks(model, input_shape, spec.starts if spec else ())
-    stages = split_model(blocks, resolve(spec, blocks, num_stages, cfg.name))
+    try:
+        blocks = models.blocks(model, input_shape, spec.starts if spec else ())
+        stages = split_model(blocks, resolve(spec, blocks, num_stages, cfg.name))
+    except PartitionError as exc:
+        if spec is None:
+            raise
+        raise PartitionError(f"--partition {cfg.partition}: {exc}") from None
     for stage in stages:
         stage.input_dtype = models.input_dtype(model)
     return stages
