@@ -72,13 +72,9 @@ def available() -> list[str]:
     return sorted([*_REGISTRY, *_SHOWN_ZOO])
 
 
-def is_factory(name: str) -> bool:
-    return is_reference(name)
-
-
 def is_known(name: str) -> bool:
     """Whether ``name`` is a model this build can make (a factory is checked when built)."""
-    return name in _REGISTRY or name in zoo_names() or is_factory(name)
+    return name in _REGISTRY or name in zoo_names() or is_reference(name)
 
 
 def build(
@@ -95,7 +91,7 @@ def build(
     if not shape or not all(isinstance(d, int) and d > 0 for d in shape):
         raise ConfigError("input_shape", input_shape, "positive integers")
     kwargs = dict(args or {})
-    if is_factory(name):
+    if is_reference(name):
         return _from_factory(name, num_classes, shape, kwargs)
     if kwargs and name not in _TAKES_ARGS and name not in zoo_names():
         raise ConfigError("--model-args", kwargs, f"--model {name} takes none")
