@@ -2,8 +2,9 @@
 
 Modules, from the data up:
 
-- ``format``: the final weights file, resumable ``step-N`` directories (DCP), their settings,
-  resolving ``--resume``, export (``python -m bundle.checkpoint export``);
+- ``format``: the final weights file, resumable ``step-N`` directories (DCP), their settings and
+  checksums, resolving ``--resume`` past damaged ones, export (``python -m bundle.checkpoint export``);
+- ``lock``: ``DirLock``, one job per save directory;
 - ``manager``: ``Checkpointer``, the loop's component: when a save is due, what one rank saves,
-  asynchronous writes, pruning, and restoring under any shape.
+  asynchronous writes, saves that cannot complete, pruning, and restoring under any shape.
 """

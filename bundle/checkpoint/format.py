@@ -5,10 +5,13 @@ A resumable checkpoint is the directory ``SAVE_DIR/step-N`` (N = training steps 
     step-N/
       __R_0.distcp     what global rank R wrote (torch.distributed.checkpoint, every rank at once)
       .metadata        DCP's index of every entry, written last
-      bundle.json      the step and the settings of the run that wrote it
+      bundle.json      the step, the settings of the run that wrote it, and the size and SHA-256
+                       of every other file (``files``)
 
-It is written as ``step-N.tmp`` and renamed when all three are there, so a ``step-N`` without
-``.metadata`` or ``bundle.json`` was damaged after the fact and is skipped. Entries are keyed by
+It is written as ``step-N.tmp`` and renamed when all three are there. A checkpoint is trusted only
+once verified (``damage``): ``.metadata`` and ``bundle.json`` present and readable, every file
+``bundle.json`` lists there with its size and checksum. ``--resume auto`` passes over a damaged one
+to the newest whole one; naming a damaged one is refused. Entries are keyed by
 full-model names, so any shape, partition or node count reads them (DCP hands every rank the keys
 its stage asks for, from whichever files hold them):
 
@@ -23,6 +26,7 @@ its stage asks for, from whichever files hold them):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -101,6 +105,55 @@ def is_complete(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, f)) for f in (".metadata", INFO))
 
 
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_records(path: str) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file in checkpoint directory ``path`` but ``bundle.json``."""
+    return {
+        entry.name: {"bytes": entry.stat().st_size, "sha256": _sha256(entry.path)}
+        for entry in sorted(os.scandir(path), key=lambda e: e.name)
+        if entry.is_file() and entry.name != INFO and not entry.name.startswith(".info-")
+    }
+
+
+def damage(path: str) -> str | None:
+    """Why checkpoint ``path`` cannot be trusted (None: whole): a file missing, unreadable, of
+    another size or checksum than ``bundle.json`` records. Reads every file once."""
+    for name in (".metadata", INFO):
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"no {name}"
+    try:
+        info = read_info(path)
+    except CheckpointError as exc:
+        return str(exc).removeprefix(f"{path}: ")
+    recorded = info.get("files")
+    if not isinstance(recorded, dict):
+        if "files" in info:
+            return f"{INFO} lists no files"
+        recorded = {}  # written before checksums were recorded: the index must still read
+    for name, want in sorted(recorded.items()):
+        file = os.path.join(path, name)
+        try:
+            size = os.path.getsize(file)
+            if size != want.get("bytes"):
+                return f"{name} is {size} bytes, {want.get('bytes')} when written"
+            if _sha256(file) != want.get("sha256"):
+                return f"{name} does not match its checksum"
+        except OSError as exc:
+            return f"{name}: {exc.strerror or exc}"
+    try:
+        entries(path)
+    except CheckpointError as exc:
+        return str(exc).removeprefix(f"{path}/")
+    return None
+
+
 def checkpoints(save_dir: str) -> list[tuple[int, str]]:
     """Every ``step-N`` directory in ``save_dir`` (complete or not), oldest first."""
     if not os.path.isdir(save_dir):
@@ -113,13 +166,17 @@ def checkpoints(save_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def latest(save_dir: str) -> tuple[str | None, list[str]]:
-    """The newest complete checkpoint, and the newer incomplete ones passed over."""
+def latest(save_dir: str, *, verify: bool = True) -> tuple[str | None, list[str]]:
+    """The newest whole checkpoint, and a note for each newer one passed over (and why).
+
+    ``verify=False`` looks only for the files a published checkpoint has (no reading).
+    """
     skipped: list[str] = []
     for _step, path in reversed(checkpoints(save_dir)):
-        if is_complete(path):
+        why = damage(path) if verify else (None if is_complete(path) else "incomplete")
+        if why is None:
             return path, skipped
-        skipped.append(path)
+        skipped.append(f"skipping damaged checkpoint {path} ({why})")
     return None, skipped
 
 
@@ -128,16 +185,37 @@ def resolve(resume: str | None, save_dir: str | None) -> tuple[str | None, list[
     if resume is None:
         return None, []
     if resume == "auto":
-        path, skipped = latest(save_dir or "")
-        notes = [f"skipping incomplete checkpoint {p} (no .metadata or {INFO})" for p in skipped]
+        path, notes = latest(save_dir or "")
         if path is None:
             notes.append(f"no complete checkpoint in {save_dir}: starting from step 0")
         return path, notes
-    if not is_complete(resume):
-        raise CheckpointError(
-            f"--resume {resume}: not a complete checkpoint (a step-N directory with .metadata and {INFO})"
-        )
+    if not os.path.isdir(resume):
+        raise CheckpointError(f"--resume {resume}: no such checkpoint directory")
+    why = damage(resume)
+    if why is not None:
+        raise CheckpointError(f"--resume {resume}: damaged checkpoint ({why}); not loaded")
     return resume, []
+
+
+def size_of(path: str) -> int:
+    """Bytes of the files in checkpoint directory ``path``."""
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+
+
+def clean_debris(save_dir: str) -> list[str]:
+    """Remove what an interrupted save left (``step-N.tmp``, half-written weights files); only
+    the holder of the directory's lock may, since a running save writes exactly these."""
+    removed: list[str] = []
+    if not os.path.isdir(save_dir):
+        return removed
+    for entry in os.scandir(save_dir):
+        if entry.name.startswith("step-") and entry.name.endswith(".tmp"):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+        elif entry.name.startswith(".ckpt-") and entry.is_file():
+            os.unlink(entry.path)
+            removed.append(entry.name)
+    return removed
 
 
 def prune(save_dir: str, keep: int) -> None:
@@ -156,10 +234,14 @@ def prune(save_dir: str, keep: int) -> None:
 
 
 def publish(tmp: str, final: str, info: dict) -> None:
-    """Rank 0, once DCP has written ``tmp``: add ``bundle.json`` and rename ``tmp`` to ``final``."""
+    """Rank 0, once DCP has written ``tmp``: add ``bundle.json`` (with the size and checksum of
+    every file) and rename ``tmp`` to ``final``."""
+    info = {**info, "files": file_records(tmp)}
     fd, part = tempfile.mkstemp(prefix=".info-", dir=tmp)
     with os.fdopen(fd, "w") as f:
         json.dump(info, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
     os.chmod(part, 0o644)
     os.replace(part, os.path.join(tmp, INFO))
     if os.path.exists(final):  # the same step written again after a restart
@@ -176,9 +258,12 @@ def run_settings(cfg: RunConfig) -> dict[str, Any]:
 def read_info(path: str) -> dict:
     try:
         with open(os.path.join(path, INFO)) as f:
-            return json.load(f)
+            info = json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot read {INFO} ({exc})") from exc
+    if not isinstance(info, dict) or not isinstance(info.get("step"), int):
+        raise CheckpointError(f"{path}: cannot read {INFO} (no step recorded)")
+    return info
 
 
 # -- reading DCP metadata without unpickling arbitrary code ---------------------------------------
@@ -208,8 +293,10 @@ class SafeReader(dcp.FileSystemReader):
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
             try:
                 meta = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError) as exc:
-                raise CheckpointError(f"{self.path}/.metadata: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - whatever a damaged pickle raises
+                raise CheckpointError(
+                    f"{self.path}/.metadata: {type(exc).__name__}: {exc}"
+                ) from exc
         if getattr(meta, "storage_meta", None) is None:
             meta.storage_meta = dcp.metadata.StorageMeta()
         meta.storage_meta.load_id = self.load_id

@@ -3,9 +3,11 @@ fit checks, export, the fault hook, the stop line, and path checks before start.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -39,9 +41,90 @@ def test_latest_skips_incomplete_and_orders_steps_numerically(tmp_path):
     damaged = write(tmp_path, 12, complete=False)
     (tmp_path / "step-13.tmp").mkdir()  # a save killed mid-write
     (tmp_path / "notes").mkdir()
-    assert ckpt.latest(str(tmp_path)) == (newest, [damaged])
+    assert ckpt.latest(str(tmp_path)) == (
+        newest,
+        [f"skipping damaged checkpoint {damaged} (no .metadata)"],
+    )
     path, notes = ckpt.resolve("auto", str(tmp_path))
-    assert path == newest and "skipping incomplete" in notes[0] and damaged in notes[0]
+    assert path == newest and notes == [f"skipping damaged checkpoint {damaged} (no .metadata)"]
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _flip_a_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _garbage(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("{ not json")
+
+
+@pytest.mark.parametrize(
+    "file,harm,why",
+    [
+        ("__0_0.distcp", _truncate, r"__0_0.distcp is \d+ bytes, \d+ when written"),
+        ("__0_0.distcp", _flip_a_byte, "__0_0.distcp does not match its checksum"),
+        (".metadata", _truncate, r".metadata is \d+ bytes, \d+ when written"),
+        ("bundle.json", _garbage, "cannot read bundle.json"),
+        ("__0_0.distcp", os.unlink, "__0_0.distcp: No such file or directory"),
+    ],
+    ids=["truncated-shard", "flipped-byte", "truncated-index", "garbage-info", "missing-shard"],
+)
+def test_a_damaged_checkpoint_is_passed_over_by_auto_and_refused_by_name(tmp_path, file, harm, why):
+    whole = write(tmp_path, 4)
+    damaged = write(tmp_path, 6)
+    assert ckpt.damage(whole) is None and ckpt.damage(damaged) is None
+    harm(os.path.join(damaged, file))
+    assert re.search(why, ckpt.damage(damaged)), ckpt.damage(damaged)
+    path, notes = ckpt.resolve("auto", str(tmp_path))
+    assert (
+        path == whole
+        and len(notes) == 1
+        and notes[0].startswith(f"skipping damaged checkpoint {damaged} (")
+    )
+    with pytest.raises(CheckpointError, match=f"--resume {damaged}: damaged checkpoint") as err:
+        ckpt.resolve(damaged, None)
+    assert "\n" not in str(err.value) and re.search(why, str(err.value))
+
+
+def test_a_checkpoint_records_the_size_and_checksum_of_every_file(tmp_path):
+    path = write(tmp_path, 3)
+    files = ckpt.read_info(path)["files"]
+    assert sorted(files) == [".metadata", "__0_0.distcp"]
+    with open(os.path.join(path, "__0_0.distcp"), "rb") as f:
+        assert files["__0_0.distcp"]["sha256"] == hashlib.sha256(f.read()).hexdigest()
+    assert ckpt.size_of(path) == sum(r["bytes"] for r in files.values()) + os.path.getsize(
+        os.path.join(path, "bundle.json")
+    )
+
+
+def test_a_checkpoint_without_recorded_checksums_still_reads(tmp_path):
+    """Written before checksums were recorded: trusted if its index and settings read."""
+    path = write(tmp_path, 3)
+    info = ckpt.read_info(path)
+    del info["files"]
+    with open(os.path.join(path, "bundle.json"), "w") as f:
+        json.dump(info, f)
+    assert ckpt.damage(path) is None
+    _truncate(os.path.join(path, ".metadata"))
+    assert ckpt.damage(path).startswith(".metadata: ")
+
+
+def test_debris_of_an_interrupted_save_is_cleared(tmp_path):
+    kept = write(tmp_path, 2)
+    (tmp_path / "step-3.tmp").mkdir()
+    (tmp_path / "step-3.tmp" / "__0_0.distcp").write_bytes(b"half")
+    (tmp_path / ".ckpt-abc").write_bytes(b"half")
+    assert sorted(ckpt.clean_debris(str(tmp_path))) == [".ckpt-abc", "step-3.tmp"]
+    assert sorted(os.listdir(tmp_path)) == ["step-2"] and ckpt.damage(kept) is None
 
 
 def test_auto_without_checkpoints_starts_fresh_and_says_so(tmp_path):
@@ -54,8 +137,10 @@ def test_auto_without_checkpoints_starts_fresh_and_says_so(tmp_path):
 
 def test_an_explicit_incomplete_checkpoint_is_refused(tmp_path):
     damaged = write(tmp_path, 4, complete=False)
-    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+    with pytest.raises(CheckpointError, match="damaged checkpoint \\(no .metadata\\)"):
         ckpt.resolve(damaged, None)
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        ckpt.resolve(str(tmp_path / "step-99"), None)
 
 
 def test_prune_keeps_the_newest_complete_ones(tmp_path):
