@@ -7,10 +7,16 @@ the one copy DCP keeps of a replicated entry can never come from a drifted repli
 With ``--async-save`` a save copies the state to memory and returns; DCP writes it from a thread,
 over a gloo group of its own (the training thread keeps using the others), and the checkpoint is
 published (``bundle.json``, renamed from ``step-N.tmp``) when the next save begins or the run ends.
+
+A save that cannot complete (a full disk, a permission or I/O error) leaves the checkpoints before
+it as they were: ``step-N.tmp`` is removed and every rank raises one ``CheckpointError`` naming the
+directory and the cause. Before writing, the ranks add up what the save will write and refuse it
+if the filesystem has less free (nothing written).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -20,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from bundle import log
 from bundle.checkpoint import format as ckpt
@@ -29,6 +36,12 @@ from bundle.partition import Stage
 from bundle.topology import Coord, Topology
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Room kept free beyond a save's own bytes (DCP's index, bundle.json, filesystem blocks).
+_MARGIN = 1.05
+_MARGIN_BYTES = 64 << 10
+_MIB = 1 << 20
+# What a failed save raises: DCP's own exception is a BaseException.
+_SAVE_ERRORS = (Exception, CheckpointException)
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:
@@ -78,6 +91,8 @@ class Checkpointer:
         self.pending: tuple[Any, str, str, int] | None = None
         self.stalls: list[float] = []
         self.last_saved: str | None = None
+        # The size of the last checkpoint rank 0 wrote: the next one needs about as much room.
+        self.last_bytes = 0
 
     # -- what this rank holds ----------------------------------------------------------------
 
@@ -151,21 +166,66 @@ class Checkpointer:
         tmp = final + ".tmp"
         state = self.state()
         self._agree(state, step)
+        self._check_room(state, final)
+        failure: BaseException | None = None
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        dist.barrier(group=self.group)
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            except OSError as exc:
+                failure = exc
+        self._all_or_none(failure, tmp, final)
         writer = dcp.FileSystemWriter(tmp)
         if self.async_group is None:
-            dcp.save(state, storage_writer=writer, process_group=self.group)
-            self._publish(tmp, final, step)
-            dist.barrier(group=self.group)
+            try:  # DCP raises on every rank when one rank's writes failed
+                dcp.save(state, storage_writer=writer, process_group=self.group)
+                self._publish(tmp, final, step)
+            except _SAVE_ERRORS as exc:
+                failure = exc
+            self._all_or_none(failure, tmp, final)
         else:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
             self.pending = (future, tmp, final, step)
         self.stalls.append(round(time.perf_counter() - t0, 4))
         if block:
             self.wait()
+
+    def _check_room(self, state: dict[str, torch.Tensor], final: str) -> None:
+        """Refuse a save the filesystem has no room for, before writing anything (collective).
+
+        DCP keeps one copy of an entry replicas share: the canonical replica of each stage
+        counts its entries, every other rank its own buffers; rank 0 adds the free space.
+        """
+        mine = sum(
+            t.numel() * t.element_size()
+            for k, t in state.items()
+            if self.canonical or k.startswith("replica.")
+        )
+        free = shutil.disk_usage(self._save_dir).free if self.rank == 0 else 0
+        sums = torch.tensor([mine, free], dtype=torch.int64)
+        dist.all_reduce(sums, group=self.group)
+        need, free = int(sums[0]), int(sums[1])
+        need = max(need, self.last_bytes)
+        if free < need * _MARGIN + _MARGIN_BYTES:
+            raise CheckpointError(
+                f"cannot save {final}: it needs about {need / _MIB:.1f} MiB and "
+                f"{self._save_dir} has {free / _MIB:.1f} MiB free (no space left on device); "
+                "nothing written"
+            )
+
+    def _all_or_none(self, failure: BaseException | None, tmp: str, final: str) -> None:
+        """Every rank learns whether any rank's part of a save failed; if one did, rank 0 removes
+        ``step-N.tmp`` and every rank raises the same one-line error (collective)."""
+        said: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(said, None if failure is None else _cause(failure), group=self.group)
+        causes = [c for c in said if c is not None]
+        if not causes:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"cannot save {final}: {causes[0]}; earlier checkpoints untouched"
+        ) from failure
 
     @property
     def _save_dir(self) -> str:
@@ -201,13 +261,21 @@ class Checkpointer:
             return
         future, tmp, final, step = self.pending
         self.pending = None
-        future.result()  # raises what the writer thread raised
-        self._publish(tmp, final, step)
+        try:
+            future.result()  # raises what the writer thread raised (on every rank: DCP gathers)
+            self._publish(tmp, final, step)
+        except _SAVE_ERRORS as exc:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"cannot save {final}: {_cause(exc)}; earlier checkpoints untouched"
+            ) from exc
 
     def _publish(self, tmp: str, final: str, step: int) -> None:
         """Rank 0 adds bundle.json and renames step-N.tmp to step-N; older ones are pruned."""
         if self.rank == 0:
             ckpt.publish(tmp, final, {**self.settings, "step": step})
+            self.last_bytes = ckpt.size_of(final)
             ckpt.prune(self._save_dir, self.cfg.keep)
         self.last_saved = final
 
@@ -233,7 +301,10 @@ class Checkpointer:
         missing = sorted(k for k in want if k not in stored)
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} entries, e.g. {missing[:3]}")
-        dcp.load(want, storage_reader=ckpt.SafeReader(path), process_group=self.group)
+        try:  # verified before start; a file changed since then is still one line, not a traceback
+            dcp.load(want, storage_reader=ckpt.SafeReader(path), process_group=self.group)
+        except _SAVE_ERRORS as exc:
+            raise CheckpointError(f"cannot load {path}: {_cause(exc)}") from exc
         for p, slots in optim_state.items():
             self.optimizer.state[p].update(slots)
         layout = "" if same_layout else f", written at {_describe(info.get('layout'))}"
@@ -270,6 +341,27 @@ class Checkpointer:
                 f"ranks start from different steps ({-int(ends[1])}..{int(ends[0])}; this one from "
                 f"{path or 'scratch'}): --save-dir must be one filesystem every node sees"
             )
+
+
+def _cause(exc: BaseException) -> str:
+    """The root of a failed write in a few words: ``no space left on device`` rather than DCP's
+    wrapper or the zip writer's ``unexpected pos`` (what a full disk looks like to torch.save)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            where = f" ({seen.filename})" if seen.filename else ""
+            return f"{os.strerror(seen.errno).lower()}{where}"
+        failures = getattr(seen, "failures", None)  # DCP's CheckpointException: rank -> error
+        if isinstance(failures, dict) and failures:
+            inner = next(iter(failures.values()))
+            inner = inner[0] if isinstance(inner, tuple) else inner
+            if isinstance(inner, BaseException):
+                return _cause(inner)
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc).strip().splitlines()
+    if "unexpected pos" in str(exc) or "file write failed" in str(exc):
+        return f"{os.strerror(errno.ENOSPC).lower()} (a write stopped short)"
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _describe(layout: Any) -> str:
