@@ -129,12 +129,36 @@ def main(argv: list[str] | None = None) -> int:
     from bundle.runtime.supervisor import supervise
 
     env = dict(os.environ)
+    lock = None
     try:
         plan = preflight.check_all(parse(argv, env), env)
         torchrun = process.torchrun_env() if plan.cfg.launch.torchrun else None
+        lock = _lock_save_dir(plan.cfg, env)
         if torchrun is not None:
             return process.run_torchrun(plan.cfg, plan.topo, torchrun, plan.resume)
         return supervise(plan.cfg, plan.topo, plan.resume)
     except BundleError as exc:
         print(f"main.py: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_save_dir(cfg: C.RunConfig, env: dict[str, str]) -> Any:
+    """The job's first process (node 0's supervisor, torchrun's rank 0) takes the save directory
+    before anything is written, and clears what an interrupted save of an earlier job left."""
+    from bundle.checkpoint import format as ckpt
+    from bundle.checkpoint.lock import DirLock, job_id
+
+    first = int(env["RANK"]) == 0 if cfg.launch.torchrun else cfg.launch.node_rank == 0
+    save_dir = cfg.checkpoint.save_dir
+    if not save_dir or not first:
+        return None
+    lock = DirLock(save_dir, job_id(env))
+    note = lock.acquire()
+    for line in ([note] if note else []) + [
+        f"removed {name} (left by an interrupted save)" for name in ckpt.clean_debris(save_dir)
+    ]:
+        print(f"main.py: note: {line}", file=sys.stderr)
+    return lock
