@@ -265,7 +265,7 @@ def test_incomplete_newest_is_skipped_and_another_model_is_refused(uninterrupted
             start("main.py", *RUN, *extra, "--save-dir", str(save_dir), "--resume", "auto"), 60
         )
         assert code == 2 and words in err, err
-        assert len(err.strip().splitlines()) == 2 and "skipping incomplete" in err, err
+        assert len(err.strip().splitlines()) == 2 and "skipping damaged" in err, err
 
 
 def test_imagefolder_resnet_with_batchnorm_replicas_and_loader_workers_resumes_exactly(tmp_path):
