@@ -233,10 +233,10 @@ def prune(save_dir: str, keep: int) -> None:
             shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def publish(tmp: str, final: str, info: dict) -> None:
-    """Rank 0, once DCP has written ``tmp``: add ``bundle.json`` (with the size and checksum of
-    every file) and rename ``tmp`` to ``final``."""
-    info = {**info, "files": file_records(tmp)}
+def publish(tmp: str, final: str, info: dict, files: dict | None = None) -> None:
+    """Rank 0, once DCP has written ``tmp``: add ``bundle.json`` with the size and checksum of
+    every file (``files``, or read now) and rename ``tmp`` to ``final``."""
+    info = {**info, "files": files if files is not None else file_records(tmp)}
     fd, part = tempfile.mkstemp(prefix=".info-", dir=tmp)
     with os.fdopen(fd, "w") as f:
         json.dump(info, f, indent=1, sort_keys=True)

@@ -19,8 +19,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -185,6 +187,8 @@ class Checkpointer:
             self._all_or_none(failure, tmp, final)
         else:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
+            if self.rank == 0:  # the checksums too are computed off the training thread
+                future = _then(future, lambda: ckpt.file_records(tmp))
             self.pending = (future, tmp, final, step)
         self.stalls.append(round(time.perf_counter() - t0, 4))
         if block:
@@ -262,8 +266,8 @@ class Checkpointer:
         future, tmp, final, step = self.pending
         self.pending = None
         try:
-            future.result()  # raises what the writer thread raised (on every rank: DCP gathers)
-            self._publish(tmp, final, step)
+            files = future.result()  # raises what the writer raised (on every rank: DCP gathers)
+            self._publish(tmp, final, step, files)
         except _SAVE_ERRORS as exc:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -271,10 +275,10 @@ class Checkpointer:
                 f"cannot save {final}: {_cause(exc)}; earlier checkpoints untouched"
             ) from exc
 
-    def _publish(self, tmp: str, final: str, step: int) -> None:
+    def _publish(self, tmp: str, final: str, step: int, files: dict | None = None) -> None:
         """Rank 0 adds bundle.json and renames step-N.tmp to step-N; older ones are pruned."""
         if self.rank == 0:
-            ckpt.publish(tmp, final, {**self.settings, "step": step})
+            ckpt.publish(tmp, final, {**self.settings, "step": step}, files)
             self.last_bytes = ckpt.size_of(final)
             ckpt.prune(self._save_dir, self.cfg.keep)
         self.last_saved = final
@@ -341,6 +345,21 @@ class Checkpointer:
                 f"ranks start from different steps ({-int(ends[1])}..{int(ends[0])}; this one from "
                 f"{path or 'scratch'}): --save-dir must be one filesystem every node sees"
             )
+
+
+def _then(first: Any, then: Callable[[], Any]) -> Future:
+    """A future of ``then()``, run on a thread of its own once ``first`` has succeeded."""
+    out: Future = Future()
+
+    def run() -> None:
+        try:
+            first.result()
+            out.set_result(then())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever collects the save
+            out.set_exception(exc)
+
+    threading.Thread(target=run, name="bundle-checksums", daemon=True).start()
+    return out
 
 
 def _cause(exc: BaseException) -> str:
