@@ -26,6 +26,7 @@ its stage asks for, from whichever files hold them):
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -60,9 +61,32 @@ def save(path: str, state: dict[str, torch.Tensor]) -> None:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         os.unlink(tmp)
+        if isinstance(exc, Exception):
+            raise CheckpointError(f"cannot write {path}: {cause_of(exc)}") from exc
         raise
+
+
+def cause_of(exc: BaseException) -> str:
+    """The root of a failed write in a few words: ``no space left on device`` rather than DCP's
+    wrapper or the zip writer's ``unexpected pos`` (what a full disk looks like to torch.save)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            where = f" ({seen.filename})" if seen.filename else ""
+            return f"{os.strerror(seen.errno).lower()}{where}"
+        failures = getattr(seen, "failures", None)  # DCP's CheckpointException: rank -> error
+        if isinstance(failures, dict) and failures:
+            inner = next(iter(failures.values()))
+            inner = inner[0] if isinstance(inner, tuple) else inner
+            if isinstance(inner, BaseException):
+                return cause_of(inner)
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc).strip().splitlines()
+    if "unexpected pos" in str(exc) or "file write failed" in str(exc):
+        return f"{os.strerror(errno.ENOSPC).lower()} (a write stopped short)"
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def load(path: str) -> dict[str, torch.Tensor]:

@@ -16,7 +16,6 @@ if the filesystem has less free (nothing written).
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import threading
@@ -221,7 +220,9 @@ class Checkpointer:
         """Every rank learns whether any rank's part of a save failed; if one did, rank 0 removes
         ``step-N.tmp`` and every rank raises the same one-line error (collective)."""
         said: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(said, None if failure is None else _cause(failure), group=self.group)
+        dist.all_gather_object(
+            said, None if failure is None else ckpt.cause_of(failure), group=self.group
+        )
         causes = [c for c in said if c is not None]
         if not causes:
             return
@@ -272,7 +273,7 @@ class Checkpointer:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(
-                f"cannot save {final}: {_cause(exc)}; earlier checkpoints untouched"
+                f"cannot save {final}: {ckpt.cause_of(exc)}; earlier checkpoints untouched"
             ) from exc
 
     def _publish(self, tmp: str, final: str, step: int, files: dict | None = None) -> None:
@@ -308,7 +309,7 @@ class Checkpointer:
         try:  # verified before start; a file changed since then is still one line, not a traceback
             dcp.load(want, storage_reader=ckpt.SafeReader(path), process_group=self.group)
         except _SAVE_ERRORS as exc:
-            raise CheckpointError(f"cannot load {path}: {_cause(exc)}") from exc
+            raise CheckpointError(f"cannot load {path}: {ckpt.cause_of(exc)}") from exc
         for p, slots in optim_state.items():
             self.optimizer.state[p].update(slots)
         layout = "" if same_layout else f", written at {_describe(info.get('layout'))}"
@@ -360,27 +361,6 @@ def _then(first: Any, then: Callable[[], Any]) -> Future:
 
     threading.Thread(target=run, name="bundle-checksums", daemon=True).start()
     return out
-
-
-def _cause(exc: BaseException) -> str:
-    """The root of a failed write in a few words: ``no space left on device`` rather than DCP's
-    wrapper or the zip writer's ``unexpected pos`` (what a full disk looks like to torch.save)."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno is not None:
-            where = f" ({seen.filename})" if seen.filename else ""
-            return f"{os.strerror(seen.errno).lower()}{where}"
-        failures = getattr(seen, "failures", None)  # DCP's CheckpointException: rank -> error
-        if isinstance(failures, dict) and failures:
-            inner = next(iter(failures.values()))
-            inner = inner[0] if isinstance(inner, tuple) else inner
-            if isinstance(inner, BaseException):
-                return _cause(inner)
-        seen = seen.__cause__ or seen.__context__
-    text = str(exc).strip().splitlines()
-    if "unexpected pos" in str(exc) or "file write failed" in str(exc):
-        return f"{os.strerror(errno.ENOSPC).lower()} (a write stopped short)"
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _describe(layout: Any) -> str:

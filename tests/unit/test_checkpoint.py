@@ -3,6 +3,7 @@ fit checks, export, the fault hook, the stop line, and path checks before start.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -273,3 +274,36 @@ def test_max_restarts_under_torchrun_points_to_torchrun():
     env = {"RANK": "0", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     with pytest.raises(ConfigError, match="torchrun --max-restarts N"):
         cli.parse(["--max-restarts", "1"], env=env)
+
+
+def test_a_failed_write_is_named_by_its_cause():
+    """What a full disk looks like from DCP (its exception wraps each rank's) and from the zip
+    writer of torch.save (a short write) both read as "no space left on device"."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/ckpt/step-6.tmp/__1_0.distcp")
+    wrapped = CheckpointException("save failed", {1: (full, None)})
+    assert ckpt.cause_of(wrapped) == "no space left on device (/ckpt/step-6.tmp/__1_0.distcp)"
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert ckpt.cause_of(short) == "no space left on device (a write stopped short)"
+    try:
+        try:
+            raise PermissionError(errno.EACCES, "Permission denied", "/ckpt/step-6.tmp")
+        except OSError as exc:
+            raise RuntimeError("writer failed") from exc
+    except RuntimeError as outer:
+        assert ckpt.cause_of(outer) == "permission denied (/ckpt/step-6.tmp)"
+    assert ckpt.cause_of(ValueError("odd\nsecond line")) == "ValueError: odd"
+
+
+def test_the_final_weights_on_a_full_disk_are_one_line_and_no_debris(tmp_path, monkeypatch):
+    def full(obj, f):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.save(str(tmp_path / "model.pt"), {"w": torch.zeros(2)})
+    assert str(err.value) == (
+        f"cannot write {tmp_path / 'model.pt'}: no space left on device (a write stopped short)"
+    )
+    assert os.listdir(tmp_path) == []
