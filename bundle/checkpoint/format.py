@@ -190,14 +190,11 @@ def checkpoints(save_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def latest(save_dir: str, *, verify: bool = True) -> tuple[str | None, list[str]]:
-    """The newest whole checkpoint, and a note for each newer one passed over (and why).
-
-    ``verify=False`` looks only for the files a published checkpoint has (no reading).
-    """
+def latest(save_dir: str) -> tuple[str | None, list[str]]:
+    """The newest whole checkpoint, and a note for each newer one passed over (and why)."""
     skipped: list[str] = []
     for _step, path in reversed(checkpoints(save_dir)):
-        why = damage(path) if verify else (None if is_complete(path) else "incomplete")
+        why = damage(path)
         if why is None:
             return path, skipped
         skipped.append(f"skipping damaged checkpoint {path} ({why})")

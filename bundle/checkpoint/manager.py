@@ -92,7 +92,8 @@ class Checkpointer:
         self.pending: tuple[Any, str, str, int] | None = None
         self.stalls: list[float] = []
         self.last_saved: str | None = None
-        # The size of the last checkpoint rank 0 wrote: the next one needs about as much room.
+        # The size of the last checkpoint written (known to rank 0, which publishes; 0 elsewhere):
+        # the next one needs about as much room.
         self.last_bytes = 0
 
     # -- what this rank holds ----------------------------------------------------------------
@@ -197,7 +198,8 @@ class Checkpointer:
         """Refuse a save the filesystem has no room for, before writing anything (collective).
 
         DCP keeps one copy of an entry replicas share: the canonical replica of each stage
-        counts its entries, every other rank its own buffers; rank 0 adds the free space.
+        counts its entries, every other rank its own buffers; rank 0 adds the free space and
+        the last checkpoint's size.
         """
         mine = sum(
             t.numel() * t.element_size()
@@ -205,10 +207,9 @@ class Checkpointer:
             if self.canonical or k.startswith("replica.")
         )
         free = shutil.disk_usage(self._save_dir).free if self.rank == 0 else 0
-        sums = torch.tensor([mine, free], dtype=torch.int64)
-        dist.all_reduce(sums, group=self.group)
-        need, free = int(sums[0]), int(sums[1])
-        need = max(need, self.last_bytes)
+        sums = torch.tensor([mine, free, self.last_bytes], dtype=torch.int64)
+        dist.all_reduce(sums, group=self.group)  # every rank decides alike
+        need, free = max(int(sums[0]), int(sums[2])), int(sums[1])
         if free < need * _MARGIN + _MARGIN_BYTES:
             raise CheckpointError(
                 f"cannot save {final}: it needs about {need / _MIB:.1f} MiB and "
