@@ -23,6 +23,8 @@ from bundle.runtime.preemption import Stopped, StopRequest, exit_code, stop_line
 from bundle.runtime.store import (
     attempt_prefix,
     exchange_config,
+    generation_prefix,
+    open_generation,
     open_store,
     post_abort,
     read_abort,
@@ -73,12 +75,14 @@ def worker_main(
     attempt: int = 0,
     resume: str | None = None,
     stop_shared: Any = None,
+    host_store: bool = False,
 ) -> int:
     """Body of every training process; returns its exit code (128 + signal when stopped by one).
 
     ``step_now`` (a shared integer) holds the step in progress, for the node supervisor, ``resume``
-    is the checkpoint to start from, ``attempt`` counts restarts, and ``stop_shared`` is the
-    supervisor's stop flag (None under torchrun).
+    is the checkpoint to start from, ``attempt`` counts restarts, ``stop_shared`` is the
+    supervisor's stop flag (None under torchrun), and ``host_store``: this process serves the
+    job's store at host:port (torchrun's rank 0 when its agent serves none).
     """
     c = topo.coord(rank)
     log.setup(f"[rank {rank} b{c.bundle} s{c.stage}]", verbose=rank == reporter_rank(topo))
@@ -87,7 +91,7 @@ def worker_main(
     stop.install(on_second=lambda signum: os._exit(exit_code(signum)))
     backend = torch_backend(resolve_backend(cfg))
     prepare_backend_env(backend, host, port, topo.procs_per_node)
-    store = _job_store(cfg, topo, rank, host, port, attempt)
+    store = _job_store(cfg, topo, rank, host, port, attempt, host_store)
     me = topo.describe(rank)
     start_abort_watch(store, rank, me)
     phase = Phase()
@@ -128,16 +132,25 @@ def worker_main(
 
 
 def _job_store(
-    cfg: RunConfig, topo: Topology, rank: int, host: str, port: int, attempt: int
+    cfg: RunConfig,
+    topo: Topology,
+    rank: int,
+    host: str,
+    port: int,
+    attempt: int,
+    host_store: bool = False,
 ) -> dist.Store:
-    # Every attempt of a restarted job keeps its keys apart: the store outlives the attempts.
-    store = dist.PrefixStore(
-        attempt_prefix(attempt),
-        open_store(host, port, server=False, timeout=cfg.launch.init_timeout),
-    )
-    if cfg.launch.torchrun:
-        # No node supervisor compared settings: every process compares its own.
-        exchange_config(store, cfg, rank, topo.world_size, cfg.launch.init_timeout)
+    timeout = cfg.launch.init_timeout
+    base = open_store(host, port, server=host_store, timeout=timeout)
+    if not cfg.launch.torchrun:
+        # Every attempt of a restarted job keeps its keys apart: the store outlives the attempts.
+        return dist.PrefixStore(attempt_prefix(attempt), base)
+    # torchrun's groups of workers (restarts, nodes lost or joined) are numbered in the store
+    # itself: the agents' restart counts need not agree (bundle/runtime/store.py).
+    generation = open_generation(base, rank, topo.world_size, timeout)
+    store = dist.PrefixStore(generation_prefix(generation), base)
+    # No node supervisor compared settings: every process compares its own.
+    exchange_config(store, cfg, rank, topo.world_size, timeout)
     return store
 
 
@@ -181,13 +194,17 @@ def _say_stopped(cfg: RunConfig, local_rank: int, stopped: Stopped) -> None:
 
 def _report_failure(store: dist.Store, me: str, rank: int, phase: Phase, exc: BaseException) -> int:
     """Post this failure to the job unless another process's came first (then say that one)."""
+    mine = f"{me} failed at {phase}: {type(exc).__name__}: {exc}"
     deadline = time.monotonic() + 2.0
     cause = None
-    while cause is None and time.monotonic() < deadline:
-        cause = read_abort(store)
-        time.sleep(0.1) if cause is None else None
-    if cause is None:
-        cause = post_abort(store, f"{me} failed at {phase}: {type(exc).__name__}: {exc}")
+    try:
+        while cause is None and time.monotonic() < deadline:
+            cause = read_abort(store)
+            time.sleep(0.1) if cause is None else None
+        if cause is None:
+            cause = post_abort(store, mine)
+    except RuntimeError:  # the store's host is gone (it died first): say this failure alone
+        cause = mine
     if cause.startswith(me):
         log.get().error(cause)
         if not isinstance(exc, Exception):
@@ -209,14 +226,20 @@ def torchrun_env() -> dict[str, str] | None:
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     if not all(k in os.environ for k in keys):
         return None
-    return {k: os.environ[k] for k in keys}
+    env = {k: os.environ[k] for k in keys}
+    # "False" when the agent serves no store at MASTER_ADDR:MASTER_PORT (as with
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): rank 0 serves it, as torch's env:// does.
+    env["TORCHELASTIC_USE_AGENT_STORE"] = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True")
+    return env
 
 
 def run_torchrun(
     cfg: RunConfig, topo: Topology, env: dict[str, str], resume: str | None
 ) -> NoReturn:
     """One worker of a torchrun job; torchrun's own restarts (``--max-restarts``) resume with
-    ``--resume auto``, and ``TORCHELASTIC_RESTART_COUNT`` numbers the attempt."""
+    ``--resume auto``, and ``TORCHELASTIC_RESTART_COUNT`` numbers the attempt. Under
+    ``--nnodes MIN:MAX`` every restart is a new job to this process: the shape was planned for
+    the ``WORLD_SIZE`` of this rendezvous round, and the newest checkpoint is read at that shape."""
     if int(env["WORLD_SIZE"]) != topo.world_size:
         raise ConfigError(
             "WORLD_SIZE",
@@ -232,6 +255,7 @@ def run_torchrun(
         int(env["MASTER_PORT"]),
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         resume=resume,
+        host_store=int(env["RANK"]) == 0 and env["TORCHELASTIC_USE_AGENT_STORE"] == "False",
     )
     # Leave as a self-spawned worker does, without interpreter teardown: it may destroy the store
     # client while the abort-watch thread is inside a call on it (std::terminate, SIGABRT).

@@ -4,7 +4,8 @@ field, start-up barriers, and the abort protocol.
 Failure path: a worker that raises writes ``abort`` (rank, stage, step, error) to the store; a
 worker that dies is reported by its supervisor; a node that stops heart-beating is reported by
 node 0. Every worker polls ``abort`` and exits non-zero; supervisors kill what is left by pid.
-Each attempt of a restarted job keeps its keys under its own prefix (``attempt_prefix``).
+Each attempt of a restarted job keeps its keys under its own prefix (``attempt_prefix``); under
+torchrun, each group of workers the agents start takes a fresh one (``open_generation``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -22,7 +24,9 @@ from bundle.config import RunConfig
 from bundle.errors import LaunchError, PeerFailure
 
 ABORT_KEY = "bundle/abort"
+GENERATION_KEY = "bundle/generation"
 _POLL_S = 0.5
+_JOIN_POLL_S = 0.02
 
 
 def open_store(host: str, port: int, *, server: bool, timeout: float) -> dist.TCPStore:
@@ -125,3 +129,57 @@ def start_abort_watch(store: dist.Store, rank: int, me: str) -> None:
 
 def attempt_prefix(attempt: int) -> str:
     return f"bundle/attempt{attempt}"
+
+
+def generation_prefix(generation: int) -> str:
+    return f"bundle/gen{generation}"
+
+
+def open_generation(store: dist.Store, rank: int, world: int, timeout: float) -> int:
+    """A number that this group of ``world`` processes shares and no earlier group of the job had.
+
+    Under torchrun the store outlives the groups it served (node 0's agent keeps it across
+    restarts and rendezvous rounds), and after a node has joined late the agents' restart counts
+    differ, so neither a fixed prefix nor ``TORCHELASTIC_RESTART_COUNT`` names the group. Rank 0
+    takes the next number from a counter; every other rank posts a token of its own and waits for
+    the number under that token, which no earlier group can have answered. Rank 0 answers whatever
+    token it reads for a rank (an earlier group's stale one too) until that rank acknowledges under
+    the new number. Every earlier group's workers are gone by then: the agents stop them before
+    they rendezvous again.
+    """
+    welcome = "bundle/welcome"
+    if rank != 0:
+        token = uuid.uuid4().hex
+        store.set(f"bundle/hello/{rank}", token)
+        try:
+            store.wait([f"{welcome}/{token}"], timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            raise PeerFailure(
+                f"rank {rank}: rank 0 did not take this process in within {timeout:.0f}s"
+            ) from exc
+        generation = int(store.get(f"{welcome}/{token}"))
+        store.set(f"{generation_prefix(generation)}/joined/{rank}", "1")
+        return generation
+    generation = store.add(GENERATION_KEY, 1)
+    answered: dict[int, str] = {}
+    waiting = set(range(1, world))
+    deadline = time.monotonic() + timeout
+    while waiting:
+        for r in sorted(waiting):
+            if store.check([f"{generation_prefix(generation)}/joined/{r}"]):
+                waiting.discard(r)
+            elif store.check([f"bundle/hello/{r}"]):
+                seen = store.get(f"bundle/hello/{r}").decode()
+                if answered.get(r) != seen:
+                    store.set(f"{welcome}/{seen}", str(generation))
+                    answered[r] = seen
+        if not waiting:
+            break
+        if time.monotonic() > deadline:
+            missing = ", ".join(map(str, sorted(waiting)))
+            raise PeerFailure(
+                f"only {world - len(waiting)} of {world} processes joined within "
+                f"{timeout:.0f}s (missing ranks: {missing})"
+            )
+        time.sleep(_JOIN_POLL_S)
+    return generation
