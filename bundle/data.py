@@ -8,6 +8,10 @@ The training stream names samples by *key* ``epoch * n + index``: a stream can s
 and the random augmentations of the ImageFolder training split (``SeededAugment``) are seeded by
 ``(seed, epoch, index)`` alone, so a resumed run, any number of loader workers and an uninterrupted
 run all see the same crops. Every other dataset reads sample ``key % n``; plain indices are keys too.
+
+Datasets that decode files (ImageFolder, a user's) are read through ``Guarded``: a sample that
+cannot be read fails as one line naming its split, index and path, or, with
+``--skip-bad-samples``, is replaced by a stand-in chosen from the dataset and the key alone.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, cast
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from bundle import log
 from bundle.config import DataConfig
 from bundle.errors import DataError
 from bundle.topology import replica_rows
@@ -31,6 +36,9 @@ _DIGITS_SPLIT_SEED = 1234
 _DIGITS_VAL_FRACTION = 0.2
 _IMAGENET_MEAN = (0.485, 0.456, 0.406)
 _IMAGENET_STD = (0.229, 0.224, 0.225)
+# --skip-bad-samples reads at most this many candidates for one bad sample's stand-in: a dataset
+# that fails on every sample (a bug, not a bad file) stops soon instead of reading it all.
+_STAND_IN_TRIES = 32
 
 
 def size(dataset: Dataset[Any]) -> int:
@@ -112,6 +120,107 @@ class SeededAugment(Dataset[Any]):
             return self.base[i]
 
 
+class Guarded(Dataset[Any]):
+    """``base`` read by key, where a sample that raises names itself.
+
+    Without ``skip`` the sample fails as a ``DataError`` naming the split, its index and its path
+    (``samples[i][0]``, ImageFolder's). With ``skip`` it is replaced by the next index, walking
+    forward modulo the split's size, that can be read and, where the dataset holds its labels
+    apart from its samples (ImageFolder's ``targets``), has the same label: the last stage reads
+    labels without decoding, so the stand-in must carry the label it expects. The choice depends
+    on the dataset and the key only, so replicas, loader workers and resumed runs agree.
+
+    A replacement is noted where it happens (a loader worker, maybe) and handed with its batch to
+    the process that trains on it, which counts it (``replaced``) and warns once per sample.
+    """
+
+    def __init__(self, base: Dataset[Any], *, split: str, skip: bool) -> None:
+        self.base, self.split, self.skip = base, split, skip
+        self.n, self.keyed = size(base), isinstance(base, SeededAugment)
+        self.noted: list[tuple[int, str]] = []  # (index, warning), since the last ``take``
+        self.replaced = 0  # replacements trained or evaluated on in this process
+        self._warned: set[int] = set()
+        self._labels: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key: int):
+        try:
+            return self._read(int(key))
+        except Exception as exc:  # noqa: BLE001 - any failure of one sample: name it
+            return self._stand_in(int(key), exc)
+
+    def _read(self, key: int):
+        return self.base[key if self.keyed else key % self.n]
+
+    def _describe(self, i: int, exc: BaseException | None = None) -> str:
+        path = sample_path(self.base, i)
+        where = f"{self.split} sample {i}" + (f" ({path})" if path else "")
+        if exc is None:
+            return where
+        text = " ".join(str(exc).split())[:500]
+        return f"{where} cannot be read: {type(exc).__name__}: {text}"
+
+    def _stand_in(self, key: int, exc: Exception):
+        epoch, i = divmod(key, self.n)
+        if not self.skip:
+            raise DataError(
+                f"{self._describe(i, exc)} (--skip-bad-samples replaces such a sample)"
+            ) from None
+        if self._labels is None:
+            self._labels = known_labels(self.base)
+        labels, tried = self._labels, 0
+        for step in range(1, self.n):
+            j = (i + step) % self.n
+            if labels is not None and not torch.equal(labels[j], labels[i]):
+                continue
+            if tried == _STAND_IN_TRIES:
+                break
+            tried += 1
+            try:
+                sample = self._read(epoch * self.n + j)
+            except Exception:  # noqa: BLE001 - a bad stand-in: walk on
+                continue
+            self.noted.append(
+                (i, f"{self._describe(i, exc)}; {self._describe(j)} stands in for it")
+            )
+            return sample
+        kin = " of its label" if labels is not None else ""
+        raise DataError(
+            f"{self._describe(i, exc)}, nor can any of the next {tried} samples{kin}"
+        ) from None
+
+    def take(self) -> list[tuple[int, str]]:
+        """The replacements noted since the last call (where they happened)."""
+        noted, self.noted = self.noted, []
+        return noted
+
+    def settle(self, noted: Iterable[tuple[int, str]]) -> None:
+        """Count replacements handed over with a batch; warn once per sample."""
+        for i, warning in noted:
+            self.replaced += 1
+            if i not in self._warned:
+                self._warned.add(i)
+                log.get().warning(f"{warning} (--skip-bad-samples)")
+
+
+def sample_path(dataset: Dataset[Any], i: int) -> str | None:
+    """The file sample ``i`` is read from, where the dataset says (torchvision's ``samples``)."""
+    while isinstance(dataset, (SeededAugment, Guarded)):
+        dataset = dataset.base
+    try:
+        path = getattr(dataset, "samples", None)[i][0]  # type: ignore[index]
+    except (TypeError, IndexError, KeyError):
+        return None
+    return os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+
+
+def replaced(dataset: Dataset[Any]) -> int:
+    """Samples of ``dataset`` this process trained or evaluated on a stand-in for."""
+    return dataset.replaced if isinstance(dataset, Guarded) else 0
+
+
 def _image_folder(cfg: DataConfig, seed: int) -> DataSplits:
     from torchvision import datasets, transforms
 
@@ -142,8 +251,10 @@ def _image_folder(cfg: DataConfig, seed: int) -> DataSplits:
         except (FileNotFoundError, RuntimeError) as exc:
             raise DataError(f"data directory {path!r} holds no images: {exc}") from exc
     classes = len(splits["train"].classes)
-    train = SeededAugment(splits["train"], seed)
-    return DataSplits(train, splits["val"], classes, (3, size, size))
+    skip = cfg.skip_bad_samples
+    train = Guarded(SeededAugment(splits["train"], seed), split="train", skip=skip)
+    val = Guarded(splits["val"], split="val", skip=skip)
+    return DataSplits(train, val, classes, (3, size, size))
 
 
 def check_data(cfg: DataConfig) -> None:
@@ -240,8 +351,9 @@ def _custom(cfg: DataConfig) -> DataSplits:
             )
         if len(ds) == 0:
             raise DataError(f"--dataset {cfg.dataset}({split!r}) is empty")
-        splits[split] = ds
+        splits[split] = Guarded(ds, split=split, skip=cfg.skip_bad_samples)
     x, _ = splits["train"][0]
+    splits["train"].take()  # a stand-in for the shape alone is no sample trained on
     return DataSplits(
         splits["train"], splits["val"], cfg.num_classes, tuple(torch.as_tensor(x).shape)
     )
@@ -309,7 +421,7 @@ def _fetch(dataset: Dataset[Any], keys: torch.Tensor) -> tuple[torch.Tensor, tor
         x, y = dataset.tensors
         idx = keys % len(y)
         return x[idx], y[idx]
-    if not isinstance(dataset, SeededAugment):
+    if not isinstance(dataset, (SeededAugment, Guarded)):  # those two take keys
         keys = keys % size(dataset)
     xs, ys = zip(*(dataset[int(k)] for k in keys), strict=True)
     return torch.stack([torch.as_tensor(x) for x in xs]), torch.stack(
@@ -317,14 +429,31 @@ def _fetch(dataset: Dataset[Any], keys: torch.Tensor) -> tuple[torch.Tensor, tor
     )
 
 
+def _take(dataset: Dataset[Any]) -> list[tuple[int, str]]:
+    return dataset.take() if isinstance(dataset, Guarded) else []
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A loader worker's ``DataError``, as text: raised again, as one line, where it is trained on."""
+
+    message: str
+
+
 class _BatchFetch(Dataset[Any]):
-    """Loader workers fetch whole micro-batches through ``_fetch``, exactly as ``workers=0`` does."""
+    """Loader workers fetch whole micro-batches through ``_fetch``, exactly as ``workers=0`` does,
+    with the replacements made for them (``Guarded.take``)."""
 
     def __init__(self, dataset: Dataset[Any]) -> None:
         self.dataset = dataset
 
-    def __getitem__(self, keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return _fetch(self.dataset, torch.tensor(keys, dtype=torch.long))
+    def __getitem__(self, keys: list[int]) -> tuple[torch.Tensor, torch.Tensor, Any] | _Failed:
+        try:
+            x, y = _fetch(self.dataset, torch.tensor(keys, dtype=torch.long))
+        except DataError as exc:
+            # Raised here, the loader would re-raise it wrapped in this worker's traceback.
+            return _Failed(str(exc))
+        return x, y, _take(self.dataset)
 
 
 class _Batches:
@@ -357,11 +486,15 @@ def micro_batches(
     ``pin_memory`` only when the process computes on CUDA: pinning opens a CUDA context (on
     cuda:0) in a process that may never use the GPU, such as a gloo run on a GPU host.
     """
+    guarded = dataset if isinstance(dataset, Guarded) else None
     if workers == 0:
         for idx in index_lists:
-            yield _fetch(dataset, idx)
+            batch = _fetch(dataset, idx)
+            if guarded is not None and guarded.noted:
+                guarded.settle(guarded.take())
+            yield batch
         return
-    yield from DataLoader(
+    loader = DataLoader(
         _BatchFetch(dataset),
         sampler=_Batches(index_lists),
         batch_size=None,  # each sampled item is already a whole micro-batch
@@ -370,17 +503,36 @@ def micro_batches(
         prefetch_factor=4,
         pin_memory=pin_memory,  # lets the stage's non_blocking copy overlap
     )
+    # A local, so that a failure's traceback keeps it (and its workers) alive while the error is
+    # reported: shut down with batches in flight, a worker can abort mid-send, noisily.
+    batches = iter(loader)
+    for item in batches:
+        if isinstance(item, _Failed):
+            raise DataError(item.message)
+        x, y, noted = item
+        if guarded is not None and noted:
+            guarded.settle(noted)
+        yield x, y
 
 
-def labels_of(dataset: Dataset[Any]) -> torch.Tensor:
-    """Every label of ``dataset``, without decoding a single image."""
-    if isinstance(dataset, SeededAugment):
-        return labels_of(dataset.base)
+def known_labels(dataset: Dataset[Any]) -> torch.Tensor | None:
+    """Every label of ``dataset`` where it holds them apart from its samples, else None."""
+    if isinstance(dataset, (SeededAugment, Guarded)):
+        return known_labels(dataset.base)
     if isinstance(dataset, TensorDataset):
         return dataset.tensors[1]
     if hasattr(dataset, "targets"):  # torchvision ImageFolder and friends
         return torch.as_tensor(dataset.targets)
-    return torch.stack([torch.as_tensor(dataset[i][1]) for i in range(size(dataset))])
+    return None
+
+
+def labels_of(dataset: Dataset[Any]) -> torch.Tensor:
+    """Every label of ``dataset``, without decoding a single image where the dataset allows."""
+    labels = known_labels(dataset)
+    if labels is None:
+        labels = torch.stack([torch.as_tensor(dataset[i][1]) for i in range(size(dataset))])
+        _take(dataset)  # a stand-in's label read here is no sample trained on
+    return labels
 
 
 def stage_micro_batches(

@@ -249,6 +249,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(MODEL, "--synthetic-size", "data.synthetic_size", help="synthetic samples"),
     Option(MODEL, "--workers", "data.workers",
            help="data-loading worker processes per process that reads inputs"),
+    Option(MODEL, "--skip-bad-samples", "data.skip_bad_samples",
+           help="a sample that cannot be read (a corrupt image) is replaced by the next one of "
+                "its class that can, with a warning naming it, and counted in the summary "
+                "(replaced_samples); without it the run stops, naming the sample's path and index"),
 
     Option(SPEED, "--precision", "compute.precision", choices=C.PRECISIONS,
            help="mixed precision: autocast to bf16 or fp16 (fp16 with dynamic loss scaling), "

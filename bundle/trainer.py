@@ -95,7 +95,7 @@ class Trainer:
         self.phase.enter("trace")
         observe.finish_trace(run.cfg, run.topo, run.rank, self.session, self.store)
         self._save_final_weights()
-        return self.reporter.finish(self._facts(elapsed))
+        return self.reporter.finish(self._facts(elapsed, self._replaced_samples()))
 
     def _step(self, step: int) -> int:
         """One step with what surrounds it; returns the signal the job stops for after it (0: none)."""
@@ -110,7 +110,9 @@ class Trainer:
         self.lr_schedule.apply(self.session.optimizer, step)
         self.profiler.before(step)
         timer.lap(Mark.OTHER)
+        self.phase.enter(f"data loading (step {step + 1})")
         micro_data = next(self.batches)
+        self.phase.training()
         timer.lap(Mark.DATA)
         loss = self.engine.train_step(step, micro_data)
         # The vote was cast when the step began; its result is only read here.
@@ -150,7 +152,16 @@ class Trainer:
                 group=groups.control,
             )
 
-    def _facts(self, elapsed: float) -> RunFacts:
+    def _replaced_samples(self) -> int | None:
+        """--skip-bad-samples: the job's replaced samples, summed over every rank (collective)."""
+        if not self.run.cfg.data.skip_bad_samples:
+            return None
+        splits = self.session.splits
+        count = torch.tensor([data.replaced(splits.train) + data.replaced(splits.val)])
+        dist.all_reduce(count, group=self.session.groups.control)
+        return int(count.item())
+
+    def _facts(self, elapsed: float, replaced_samples: int | None = None) -> RunFacts:
         cfg, topo, engine = self.run.cfg, self.run.topo, self.engine
         scaler, device = engine.scaler, engine.device
         # The reporting process's own peak (make gpu-check reads it).
@@ -178,6 +189,7 @@ class Trainer:
             # The planner chose this plan (auto): its prediction beside the measured figure.
             predicted_samples_per_s=cfg.predicted_samples_per_s,
             trace=cfg.observe.trace or None,
+            replaced_samples=replaced_samples,
         )
 
 

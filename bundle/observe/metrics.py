@@ -95,9 +95,20 @@ class RunFacts:
     peak_memory_mib: float | None = None
     predicted_samples_per_s: float | None = None
     trace: str | None = None
+    # --skip-bad-samples: the samples that could not be read and were replaced, in this attempt's
+    # steps (start_step + 1 on) and evaluations, summed over every process that reads inputs; a
+    # sample drawn in two epochs counts twice.
+    replaced_samples: int | None = None
 
 
-_OPTIONAL = ("skipped_steps", "loss_scale", "peak_memory_mib", "predicted_samples_per_s", "trace")
+_OPTIONAL = (
+    "skipped_steps",
+    "loss_scale",
+    "peak_memory_mib",
+    "predicted_samples_per_s",
+    "trace",
+    "replaced_samples",
+)
 
 
 @dataclass(frozen=True)

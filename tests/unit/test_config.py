@@ -72,6 +72,7 @@ def shared(**sections):
             "num_classes": 10,
             "synthetic_size": 4096,
             "seq_len": 64,
+            "skip_bad_samples": False,
         },
         "train": {
             "batch_size": 64,

@@ -150,7 +150,7 @@ def test_imagefolder_augmentations_are_a_function_of_seed_epoch_and_sample(tmp_p
     # the last stage reads the labels of keys without decoding; the val split takes plain indices
     keys = [torch.tensor([n + 4, 1, 2 * n])]
     ((_, y_first),) = data.stage_micro_batches(train, keys, first=True, workers=0)
-    monkeypatch.setattr(train.base, "loader", pytest.fail)
+    monkeypatch.setattr(train.base.base, "loader", pytest.fail)  # Guarded(SeededAugment(...))
     ((none, y_last),) = data.stage_micro_batches(train, keys, first=False, workers=0)
     assert none is None and torch.equal(y_first, y_last) and y_last.tolist() == [1, 0, 0]
     ((xv, yv),) = data.micro_batches(splits.val, [torch.tensor([0, 6])], workers=0)
@@ -196,7 +196,7 @@ def test_loader_pins_memory_only_for_a_cuda_process(device, pinned, monkeypatch)
 
     def loader(dataset, **kwargs):
         built.append(kwargs)
-        return iter([(torch.zeros(1), torch.zeros(1, dtype=torch.long))] * 4)
+        return iter([(torch.zeros(1), torch.zeros(1, dtype=torch.long), [])] * 4)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(data, "DataLoader", loader)
@@ -244,3 +244,101 @@ def test_a_users_dataset_function_gives_both_splits():
     )
     with pytest.raises(DataError, match="returned a int, not a dataset"):
         data.load(DataConfig(dataset="tests.support.user_data:not_data"), seed=0)
+
+
+class _Flaky(Dataset):
+    """Six samples labelled 0,0,0,1,1,1 with torchvision's ``samples``; those in ``bad`` raise."""
+
+    def __init__(self, bad, *, targets=True) -> None:
+        self.bad = set(bad)
+        self.samples = [(f"/data/c{i // 3}/{i}.jpg", i // 3) for i in range(6)]
+        if targets:
+            self.targets = [t for _, t in self.samples]
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int):
+        if i in self.bad:
+            raise OSError(f"broken\nfile {i}")  # two lines: the error must still be one
+        return torch.full((2,), float(i)), self.samples[i][1]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_sample_that_cannot_be_read_fails_as_one_line_naming_index_and_path(workers):
+    ds = data.Guarded(_Flaky({4}), split="train", skip=False)
+    stream = data.micro_batches(
+        ds, [torch.tensor([0, 1]), torch.tensor([3, 6 + 4])], workers=workers
+    )
+    assert next(stream)[0][:, 0].tolist() == [0.0, 1.0]  # the batches before it are unharmed
+    with pytest.raises(DataError) as failed:
+        next(stream)
+    message = str(failed.value)
+    assert message == (
+        "train sample 4 (/data/c1/4.jpg) cannot be read: OSError: broken file 4 "
+        "(--skip-bad-samples replaces such a sample)"
+    )
+    # The last stage reads labels without decoding: it needs no sample to be readable.
+    assert data.labels_of(ds).tolist() == [0, 0, 0, 1, 1, 1]
+
+
+class _Warnings:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def warning(self, line: str) -> None:
+        self.lines.append(line)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_skip_bad_samples_replaces_by_the_next_of_its_label_counts_and_warns_once(
+    workers, monkeypatch
+):
+    warned = _Warnings()
+    monkeypatch.setattr(data.log, "get", lambda: warned)
+    ds = data.Guarded(_Flaky({2}), split="val", skip=True)
+    lists = [torch.tensor([2, 1]), torch.tensor([6 + 2, 5, 12 + 2])]  # sample 2 in three epochs
+    got = list(data.micro_batches(ds, lists, workers=workers))
+    # 3 has another label: the walk wraps round to 0, the next sample labelled 0.
+    assert [x[:, 0].tolist() for x, _ in got] == [[0.0, 1.0], [0.0, 5.0, 0.0]]
+    assert [y.tolist() for _, y in got] == [[0, 0], [0, 1, 0]]
+    assert data.replaced(ds) == 3  # every time it was drawn
+    assert warned.lines == [
+        "val sample 2 (/data/c0/2.jpg) cannot be read: OSError: broken file 2; "
+        "val sample 0 (/data/c0/0.jpg) stands in for it (--skip-bad-samples)"
+    ]
+    # The same choice again, for another replica or a resumed run: the key decides alone.
+    again = data.Guarded(_Flaky({2}), split="val", skip=True)
+    assert torch.equal(again[2][0], got[0][0][0]) and again[2][1] == 0
+
+
+def test_without_labels_apart_the_stand_in_is_the_next_readable_and_its_label_travels():
+    ds = data.Guarded(_Flaky({2, 3}, targets=False), split="train", skip=True)
+    ((x, y),) = data.stage_micro_batches(ds, [torch.tensor([2, 3])], first=True, workers=0)
+    assert x[:, 0].tolist() == [4.0, 4.0] and y.tolist() == [1, 1] and data.replaced(ds) == 2
+    # The last stage reads every label through the same rule, so inputs and labels agree; that
+    # counts nothing: no sample is trained on there.
+    assert data.labels_of(ds).tolist() == [0, 0, 1, 1, 1, 1] and data.replaced(ds) == 2
+
+
+def test_a_label_with_no_readable_sample_left_fails_even_when_skipping():
+    ds = data.Guarded(_Flaky({0, 1, 2}), split="train", skip=True)
+    with pytest.raises(
+        DataError,
+        match=r"sample 1 \(/data/c0/1.jpg\) .*, nor can any of the next 2 samples of its label$",
+    ):
+        ds[1]
+
+
+def test_a_corrupt_image_in_an_image_folder_names_its_path(tmp_path):
+    _image_folder(tmp_path)
+    bad = tmp_path / "train" / "b" / "1.jpg"  # sample 4: a (3 files), then b
+    bad.write_bytes(b"not a jpeg" * 10)
+    cfg = DataConfig(dataset="imagefolder", root=str(tmp_path), image_size=16)
+    train = data.load(cfg, seed=0).train
+    with pytest.raises(DataError, match=rf"^train sample 4 \({bad}\) cannot be read: Unidentified"):
+        next(data.micro_batches(train, [torch.tensor([7 + 4])], workers=0))
+    skipping = data.load(DataConfig(**{**vars(cfg), "skip_bad_samples": True}), seed=0).train
+    ((x, y),) = data.micro_batches(skipping, [torch.tensor([7 + 4])], workers=0)
+    assert y.tolist() == [1] and torch.equal(x[0], skipping[7 + 3][0])  # b's sample 0 of epoch 1
+    assert data.replaced(skipping) == 1
