@@ -183,7 +183,7 @@ class DataConfig:
     synthetic_size: int = 4096
     data_file: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset text
     seq_len: int = field(default=64, metadata=RECORDED)  # --dataset text: tokens per sample
-    # A sample that cannot be read is replaced (bundle.data.Guarded) instead of failing the run.
+    # A sample that cannot be read is replaced (bundle.samples.Guarded) instead of failing the run.
     skip_bad_samples: bool = False
 
     def __post_init__(self) -> None:

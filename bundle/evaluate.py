@@ -61,8 +61,11 @@ class Evaluator:
         stream = self._stream([ix for ix, _ in usable])
         counts = torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)
         for i, (_ix, rows) in enumerate(usable):
-            self.phase.enter(f"{label}, batch {i + 1} of {len(usable)}")
-            counts += self.engine.eval_batch(rows, next(stream) if stream else None)
+            where = f"{label}, batch {i + 1} of {len(usable)}"
+            self.phase.enter(f"data loading ({where})")
+            batch = next(stream) if stream else None
+            self.phase.enter(where)
+            counts += self.engine.eval_batch(rows, batch)
         stage.train()
         if self.group is None:
             return Validation(None, None, None, None, 0)

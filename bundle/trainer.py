@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bundle import data, log
+from bundle import data, log, samples
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig
@@ -157,7 +157,7 @@ class Trainer:
         if not self.run.cfg.data.skip_bad_samples:
             return None
         splits = self.session.splits
-        count = torch.tensor([data.replaced(splits.train) + data.replaced(splits.val)])
+        count = torch.tensor([samples.replaced(splits.train) + samples.replaced(splits.val)])
         dist.all_reduce(count, group=self.session.groups.control)
         return int(count.item())
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from bundle import data
+from bundle import data, samples
 from bundle.config import DataConfig
 from bundle.errors import DataError
 
@@ -266,7 +266,7 @@ class _Flaky(Dataset):
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_sample_that_cannot_be_read_fails_as_one_line_naming_index_and_path(workers):
-    ds = data.Guarded(_Flaky({4}), split="train", skip=False)
+    ds = samples.Guarded(_Flaky({4}), split="train", skip=False)
     stream = data.micro_batches(
         ds, [torch.tensor([0, 1]), torch.tensor([3, 6 + 4])], workers=workers
     )
@@ -295,34 +295,34 @@ def test_skip_bad_samples_replaces_by_the_next_of_its_label_counts_and_warns_onc
     workers, monkeypatch
 ):
     warned = _Warnings()
-    monkeypatch.setattr(data.log, "get", lambda: warned)
-    ds = data.Guarded(_Flaky({2}), split="val", skip=True)
+    monkeypatch.setattr(samples.log, "get", lambda: warned)
+    ds = samples.Guarded(_Flaky({2}), split="val", skip=True)
     lists = [torch.tensor([2, 1]), torch.tensor([6 + 2, 5, 12 + 2])]  # sample 2 in three epochs
     got = list(data.micro_batches(ds, lists, workers=workers))
     # 3 has another label: the walk wraps round to 0, the next sample labelled 0.
     assert [x[:, 0].tolist() for x, _ in got] == [[0.0, 1.0], [0.0, 5.0, 0.0]]
     assert [y.tolist() for _, y in got] == [[0, 0], [0, 1, 0]]
-    assert data.replaced(ds) == 3  # every time it was drawn
+    assert samples.replaced(ds) == 3  # every time it was drawn
     assert warned.lines == [
         "val sample 2 (/data/c0/2.jpg) cannot be read: OSError: broken file 2; "
         "val sample 0 (/data/c0/0.jpg) stands in for it (--skip-bad-samples)"
     ]
     # The same choice again, for another replica or a resumed run: the key decides alone.
-    again = data.Guarded(_Flaky({2}), split="val", skip=True)
+    again = samples.Guarded(_Flaky({2}), split="val", skip=True)
     assert torch.equal(again[2][0], got[0][0][0]) and again[2][1] == 0
 
 
 def test_without_labels_apart_the_stand_in_is_the_next_readable_and_its_label_travels():
-    ds = data.Guarded(_Flaky({2, 3}, targets=False), split="train", skip=True)
+    ds = samples.Guarded(_Flaky({2, 3}, targets=False), split="train", skip=True)
     ((x, y),) = data.stage_micro_batches(ds, [torch.tensor([2, 3])], first=True, workers=0)
-    assert x[:, 0].tolist() == [4.0, 4.0] and y.tolist() == [1, 1] and data.replaced(ds) == 2
+    assert x[:, 0].tolist() == [4.0, 4.0] and y.tolist() == [1, 1] and samples.replaced(ds) == 2
     # The last stage reads every label through the same rule, so inputs and labels agree; that
     # counts nothing: no sample is trained on there.
-    assert data.labels_of(ds).tolist() == [0, 0, 1, 1, 1, 1] and data.replaced(ds) == 2
+    assert data.labels_of(ds).tolist() == [0, 0, 1, 1, 1, 1] and samples.replaced(ds) == 2
 
 
 def test_a_label_with_no_readable_sample_left_fails_even_when_skipping():
-    ds = data.Guarded(_Flaky({0, 1, 2}), split="train", skip=True)
+    ds = samples.Guarded(_Flaky({0, 1, 2}), split="train", skip=True)
     with pytest.raises(
         DataError,
         match=r"sample 1 \(/data/c0/1.jpg\) .*, nor can any of the next 2 samples of its label$",
@@ -341,4 +341,4 @@ def test_a_corrupt_image_in_an_image_folder_names_its_path(tmp_path):
     skipping = data.load(DataConfig(**{**vars(cfg), "skip_bad_samples": True}), seed=0).train
     ((x, y),) = data.micro_batches(skipping, [torch.tensor([7 + 4])], workers=0)
     assert y.tolist() == [1] and torch.equal(x[0], skipping[7 + 3][0])  # b's sample 0 of epoch 1
-    assert data.replaced(skipping) == 1
+    assert samples.replaced(skipping) == 1
