@@ -206,7 +206,7 @@ class Checkpointer:
             for k, t in state.items()
             if self.canonical or k.startswith("replica.")
         )
-        free = shutil.disk_usage(self._save_dir).free if self.rank == 0 else 0
+        free = shutil.disk_usage(_existing(self._save_dir)).free if self.rank == 0 else 0
         sums = torch.tensor([mine, free, self.last_bytes], dtype=torch.int64)
         dist.all_reduce(sums, group=self.group)  # every rank decides alike
         need, free = max(int(sums[0]), int(sums[2])), int(sums[1])
@@ -347,6 +347,14 @@ class Checkpointer:
                 f"ranks start from different steps ({-int(ends[1])}..{int(ends[0])}; this one from "
                 f"{path or 'scratch'}): --save-dir must be one filesystem every node sees"
             )
+
+
+def _existing(path: str) -> str:
+    """``path``, or its nearest ancestor that exists (the first save creates the directory)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def _then(first: Any, then: Callable[[], Any]) -> Future:

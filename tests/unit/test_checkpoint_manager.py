@@ -120,6 +120,15 @@ def test_adam_moments_and_step_counts_read_back_exactly(tmp_path, world_of_one, 
         assert torch.equal(a, b)
 
 
+def test_the_first_save_creates_a_save_dir_that_does_not_exist_yet(tmp_path, world_of_one):
+    """The room is measured where the directory will be (its nearest existing parent)."""
+    save_dir = tmp_path / "runs" / "ckpt"
+    saver = _checkpointer(save_dir, every=1, total=1, group=world_of_one)
+    saver.save(1)
+    assert os.listdir(save_dir) == ["step-1"]
+    assert ckpt.damage(ckpt.step_dir(str(save_dir), 1)) is None
+
+
 def test_a_save_that_will_not_fit_is_refused_before_writing(tmp_path, world_of_one, monkeypatch):
     """The ranks add up what they will write (here one rank: the model and its momentum) and
     compare it with the free space, before ``step-N.tmp`` exists; then the last save's size."""
