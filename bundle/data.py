@@ -16,6 +16,9 @@ cannot be read fails as one line naming its split, index and path, or, with
 
 from __future__ import annotations
 
+import atexit
+import functools
+import multiprocessing
 import os
 import signal
 from collections.abc import Iterable, Iterator
@@ -343,6 +346,25 @@ def worker_init_fn(_worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+@functools.cache
+def _end_workers_at_exit() -> None:
+    """At interpreter exit, kill this process's loader workers rather than wait for them.
+
+    multiprocessing's own exit handler sends daemonic children SIGTERM and then joins them; the
+    workers ignore SIGTERM (``worker_init_fn``), so while a loader is still referenced (by the
+    traceback of a failure being reported, say) that join would never return. Handlers run in
+    reverse order of registration: this one, registered after multiprocessing's, runs first.
+    """
+    atexit.register(_kill_daemonic_children)
+
+
+def _kill_daemonic_children() -> None:
+    for child in multiprocessing.active_children():
+        if child.daemon:  # DataLoader workers are; multiprocessing would end them here anyway
+            child.kill()
+            child.join(5)
+
+
 def micro_batches(
     dataset: Dataset[Any],
     index_lists: Iterable[torch.Tensor],
@@ -363,6 +385,7 @@ def micro_batches(
                 guarded.settle(guarded.take())
             yield batch
         return
+    _end_workers_at_exit()
     loader = DataLoader(
         _BatchFetch(dataset),
         sampler=_Batches(index_lists),

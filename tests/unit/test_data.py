@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch.utils.data import Dataset
 from bundle import data, samples
 from bundle.config import DataConfig
 from bundle.errors import DataError
+from tests.support.processes import ROOT
 
 
 def test_shards_of_all_bundles_and_replicas_cover_the_global_batch_once():
@@ -280,6 +283,33 @@ def test_a_sample_that_cannot_be_read_fails_as_one_line_naming_index_and_path(wo
     )
     # The last stage reads labels without decoding: it needs no sample to be readable.
     assert data.labels_of(ds).tolist() == [0, 0, 0, 1, 1, 1]
+
+
+_KEEPS_A_FAILED_LOADER = """
+import torch
+from bundle import data, samples
+from bundle.errors import DataError
+from tests.unit.test_data import _Flaky
+
+stream = data.micro_batches(
+    samples.Guarded(_Flaky({1}), split="train", skip=False), [torch.tensor([1])], workers=1
+)
+try:
+    next(stream)
+except DataError as exc:
+    kept = exc  # its traceback holds the loader, and so its worker, until the interpreter ends
+print("reported", flush=True)
+"""
+
+
+def test_a_process_exits_although_a_failed_loader_is_still_referenced():
+    """Workers ignore SIGTERM (so that a scheduler's signal reaches the training process alone);
+    at exit they must be killed, not terminated and waited for."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _KEEPS_A_FAILED_LOADER],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "reported\n", proc.stderr
 
 
 class _Warnings:
