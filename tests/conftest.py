@@ -1,7 +1,12 @@
-"""Fixtures every tier shares; the helpers themselves live in tests/support/."""
+"""Fixtures every tier shares, and the session's end: what tests left running is ended
+(``tests.support.leftovers``); the helpers themselves live in tests/support/."""
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -9,7 +14,44 @@ import pytest
 import torch.distributed as dist
 
 from bundle.config import RunConfig
+from tests.support import leftovers
 from tests.support.config import make_config
+
+_EXIT_GRACE_S = 30.0
+_STATUS = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    leftovers.mark_session()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Processes a test left running are named and killed (by id) before the summary."""
+    session.config.stash[_STATUS] = int(exitstatus)
+    ended = leftovers.end_processes()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if ended and reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(f"killed {len(ended)} process(es) that tests left running:", red=True)
+        for line in ended:
+            reporter.write_line(f"  {line}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A thread that would keep the interpreter open is named, and the suite exits anyway."""
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join(max(deadline - time.monotonic(), 0.0))
+    stuck = leftovers.threads()
+    if stuck:
+        sys.stderr.write(
+            f"threads still running {_EXIT_GRACE_S:.0f}s after the session: {', '.join(stuck)}; "
+            "exiting without them\n"
+        )
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(config.stash.get(_STATUS, 1))
 
 
 @pytest.fixture
