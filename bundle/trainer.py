@@ -15,7 +15,7 @@ from bundle import data, log, samples
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig
-from bundle.engine import precision
+from bundle.engine import optim, precision
 from bundle.engine.stage_engine import MicroBatch
 from bundle.errors import DataError
 from bundle.evaluate import Evaluator
@@ -183,6 +183,7 @@ class Trainer:
             elapsed_s=elapsed,
             save_stall_s=self.checkpointer.stalls,
             peak_in_flight=engine.peak_in_flight,
+            optimizer_bytes=optim.state_bytes(self.session.optimizer),
             skipped_steps=scaler.skipped if scaler else None,
             loss_scale=scaler.scale if scaler else None,
             peak_memory_mib=round(peak / 2**20, 1) if peak is not None else None,

@@ -31,3 +31,14 @@ def make_optimizer(cfg: TrainConfig, stage: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
     kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     return kind(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer state this process holds (momentum, Adam's moments and step
+    counts); 0 before the first step and for plain SGD."""
+    return sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )

@@ -89,6 +89,7 @@ class RunFacts:
     elapsed_s: float
     save_stall_s: list[float]
     peak_in_flight: int
+    optimizer_bytes: int  # the optimizer state the reporting process holds at the end
     # Present only where they apply: loss scaling, a CUDA process, a planned run, a trace.
     skipped_steps: int | None = None
     loss_scale: float | None = None

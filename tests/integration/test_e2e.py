@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import models
+from bundle import partition
 from bundle.runtime.localworld import free_port
 from tests.support.processes import SMALL, finish, image_folder, start, start_logged
 
@@ -39,6 +41,10 @@ def test_embedded_default_trains_digits_to_90_percent(tmp_path):
         s["steps"] > 0 and s["samples_per_s"] > 0 and s["shape"] == [1, 1] and s["world_size"] == 2
     )
     assert "validation accuracy" in err and "loss" in err  # progress is visible
+    # The reporting process (the rear stage) holds SGD's momentum: one float32 per parameter.
+    model = models.build("digits_cnn", num_classes=10, input_shape=(1, 8, 8))
+    rear = partition.split_model(model, partition.resolve(None, models.blocks(model), 2, "x"))[1]
+    assert s["optimizer_bytes"] == 4 * sum(p.numel() for p in rear.parameters())
     # The printed summary: the record's keys but the per-stage breakdown, to 4 significant digits.
     printed = json.loads(out.strip().splitlines()[-1])
     assert set(printed) == set(s) - {"breakdown"}

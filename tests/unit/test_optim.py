@@ -7,7 +7,7 @@ import torch
 
 import models
 from bundle.config import TrainConfig, parse_betas
-from bundle.engine.optim import make_optimizer
+from bundle.engine.optim import make_optimizer, state_bytes
 from bundle.errors import ConfigError
 
 
@@ -49,3 +49,21 @@ def test_optimizer_settings_are_checked():
         TrainConfig(optimizer="lion")
     with pytest.raises(ConfigError, match="needs sgd"):
         TrainConfig(optimizer="adamw", nesterov=True)
+
+
+@pytest.mark.parametrize(
+    ("train", "per_param"),
+    [
+        (TrainConfig(momentum=0.0), 0),  # plain SGD keeps nothing
+        (TrainConfig(momentum=0.9), 1),  # a momentum buffer
+        (TrainConfig(optimizer="adamw"), 2),  # two moments (and a scalar step count each)
+    ],
+)
+def test_state_bytes_counts_what_the_optimizer_keeps(train, per_param):
+    model = torch.nn.Linear(5, 3)  # 18 float32 parameters in 2 tensors
+    opt = make_optimizer(train, model)
+    assert state_bytes(opt) == 0  # nothing before the first step
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    counts = 2 * 4 if train.optimizer == "adamw" else 0  # float32 step tensors
+    assert state_bytes(opt) == per_param * 18 * 4 + counts
