@@ -6,9 +6,10 @@ From the data up:
 - ``config``, ``options``, ``cli``: the frozen ``RunConfig``, the options table it is declared
   in, and the command line and YAML that build it;
 - ``topology``: the job's ranks, groups and row plans as one pure value;
-- ``partition``, ``samples``, ``data``, ``lr_schedule``: where stages begin, how one sample is
-  read (seeded augmentations, samples that cannot be read), the datasets and their deterministic
-  shards, the learning rate of every step;
+- ``partition``, ``samples``, ``data``, ``loader``, ``lr_schedule``: where stages begin, how one
+  sample is read (seeded augmentations, samples that cannot be read), the datasets and their
+  deterministic shards, a stage's micro-batches read in order (loader workers), the learning rate
+  of every step;
 - ``preflight``: every check made before a process starts;
 - ``engine/``: one replica of one stage running a step (schedule, calls, transport, sync);
 - ``session``: one rank's stage, groups, engine and data, built once;

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bundle import data
+from bundle import loader, samples
 from bundle.engine.stage_engine import EVAL_COUNTS, MicroBatch, StageEngine, eval_rows
 from bundle.observe.metrics import Reporter, Validation
 from bundle.runtime.phase import Phase
@@ -87,7 +87,7 @@ class Evaluator:
     def _batches(self) -> list[tuple[torch.Tensor, int]]:
         """Each global batch's indices and this bundle's rows of it; a batch too small to give
         every replica a row is left out."""
-        n = data.size(self.dataset)
+        n = samples.size(self.dataset)
         batches = [torch.arange(i, min(i + self.batch, n)) for i in range(0, n, self.batch)]
         usable = [(ix, eval_rows(len(ix), self.topo, self.coord.bundle)) for ix in batches]
         return [(ix, rows) for ix, rows in usable if rows is not None]
@@ -97,7 +97,7 @@ class Evaluator:
             return None
         mine = shard(self.topo, self.coord, 1)
         lists = [mine.micro_indices(ix)[0] for ix in batches]
-        return data.stage_micro_batches(
+        return loader.stage_micro_batches(
             self.dataset,
             lists,
             first=self.coord.stage == 0,

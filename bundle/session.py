@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from bundle import data
+from bundle import data, loader
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig
@@ -209,7 +209,7 @@ def train_stream(
     lists = data.replica_indices(
         shard(topo, coord, topo.micro_batches), n, topo.global_batch, seed, total, start=start
     )
-    stream = data.stage_micro_batches(
+    stream = loader.stage_micro_batches(
         session.splits.train,
         lists,
         first=coord.stage == 0,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from bundle import data, samples
+from bundle import data, loader, samples
 from bundle.config import DataConfig
 from bundle.errors import DataError
 from tests.support.processes import ROOT
@@ -52,8 +52,8 @@ def test_digits_split_is_real_and_disjoint():
 def test_micro_batches_fetch_in_order_with_and_without_workers():
     ds = data.load(DataConfig(dataset="synthetic", image_size=4, synthetic_size=64), seed=0).train
     lists = [torch.tensor([3, 1]), torch.tensor([7, 64 + 5])]  # 69: sample 5 in epoch 1
-    direct = list(data.micro_batches(ds, lists, workers=0))
-    pooled = list(data.micro_batches(ds, lists, workers=1))
+    direct = list(loader.micro_batches(ds, lists, workers=0))
+    pooled = list(loader.micro_batches(ds, lists, workers=1))
     for (x0, y0), (x1, y1) in zip(direct, pooled, strict=True):
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
     assert torch.equal(direct[0][0], ds.tensors[0][[3, 1]])
@@ -81,7 +81,7 @@ def test_imagefolder_loads_images(tmp_path):
     data.check_data(cfg)
     splits = data.load(cfg, seed=0)
     assert splits.num_classes == 2 and data.input_spec(cfg) == (2, (3, 32, 32))
-    x, y = next(data.micro_batches(splits.train, [torch.tensor([0, 3])], workers=0))
+    x, y = next(loader.micro_batches(splits.train, [torch.tensor([0, 3])], workers=0))
     assert x.shape == (2, 3, 32, 32) and y.tolist() == [0, 1]
 
 
@@ -152,19 +152,19 @@ def test_imagefolder_augmentations_are_a_function_of_seed_epoch_and_sample(tmp_p
     assert any(not torch.equal(train[i][0], other[i][0]) for i in range(n))
     # the last stage reads the labels of keys without decoding; the val split takes plain indices
     keys = [torch.tensor([n + 4, 1, 2 * n])]
-    ((_, y_first),) = data.stage_micro_batches(train, keys, first=True, workers=0)
+    ((_, y_first),) = loader.stage_micro_batches(train, keys, first=True, workers=0)
     monkeypatch.setattr(train.base.base, "loader", pytest.fail)  # Guarded(SeededAugment(...))
-    ((none, y_last),) = data.stage_micro_batches(train, keys, first=False, workers=0)
+    ((none, y_last),) = loader.stage_micro_batches(train, keys, first=False, workers=0)
     assert none is None and torch.equal(y_first, y_last) and y_last.tolist() == [1, 0, 0]
-    ((xv, yv),) = data.micro_batches(splits.val, [torch.tensor([0, 6])], workers=0)
+    ((xv, yv),) = loader.micro_batches(splits.val, [torch.tensor([0, 6])], workers=0)
     assert xv.shape == (2, 3, 16, 16) and yv.tolist() == [0, 2]
 
 
 def test_seeded_augmentations_are_the_same_with_loader_workers(tmp_path):
     train = _image_folder(tmp_path).train
     lists = [torch.tensor(k) for k in ([0, 8, 3], [15, 6], [1, 2, 22], [4], [13, 7, 5])]
-    direct = list(data.micro_batches(train, lists, workers=0))
-    pooled = list(data.micro_batches(train, lists, workers=2))
+    direct = list(loader.micro_batches(train, lists, workers=0))
+    pooled = list(loader.micro_batches(train, lists, workers=2))
     assert len(direct) == len(pooled) == len(lists)
     for (x0, y0), (x1, y1) in zip(direct, pooled, strict=True):
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
@@ -183,7 +183,7 @@ class _SignalProbe(Dataset):
 
 def test_loader_workers_ignore_sigint_and_sigterm():
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # else the probe proves nothing
-    ((x, _),) = data.micro_batches(_SignalProbe(), [torch.tensor([0])], workers=1)
+    ((x, _),) = loader.micro_batches(_SignalProbe(), [torch.tensor([0])], workers=1)
     assert x.tolist() == [[True, True]]
 
 
@@ -197,12 +197,12 @@ def test_loader_pins_memory_only_for_a_cuda_process(device, pinned, monkeypatch)
 
     built: list[dict] = []
 
-    def loader(dataset, **kwargs):
+    def fake_loader(dataset, **kwargs):
         built.append(kwargs)
         return iter([(torch.zeros(1), torch.zeros(1, dtype=torch.long), [])] * 4)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(data, "DataLoader", loader)
+    monkeypatch.setattr(loader, "DataLoader", fake_loader)
     topo = Topology(shape=(1,), num_bundles=1, procs_per_node=1, global_batch=2, micro_batches=1)
     train = torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.zeros(4, dtype=torch.long))
     session = SimpleNamespace(coord=topo.coord(0), splits=SimpleNamespace(train=train))
@@ -241,7 +241,7 @@ def test_a_users_dataset_function_gives_both_splits():
     cfg = DataConfig(dataset="tests.support.user_data:tiny", num_classes=3)
     splits = data.load(cfg, seed=0)
     assert splits.input_shape == (1, 4, 4) and len(splits.train) == 40 and len(splits.val) == 8
-    x, y = data._fetch(splits.train, torch.tensor([0, 41]))
+    x, y = loader._fetch(splits.train, torch.tensor([0, 41]))
     assert x.shape == (2, 1, 4, 4) and torch.equal(
         y, torch.stack([splits.train[0][1], splits.train[1][1]])
     )
@@ -270,7 +270,7 @@ class _Flaky(Dataset):
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_sample_that_cannot_be_read_fails_as_one_line_naming_index_and_path(workers):
     ds = samples.Guarded(_Flaky({4}), split="train", skip=False)
-    stream = data.micro_batches(
+    stream = loader.micro_batches(
         ds, [torch.tensor([0, 1]), torch.tensor([3, 6 + 4])], workers=workers
     )
     assert next(stream)[0][:, 0].tolist() == [0.0, 1.0]  # the batches before it are unharmed
@@ -282,16 +282,16 @@ def test_a_sample_that_cannot_be_read_fails_as_one_line_naming_index_and_path(wo
         "(--skip-bad-samples replaces such a sample)"
     )
     # The last stage reads labels without decoding: it needs no sample to be readable.
-    assert data.labels_of(ds).tolist() == [0, 0, 0, 1, 1, 1]
+    assert loader.labels_of(ds).tolist() == [0, 0, 0, 1, 1, 1]
 
 
 _KEEPS_A_FAILED_LOADER = """
 import torch
-from bundle import data, samples
+from bundle import loader, samples
 from bundle.errors import DataError
 from tests.unit.test_data import _Flaky
 
-stream = data.micro_batches(
+stream = loader.micro_batches(
     samples.Guarded(_Flaky({1}), split="train", skip=False), [torch.tensor([1])], workers=1
 )
 try:
@@ -328,7 +328,7 @@ def test_skip_bad_samples_replaces_by_the_next_of_its_label_counts_and_warns_onc
     monkeypatch.setattr(samples.log, "get", lambda: warned)
     ds = samples.Guarded(_Flaky({2}), split="val", skip=True)
     lists = [torch.tensor([2, 1]), torch.tensor([6 + 2, 5, 12 + 2])]  # sample 2 in three epochs
-    got = list(data.micro_batches(ds, lists, workers=workers))
+    got = list(loader.micro_batches(ds, lists, workers=workers))
     # 3 has another label: the walk wraps round to 0, the next sample labelled 0.
     assert [x[:, 0].tolist() for x, _ in got] == [[0.0, 1.0], [0.0, 5.0, 0.0]]
     assert [y.tolist() for _, y in got] == [[0, 0], [0, 1, 0]]
@@ -344,11 +344,11 @@ def test_skip_bad_samples_replaces_by_the_next_of_its_label_counts_and_warns_onc
 
 def test_without_labels_apart_the_stand_in_is_the_next_readable_and_its_label_travels():
     ds = samples.Guarded(_Flaky({2, 3}, targets=False), split="train", skip=True)
-    ((x, y),) = data.stage_micro_batches(ds, [torch.tensor([2, 3])], first=True, workers=0)
+    ((x, y),) = loader.stage_micro_batches(ds, [torch.tensor([2, 3])], first=True, workers=0)
     assert x[:, 0].tolist() == [4.0, 4.0] and y.tolist() == [1, 1] and samples.replaced(ds) == 2
     # The last stage reads every label through the same rule, so inputs and labels agree; that
     # counts nothing: no sample is trained on there.
-    assert data.labels_of(ds).tolist() == [0, 0, 1, 1, 1, 1] and samples.replaced(ds) == 2
+    assert loader.labels_of(ds).tolist() == [0, 0, 1, 1, 1, 1] and samples.replaced(ds) == 2
 
 
 def test_a_label_with_no_readable_sample_left_fails_even_when_skipping():
@@ -367,8 +367,8 @@ def test_a_corrupt_image_in_an_image_folder_names_its_path(tmp_path):
     cfg = DataConfig(dataset="imagefolder", root=str(tmp_path), image_size=16)
     train = data.load(cfg, seed=0).train
     with pytest.raises(DataError, match=rf"^train sample 4 \({bad}\) cannot be read: Unidentified"):
-        next(data.micro_batches(train, [torch.tensor([7 + 4])], workers=0))
+        next(loader.micro_batches(train, [torch.tensor([7 + 4])], workers=0))
     skipping = data.load(DataConfig(**{**vars(cfg), "skip_bad_samples": True}), seed=0).train
-    ((x, y),) = data.micro_batches(skipping, [torch.tensor([7 + 4])], workers=0)
+    ((x, y),) = loader.micro_batches(skipping, [torch.tensor([7 + 4])], workers=0)
     assert y.tolist() == [1] and torch.equal(x[0], skipping[7 + 3][0])  # b's sample 0 of epoch 1
     assert samples.replaced(skipping) == 1
