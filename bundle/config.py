@@ -15,6 +15,7 @@ from bundle.lr_schedule import LR_SCHEDULES, Milestone, spell
 
 BACKENDS = ("auto", "nccl", "gloo", "nccl-emu")
 GRAD_SYNCS = ("flat", "hierarchical")
+COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 DATASETS = ("digits", "imagefolder", "synthetic", "text")
 OPTIMIZERS = ("sgd", "adamw", "adam")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -66,6 +67,31 @@ def parse_steps(key: str, text: str | None) -> tuple[int, int] | None:
     return a, b
 
 
+def parse_bundle_sync(text: str) -> tuple[str, int]:
+    """``"step"`` -> ``("step", 1)``; ``"local:8"`` -> ``("local", 8)``; ``"diloco:H"`` alike."""
+    mode, sep, every = str(text).partition(":")
+    if mode == "step" and not sep:
+        return "step", 1
+    if mode in ("local", "diloco") and every.isdigit() and int(every) >= 1:
+        return mode, int(every)
+    raise ConfigError(
+        "--bundle-sync", text, "choose step, local:H or diloco:H (H: steps between syncs, >= 1)"
+    )
+
+
+def parse_aggregate(text: str) -> int | None:
+    """How many of the highest and lowest values per coordinate a rule drops: ``mean`` -> None
+    (nothing, and no gathering), ``median`` -> 0 (the middle), ``trimmed:K`` -> K."""
+    rule, sep, k = str(text).partition(":")
+    if rule == "mean" and not sep:
+        return None
+    if rule == "median" and not sep:
+        return 0
+    if rule == "trimmed" and k.isdigit() and int(k) >= 1:
+        return int(k)
+    raise ConfigError("--aggregate", text, "choose mean, median or trimmed:K (K >= 1)")
+
+
 def _positive(key: str, value: int, minimum: int = 1) -> None:
     if not isinstance(value, int) or value < minimum:
         raise ConfigError(key, value, f"must be an integer >= {minimum}")
@@ -79,6 +105,15 @@ class ParallelConfig:
     schedule: str = "1f1b"
     grad_sync: str = "flat"
     bucket_mb: float = 25.0  # gradient bucket size of either sync strategy (DDP's default)
+    # The data-parallel side (docs/data-parallel.md): all opt-in, the defaults are exact.
+    zero: int = field(default=0, metadata=RECORDED)  # 1: optimizer state sharded per stage group
+    grad_compression: str = field(default="none", metadata=RECORDED)
+    powersgd_rank: int = field(default=4, metadata=RECORDED)
+    compression_warmup: int = field(default=10, metadata=RECORDED)  # uncompressed first steps
+    bundle_sync: str = field(default="step", metadata=RECORDED)  # step | local:H | diloco:H
+    outer_lr: float = field(default=0.7, metadata=RECORDED)  # diloco (DiLoCo's defaults)
+    outer_momentum: float = field(default=0.9, metadata=RECORDED)
+    aggregate: str = field(default="mean", metadata=RECORDED)  # mean | median | trimmed:K
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
@@ -90,6 +125,89 @@ class ParallelConfig:
         if self.grad_sync not in GRAD_SYNCS:
             raise ConfigError(
                 "--grad-sync", self.grad_sync, f"choose one of: {', '.join(GRAD_SYNCS)}"
+            )
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        """The data-parallel options alone, then the combinations that make no sense."""
+        if self.zero not in (0, 1):
+            raise ConfigError("--zero", self.zero, "choose 0 (off) or 1 (shard optimizer state)")
+        if self.grad_compression not in COMPRESSIONS:
+            raise ConfigError(
+                "--grad-compression",
+                self.grad_compression,
+                f"choose one of: {', '.join(COMPRESSIONS)}",
+            )
+        _positive("--powersgd-rank", self.powersgd_rank)
+        _positive("--compression-warmup", self.compression_warmup, 0)
+        parse_bundle_sync(self.bundle_sync)
+        parse_aggregate(self.aggregate)
+        if self.outer_lr <= 0:
+            raise ConfigError("--outer-lr", self.outer_lr, "must be > 0")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError("--outer-momentum", self.outer_momentum, "must be in [0, 1)")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """The data-parallel options together, and with the job's bundles and widths."""
+        mode, _ = parse_bundle_sync(self.bundle_sync)
+        trim = parse_aggregate(self.aggregate)
+        n = self.num_bundles
+        if mode != "step" and n == 1:
+            raise ConfigError(
+                "--bundle-sync", self.bundle_sync, "syncs between bundles: needs --num-bundle > 1"
+            )
+        if trim is not None and n < max(3, 2 * trim + 1):
+            needs = (
+                "at least 3 bundles (the median of 2 is their mean)"
+                if trim == 0
+                else (f"more than {2 * trim} bundles (it drops the {trim} highest and lowest)")
+            )
+            raise ConfigError("--aggregate", self.aggregate, f"needs {needs}; this job has {n}")
+        if self.grad_compression != "none":
+            self._check_compression(mode, trim)
+        if self.zero and mode != "step":
+            raise ConfigError(
+                "--zero",
+                self.zero,
+                f"shards state that --bundle-sync {self.bundle_sync} keeps per bundle; "
+                "use --bundle-sync step",
+            )
+        if self.shape != AUTO_SHAPE and max(self.shape) * n == 1:
+            for flag, value, off in (
+                ("--zero", self.zero, 0),
+                ("--grad-compression", self.grad_compression, "none"),
+            ):
+                if value != off:
+                    raise ConfigError(
+                        flag,
+                        value,
+                        "needs a stage with replicas to sync with; every stage "
+                        f"of shape {','.join(map(str, self.shape))} x 1 bundle has one",
+                    )
+
+    def _check_compression(self, mode: str, trim: int | None) -> None:
+        flag, value = "--grad-compression", self.grad_compression
+        if mode != "step":
+            raise ConfigError(
+                flag,
+                value,
+                f"compresses the per-step sync between bundles; --bundle-sync "
+                f"{self.bundle_sync} has none (and syncs inside a bundle exactly)",
+            )
+        if trim is not None:
+            raise ConfigError(
+                flag,
+                value,
+                f"cannot be combined with --aggregate {self.aggregate} (which gathers "
+                "every bundle's gradient uncompressed)",
+            )
+        if self.grad_sync == "hierarchical" and self.num_bundles == 1:
+            raise ConfigError(
+                flag,
+                value,
+                "with --grad-sync hierarchical compresses the masters' hop between "
+                "bundles: needs --num-bundle > 1",
             )
 
     @property

@@ -161,6 +161,26 @@ OPTIONS: tuple[Option, ...] = (
                 "hierarchical: reduce in bundle, allreduce masters, broadcast"),
     Option(PAR, "--bucket-mb", "parallel.bucket_mb", metavar="MB",
            help="gradient bucket size; a bucket's sync starts as soon as its gradients are ready"),
+    Option(PAR, "--zero", "parallel.zero", metavar="0|1",
+           help="1: shard each stage's optimizer state over its replicas in every bundle "
+                "(ZeRO-1; exact); updated parameters are gathered after the step"),
+    Option(PAR, "--grad-compression", "parallel.grad_compression", choices=C.COMPRESSIONS,
+           help="compress gradients between replicas (flat) or on the masters' hop between "
+                "bundles (hierarchical); inexact, opt-in"),
+    Option(PAR, "--powersgd-rank", "parallel.powersgd_rank", metavar="R",
+           help="powersgd: rank of each gradient matrix's approximation (error feedback on)"),
+    Option(PAR, "--compression-warmup", "parallel.compression_warmup", metavar="STEPS",
+           help="--grad-compression: the first STEPS steps sync uncompressed"),
+    Option(PAR, "--bundle-sync", "parallel.bundle_sync", metavar="step|local:H|diloco:H",
+           help="between bundles: every step (exact); every H steps by parameter averaging "
+                "(local SGD); or every H steps with an outer Nesterov step (DiLoCo); inexact"),
+    Option(PAR, "--outer-lr", "parallel.outer_lr", metavar="LR",
+           help="diloco: the outer optimizer's learning rate"),
+    Option(PAR, "--outer-momentum", "parallel.outer_momentum", metavar="MU",
+           help="diloco: the outer optimizer's Nesterov momentum"),
+    Option(PAR, "--aggregate", "parallel.aggregate", metavar="mean|median|trimmed:K",
+           help="how bundles' gradients (or local/diloco updates) combine, coordinate-wise; "
+                "median and trimmed:K survive faulty bundles, inexact"),
 
     Option(TRAIN, "--batch-size", "train.batch_size", metavar="B",
            help="global batch per step, over all bundles"),

@@ -17,6 +17,7 @@ from bundle import data, partition
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig, parse_steps
 from bundle.data import input_spec
+from bundle.engine import aggregate
 from bundle.engine.precision import DTYPES
 from bundle.errors import ConfigError, DataError
 from bundle.lr_schedule import LRSchedule, needs_epoch_length
@@ -49,6 +50,7 @@ def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
     check_paths(cfg)
     check_observed_steps(cfg)
     parse_fault(env)
+    aggregate.parse_fault(env.get(aggregate.BYZANTINE_ENV), topo.num_bundles)
     attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if cfg.launch.torchrun else 0
     return LaunchPlan(cfg, topo, check_resume(cfg, shapes, attempt), attempt)
 

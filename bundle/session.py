@@ -12,10 +12,12 @@ import torch.distributed as dist
 from bundle import data, loader
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
-from bundle.config import RunConfig
-from bundle.engine import nccl_emu, precision
-from bundle.engine.grad_sync import Comm, FlatSync, GradSync, HierarchicalSync
+from bundle.config import RunConfig, parse_bundle_sync
+from bundle.engine import aggregate, nccl_emu, precision
+from bundle.engine.grad_sync import Collectives, Comm, FlatSync, GradSync, HierarchicalSync
+from bundle.engine.hops import Hop, Wire, make_hop
 from bundle.engine.optim import make_optimizer
+from bundle.engine.outer import OuterSync
 from bundle.engine.precision import Policy
 from bundle.engine.stage_engine import (
     Loss,
@@ -87,7 +89,7 @@ def build_session(
     groups = ProcessGroups.build(
         topo,
         coord,
-        hierarchical=cfg.parallel.grad_sync == "hierarchical",
+        hierarchical=_in_two_hops(cfg),
         async_save=cfg.checkpoint.async_save,
         timeout=cfg.launch.timeout,
     )
@@ -104,11 +106,14 @@ def build_session(
         timeout=cfg.launch.timeout,
         post=emu.batch_isend_irecv if emu is not None else post_with_torch,
     )
-    optimizer = make_optimizer(cfg.train, stage)
+    sync = _make_sync(cfg, topo, coord, stage, groups, device, emu)
+    sharded = cfg.parallel.zero and len(topo.stage_group(coord.stage)) > 1
+    optimizer = make_optimizer(cfg.train, stage, shard_over=groups.stage if sharded else None)
     engine = StageEngine(
         topo=topo,
         coord=coord,
-        sync=_make_sync(cfg, topo, coord, stage, groups, device, emu),
+        sync=sync,
+        outer=_make_outer(cfg, topo, coord, stage, groups, sync.wire),
         transport=transport,
         optimizer=optimizer,
         schedule=cfg.parallel.schedule,
@@ -135,6 +140,13 @@ def make_loss(cfg: RunConfig) -> Loss:
     return cross_entropy(cfg.train.label_smoothing)
 
 
+def _in_two_hops(cfg: RunConfig) -> bool:
+    """Whether gradients sync inside the bundle first, then between bundles by the masters: the
+    hierarchical sync, and what needs each bundle's own sum (local/diloco, robust aggregation)."""
+    par = cfg.parallel
+    return par.grad_sync == "hierarchical" or par.bundle_sync != "step" or par.aggregate != "mean"
+
+
 def _make_sync(
     cfg: RunConfig,
     topo: Topology,
@@ -144,22 +156,80 @@ def _make_sync(
     device: torch.device,
     comm: Comm | None,
 ) -> GradSync:
+    par = cfg.parallel
     if len(topo.stage_group(coord.stage)) == 1:
         return GradSync(stage)
-    if cfg.parallel.grad_sync == "flat":
-        return FlatSync(stage, groups.stage, device, bucket_mb=cfg.parallel.bucket_mb, comm=comm)
+    per_step = par.bundle_sync == "step"
+
+    def hop(group: dist.ProcessGroup) -> Hop:
+        return make_hop(
+            par.grad_compression,
+            group,
+            comm or Collectives(),
+            wire=Wire(),
+            powersgd_rank=par.powersgd_rank,
+            rule=par.aggregate,
+            shares=[topo.global_batch / b for b in topo.bundle_batches],
+            bundle=coord.bundle,
+            fault=aggregate.fault_from_env(topo.num_bundles) if per_step else None,
+            seed=cfg.train.seed,
+            warmup=par.compression_warmup if par.grad_compression != "none" else 0,
+        )
+
+    if not _in_two_hops(cfg):
+        return FlatSync(
+            stage, groups.stage, device, bucket_mb=par.bucket_mb, comm=comm, hop=hop(groups.stage)
+        )
     # Start from identical weights without relying on every process's initialisation agreeing.
     members = topo.stage_group(coord.stage)
     for p in stage.parameters():
         dist.broadcast(p.data, src=members[0], group=groups.stage)
+    master = coord.replica == 0
+    crosses = master and topo.num_bundles > 1 and per_step
     return HierarchicalSync(
         stage,
         bundle_group=groups.bundle if topo.shape[coord.stage] > 1 else None,
         bundle_master=topo.stage_master(coord.bundle, coord.stage),
-        masters_group=groups.masters if topo.num_bundles > 1 else None,
-        is_master=coord.replica == 0,
-        bucket_mb=cfg.parallel.bucket_mb,
+        masters_group=groups.masters if crosses else None,
+        is_master=master,
+        bucket_mb=par.bucket_mb,
         comm=comm,
+        hop=hop(groups.masters) if crosses and groups.masters is not None else None,
+        # A bundle on its own between meetings: the gradient of its own batch's mean.
+        scale=1.0 if per_step else topo.global_batch / topo.bundle_batches[coord.bundle],
+        counts_masters=not per_step,
+    )
+
+
+def _make_outer(
+    cfg: RunConfig,
+    topo: Topology,
+    coord: Coord,
+    stage: Stage,
+    groups: ProcessGroups,
+    wire: Wire,
+) -> OuterSync | None:
+    """The meetings between bundles of ``--bundle-sync local:H|diloco:H`` (None: every step)."""
+    par = cfg.parallel
+    mode, every = parse_bundle_sync(par.bundle_sync)
+    if mode == "step":
+        return None
+    master = coord.replica == 0
+    return OuterSync(
+        [(stage.full_name(n), p) for n, p in stage.named_parameters() if p.requires_grad],
+        mode=mode,
+        every=every,
+        total=0,  # the run's last step, set by the trainer that knows it
+        outer_lr=par.outer_lr,
+        outer_momentum=par.outer_momentum,
+        rule=par.aggregate,
+        masters_group=groups.masters if master else None,
+        bundle_group=groups.bundle if topo.shape[coord.stage] > 1 else None,
+        bundle_master=topo.stage_master(coord.bundle, coord.stage),
+        bundle=coord.bundle,
+        wire=wire,
+        fault=aggregate.fault_from_env(topo.num_bundles),
+        seed=cfg.train.seed,
     )
 
 
@@ -254,4 +324,7 @@ def make_checkpointer(
         total=total,
         async_group=session.groups.async_save,
         extra=scaler.state() if scaler else None,
+        bundle_group=session.groups.bundle,
+        outer=session.engine.outer,
+        hop=session.engine.sync.hop,
     )

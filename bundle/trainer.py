@@ -184,6 +184,7 @@ class Trainer:
             save_stall_s=self.checkpointer.stalls,
             peak_in_flight=engine.peak_in_flight,
             optimizer_bytes=optim.state_bytes(self.session.optimizer),
+            grad_wire_ratio=round(engine.sync.wire.ratio, 4),
             skipped_steps=scaler.skipped if scaler else None,
             loss_scale=scaler.scale if scaler else None,
             peak_memory_mib=round(peak / 2**20, 1) if peak is not None else None,
@@ -220,6 +221,8 @@ def build_trainer(
     phase.enter("resume")
     start = checkpointer.restore(resume)
     run = Run(cfg, topo, rank, attempt, start, total, spe)
+    if session.engine.outer is not None:
+        session.engine.outer.total = total  # bundles meet after the last step too
     device = session.engine.device
     session.engine.timer.trace = cfg.observe.trace_range(start, total)
     reporter = observe.make_reporter(

@@ -8,6 +8,13 @@ With ``--async-save`` a save copies the state to memory and returns; DCP writes 
 over a gloo group of its own (the training thread keeps using the others), and the checkpoint is
 published (``bundle.json``, renamed from ``step-N.tmp``) when the next save begins or the run ends.
 
+What a rank writes follows the sync: with ``--zero 1`` each replica writes the optimizer state
+of the parameters it owns (keys are per parameter, so any shape reads them); with
+``--bundle-sync local|diloco`` bundles differ between meetings, so bundle b > 0 writes its
+parameters and optimizer state under ``bundle.<b>.`` (a bundle reads its own where the checkpoint
+has them, else bundle 0's), the outer state under ``outer.`` and PowerSGD's error feedback per
+rank under ``replica.<rank>.hop.`` (read back at the same layout only).
+
 A save that cannot complete (a full disk, a permission or I/O error) leaves the checkpoints before
 it as they were: ``step-N.tmp`` is removed and every rank raises one ``CheckpointError`` naming the
 directory and the cause. Before writing, the ranks add up what the save will write and refuse it
@@ -32,6 +39,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from bundle import log
 from bundle.checkpoint import format as ckpt
 from bundle.config import CheckpointConfig
+from bundle.engine.hops import Hop
+from bundle.engine.optim import holder
+from bundle.engine.outer import OuterSync
 from bundle.errors import CheckpointError
 from bundle.partition import Stage
 from bundle.topology import Coord, Topology
@@ -75,11 +85,25 @@ class Checkpointer:
         total: int = 0,
         async_group: dist.ProcessGroup | None = None,
         extra: dict[str, torch.Tensor] | None = None,
+        bundle_group: dist.ProcessGroup | None = None,
+        outer: OuterSync | None = None,
+        hop: Hop | None = None,
     ) -> None:
         self.cfg, self.topo, self.coord, self.rank = cfg, topo, coord, rank
-        self.stage, self.optimizer, self.group = stage, optimizer, group
-        # Replicas to agree with: None where the stage has none.
-        self.stage_group = stage_group if len(topo.stage_group(coord.stage)) > 1 else None
+        self.stage, self.group = stage, group
+        # The optimizer holding this rank's state; sharded: of the parameters it owns only.
+        self.optimizer = holder(optimizer)
+        self.sharded = self.optimizer is not optimizer
+        owned = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        self.owned = owned
+        self.outer, self.hop = outer, hop
+        # Bundles that meet every H steps differ between meetings: each saves its own state.
+        self.prefix = f"bundle.{coord.bundle}." if outer is not None and coord.bundle else ""
+        # Replicas to agree with (all of the stage's, or the bundle's own): None where none.
+        if outer is not None:
+            self.stage_group = bundle_group if topo.shape[coord.stage] > 1 else None
+        else:
+            self.stage_group = stage_group if len(topo.stage_group(coord.stage)) > 1 else None
         self.settings = settings
         self.every = cfg.save_every or steps_per_epoch
         self.total = total
@@ -104,21 +128,45 @@ class Checkpointer:
     def _buffers(self) -> dict[str, torch.Tensor]:
         return {self.stage.full_name(n): b for n, b in self.stage.named_buffers()}
 
+    @property
+    def stage_device(self) -> torch.device:
+        return next((p.device for p in self.stage.parameters()), torch.device("cpu"))
+
     def _buffer_key(self, name: str) -> str:
         return f"model.{name}" if self.canonical else f"replica.{self.rank}.{name}"
 
     def state(self) -> dict[str, torch.Tensor]:
         """This rank's entries, keyed as the checkpoint stores them."""
         out: dict[str, torch.Tensor] = {}
+        pre = self.prefix
         for name, p in self._params().items():
-            out[f"model.{name}"] = p.detach()
+            out[f"{pre}model.{name}"] = p.detach()
             for key, value in self.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    out[f"optim.{name}.{key}"] = value
+                    out[f"{pre}optim.{name}.{key}"] = value
         for name, b in self._buffers().items():
             out[self._buffer_key(name)] = b
+        if self.outer is not None:
+            out.update(self.outer.state())
+        if self.hop is not None:
+            names = {p: n for n, p in self._params().items()}
+            out.update({f"{self._hop_key}{k}": v for k, v in self.hop.state(names).items()})
         out.update(self.extra)
         return out
+
+    @property
+    def _hop_key(self) -> str:
+        return f"replica.{self.rank}.hop."
+
+    def _writes(self, key: str) -> bool:
+        """Whether DCP's one copy of ``key`` is this rank's to count (see _check_room)."""
+        if key.startswith("replica."):
+            return True
+        if self.sharded and key.startswith("optim."):
+            return True  # its owner alone holds it
+        if key.startswith("bundle."):
+            return self.coord.replica == 0
+        return self.canonical
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -143,8 +191,14 @@ class Checkpointer:
         statistics differ between replicas by design)."""
         if self.stage_group is None:
             return
-        params = {f"model.{name}" for name in self._params()}
-        names = [k for k in state if k in params or k.startswith("optim.")]
+        params = {f"{self.prefix}model.{name}" for name in self._params()}
+        optim = f"{self.prefix}optim."
+        # Sharded optimizer state differs between replicas by design: parameters only.
+        names = [
+            k
+            for k in state
+            if k in params or k.startswith("outer.") or (k.startswith(optim) and not self.sharded)
+        ]
         sums = torch.stack([_checksum(state[k]) for k in names])
         lo, hi = sums.clone(), sums.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.stage_group)
@@ -198,14 +252,11 @@ class Checkpointer:
         """Refuse a save the filesystem has no room for, before writing anything (collective).
 
         DCP keeps one copy of an entry replicas share: the canonical replica of each stage
-        counts its entries, every other rank its own buffers; rank 0 adds the free space and
-        the last checkpoint's size.
+        counts its entries, every other rank its own buffers (and its owned optimizer state
+        with --zero 1, its bundle's entries on replica 0 with --bundle-sync local|diloco);
+        rank 0 adds the free space and the last checkpoint's size.
         """
-        mine = sum(
-            t.numel() * t.element_size()
-            for k, t in state.items()
-            if self.canonical or k.startswith("replica.")
-        )
+        mine = sum(t.numel() * t.element_size() for k, t in state.items() if self._writes(k))
         free = shutil.disk_usage(_existing(self._save_dir)).free if self.rank == 0 else 0
         sums = torch.tensor([mine, free, self.last_bytes], dtype=torch.int64)
         dist.all_reduce(sums, group=self.group)  # every rank decides alike
@@ -297,13 +348,26 @@ class Checkpointer:
         stored = ckpt.entries(path)
         same_layout = info.get("layout") == self.settings["layout"]
         params = self._params()
-        want = {f"model.{name}": p.detach() for name, p in params.items()}
-        optim_state = self._optimizer_slots(params, stored, want)
+        # A bundle's own entries where the checkpoint has them (local/diloco), else bundle 0's.
+        pre = self.prefix if any(k.startswith(self.prefix) for k in stored) else ""
+        want = {f"{pre}model.{name}": p.detach() for name, p in params.items()}
+        owned = {n: p for n, p in params.items() if id(p) in self.owned}
+        optim_state = self._optimizer_slots(owned, stored, want, pre)
         for name, b in self._buffers().items():
             mine = self._buffer_key(name)
             want[mine if same_layout and mine in stored else f"model.{name}"] = b
         # A checkpoint of a run without them (another precision) leaves their initial values.
         want.update({k: v for k, v in self.extra.items() if k in stored})
+        outer = self.outer.state() if self.outer is not None else {}
+        resumes_outer = bool(outer) and all(k in stored for k in outer)
+        if resumes_outer:
+            want.update(outer)
+        hop_state = {
+            k: torch.zeros(shape, dtype=dtype, device=self.stage_device)
+            for k, (shape, dtype) in stored.items()
+            if self.hop is not None and same_layout and k.startswith(self._hop_key)
+        }
+        want.update(hop_state)
         missing = sorted(k for k in want if k not in stored)
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} entries, e.g. {missing[:3]}")
@@ -313,6 +377,12 @@ class Checkpointer:
             raise CheckpointError(f"cannot load {path}: {ckpt.cause_of(exc)}") from exc
         for p, slots in optim_state.items():
             self.optimizer.state[p].update(slots)
+        if self.outer is not None and not resumes_outer:
+            self.outer.restart()
+        if self.hop is not None:
+            names = {p: n for n, p in params.items()}
+            n = len(self._hop_key)
+            self.hop.load({k[n:]: v for k, v in hop_state.items()}, names)
         layout = "" if same_layout else f", written at {_describe(info.get('layout'))}"
         log.get().info(f"resumed from {path} (step {step}{layout})")
         return step
@@ -322,12 +392,13 @@ class Checkpointer:
         params: dict[str, torch.nn.Parameter],
         stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
         want: dict[str, torch.Tensor],
+        pre: str = "",
     ) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
         """Tensors to load the stored optimizer state of each parameter into (SGD's momentum,
         Adam's moments and step count), added to ``want``; whatever the optimizer stored."""
         slots: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
         for name, p in params.items():
-            prefix = f"optim.{name}."
+            prefix = f"{pre}optim.{name}."
             for key, (shape, dtype) in stored.items():
                 slot = key[len(prefix) :]
                 if not key.startswith(prefix) or "." in slot:

@@ -6,9 +6,12 @@ Modules, from the data up:
 - ``p2p``: the point-to-point calls those actions make in a step, and a model of NCCL's streams;
 - ``transport``: activations forward and gradients back between stages of any widths;
 - ``nccl_emu``: ``--backend nccl-emu``, gloo with NCCL's in-order streams on top;
+- ``aggregate``: how bundles' contributions combine (mean, median, trimmed), and a faulty bundle;
+- ``hops``: the hop between bundles of a sync: exact, compressed (bf16, fp16, PowerSGD), robust;
 - ``grad_sync``: a stage's gradients summed over its replicas (flat or hierarchical);
+- ``outer``: bundles that meet every H steps (local SGD, DiLoCo) and their outer optimizer;
 - ``precision``: the compute policy: dtypes, the boundary's wire form, loss scaling;
-- ``optim``: a stage's optimizer (SGD, AdamW, Adam) and its parameter groups;
+- ``optim``: a stage's optimizer (SGD, AdamW, Adam), its parameter groups, ZeRO-1 sharding;
 - ``memory``: recompute of a stage's blocks, and a count of what backward keeps;
 - ``stage_engine``: ``StageEngine``, which runs a step's actions, calls and optimizer step.
 """

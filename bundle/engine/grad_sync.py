@@ -8,6 +8,11 @@ compute on the whole global batch.
   overlap with the last backward come from PyTorch.
 - ``hierarchical`` (the original Bundle design): reduce to the stage master inside the bundle,
   allreduce among the masters of all bundles, broadcast back inside the bundle.
+
+The hop between bundles (the flat sync's whole allreduce, the hierarchical masters' allreduce) is a
+``bundle.engine.hops.Hop``: exact by default, compressed or robustly combined by option. With
+``--bundle-sync local:H|diloco:H`` the hierarchical sync runs without the masters' hop (bundles
+meet every H steps instead, bundle.engine.outer) and scales each bundle's sum to its own mean.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from bundle.engine.hops import Hop, Wire, ddp_hook
 
 
 class Started(Protocol):
@@ -61,18 +68,30 @@ def _started(work: dist.Work | None) -> dist.Work:
     return work
 
 
-def _sum_hook(state, bucket):  # DDP checks real (not postponed) annotations, so none here
-    group, comm = state
-    fut = comm.all_reduce(bucket.buffer(), group).get_future()
-    return fut.then(lambda f: f.value()[0])
+class _Waits:
+    """A hop's future, waited for like a collective's work."""
+
+    def __init__(self, fut: torch.futures.Future) -> None:
+        self.fut = fut
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.fut.wait()
+        return True
 
 
 class GradSync:
-    """Interface: ``module`` runs forwards; ``backward`` runs one micro-batch's backward."""
+    """Interface: ``module`` runs forwards; ``backward`` runs one micro-batch's backward.
+
+    The engine sets ``step`` (0-based) before a step's first backward; ``wire`` counts the bytes
+    the sync sends against the same sync in fp32.
+    """
 
     def __init__(self, module: nn.Module) -> None:
         # Used alone when a stage has no data-parallel peer: nothing to sync, nothing to wrap.
         self.module = module
+        self.step = 0
+        self.wire = Wire()
+        self.hop: Hop | None = None
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -100,6 +119,7 @@ class FlatSync(GradSync):
         *,
         bucket_mb: float,
         comm: Comm | None = None,
+        hop: Hop | None = None,
     ) -> None:
         super().__init__(
             DistributedDataParallel(
@@ -110,7 +130,33 @@ class FlatSync(GradSync):
                 bucket_cap_mb=bucket_mb,
             )
         )
-        self.module.register_comm_hook((group, comm or Collectives()), _sum_hook)
+        self.hop = hop or Hop(group, comm or Collectives(), wire=self.wire)
+        self.wire = self.hop.wire
+        self.module.register_comm_hook((self.hop, self), ddp_hook)
+        self._settle_buckets()
+
+    def _settle_buckets(self) -> None:
+        """Fix DDP's bucket layout before the first step (collective over the stage group).
+
+        DDP re-buckets once, in the order gradients arrive in a process's first synced backward.
+        A resumed process would sum its first step in the old layout where the uninterrupted run
+        used the new one, and a bucket laid out differently is summed in another order over 3 or
+        more replicas: not bit-identical. One backward of zeros through every parameter, built so
+        that they arrive in reverse registration order (DDP's classic layout, overlapping the
+        backward), makes every process re-bucket alike before it trains.
+        """
+        params = [p for p in self.module.module.parameters() if p.requires_grad]
+        if not params:
+            return
+        zero = torch.zeros((), device=params[0].device)
+        for p in params:  # autograd runs the latest-built branch first: the last parameter
+            zero = zero + (p * 0).sum()
+        self.module.reducer.prepare_for_backward([zero])
+        self.step = -1  # no fault, no compression: an exact sum of zeros
+        zero.backward()
+        for p in params:
+            p.grad = None
+        self.wire.sent = self.wire.full = 0
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         # Forwards never arm the reducer: under 1F1B a later forward precedes earlier backwards,
@@ -148,9 +194,22 @@ class HierarchicalSync(GradSync):
         is_master: bool,
         bucket_mb: float,
         comm: Comm | None = None,
+        hop: Hop | None = None,
+        scale: float = 1.0,
+        counts_masters: bool = False,
     ) -> None:
+        """``hop`` is the masters' hop (None: ``masters_group``'s exact allreduce); ``scale``
+        multiplies the synced gradients (a bundle's own mean under local SGD / DiLoCo);
+        ``counts_masters``: charge the masters' hop to ``wire``'s fp32 baseline even where it
+        does not run every step."""
         super().__init__(stage)
         self.comm = comm or Collectives()
+        self.scale, self.counts_masters = scale, counts_masters
+        if hop is None and masters_group is not None and is_master:
+            hop = Hop(masters_group, self.comm, wire=self.wire)
+        self.hop = hop
+        if hop is not None:
+            self.wire = hop.wire
         bucket_bytes = bucket_mb * 2**20
         self.bundle_group, self.bundle_master = bundle_group, bundle_master
         self.masters_group, self.is_master = masters_group, is_master
@@ -166,6 +225,7 @@ class HierarchicalSync(GradSync):
             size += p.numel() * p.element_size()
         self.buffers: list[torch.Tensor] = []
         self._bucket_of: dict[nn.Parameter, int] = {}
+        self._params = groups
         for b, group in enumerate(groups):
             buf = torch.zeros(
                 sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device
@@ -194,7 +254,12 @@ class HierarchicalSync(GradSync):
     def _reduce(self, b: int):
         if self.bundle_group is None:
             return None
+        self._count(self.buffers[b])
         return self.comm.reduce(self.buffers[b], self.bundle_master, self.bundle_group)
+
+    def _count(self, buf: torch.Tensor, sent: bool = True) -> None:
+        nbytes = buf.numel() * buf.element_size()
+        self.wire.add(nbytes if sent else 0, nbytes)
 
     def _ready(self, p: nn.Parameter) -> None:
         if not self._armed:
@@ -210,26 +275,32 @@ class HierarchicalSync(GradSync):
         for b, left in enumerate(self._left):
             if left > 0:  # some parameters got no gradient in the last backward
                 works[b] = self._reduce(b)
-        master = self.is_master and self.masters_group is not None
-        self._then(works, self._allreduce if master else None)
+        self._then(works, self._allreduce if self.hop is not None else None)
+        if self.counts_masters and self.is_master:
+            for buf in self.buffers:  # what the masters' hop would send every step
+                self._count(buf, sent=False)
         self._then(works, self._broadcast if self.bundle_group is not None else None)
         for w in works:
             if w is not None:
                 w.wait()
+        if self.scale != 1.0:
+            for buf in self.buffers:
+                buf.mul_(self.scale)
 
-    def _then(self, works: list, start: Callable[[torch.Tensor], object] | None) -> None:
-        """Per bucket: wait for its previous operation, then start ``start(buffer)``, if any."""
+    def _then(self, works: list, start: Callable[[int, torch.Tensor], object] | None) -> None:
+        """Per bucket: wait for its previous operation, then start ``start(b, buffer)``, if any."""
         for b, buf in enumerate(self.buffers):
             if works[b] is not None:
                 works[b].wait()
-            works[b] = start(buf) if start is not None else None
+            works[b] = start(b, buf) if start is not None else None
 
-    def _allreduce(self, buf: torch.Tensor) -> Started:
-        assert self.masters_group is not None  # started only where there is one
-        return self.comm.all_reduce(buf, self.masters_group)
+    def _allreduce(self, b: int, buf: torch.Tensor) -> _Waits:
+        assert self.hop is not None  # started only where there is one
+        return _Waits(self.hop.start(b, buf, self._params[b], self.step))
 
-    def _broadcast(self, buf: torch.Tensor) -> Started:
+    def _broadcast(self, b: int, buf: torch.Tensor) -> Started:
         assert self.bundle_group is not None  # started only where there is one
+        self._count(buf)
         return self.comm.broadcast(buf, self.bundle_master, self.bundle_group)
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:

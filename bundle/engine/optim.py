@@ -1,14 +1,22 @@
 """The optimizer of a stage: SGD, AdamW or Adam over the stage's parameters, built alike on every
 replica; with ``--no-decay-norm-bias`` the 1-d parameters (biases, normalisation scales) form a
 second group without weight decay. The learning rate of every group follows the schedule
-(bundle.lr_schedule); the state is checkpointed per parameter under its full-model name."""
+(bundle.lr_schedule); the state is checkpointed per parameter under its full-model name.
+
+With ``--zero 1`` the optimizer is PyTorch's ``ZeroRedundancyOptimizer`` over the stage's group:
+each replica holds the state of its share of the parameters (whole parameters, balanced by size),
+steps them, and broadcasts them to the others. Every parameter's update is the same arithmetic
+as without it, so training is unchanged; ``holder`` is the optimizer that holds this process's
+state (a checkpoint saves from it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from bundle.config import TrainConfig
 
@@ -24,13 +32,29 @@ def param_groups(cfg: TrainConfig, stage: nn.Module) -> list[dict[str, Any]]:
     return groups + [{"params": plain, "weight_decay": 0.0}] if plain else groups
 
 
-def make_optimizer(cfg: TrainConfig, stage: nn.Module) -> torch.optim.Optimizer:
-    """This stage's optimizer; every replica of the stage builds the same one."""
+def make_optimizer(
+    cfg: TrainConfig, stage: nn.Module, *, shard_over: dist.ProcessGroup | None = None
+) -> torch.optim.Optimizer:
+    """This stage's optimizer; every replica of the stage builds the same one. With
+    ``shard_over``, its state is sharded over that group (ZeRO-1)."""
     groups = param_groups(cfg, stage)
+    kind: type[torch.optim.Optimizer]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-    kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return kind(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps)
+        kind = torch.optim.SGD
+        options: dict[str, Any] = {"momentum": cfg.momentum, "nesterov": cfg.nesterov}
+    else:
+        kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+        options = {"betas": (cfg.betas[0], cfg.betas[1]), "eps": cfg.eps}
+    if shard_over is None:
+        return kind(groups, lr=cfg.lr, **options)
+    return ZeroRedundancyOptimizer(
+        groups, optimizer_class=kind, process_group=shard_over, lr=cfg.lr, **options
+    )
+
+
+def holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this process's state: ZeRO's local one, else ``optimizer``."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -38,7 +62,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     counts); 0 before the first step and for plain SGD."""
     return sum(
         t.numel() * t.element_size()
-        for state in optimizer.state.values()
+        for state in holder(optimizer).state.values()
         for t in state.values()
         if isinstance(t, torch.Tensor)
     )

@@ -14,6 +14,7 @@ from bundle import partition
 from bundle.config import RunConfig
 from bundle.engine.grad_sync import GradSync
 from bundle.engine.memory import SavedBytes
+from bundle.engine.outer import OuterSync
 from bundle.engine.p2p import step_plan
 from bundle.engine.precision import LossScaler, Policy
 from bundle.engine.schedule import Action, Op, peak_in_flight
@@ -94,8 +95,11 @@ class StageEngine:
         timer: StepTimer | None = None,
         loss: Loss | None = None,
         early_receives: bool = False,
+        outer: OuterSync | None = None,
     ) -> None:
         self.topo, self.coord, self.sync, self.transport = topo, coord, sync, transport
+        # Bundles that meet every H steps (--bundle-sync local/diloco) meet after the step.
+        self.outer = outer
         self.optimizer, self.device, self.stage = optimizer, device, stage
         self.policy, self.scaler = policy or Policy(device_type=device.type), scaler
         # The micro-batch's mean, scaled by rows / global batch below: the global mean, shared out.
@@ -164,6 +168,7 @@ class StageEngine:
 
     def _train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
         plan, lap = self.plan, self.timer.lap
+        self.sync.step = step
         st = _StepState(loss_sum=torch.zeros((), device=self.device))
         for i, a in enumerate(self.actions):
             k = a.micro
@@ -239,6 +244,10 @@ class StageEngine:
             self.optimizer.step()
         self.sync.zero_grad(self.optimizer)
         lap(Mark.OPTIMIZER)
+        if self.outer is not None:
+            self._at = (step, "sync between bundles")
+            self.outer.after_step(step)
+            lap(Mark.SYNC)
 
     def _measure_recompute(self, saved: SavedBytes, k: int, xs: tuple[torch.Tensor, ...]) -> None:
         def plain() -> tuple[torch.Tensor, ...]:

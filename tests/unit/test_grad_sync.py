@@ -12,8 +12,18 @@ BUNDLE, MASTERS = "bundle-group", "masters-group"  # stand-ins: only the fake re
 
 
 class Done:
+    """A finished collective on ``tensor``, as torch's ``Work`` (its future holds ``[tensor]``)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
     def wait(self, timeout=None) -> bool:
         return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result([self.tensor])
+        return fut
 
 
 class Recorder:
@@ -23,16 +33,16 @@ class Recorder:
     def reduce(self, tensor, dst, group):
         self.calls.append(("reduce", tensor.numel(), group))
         tensor.mul_(3)  # as if three replicas had summed the same gradient
-        return Done()
+        return Done(tensor)
 
     def all_reduce(self, tensor, group):
         self.calls.append(("all_reduce", tensor.numel(), group))
         tensor.mul_(2)  # two bundles
-        return Done()
+        return Done(tensor)
 
     def broadcast(self, tensor, src, group):
         self.calls.append(("broadcast", tensor.numel(), group))
-        return Done()
+        return Done(tensor)
 
 
 def _stage() -> nn.Module:

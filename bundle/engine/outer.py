@@ -1,0 +1,121 @@
+"""Bundles that meet every H steps (``--bundle-sync local:H|diloco:H``).
+
+Between meetings each bundle trains alone: its stages sync across their replicas inside the bundle
+every step (bundle.engine.grad_sync, scaled to the bundle's own mean), and no byte crosses between
+bundles. Every H steps, and after the run's last step, each stage's masters combine the bundles'
+pseudo-gradients ``anchor - params`` (the drift since the last meeting) over the masters' group,
+the result is broadcast inside each bundle, and every replica applies the outer step to the
+anchor and starts the next round from it:
+
+    local:H   anchor <- anchor - mean(drift)                  (parameter averaging, local SGD)
+    diloco:H  anchor <- Nesterov SGD(anchor, mean(drift))     (DiLoCo; --outer-lr, --outer-momentum)
+
+``--aggregate median|trimmed:K`` combines the drifts robustly instead of by their mean. Inner
+optimizer state stays each bundle's own, as in DiLoCo. A checkpoint holds the anchor and the outer
+momentum under ``outer.<parameter>.*``; every replica of a stage holds them alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bundle.engine import aggregate
+from bundle.engine.aggregate import Fault
+from bundle.engine.hops import Wire
+
+
+class OuterSync:
+    """The meetings of one replica's stage with the same stage of every other bundle."""
+
+    def __init__(
+        self,
+        named: Sequence[tuple[str, nn.Parameter]],
+        *,
+        mode: str,
+        every: int,
+        total: int,
+        outer_lr: float,
+        outer_momentum: float,
+        rule: str,
+        masters_group: dist.ProcessGroup | None,
+        bundle_group: dist.ProcessGroup | None,
+        bundle_master: int,
+        bundle: int,
+        wire: Wire,
+        fault: Fault | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.every, self.total, self.rule = every, total, rule
+        self.masters_group, self.bundle_group = masters_group, bundle_group
+        self.bundle_master, self.bundle, self.wire = bundle_master, bundle, wire
+        self.fault, self.seed = fault, seed
+        self.anchor = [p.detach().clone() for p in self.params]
+        diloco = mode == "diloco"
+        lr, momentum = (outer_lr, outer_momentum) if diloco else (1.0, 0.0)
+        self.optimizer = torch.optim.SGD(
+            self.anchor, lr=lr, momentum=momentum, nesterov=diloco and momentum > 0
+        )
+        # Created now (zero) rather than at the first meeting, so a resume loads into it; a zero
+        # buffer's first update is the drift itself, as a fresh one's.
+        self.momentum = [torch.zeros_like(a) for a in self.anchor] if momentum > 0 else []
+        for a, m in zip(self.anchor, self.momentum, strict=False):
+            self.optimizer.state[a]["momentum_buffer"] = m
+
+    def due(self, step: int) -> bool:
+        done = step + 1
+        return done % self.every == 0 or done == self.total
+
+    @torch.no_grad()
+    def after_step(self, step: int) -> None:
+        """After the optimizer's step ``step`` (0-based): meet the other bundles when due."""
+        if not self.due(step):
+            return
+        drift = torch.cat(
+            [(a - p).flatten() for a, p in zip(self.anchor, self.params, strict=True)]
+        )
+        nbytes = drift.numel() * drift.element_size()
+        if self.masters_group is not None:
+            if self.fault is not None and self.fault.applies(self.bundle, step):
+                self.fault.corrupt(drift, seed=self.seed, step=step)
+            if self.rule == "mean":
+                dist.all_reduce(drift, group=self.masters_group)
+                drift /= self.masters_group.size()
+            else:
+                parts = [torch.empty_like(drift) for _ in range(self.masters_group.size())]
+                dist.all_gather(parts, drift, group=self.masters_group)
+                drift = aggregate.combine(torch.stack(parts), self.rule)
+            self.wire.add(nbytes, 0)
+        if self.bundle_group is not None:
+            dist.broadcast(drift, src=self.bundle_master, group=self.bundle_group)
+            self.wire.add(nbytes, 0)
+        offset = 0
+        for a in self.anchor:
+            n = a.numel()
+            a.grad = drift[offset : offset + n].view_as(a)
+            offset += n
+        self.optimizer.step()
+        for a, p in zip(self.anchor, self.params, strict=True):
+            a.grad = None
+            p.copy_(a)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The outer state by full-model name (the same on every replica of the stage)."""
+        out = {f"outer.{n}.anchor": a for n, a in zip(self.names, self.anchor, strict=True)}
+        for n, m in zip(self.names, self.momentum, strict=False):
+            out[f"outer.{n}.momentum"] = m
+        return out
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """No outer state to resume (a checkpoint of another --bundle-sync): begin a round from
+        the parameters as loaded."""
+        for a, p in zip(self.anchor, self.params, strict=True):
+            a.copy_(p)
+        for m in self.momentum:
+            m.zero_()
