@@ -8,6 +8,7 @@ Modules, from the data up:
 - ``isolate``: a measurement run in a spawned child process (no CUDA left in the caller);
 - ``calibrate``: the engine's own overheads and this machine's loopback links, measured once;
 - ``cost``: seconds and bytes of a plan's pieces: stage compute, transfers, gradient sync, memory;
+- ``dataparallel``: the user's data-parallel options (compression, bundle sync, aggregation) costed;
 - ``simulate``: an event simulation of the engine's own schedule action lists;
 - ``search``: enumerate plans, split by a dynamic program, rank by simulated throughput;
 - ``planner``: one request's checks, cost model and search;

@@ -1,11 +1,11 @@
 """A model's anatomy, counted on the meta device: no memory, no arithmetic.
 
 Per block of ``models.blocks(model)``, counted at two row counts so that every count is
-``fixed + per_row * rows``: parameters; what a cut after the block sends; the bytes the block's
-forward saves for backward (storages once, parameters never, as ``bundle.engine.memory.SavedBytes``
-counts them; and how many of those its predecessor saves too: the tensor between them); and every
-operator's FLOPs and bytes moved, forward and backward, for the roofline estimate of a device the
-planner does not run on.
+``fixed + per_row * rows``: parameters (and their shapes, for PowerSGD's cost); what a cut after
+the block sends; the bytes the block's forward saves for backward (storages once, parameters
+never, as ``bundle.engine.memory.SavedBytes`` counts them; and how many of those its predecessor
+saves too: the tensor between them); and every operator's FLOPs and bytes moved, forward and
+backward, for the roofline estimate of a device the planner does not run on.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class BlockAnatomy:
     saved_shared: Linear  # of those, the bytes the previous block saves too (its output)
     fwd_ops: tuple[Op, ...]
     bwd_ops: tuple[Op, ...]
+    param_shapes: tuple[tuple[int, ...], ...] = ()  # PowerSGD's cost needs them; () if not counted
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ def _count_blocks(
             {
                 "name": name,
                 "params": sum(p.numel() for p in block.parameters()),
+                "param_shapes": [tuple(p.shape) for p in block.parameters()],
                 "out_elems": [o.numel() // rows for o in outs if o.is_floating_point()],
                 "out_other": sum(o.nbytes // rows for o in outs if not o.is_floating_point()),
                 "saved": sum(saved.values()),
@@ -167,6 +169,7 @@ def count_anatomy(
                 saved_shared=Linear.fit(a["shared"], b["shared"]),
                 fwd_ops=ops["fwd"],
                 bwd_ops=ops["bwd"],
+                param_shapes=tuple(tuple(int(d) for d in s) for s in a["param_shapes"]),
             )
         )
     return Anatomy(model_name, tuple(input_shape), num_classes, tuple(blocks))

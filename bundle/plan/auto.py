@@ -2,7 +2,8 @@
 
 Every process of a job must run the same plan, and nodes compare their configurations at start,
 so the plan is resolved into an ordinary configuration (shape, bundles, micro-batches, schedule,
-sync, inline split points) before any process starts:
+sync, inline split points) before any process starts; the data-parallel options
+(``--grad-compression``, ``--bundle-sync``, ``--aggregate``) are costed as given:
 
 - one node, self-spawned: ``main.py`` plans before it starts its workers, from a quick profile
   measured here in a child process (block timings, engine overheads, and a CPU's loopback links;
@@ -31,6 +32,7 @@ from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import nominal
 from bundle.plan.cost import CostModel
+from bundle.plan.dataparallel import DataParallel
 from bundle.plan.search import Evaluated, Plan, Splitter, evaluate, search
 
 AUTO = "auto"
@@ -70,6 +72,7 @@ def _request(cfg: RunConfig, nodes: int, per_node: int) -> planner.Request:
         recompute=cfg.compute.recompute,
         bucket_mb=cfg.parallel.bucket_mb,
         model_args=cfg.model.args,
+        dp=DataParallel.of(cfg.parallel),
     )
 
 
@@ -107,7 +110,12 @@ def _plan_shape(cfg: RunConfig, request: planner.Request, cost: CostModel) -> Ev
             "with --bundle-shape auto the planner chooses the split: leave --partition out",
         )
     ranked = search(
-        cost, nodes=request.nodes, per_node=request.per_node, batch=request.batch, exact=True
+        cost,
+        nodes=request.nodes,
+        per_node=request.per_node,
+        batch=request.batch,
+        exact=True,
+        dp=request.dp,
     )
     fitting = [e for e in ranked if e.fits]
     if not fitting:
@@ -125,7 +133,9 @@ def _plan_split(cfg: RunConfig, request: planner.Request, cost: CostModel) -> Ev
         p.shape, -(-bundle_rows // p.micro_batches)
     )
     ppn = cfg.procs_per_node
-    plan = Plan(p.shape, p.num_bundles, starts, p.micro_batches, ppn, p.schedule, p.grad_sync)
+    plan = Plan(
+        p.shape, p.num_bundles, starts, p.micro_batches, ppn, p.schedule, p.grad_sync, request.dp
+    )
     return evaluate(cost, plan, request.batch)
 
 
@@ -143,6 +153,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     cost, how = _cost(cfg, request)
     best = _plan_shape(cfg, request, cost) if shape_auto else _plan_split(cfg, request, cost)
     p = best.plan
+    costed = " ".join(p.dp.flags())
     names = cost.anatomy.names
     split = ",".join(names[i] for i in p.starts) if len(p.shape) > 1 else None
     resolved = replace(
@@ -163,6 +174,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
         f"main.py: plan: --bundle-shape {','.join(map(str, p.shape))} --num-bundle {p.num_bundles} "
         f"--micro-batches {p.micro_batches} --schedule {p.schedule} --grad-sync {p.grad_sync}"
         + (f" --partition {split}" if split else "")
+        + (f" (costed with {costed})" if costed else "")
         + f"; predicted {best.samples_per_s:.1f} samples/s from {how}",
         file=sys.stderr,
         flush=True,

@@ -8,13 +8,15 @@
   intra- or inter-node link by where the two ranks sit.
 - **Collectives**: ring all-reduce ``2(n-1)/n * bytes / bandwidth + 2(n-1) * latency`` over the
   slowest link of the group; reduce and broadcast ``(n-1)/n * bytes / bandwidth + (n-1) *
+  latency``; all-gather of every member's ``bytes`` ``(n-1) * bytes / bandwidth + (n-1) *
   latency``. Gradients are synced in buckets (the engine's ``--bucket-mb``; DDP's first bucket is
   1 MiB), each ready when the last backward has passed its parameters where communication runs
   beside compute (GPUs), and when the backward is over where it takes the same cores (gloo on a
   CPU: its reductions and copies compete with the backward, so nothing is hidden).
 - **Memory** per device: fp32 parameters, gradients and momentum (and DDP's bucket copies), the
   activations the schedule holds (``--recompute`` keeps only stage inputs, plus the micro-batch a
-  backward rebuilds) and the receive buffers.
+  backward rebuilds) and the receive buffers (the data-parallel options' state:
+  ``bundle.plan.dataparallel``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Memory:
     buckets: float
     activations: float
     buffers: float
+    data_parallel: float = 0.0  # what --grad-compression, --bundle-sync, --aggregate keep
 
     @property
     def total(self) -> float:
@@ -64,6 +67,7 @@ class Memory:
             + self.buckets
             + self.activations
             + self.buffers
+            + self.data_parallel
         )
 
 
@@ -220,12 +224,31 @@ class CostModel:
         link = self._group_link(nodes)
         return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
 
+    def allgather(self, nbytes: float, nodes: Sequence[int]) -> float:
+        """Every member receives the other members' ``nbytes`` (a ring all-gather)."""
+        n = len(nodes)
+        if n < 2:
+            return 0.0
+        link = self._group_link(nodes)
+        return (n - 1) * nbytes / link.bandwidth + (n - 1) * link.latency
+
+    def copy_time(self, nbytes: float) -> float:
+        """One copy of ``nbytes`` in device memory (each byte read and written)."""
+        speed = self.cluster.speed
+        if speed is not None:
+            return 2 * nbytes / (speed.memory_bandwidth * speed.efficiency)
+        return nbytes / self.overheads.copy_bandwidth
+
     def bucket_copies(self, nbytes: float) -> float:
         """DDP copies each gradient into its bucket and back (no gradient-as-bucket views)."""
         speed = self.cluster.speed
         if speed is not None:  # a copy reads and writes every byte
             return 2 * 2 * nbytes / (speed.memory_bandwidth * speed.efficiency)
         return 2 * nbytes / self.overheads.copy_bandwidth
+
+    def grad_bytes(self, a: int, b: int) -> float:
+        """Bytes of the fp32 gradients (or parameters) of blocks ``a..b-1``."""
+        return float(self.params[a:b].sum()) * _MASTER_BYTES
 
     def buckets(self, a: int, b: int, *, ddp: bool) -> list[tuple[int, float]]:
         """Gradient buckets of a stage as (index of the block whose backward completes it,

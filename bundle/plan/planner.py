@@ -17,6 +17,7 @@ from bundle.plan import calibrate, isolate
 from bundle.plan import profile as prof
 from bundle.plan.cluster import NOMINAL, Cluster
 from bundle.plan.cost import CostModel, Overheads
+from bundle.plan.dataparallel import DataParallel
 from bundle.plan.search import Evaluated, search
 
 
@@ -34,6 +35,7 @@ class Request:
     max_stages: int = 4
     max_micro: int = 64
     model_args: str | None = None  # --model-args of the model measured
+    dp: DataParallel = DataParallel()  # costed as given, never searched
 
     @property
     def devices(self) -> int:
@@ -223,4 +225,5 @@ def plan(request: Request, cost: CostModel) -> list[Evaluated]:
         batch=request.batch,
         max_stages=request.max_stages,
         max_micro=request.max_micro,
+        dp=request.dp,
     )

@@ -328,6 +328,7 @@ def _anatomy_from(doc: dict) -> Anatomy:
             saved_shared=Linear(**b["saved_shared"]),
             fwd_ops=tuple(tuple(o) for o in b["fwd_ops"]),
             bwd_ops=tuple(tuple(o) for o in b["bwd_ops"]),
+            param_shapes=tuple(tuple(s) for s in b.get("param_shapes", ())),
         )
         for b in doc["blocks"]
     )
@@ -344,6 +345,7 @@ def anatomy(
         "input": list(input_shape),
         "classes": num_classes,
         "torch": torch.__version__,
+        "shapes": True,  # entries from before parameter shapes were counted are counted again
     }
     doc = cache.get("anatomy", key)
     if doc is None:

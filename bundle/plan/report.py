@@ -45,7 +45,7 @@ def command(plan: Plan, job: Job, cost: CostModel) -> str:
     if len(plan.shape) > 1:
         args += ["--partition", ",".join(split_names(plan, cost))]
     args += ["--micro-batches", str(plan.micro_batches), "--schedule", plan.schedule]
-    args += ["--grad-sync", plan.grad_sync]
+    args += ["--grad-sync", plan.grad_sync, *plan.dp.flags()]
     if job.nodes > 1:
         args += ["--world-size", str(job.nodes), "--nproc-per-node", str(plan.procs_per_node)]
     if job.precision != "fp32":
@@ -79,6 +79,8 @@ def row(e: Evaluated, job: Job, cost: CostModel) -> dict[str, Any]:
                 "ddp_buckets": m.buckets,
                 "activations": m.activations,
                 "buffers": m.buffers,
+                # Only where the options keep any: the default plans' JSON stays as it was.
+                **({"data_parallel": m.data_parallel} if m.data_parallel else {}),
                 "total": m.total,
             }
             for m in e.memory

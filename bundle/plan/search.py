@@ -7,7 +7,9 @@ that minimise the slowest stage (its forward + backward at the rows one replica 
 boundary transfer where that is slower). A closed form ranks those candidates (``(M + S - 1)``
 slowest stages, plus the largest gradient sync and optimizer step); the best ones are then
 simulated under both schedules and both sync strategies and ranked by simulated throughput,
-plans that do not fit in device memory last.
+plans that do not fit in device memory last. The data-parallel options (``DataParallel``:
+compression, bundle sync, aggregation) are the user's: every plan is costed under them, never
+under others, and only bundle counts they accept are planned.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from bundle.engine.precision import Policy
 from bundle.engine.schedule import SCHEDULES, actions
 from bundle.errors import ConfigError
 from bundle.plan.cost import CostModel, Memory
+from bundle.plan.dataparallel import EXACT, DataParallel, HopCost
 from bundle.plan.simulate import Layout, SimResult, simulate
-from bundle.topology import split_sizes
+from bundle.topology import Topology, split_sizes
 
 SYNCS = ("flat", "hierarchical")
 
@@ -39,6 +42,7 @@ class Plan:
     procs_per_node: int
     schedule: str = "1f1b"
     grad_sync: str = "flat"
+    dp: DataParallel = DataParallel()
 
     @property
     def processes(self) -> int:
@@ -54,6 +58,7 @@ class Plan:
             grad_sync=self.grad_sync,
             batch=batch,
             procs_per_node=self.procs_per_node,
+            dp=self.dp,
         )
 
 
@@ -147,9 +152,11 @@ def search(
     schedules: tuple[str, ...] = SCHEDULES,
     syncs: tuple[str, ...] = SYNCS,
     exact: bool = False,
+    dp: DataParallel = EXACT,
 ) -> list[Evaluated]:
     """Plans for ``nodes x per_node`` devices, best first (those that fit in memory first);
-    ``exact``: only plans that use every device (a job whose processes are given)."""
+    ``exact``: only plans that use every device (a job whose processes are given); each costed
+    under ``dp``."""
     devices = nodes * per_node
     best = _best_estimates(
         cost,
@@ -160,7 +167,11 @@ def search(
         max_micro=max_micro,
         keep=simulate_top,
         exact=exact,
+        dp=dp,
     )
+    if not best and dp.flags():
+        flag, value = dp.flags()[:2]
+        raise ConfigError(flag, value, f"no plan on {devices} devices can run it")
     if not best:
         raise ConfigError(
             "--batch-size",
@@ -168,8 +179,9 @@ def search(
             f"no plan gives each replica on {devices} devices at least one row of a micro-batch",
         )
     plans = {c.plan for c in best}
-    if batch >= devices:
-        plans.add(data_parallel(nodes, per_node))
+    everywhere = replace(data_parallel(nodes, per_node), dp=dp)
+    if batch >= devices and dp.accepts(everywhere.shape, everywhere.num_bundles):
+        plans.add(everywhere)
     return rank([evaluate(cost, v, batch) for v in _variants(plans, schedules, syncs)])
 
 
@@ -194,23 +206,27 @@ def _best_estimates(
     max_micro: int,
     keep: int,
     exact: bool,
+    dp: DataParallel,
 ) -> list[_Candidate]:
     """The ``keep`` plans with the best estimates, over bundles, stage widths and micro-batches."""
     devices = nodes * per_node
     link = cost.cluster.intra if nodes == 1 else cost.cluster.inter
     splitter = Splitter(cost, link.bandwidth, link.latency)
+    hop = HopCost(cost, dp)
     best: list[_Candidate] = []  # a heap of the ``keep`` best estimates
-    for b in range(1, devices + 1):
+    for b in range(dp.min_bundles, devices + 1):
         bundle_rows = batch // b
         width, ppn = _bundle_layout(b, devices=devices, nodes=nodes, per_node=per_node, exact=exact)
         if bundle_rows < 1 or ppn is None:
             continue
         for stages in range(1, min(max_stages, width, cost.n) + 1):
             for widths in compositions(width, stages):
+                if not dp.accepts(widths, b):
+                    continue
                 for m in micro_counts(bundle_rows, max(widths), max_micro):
                     starts, slowest = splitter.split(widths, -(-bundle_rows // m))
-                    plan = Plan(widths, b, starts, m, ppn)
-                    item = _Candidate(-_estimate(cost, plan, batch, slowest), plan)
+                    plan = Plan(widths, b, starts, m, ppn, dp=dp)
+                    item = _Candidate(-_estimate(hop, plan, batch, slowest), plan)
                     if len(best) < keep:
                         heapq.heappush(best, item)
                     elif item > best[0]:
@@ -226,8 +242,8 @@ def _variants(plans: set[Plan], schedules: tuple[str, ...], syncs: tuple[str, ..
         for schedule, sync in itertools.product(schedules, syncs):
             if plan.micro_batches == 1 and schedule != single:
                 continue  # one micro-batch: both schedules are the same action list
-            if sync != syncs[0] and not _has_hierarchy(plan):
-                continue
+            if sync != syncs[0] and (not _has_hierarchy(plan) or plan.dp.two_hops(syncs[0])):
+                continue  # the same sync under either name
             variants.add(_canonical(replace(plan, schedule=schedule, grad_sync=sync)))
     return variants
 
@@ -235,7 +251,8 @@ def _variants(plans: set[Plan], schedules: tuple[str, ...], syncs: tuple[str, ..
 def _canonical(plan: Plan) -> Plan:
     """One stage synced flat over ``b`` bundles of ``w`` is the engine's one bundle of ``b * w``
     (the same rows per replica, the same stage group): named the ``--DP-ONLY`` way."""
-    if len(plan.shape) == 1 and plan.grad_sync == "flat" and plan.num_bundles > 1:
+    flat = not plan.dp.two_hops(plan.grad_sync)
+    if len(plan.shape) == 1 and flat and plan.num_bundles > 1:
         return replace(plan, shape=(plan.processes,), num_bundles=1)
     return plan
 
@@ -269,17 +286,32 @@ def rank(evaluated: list[Evaluated]) -> list[Evaluated]:
     return sorted(evaluated, key=key)
 
 
-def _estimate(cost: CostModel, plan: Plan, batch: int, slowest: float) -> float:
+def _estimate(hop: HopCost, plan: Plan, batch: int, slowest: float) -> float:
     """A closed-form step time: the bubble-bound pipeline, then the slowest sync and step."""
+    cost = hop.cost
     topo = plan.layout(batch).topology()
     ends = [*plan.starts[1:], cost.n]
     tail = 0.0
     for s, (a, b) in enumerate(zip(plan.starts, ends, strict=True)):
-        nbytes = float(cost.params[a:b].sum()) * 4
-        nodes = [topo.node_of(r) for r in topo.stage_group(s)]
-        tail = max(tail, cost.allreduce(nbytes, nodes) + cost.optimizer(a, b))
+        tail = max(tail, _sync_estimate(hop, plan, topo, s, a, b) + cost.optimizer(a, b))
     stages = len(plan.shape)
     return (plan.micro_batches + stages - 1) * slowest + tail
+
+
+def _sync_estimate(hop: HopCost, plan: Plan, topo: Topology, s: int, a: int, b: int) -> float:
+    """Stage ``s``'s whole gradient as one bucket through the sync the plan runs."""
+    cost = hop.cost
+    nbytes = float(cost.params[a:b].sum()) * 4
+
+    def nodes(ranks: tuple[int, ...]) -> list[int]:
+        return [topo.node_of(r) for r in ranks]
+
+    (wire,) = hop.wire_bytes([(a, nbytes)], b)
+    if not plan.dp.two_hops(plan.grad_sync):
+        return hop.between(nbytes, wire, nodes(topo.stage_group(s)))
+    inner, masters = nodes(topo.bundle_stage_group(0, s)), nodes(topo.masters_group(s))
+    step = hop.between(nbytes, wire, masters) if plan.dp.per_step else 0.0
+    return 2 * cost.reduce(nbytes, inner) + step + hop.meeting(a, b, masters, inner)
 
 
 def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False) -> Evaluated:
@@ -290,21 +322,27 @@ def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False)
     S, M = len(plan.shape), plan.micro_batches
     ends = [*plan.starts[1:], cost.n]
     policy = Policy(recompute=cost.recompute)
+    hop = HopCost(cost, plan.dp)
+    ddp = not plan.dp.two_hops(plan.grad_sync)
     memory, compute = [], []
     for s, (a, b) in enumerate(zip(plan.starts, ends, strict=True)):
         acts = actions(plan.schedule, s, S, M)
         rows = [split_sizes(m, plan.shape[s])[0] for m in topo.micro_sizes(0)]
-        memory.append(
-            cost.memory(
-                a,
-                b,
-                acts=acts,
-                rows=rows,
-                recomputed=policy.recomputes(acts, M),
-                synced=len(topo.stage_group(s)) > 1,
-                ddp=plan.grad_sync == "flat",
-            )
+        synced = len(topo.stage_group(s)) > 1
+        mem = cost.memory(
+            a,
+            b,
+            acts=acts,
+            rows=rows,
+            recomputed=policy.recomputes(acts, M),
+            synced=synced,
+            ddp=ddp,
         )
+        if synced:
+            largest = max((n for _, n in cost.buckets(a, b, ddp=ddp)), default=0.0)
+            state = hop.state_bytes(a, b, largest_bucket=largest, bundles=plan.num_bundles)
+            mem = replace(mem, data_parallel=state)
+        memory.append(mem)
         compute.append(max(t for t, st in zip(sim.busy, sim.stage_of, strict=True) if st == s))
     fits = all(m.total <= cost.cluster.memory_bytes for m in memory)
     return Evaluated(plan, sim, batch / sim.step_time, memory, fits, compute)

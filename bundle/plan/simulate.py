@@ -10,8 +10,10 @@ simulation follows.
 
 After its last action a replica waits for its sends, then for its stage's gradient sync (buckets
 started during the last backward, as the engine does: DDP all-reduce for ``flat``; reduce in the
-bundle, then all-reduce among stage masters and broadcast for ``hierarchical``), then steps the
-optimizer. The step time is the latest replica's finish.
+bundle, then the masters' hop between bundles and broadcast for ``hierarchical``, or where the
+data-parallel options need two hops; compressed, gathered or met every H steps as
+``bundle.plan.dataparallel`` costs it), then steps the optimizer. The step time is the latest
+replica's finish.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from bundle.engine.precision import Policy
 from bundle.engine.schedule import Action, Op, actions, peak_in_flight
 from bundle.errors import ScheduleError
 from bundle.plan.cost import CostModel
+from bundle.plan.dataparallel import DataParallel, HopCost
 from bundle.topology import Topology, Transfer, split_sizes
 
 COMPUTE, WAIT, SEND, SYNC, OPTIMIZER = "compute", "wait", "send", "sync", "optimizer"
@@ -51,6 +54,7 @@ class Layout:
     grad_sync: str
     batch: int
     procs_per_node: int
+    dp: DataParallel = DataParallel()  # the user's options, costed as given
 
     def topology(self) -> Topology:
         return Topology(
@@ -109,6 +113,7 @@ class _Simulation:
             raise ScheduleError(f"{len(layout.starts)} split points for {S} stages")
         self.layout, self.cost, self.topo, self.timeline = layout, cost, topo, timeline
         self.bounds = _stage_bounds(layout, cost.n)
+        self.hop = HopCost(cost, layout.dp)
         self.sizes = topo.micro_sizes(0)
         policy = Policy(recompute=cost.recompute)
         procs = [(s, i) for s in range(S) for i in range(topo.shape[s])]
@@ -260,14 +265,17 @@ def _sync(sim: _Simulation, s: int, members: list[Replica], done: dict[Replica, 
     def nodes(ranks: tuple[int, ...] | list[int]) -> list[int]:
         return [topo.node_of(r) for r in ranks]
 
-    if sim.layout.grad_sync == "flat":
+    hop = sim.hop
+    if not hop.dp.two_hops(sim.layout.grad_sync):
+        buckets = cost.buckets(lo, hi, ddp=True)
         t = 0.0
-        for j, nbytes in cost.buckets(lo, hi, ddp=True):
+        for (j, nbytes), wire in zip(buckets, hop.wire_bytes(buckets, hi), strict=True):
             ready = b0 + share[j - lo] * (b1 - b0)
-            t = max(t, ready) + cost.allreduce(nbytes, nodes(group)) + cost.bucket_copies(nbytes)
+            t = max(t, ready) + hop.between(nbytes, wire, nodes(group))
+            t += cost.bucket_copies(nbytes)
         return t
-    # Hierarchical: in-bundle reduces start from gradient hooks; the masters' all-reduce and the
-    # broadcast follow bucket by bucket once every replica has called finish().
+    # Two hops: in-bundle reduces start from gradient hooks; the masters' hop and the broadcast
+    # follow bucket by bucket once every replica has called finish().
     inner = nodes(topo.bundle_stage_group(0, s))
     masters = nodes(topo.masters_group(s))
     buckets = cost.buckets(lo, hi, ddp=False)
@@ -276,12 +284,13 @@ def _sync(sim: _Simulation, s: int, members: list[Replica], done: dict[Replica, 
         ready = b0 + share[j - lo] * (b1 - b0)
         t = max(t, ready) + cost.reduce(nbytes, inner)
         reduced.append(t)
-    t = finished
-    summed = []
-    for (_, nbytes), r in zip(buckets, reduced, strict=True):
-        t = max(t, r) + cost.allreduce(nbytes, masters)
-        summed.append(t)
+    summed = reduced  # bundles that meet every H steps skip the masters' hop between meetings
+    if hop.dp.per_step:
+        t, summed = finished, []
+        for (_, nbytes), wire, r in zip(buckets, hop.wire_bytes(buckets, hi), reduced, strict=True):
+            t = max(t, r) + hop.between(nbytes, wire, masters)
+            summed.append(t)
     t = finished
     for (_, nbytes), r in zip(buckets, summed, strict=True):
         t = max(t, r) + cost.reduce(nbytes, inner)
-    return t
+    return t + hop.meeting(lo, hi, masters, inner)

@@ -1,12 +1,17 @@
-"""The simulator runs the engine's own schedules: bubble formula, 1F1B's in-flight bound, and a
-step with unequal widths computed by hand."""
+"""The simulator runs the engine's own schedules: bubble formula, 1F1B's in-flight bound, a step
+with unequal widths computed by hand, and the data-parallel options' sync costed by hand."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from bundle.errors import ScheduleError
+from bundle.errors import ConfigError, ScheduleError
 from bundle.plan.cluster import Link
+from bundle.plan.cost import Overheads
+from bundle.plan.dataparallel import EXACT, DataParallel, powersgd_elems
+from bundle.plan.search import Plan, evaluate, search
 from bundle.plan.simulate import COMPUTE, SEND, Layout, simulate
 from tests.support.plan_fixtures import literal_cost
 
@@ -103,3 +108,124 @@ def test_split_points_must_match_the_stages():
     cost = literal_cost([1.0, 1.0], [1.0, 1.0])
     with pytest.raises(ScheduleError, match="split points"):
         simulate(_layout([1, 1], 2, "1f1b", starts=(0,)), cost)
+
+
+# -- the data-parallel options (bundle.plan.dataparallel) -----------------------------------------
+
+# One block of 1000 parameters (4000 fp32 bytes) whose forward and backward take 1 s; the link
+# between nodes carries 4000 B/s, the one inside a node is free.
+INTER = Link(4000.0, 0.0)
+
+
+def _dp_cost():
+    return literal_cost([1.0], [1.0], params=[1000], p2p=INTER)
+
+
+def _bundles(n: int, dp: DataParallel = EXACT, *, width: int = 1, sync: str = "flat"):
+    """``n`` bundles of one stage of ``width`` replicas, each bundle on a node of its own."""
+    return Layout(
+        shape=(width,),
+        num_bundles=n,
+        starts=(0,),
+        micro_batches=1,
+        schedule="1f1b",
+        grad_sync=sync,
+        batch=n * width,
+        procs_per_node=width,
+        dp=dp,
+    )
+
+
+def _sync(layout: Layout, cost=None) -> float:
+    return max(simulate(layout, cost or _dp_cost()).sync)
+
+
+@pytest.mark.parametrize(("width", "sync"), [(1, "flat"), (2, "flat"), (2, "hierarchical")])
+def test_default_options_change_nothing(width, sync):
+    cost = _dp_cost()
+    layout = _bundles(2, width=width, sync=sync)
+    assert layout.dp == DataParallel() and Plan((1,), 1, (0,), 1, 1).dp == DataParallel()
+    explicit = replace(layout, dp=DataParallel("none", 4, "step", "mean"))
+    assert simulate(explicit, cost) == simulate(layout, cost)
+    # By hand: the ring over 2 nodes (2 replicas: 2 * 1/2 * 4000 / 4000) or 4 (2 * 3/4).
+    flat = {1: 1.0, 2: 1.5}[width]
+    assert _sync(layout, cost) == pytest.approx(flat if sync == "flat" else 1.0)
+    ranked = search(cost, nodes=2, per_node=2, batch=4)
+    again = search(cost, nodes=2, per_node=2, batch=4, dp=DataParallel())
+    assert [(e.plan, e.sim.step_time, e.memory) for e in ranked] == [
+        (e.plan, e.sim.step_time, e.memory) for e in again
+    ]
+
+
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize(("width", "sync"), [(1, "flat"), (2, "flat"), (2, "hierarchical")])
+def test_half_precision_halves_the_hop_between_bundles(half, width, sync):
+    plain = _sync(_bundles(2, width=width, sync=sync))
+    halved = _sync(_bundles(2, DataParallel(compression=half), width=width, sync=sync))
+    assert halved < plain
+    # Every byte of these syncs crosses between the nodes (the in-node hops are free): half.
+    assert halved == pytest.approx(plain / 2)
+
+
+@pytest.mark.parametrize("mode", ["local", "diloco"])
+@pytest.mark.parametrize("width", [1, 2])
+def test_bundles_meeting_every_8_steps_pay_an_eighth_of_the_hop_per_step(mode, width):
+    step = _sync(_bundles(2, width=width, sync="hierarchical"))
+    # Whatever --grad-sync says: the meeting's bundles sync in two hops.
+    met = _sync(_bundles(2, DataParallel(bundle_sync=f"{mode}:8"), width=width, sync="flat"))
+    assert step == pytest.approx(1.0)
+    assert 0.11 < met / step < 0.14
+
+
+def test_median_gathers_every_bundle_and_sorts():
+    """3 bundles on 3 nodes: the masters' all-gather receives 2 x 4000 bytes (2 s) against the
+    all-reduce's 2 * 2/3 * 4000 (4/3 s); the sort reads and writes the 3 gathered buckets four
+    times (4 x 12000 bytes at 12000 B/s: 4 s)."""
+    mean = _sync(_bundles(3))
+    median = DataParallel(aggregate="median")
+    assert mean == pytest.approx(4 / 3)
+    assert _sync(_bundles(3, median)) == pytest.approx(2.0)
+    cost = _dp_cost()
+    cost.overheads = Overheads(copy_bandwidth=12000.0)
+    assert _sync(_bundles(3, median), cost) == pytest.approx(2.0 + 4.0)
+
+
+def test_powersgd_sends_what_torch_would():
+    """A (100, 10) weight at rank 4 sends 4 * (100 + 10) elements (compressed: 880 < 1000); the
+    bias its 10: 450 of 1010 elements, 1800 bytes over 4000 B/s between the two bundles."""
+    assert powersgd_elems((100, 10), 4) == 440
+    assert powersgd_elems((10,), 4) == 10
+    assert powersgd_elems((64, 3, 3, 3), 4) == 4 * (64 + 27)
+    assert powersgd_elems((4, 4), 4) == 16  # not worth it: sent whole
+    cost = literal_cost([1.0], [1.0], params=[1010], p2p=INTER)
+    block = replace(cost.anatomy.blocks[0], param_shapes=((100, 10), (10,)))
+    cost.anatomy = replace(cost.anatomy, blocks=(block,))
+    psgd = DataParallel(compression="powersgd", powersgd_rank=4)
+    assert _sync(_bundles(2, psgd), cost) == pytest.approx(1800 / 4000)
+    # Without parameter shapes: one square matrix (31 x 32) per block, 4 * 63 of its elements.
+    bare = literal_cost([1.0], [1.0], params=[1010], p2p=INTER)
+    assert _sync(_bundles(2, psgd), bare) == pytest.approx(252 * 4 / 4000)
+
+
+def test_options_are_costed_never_searched():
+    cost = _dp_cost()
+    for dp in (DataParallel(bundle_sync="local:4"), DataParallel(aggregate="median")):
+        ranked = search(cost, nodes=2, per_node=2, batch=4, dp=dp)
+        assert ranked and all(e.plan.dp == dp for e in ranked)
+        assert min(e.plan.num_bundles for e in ranked) >= dp.min_bundles > 1
+        assert {e.plan.grad_sync for e in ranked} == {"flat"}  # two hops under either name
+    with pytest.raises(ConfigError, match="--aggregate"):
+        search(cost, nodes=1, per_node=2, batch=4, dp=DataParallel(aggregate="trimmed:1"))
+    with pytest.raises(ConfigError, match="--grad-compression"):
+        DataParallel(compression="bf16", bundle_sync="local:4")
+
+
+def test_meetings_and_error_feedback_hold_memory():
+    """DiLoCo keeps an anchor, a drift and the outer momentum of the stage's 4000 bytes; PowerSGD
+    its error feedback."""
+    cost = _dp_cost()
+    for dp, held in ((DataParallel(bundle_sync="diloco:4"), 3 * 4000), (DataParallel(), 0)):
+        e = evaluate(cost, Plan((1,), 2, (0,), 1, 1, dp=dp), 2)
+        assert e.memory[0].data_parallel == held
+    e = evaluate(cost, Plan((1,), 2, (0,), 1, 1, dp=DataParallel(compression="powersgd")), 2)
+    assert e.memory[0].data_parallel == 4000
