@@ -181,3 +181,18 @@ def test_paired_ratio_compares_steps_run_side_by_side() -> None:
     cases["ours"]["global_batch"] = 128  # twice the samples per step: twice the throughput
     assert bench.paired(cases, "ours", "theirs") == pytest.approx(2.2)
     assert bench._by_round([1, 2, 3, 10, 20, 30], 2) == [2, 20]
+
+
+def test_bench_dp_names_its_parts() -> None:
+    """scripts/bench_dp.py starts and offers its four measurements (each runs main.py jobs for
+    minutes; tests/integration/test_data_parallel.py runs the faulty-bundle job end to end)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_dp.py"), "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for part in ("zero", "compression", "sync", "robust", "--quick"):
+        assert part in proc.stdout, part
