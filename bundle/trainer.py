@@ -14,7 +14,7 @@ import torch.distributed as dist
 from bundle import data, log, samples
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
-from bundle.config import RunConfig
+from bundle.config import RunConfig, parse_bundle_sync
 from bundle.engine import optim, precision
 from bundle.engine.stage_engine import MicroBatch
 from bundle.errors import DataError
@@ -132,7 +132,7 @@ class Trainer:
             f"training {cfg.model.name}: shape {','.join(map(str, topo.shape))} x "
             f"{topo.num_bundles} bundle(s), {topo.world_size} processes, batch "
             f"{cfg.train.batch_size} in {topo.micro_batches} micro-batch(es), "
-            f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync, "
+            f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync{_data_parallel(cfg)}, "
             f"{precision.describe(cfg.compute)}, steps {run.start + 1}..{run.total} "
             f"({run.steps_per_epoch}/epoch)"
         )
@@ -193,6 +193,21 @@ class Trainer:
             trace=cfg.observe.trace or None,
             replaced_samples=replaced_samples,
         )
+
+
+def _data_parallel(cfg: RunConfig) -> str:
+    """The data-parallel options a run departs from the defaults with (docs/data-parallel.md)."""
+    par, said = cfg.parallel, []
+    if par.zero:
+        said.append("ZeRO-1")
+    if par.grad_compression != "none":
+        said.append(f"{par.grad_compression} gradients")
+    mode, every = parse_bundle_sync(par.bundle_sync)
+    if mode != "step":
+        said.append(f"{'DiLoCo' if mode == 'diloco' else 'local SGD'} every {every} steps")
+    if par.aggregate != "mean":
+        said.append(f"{par.aggregate} of bundles")
+    return f" ({', '.join(said)})" if said else ""
 
 
 def build_trainer(
