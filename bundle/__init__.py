@@ -3,6 +3,7 @@
 From the data up:
 
 - ``errors``, ``log``: typed errors carrying the offending value; one rank-prefixed logger;
+- ``sync_options``: the data-parallel options' spellings and the combinations refused;
 - ``config``, ``options``, ``cli``: the frozen ``RunConfig``, the options table it is declared
   in, and the command line and YAML that build it;
 - ``topology``: the job's ranks, groups and row plans as one pure value;

@@ -10,12 +10,16 @@ from types import MappingProxyType
 from typing import Any
 
 from bundle.engine.schedule import SCHEDULES as SCHEDULES
-from bundle.errors import ConfigError
+from bundle.errors import ConfigError, positive
 from bundle.lr_schedule import LR_SCHEDULES, Milestone, spell
+from bundle.sync_options import COMPRESSIONS as COMPRESSIONS
+from bundle.sync_options import check as check_sync_options
+from bundle.sync_options import parse_aggregate as parse_aggregate
+from bundle.sync_options import parse_bundle_sync as parse_bundle_sync
 
 BACKENDS = ("auto", "nccl", "gloo", "nccl-emu")
 GRAD_SYNCS = ("flat", "hierarchical")
-COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
+
 DATASETS = ("digits", "imagefolder", "synthetic", "text")
 OPTIMIZERS = ("sgd", "adamw", "adam")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -67,36 +71,6 @@ def parse_steps(key: str, text: str | None) -> tuple[int, int] | None:
     return a, b
 
 
-def parse_bundle_sync(text: str) -> tuple[str, int]:
-    """``"step"`` -> ``("step", 1)``; ``"local:8"`` -> ``("local", 8)``; ``"diloco:H"`` alike."""
-    mode, sep, every = str(text).partition(":")
-    if mode == "step" and not sep:
-        return "step", 1
-    if mode in ("local", "diloco") and every.isdigit() and int(every) >= 1:
-        return mode, int(every)
-    raise ConfigError(
-        "--bundle-sync", text, "choose step, local:H or diloco:H (H: steps between syncs, >= 1)"
-    )
-
-
-def parse_aggregate(text: str) -> int | None:
-    """How many of the highest and lowest values per coordinate a rule drops: ``mean`` -> None
-    (nothing, and no gathering), ``median`` -> 0 (the middle), ``trimmed:K`` -> K."""
-    rule, sep, k = str(text).partition(":")
-    if rule == "mean" and not sep:
-        return None
-    if rule == "median" and not sep:
-        return 0
-    if rule == "trimmed" and k.isdigit() and int(k) >= 1:
-        return int(k)
-    raise ConfigError("--aggregate", text, "choose mean, median or trimmed:K (K >= 1)")
-
-
-def _positive(key: str, value: int, minimum: int = 1) -> None:
-    if not isinstance(value, int) or value < minimum:
-        raise ConfigError(key, value, f"must be an integer >= {minimum}")
-
-
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     shape: tuple[int, ...] = (1, 1)
@@ -118,97 +92,15 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
             raise ConfigError("--bucket-mb", self.bucket_mb, "must be > 0")
-        _positive("--num-bundle", self.num_bundles)
-        _positive("--micro-batches", self.micro_batches)
+        positive("--num-bundle", self.num_bundles)
+        positive("--micro-batches", self.micro_batches)
         if self.schedule not in SCHEDULES:
             raise ConfigError("--schedule", self.schedule, f"choose one of: {', '.join(SCHEDULES)}")
         if self.grad_sync not in GRAD_SYNCS:
             raise ConfigError(
                 "--grad-sync", self.grad_sync, f"choose one of: {', '.join(GRAD_SYNCS)}"
             )
-        self._check_data_parallel()
-
-    def _check_data_parallel(self) -> None:
-        """The data-parallel options alone, then the combinations that make no sense."""
-        if self.zero not in (0, 1):
-            raise ConfigError("--zero", self.zero, "choose 0 (off) or 1 (shard optimizer state)")
-        if self.grad_compression not in COMPRESSIONS:
-            raise ConfigError(
-                "--grad-compression",
-                self.grad_compression,
-                f"choose one of: {', '.join(COMPRESSIONS)}",
-            )
-        _positive("--powersgd-rank", self.powersgd_rank)
-        _positive("--compression-warmup", self.compression_warmup, 0)
-        parse_bundle_sync(self.bundle_sync)
-        parse_aggregate(self.aggregate)
-        if self.outer_lr <= 0:
-            raise ConfigError("--outer-lr", self.outer_lr, "must be > 0")
-        if not 0 <= self.outer_momentum < 1:
-            raise ConfigError("--outer-momentum", self.outer_momentum, "must be in [0, 1)")
-        self._check_combinations()
-
-    def _check_combinations(self) -> None:
-        """The data-parallel options together, and with the job's bundles and widths."""
-        mode, _ = parse_bundle_sync(self.bundle_sync)
-        trim = parse_aggregate(self.aggregate)
-        n = self.num_bundles
-        if mode != "step" and n == 1:
-            raise ConfigError(
-                "--bundle-sync", self.bundle_sync, "syncs between bundles: needs --num-bundle > 1"
-            )
-        if trim is not None and n < max(3, 2 * trim + 1):
-            needs = (
-                "at least 3 bundles (the median of 2 is their mean)"
-                if trim == 0
-                else (f"more than {2 * trim} bundles (it drops the {trim} highest and lowest)")
-            )
-            raise ConfigError("--aggregate", self.aggregate, f"needs {needs}; this job has {n}")
-        if self.grad_compression != "none":
-            self._check_compression(mode, trim)
-        if self.zero and mode != "step":
-            raise ConfigError(
-                "--zero",
-                self.zero,
-                f"shards state that --bundle-sync {self.bundle_sync} keeps per bundle; "
-                "use --bundle-sync step",
-            )
-        if self.shape != AUTO_SHAPE and max(self.shape) * n == 1:
-            for flag, value, off in (
-                ("--zero", self.zero, 0),
-                ("--grad-compression", self.grad_compression, "none"),
-            ):
-                if value != off:
-                    raise ConfigError(
-                        flag,
-                        value,
-                        "needs a stage with replicas to sync with; every stage "
-                        f"of shape {','.join(map(str, self.shape))} x 1 bundle has one",
-                    )
-
-    def _check_compression(self, mode: str, trim: int | None) -> None:
-        flag, value = "--grad-compression", self.grad_compression
-        if mode != "step":
-            raise ConfigError(
-                flag,
-                value,
-                f"compresses the per-step sync between bundles; --bundle-sync "
-                f"{self.bundle_sync} has none (and syncs inside a bundle exactly)",
-            )
-        if trim is not None:
-            raise ConfigError(
-                flag,
-                value,
-                f"cannot be combined with --aggregate {self.aggregate} (which gathers "
-                "every bundle's gradient uncompressed)",
-            )
-        if self.grad_sync == "hierarchical" and self.num_bundles == 1:
-            raise ConfigError(
-                flag,
-                value,
-                "with --grad-sync hierarchical compresses the masters' hop between "
-                "bundles: needs --num-bundle > 1",
-            )
+        check_sync_options(self)
 
     @property
     def world_size(self) -> int:
@@ -311,12 +203,12 @@ class DataConfig:
                 self.dataset,
                 f"choose one of: {', '.join(DATASETS)}, or package.module:function",
             )
-        _positive("--seq-len", self.seq_len)
+        positive("--seq-len", self.seq_len)
         if self.dataset == "text" and not self.data_file:
             raise ConfigError("--dataset", "text", "needs --data-file FILE (any UTF-8 text)")
-        _positive("--workers", self.workers, 0)
-        _positive("--image-size", self.image_size)
-        _positive("--num-classes", self.num_classes, 2)
+        positive("--workers", self.workers, 0)
+        positive("--image-size", self.image_size)
+        positive("--num-classes", self.num_classes, 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,10 +239,10 @@ class TrainConfig:
     checkpoint: str | None = field(default=None, metadata=NODE_LOCAL)
 
     def __post_init__(self) -> None:
-        _positive("--batch-size", self.batch_size)
-        _positive("--itr", self.steps, 0)
-        _positive("--epochs", self.epochs)
-        _positive("--log-every", self.log_every)
+        positive("--batch-size", self.batch_size)
+        positive("--itr", self.steps, 0)
+        positive("--epochs", self.epochs)
+        positive("--log-every", self.log_every)
         if self.lr <= 0:
             raise ConfigError("--lr", self.lr, "must be > 0")
         if not 0 <= self.momentum < 1:
@@ -421,9 +313,9 @@ class LaunchConfig:
     emu_eager_bytes: int = 0  # nccl-emu: sends of at most this many bytes need no receiver
 
     def __post_init__(self) -> None:
-        _positive("--world-size", self.num_nodes)
-        _positive("--rank", self.node_rank, 0)
-        _positive("--nproc-per-node", self.nproc_per_node, 0)
+        positive("--world-size", self.num_nodes)
+        positive("--rank", self.node_rank, 0)
+        positive("--nproc-per-node", self.nproc_per_node, 0)
         if self.node_rank >= self.num_nodes:
             raise ConfigError(
                 "--rank", self.node_rank, f"must be < --world-size ({self.num_nodes} node(s))"
@@ -432,12 +324,12 @@ class LaunchConfig:
             raise ConfigError("--portNum", self.master_port, "must be a TCP port in 1..65535")
         if self.backend not in BACKENDS:
             raise ConfigError("--backend", self.backend, f"choose one of: {', '.join(BACKENDS)}")
-        _positive("--nccl-emu-eager-bytes", self.emu_eager_bytes, 0)
+        positive("--nccl-emu-eager-bytes", self.emu_eager_bytes, 0)
         if self.timeout <= 0:
             raise ConfigError("--timeout", self.timeout, "must be > 0 seconds")
         if self.init_timeout <= 0:
             raise ConfigError("--init-timeout", self.init_timeout, "must be > 0 seconds")
-        _positive("--max-restarts", self.max_restarts, 0)
+        positive("--max-restarts", self.max_restarts, 0)
         if self.torchrun and self.max_restarts:
             raise ConfigError(
                 "--max-restarts",
@@ -461,8 +353,8 @@ class CheckpointConfig:
     async_save: bool = False
 
     def __post_init__(self) -> None:
-        _positive("--save-every", self.save_every, 0)
-        _positive("--keep", self.keep)
+        positive("--save-every", self.save_every, 0)
+        positive("--keep", self.keep)
         if self.resume == "auto" and not self.save_dir:
             raise ConfigError(
                 "--resume", "auto", "needs --save-dir (where to look for checkpoints)"

@@ -45,3 +45,9 @@ class PeerFailure(BundleError, RuntimeError):
 
 class CheckpointError(BundleError, ValueError):
     """A checkpoint is missing, incomplete, or does not fit the model being trained."""
+
+
+def positive(key: str, value: int, minimum: int = 1) -> None:
+    """Refuse ``value`` for ``key`` unless it is an integer >= ``minimum``."""
+    if not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, value, f"must be an integer >= {minimum}")
