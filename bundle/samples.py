@@ -16,6 +16,13 @@ from torch.utils.data import Dataset, TensorDataset
 from bundle import log
 from bundle.errors import DataError
 
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of what is random in one step of one rank (dropout, a faulty bundle's noise,
+    PowerSGD's projections; ``rank`` may be any index): resumes draw the same."""
+    return ((seed * 1_000_003 + step) * 1_009 + rank) % 2**63
+
+
 # --skip-bad-samples reads at most this many candidates for one bad sample's stand-in: a dataset
 # that fails on every sample (a bug, not a bad file) stops soon instead of reading it all.
 _STAND_IN_TRIES = 32

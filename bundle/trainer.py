@@ -30,11 +30,6 @@ from bundle.session import Session, make_checkpointer, train_stream
 from bundle.topology import Topology
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of everything random in one step of one rank (dropout): resumes draw the same."""
-    return ((seed * 1_000_003 + step) * 1_009 + rank) % 2**63
-
-
 @dataclass
 class Run:
     """Where one process stands in the job: its rank, the attempt, the steps it trains."""
@@ -106,7 +101,7 @@ class Trainer:
         timer = self.engine.timer
         timer.begin(step)
         self.vote.begin()
-        torch.manual_seed(step_seed(self.run.cfg.train.seed, step, self.run.rank))
+        torch.manual_seed(samples.step_seed(self.run.cfg.train.seed, step, self.run.rank))
         self.lr_schedule.apply(self.session.optimizer, step)
         self.profiler.before(step)
         timer.lap(Mark.OTHER)

@@ -94,8 +94,7 @@ class Checkpointer:
         # The optimizer holding this rank's state; sharded: of the parameters it owns only.
         self.optimizer = holder(optimizer)
         self.sharded = self.optimizer is not optimizer
-        owned = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        self.owned = owned
+        self.owned = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         self.outer, self.hop = outer, hop
         # Bundles that meet every H steps differ between meetings: each saves its own state.
         self.prefix = f"bundle.{coord.bundle}." if outer is not None and coord.bundle else ""

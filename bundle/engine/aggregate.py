@@ -21,9 +21,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from bundle.config import parse_aggregate
 from bundle.errors import ConfigError
+from bundle.samples import step_seed
 
 BYZANTINE_ENV = "BUNDLE_BYZANTINE"
 FAULT_MODES = ("noise", "flip", "scale")
@@ -45,6 +47,13 @@ def combine(stacked: torch.Tensor, rule: str) -> torch.Tensor:
     return ordered[trim : n - trim].mean(dim=0)
 
 
+def gather_and_combine(t: torch.Tensor, group: dist.ProcessGroup, rule: str) -> torch.Tensor:
+    """Every group member's ``t``, combined by ``rule`` (the same result on every member)."""
+    parts = [torch.empty_like(t) for _ in range(group.size())]
+    dist.all_gather(parts, t, group=group)
+    return combine(torch.stack(parts), rule)
+
+
 @dataclass(frozen=True)
 class Fault:
     """Bundle ``bundle`` sends a corrupted contribution from step ``start`` (1-based) on."""
@@ -64,7 +73,7 @@ class Fault:
         elif self.mode == "scale":
             t.mul_(SCALE)
         else:
-            g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + self.bundle)
+            g = torch.Generator().manual_seed(step_seed(seed, step, self.bundle))
             t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t))
 
 

@@ -33,6 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from bundle.engine import aggregate
 from bundle.engine.aggregate import Fault
+from bundle.samples import step_seed
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -171,8 +172,7 @@ class PowerSGDHop(Hop):
                 g.add_(self.errors[p].view(g.shape))
         before = buf.clone()
         # The same draws on every replica, and on a resumed run, whatever ran before.
-        seed = ((self.seed * 1_000_003 + step) * 1009 + index) % 2**32
-        self.psgd.rng = np.random.RandomState(seed)
+        self.psgd.rng = np.random.RandomState(step_seed(self.seed, step, index) % 2**32)
         numel = self.psgd.total_numel_after_compression
         fut = psgd.powerSGD_hook(self.psgd, bucket)  # type: ignore[arg-type]
         sent = self.psgd.total_numel_after_compression - numel
@@ -209,17 +209,15 @@ class GatherHop(Hop):
 
     def __init__(self, group, comm, *, rule: str, shares: Sequence[float], **kw) -> None:
         super().__init__(group, comm, **kw)
-        self.size = group.size()
         self.rule = rule
-        self.shares = torch.tensor(shares, dtype=torch.float64)
+        self.share = shares[group.rank()]  # the masters' group is in bundle order
 
     def compressed(self, index, buf, params, step):
         nbytes = buf.numel() * buf.element_size()
         self.wire.add(nbytes, nbytes)
-        parts = [torch.empty_like(buf) for _ in range(self.size)]
-        dist.all_gather(parts, buf, group=self.group)
-        stacked = torch.stack(parts) * self.shares.to(buf)[:, None]
-        buf.copy_(aggregate.combine(stacked, self.rule))
+        # Each bundle's share scaled to a whole-batch estimate before the rule compares them.
+        mine = buf * self.share
+        buf.copy_(aggregate.gather_and_combine(mine, self.group, self.rule))
         return _done(buf)
 
 

@@ -87,9 +87,7 @@ class OuterSync:
                 dist.all_reduce(drift, group=self.masters_group)
                 drift /= self.masters_group.size()
             else:
-                parts = [torch.empty_like(drift) for _ in range(self.masters_group.size())]
-                dist.all_gather(parts, drift, group=self.masters_group)
-                drift = aggregate.combine(torch.stack(parts), self.rule)
+                drift = aggregate.gather_and_combine(drift, self.masters_group, self.rule)
             self.wire.add(nbytes, 0)
         if self.bundle_group is not None:
             dist.broadcast(drift, src=self.bundle_master, group=self.bundle_group)

@@ -52,6 +52,19 @@ TUNED = C.RunConfig(
 )
 
 
+# The data-parallel options' defaults: shared between nodes and recorded by checkpoints alike.
+DATA_PARALLEL_DEFAULTS = {
+    "zero": 0,
+    "grad_compression": "none",
+    "powersgd_rank": 4,
+    "compression_warmup": 10,
+    "bundle_sync": "step",
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "aggregate": "mean",
+}
+
+
 def shared(**sections):
     """DEFAULT's shared view with some sections' entries replaced."""
     view = {
@@ -62,14 +75,7 @@ def shared(**sections):
             "schedule": "1f1b",
             "grad_sync": "flat",
             "bucket_mb": 25.0,
-            "zero": 0,
-            "grad_compression": "none",
-            "powersgd_rank": 4,
-            "compression_warmup": 10,
-            "bundle_sync": "step",
-            "outer_lr": 0.7,
-            "outer_momentum": 0.9,
-            "aggregate": "mean",
+            **DATA_PARALLEL_DEFAULTS,
         },
         "model": {"name": "digits_cnn", "partition": None, "args": None, "loss": None},
         "data": {
@@ -138,14 +144,7 @@ RECORDED_DEFAULT = {
     "model": "digits_cnn",
     "dataset": "digits",
     "micro_batches": 1,
-    "zero": 0,
-    "grad_compression": "none",
-    "powersgd_rank": 4,
-    "compression_warmup": 10,
-    "bundle_sync": "step",
-    "outer_lr": 0.7,
-    "outer_momentum": 0.9,
-    "aggregate": "mean",
+    **DATA_PARALLEL_DEFAULTS,
     "batch_size": 64,
     "seed": 0,
     "lr": 0.05,
