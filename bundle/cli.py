@@ -63,6 +63,23 @@ def _merge_yaml(args: argparse.Namespace, explicit: set[str]) -> None:
             setattr(args, opt.dest, opt.from_yaml(value, f"{key} (in --config {args.config})"))
 
 
+def _merge_plan(args: argparse.Namespace, explicit: set[str]) -> None:
+    """--plan: the plan's options beat a --config file's; the command line must agree with them."""
+    from bundle import plan_file
+
+    run, args.placement = plan_file.load(args.plan)
+    for key, value in run.items():
+        opt = options.BY_YAML_KEY.get(str(key).replace("-", "_"))
+        if opt is None:
+            raise ConfigError(f"--plan {args.plan}: option", key, "is not a main.py option")
+        planned = opt.from_yaml(value, f"{key} (in --plan {args.plan})")
+        if opt.dest in explicit and getattr(args, opt.dest) != planned:
+            raise ConfigError(
+                opt.flag, getattr(args, opt.dest), f"disagrees with --plan {args.plan} ({value})"
+            )
+        setattr(args, opt.dest, planned)
+
+
 def _torchrun_layout(env: dict[str, str]) -> dict[str, Any]:
     # torchrun has laid out the nodes already; its environment beats the node flags.
     nproc = int(env["LOCAL_WORLD_SIZE"])
@@ -105,8 +122,17 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
         launch.update(allocation.launch_fields(launch["nproc_per_node"]))
     if args.DP_ONLY:
         _dp_only(args, parallel, launch)
+    parallel["placement"] = getattr(args, "placement", ())
     data["dataset"] = data["dataset"] or ("imagefolder" if data["root"] else "digits")
     cfg = options.build(values)
+    moved = [r for r, p in enumerate(cfg.parallel.placement) if p[0] != r // cfg.procs_per_node]
+    if torchrun and moved:
+        raise ConfigError(
+            "--plan",
+            args.plan,
+            f"places rank {moved[0]} off the node torchrun gives it (ranks "
+            "fill nodes in order there); start main.py on each node instead (docs/mixed-devices.md)",
+        )
     if allocation is not None:
         allocation.check_fits(cfg)
     return cfg
@@ -115,9 +141,11 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
 def parse(argv: list[str] | None, env: dict[str, str]) -> C.RunConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
+    explicit = set(vars(build_parser(suppress=True).parse_args(argv)))
     if args.config:
-        explicit = set(vars(build_parser(suppress=True).parse_args(argv)))
         _merge_yaml(args, explicit)
+    if args.plan:
+        _merge_plan(args, explicit)
     return to_config(args, env)
 
 

@@ -88,6 +88,10 @@ class ParallelConfig:
     outer_lr: float = field(default=0.7, metadata=RECORDED)  # diloco (DiLoCo's defaults)
     outer_momentum: float = field(default=0.9, metadata=RECORDED)
     aggregate: str = field(default="mean", metadata=RECORDED)  # mean | median | trimmed:K
+    # Mixed devices (docs/mixed-devices.md): each replica's share of a micro-batch's rows, per
+    # stage ("2:1,1"; "" even), and where each rank runs (a --plan file's placement; () in order).
+    row_weights: str = ""
+    placement: tuple[tuple[int, int | None, str, float | None], ...] = ()  # node, device, type, cpu
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:

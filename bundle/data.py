@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -267,7 +268,7 @@ class Shard:
 
     num_bundles: int
     micro_batches: int
-    width: int
+    width: int | tuple[Fraction, ...]  # replicas of the stage, or their row weights
     bundle: int
     replica: int
 

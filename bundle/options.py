@@ -153,6 +153,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(PAR, "--num-hp", None, kind=int, metavar="N",
            help="with --DP-ONLY: number of data-parallel processes "
                 "(unset: processes per node x nodes, else the shape total)"),
+    Option(PAR, "--row-weights", "parallel.row_weights", metavar="W:W,W,...",
+           help="each replica's share of a micro-batch's rows, per stage (stages by ',', replicas "
+                "by ':'), e.g. 2:1,1 for shape 2,1: a replica twice as fast takes twice the rows"),
     Option(PAR, "--micro-batches", "parallel.micro_batches", metavar="M",
            help="micro-batches per bundle batch"),
     Option(PAR, "--schedule", "parallel.schedule", choices=C.SCHEDULES, help="pipeline schedule"),
@@ -316,6 +319,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(OUT, "--config", None, kind=str, metavar="FILE.yaml", yaml=False,
            help="YAML of option values (keys as the long options, '-' or '_'); "
                 "the command line wins"),
+    Option(OUT, "--plan", None, kind=str, metavar="FILE.json[:I]", yaml=False,
+           help="run plan I (default 0, the best) of scripts/plan.py --json FILE.json exactly as "
+                "saved: shape, split, micro-batches, schedule, sync, row weights, placement"),
     Option(OUT, "--metrics-out", "metrics_out", metavar="FILE.jsonl",
            help="JSON lines of progress; the last line is the run summary"),
 

@@ -22,7 +22,7 @@ from bundle.engine.precision import DTYPES
 from bundle.errors import ConfigError, DataError
 from bundle.lr_schedule import LRSchedule, needs_epoch_length
 from bundle.plan import auto
-from bundle.runtime import devices
+from bundle.runtime import devices, throttle
 from bundle.runtime.preemption import parse_fault
 from bundle.topology import Topology
 
@@ -44,6 +44,7 @@ def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
     cfg = auto.resolve(cfg)
     topo = Topology.from_config(cfg)
     devices.check_devices(cfg, topo)
+    check_cpu_shares(cfg, topo)
     shapes = check_model(cfg, topo.num_stages)
     check_precision(cfg, devices.resolve_backend(cfg))
     check_lr_schedule(cfg)
@@ -53,6 +54,18 @@ def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
     aggregate.parse_fault(env.get(aggregate.BYZANTINE_ENV), topo.num_bundles)
     attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if cfg.launch.torchrun else 0
     return LaunchPlan(cfg, topo, check_resume(cfg, shapes, attempt), attempt)
+
+
+def check_cpu_shares(cfg: RunConfig, topo: Topology) -> None:
+    """A placement's ``cpu`` shares (emulated slower devices) need CPU quota cgroups on this node."""
+    backend = devices.torch_backend(devices.resolve_backend(cfg))
+    shares = throttle.cpu_shares(topo, range(topo.world_size), backend)
+    if not shares or (why := throttle.available()) is None:
+        return
+    ranks = ", ".join(f"{r}: {s:g}" for r, s in shares.items())
+    raise ConfigError(
+        "placement cpu", ranks, f"emulating slower devices needs CPU quota cgroups ({why})"
+    )
 
 
 def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:

@@ -241,7 +241,7 @@ def shard(topo: Topology, coord: Coord, micro_batches: int) -> data.Shard:
     return data.Shard(
         num_bundles=topo.num_bundles,
         micro_batches=micro_batches,
-        width=topo.shape[coord.stage],
+        width=topo.stage_weights(coord.stage),
         bundle=coord.bundle,
         replica=coord.replica,
     )

@@ -9,8 +9,10 @@ Ranks are laid out bundle-major; inside a bundle, stage 0's replicas come first:
     replica: 0    1    0  |  0    1    0
     node:    0    0    0  |  1    1    1
 
-A micro-batch of ``m`` rows is cut into contiguous row ranges, one per replica of a stage (sizes
-differ by at most one). Between stage ``s`` and ``s + 1`` replica ``i`` sends replica ``j`` exactly
+A micro-batch of ``m`` rows is cut into contiguous row ranges, one per replica of a stage: sizes
+that differ by at most one, or, with row weights (``--row-weights 2:1,1``: a replica on a device
+twice as fast takes twice the rows), sizes in proportion to the weights by largest remainder
+(:func:`weighted_sizes`). Between stage ``s`` and ``s + 1`` replica ``i`` sends replica ``j`` exactly
 the rows both own::
 
     m = 5, widths 2 -> 3
@@ -21,7 +23,9 @@ the rows both own::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -37,13 +41,107 @@ def split_sizes(total: int, parts: int) -> tuple[int, ...]:
     return tuple(base + 1 if i < extra else base for i in range(parts))
 
 
-def split_ranges(total: int, parts: int) -> tuple[tuple[int, int], ...]:
-    """Half-open ``[start, stop)`` ranges of :func:`split_sizes`."""
+def weighted_sizes(total: int, weights: tuple[Fraction, ...]) -> tuple[int, ...]:
+    """Sizes of contiguous pieces of ``total`` in proportion to ``weights`` (largest remainder:
+    each piece gets the floor of its exact share, then the rows left go one each to the largest
+    remainders, earlier pieces first on ties). Equal weights give :func:`split_sizes`."""
+    whole = sum(weights)
+    shares = [total * w / whole for w in weights]
+    sizes = [int(s) for s in shares]  # floor: shares are non-negative
+    order = sorted(range(len(weights)), key=lambda i: (-(shares[i] - sizes[i]), i))
+    for i in order[: total - sum(sizes)]:
+        sizes[i] += 1
+    return tuple(sizes)
+
+
+def _ranges(sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     ranges, start = [], 0
-    for size in split_sizes(total, parts):
+    for size in sizes:
         ranges.append((start, start + size))
         start += size
     return tuple(ranges)
+
+
+def split_ranges(total: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """Half-open ``[start, stop)`` ranges of :func:`split_sizes`."""
+    return _ranges(split_sizes(total, parts))
+
+
+def weighted_ranges(total: int, weights: tuple[Fraction, ...]) -> tuple[tuple[int, int], ...]:
+    """Half-open ``[start, stop)`` ranges of :func:`weighted_sizes`."""
+    return _ranges(weighted_sizes(total, weights))
+
+
+def parse_row_weights(spec: str, shape: tuple[int, ...]) -> tuple[tuple[Fraction, ...], ...]:
+    """``--row-weights``: stages separated by commas, a stage's replicas by colons (``2:1,1`` for
+    shape ``2,1``); one number for a stage weighs its replicas alike; ``W*N`` is N replicas of
+    weight W (``3.5*8:1*8``). Empty: every stage even."""
+    if not spec:
+        return tuple((Fraction(1),) * w for w in shape)
+    stages = spec.split(",")
+    if len(stages) != len(shape):
+        raise TopologyError(
+            "--row-weights",
+            spec,
+            f"give one entry per stage of shape {_shape(shape)} "
+            f"({len(shape)}), replicas separated by ':' (e.g. {_example(shape)})",
+        )
+    out = []
+    for s, (text, width) in enumerate(zip(stages, shape, strict=True)):
+        try:
+            weights = tuple(w for part in text.split(":") for w in _repeated(part))
+        except (ValueError, ZeroDivisionError):
+            weights = ()
+        if not weights or any(w <= 0 for w in weights):
+            raise TopologyError(
+                "--row-weights",
+                spec,
+                f"stage {s}: weights must be numbers > 0 (W, or W*N for N replicas of weight W)",
+            )
+        if len(weights) == 1:
+            weights *= width
+        if len(weights) != width:
+            raise TopologyError(
+                "--row-weights",
+                spec,
+                f"stage {s} has {width} replica(s) and {len(weights)} weights were given",
+            )
+        out.append(weights)
+    return tuple(out)
+
+
+def _repeated(part: str) -> tuple[Fraction, ...]:
+    """``W`` or ``W*N`` (N replicas of weight W); ValueError where either is not a number."""
+    weight, star, count = part.strip().partition("*")
+    n = int(count) if star else 1
+    if n < 1:
+        raise ValueError(part)
+    return (Fraction(weight.strip()),) * n
+
+
+def format_row_weights(weights: tuple[tuple[float | Fraction, ...], ...]) -> str:
+    """The ``--row-weights`` spelling of per-stage weights: a stage of equal weights as ``1``,
+    three or more equal neighbours as ``W*N``."""
+
+    def one(w: float | Fraction) -> str:
+        f = Fraction(w).limit_denominator(1000)
+        return str(f.numerator) if f.denominator == 1 else f"{float(f):g}"
+
+    def stage(ws: tuple[float | Fraction, ...]) -> str:
+        if len(set(ws)) == 1:
+            return "1"
+        runs = [(one(w), len(list(g))) for w, g in itertools.groupby(ws)]
+        return ":".join(":".join([w] * n) if n < 3 else f"{w}*{n}" for w, n in runs)
+
+    return ",".join(stage(ws) for ws in weights)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return ",".join(map(str, shape))
+
+
+def _example(shape: tuple[int, ...]) -> str:
+    return ",".join(":".join("1" for _ in range(w)) for w in shape)
 
 
 @dataclass(frozen=True)
@@ -69,30 +167,52 @@ def replica_rows(
     batch: int,
     num_bundles: int,
     micro_batches: int,
-    width: int,
+    width: int | tuple[Fraction, ...],
     bundle: int,
     micro: int,
     replica: int,
 ) -> tuple[int, int]:
     """Rows ``[start, stop)`` of a global batch of ``batch`` rows held by one replica of a stage of
-    ``width`` replicas, for micro-batch ``micro`` of ``bundle``."""
+    ``width`` replicas (or replicas of these row weights), for micro-batch ``micro`` of
+    ``bundle``."""
     bundle_ranges = split_ranges(batch, num_bundles)
     b0, b1 = bundle_ranges[bundle]
     m0, m1 = split_ranges(b1 - b0, micro_batches)[micro]
-    r0, r1 = split_ranges(m1 - m0, width)[replica]
+    r0, r1 = _stage_ranges(m1 - m0, width)[replica]
     return b0 + m0 + r0, b0 + m0 + r1
 
 
-def row_plan(rows: int, src_width: int, dst_width: int) -> tuple[Transfer, ...]:
-    """Every non-empty intersection of the two stages' row ranges, in (src, dst) order."""
+def _stage_ranges(rows: int, width: int | tuple[Fraction, ...]) -> tuple[tuple[int, int], ...]:
+    if isinstance(width, int):
+        return split_ranges(rows, width)
+    return weighted_ranges(rows, width)
+
+
+def row_plan(
+    rows: int, src_width: int | tuple[Fraction, ...], dst_width: int | tuple[Fraction, ...]
+) -> tuple[Transfer, ...]:
+    """Every non-empty intersection of the two stages' row ranges, in (src, dst) order (a width
+    or the stage's row weights)."""
     plan = []
-    dst_ranges = split_ranges(rows, dst_width)
-    for i, (a, b) in enumerate(split_ranges(rows, src_width)):
+    dst_ranges = _stage_ranges(rows, dst_width)
+    for i, (a, b) in enumerate(_stage_ranges(rows, src_width)):
         for j, (c, d) in enumerate(dst_ranges):
             lo, hi = max(a, c), min(b, d)
             if lo < hi:
                 plan.append(Transfer(i, j, lo, hi))
     return tuple(plan)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank runs (a plan's placement): its node, the local device index it drives (None:
+    its local rank, the default), the device type's name, and on CPU the fraction of one CPU it
+    may use (an emulated slower device; None: no limit)."""
+
+    node: int
+    device: int | None = None
+    kind: str = ""
+    cpu: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +224,10 @@ class Topology:
     procs_per_node: int
     global_batch: int
     micro_batches: int
+    # Per stage, each replica's share of a micro-batch's rows (parse_row_weights); () : even.
+    row_weights: tuple[tuple[Fraction, ...], ...] = ()
+    # Per rank, where it runs (a plan's placement); () : ranks fill the nodes in order.
+    placement: tuple[Place, ...] = field(default=(), compare=False)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Topology:
@@ -114,6 +238,12 @@ class Topology:
             procs_per_node=cfg.procs_per_node,
             global_batch=cfg.train.batch_size,
             micro_batches=cfg.parallel.micro_batches,
+            row_weights=(
+                parse_row_weights(cfg.parallel.row_weights, cfg.parallel.shape)
+                if cfg.parallel.row_weights
+                else ()
+            ),
+            placement=tuple(Place(*p) for p in cfg.parallel.placement),
         )
 
     def __post_init__(self) -> None:
@@ -132,6 +262,11 @@ class Topology:
             )
         if self.micro_batches < 1:
             raise TopologyError("--micro-batches", self.micro_batches, "must be >= 1")
+        if self.row_weights:
+            self._check_weighted_rows()
+            self._check_placement()
+            return
+        self._check_placement()
         smallest = self.global_batch // self.num_bundles // self.micro_batches
         if smallest < max(self.shape):
             need = max(self.shape) * self.micro_batches * self.num_bundles
@@ -142,6 +277,63 @@ class Topology:
                 f"{self.micro_batches} micro-batch(es) gives every one of the "
                 f"{max(self.shape)} replicas of the widest stage at least one row",
             )
+
+    def _check_weighted_rows(self) -> None:
+        if tuple(map(len, self.row_weights)) != self.shape:
+            raise TopologyError(
+                "--row-weights",
+                format_row_weights(self.row_weights),
+                f"give one weight per replica of shape {_shape(self.shape)}",
+            )
+        micro = sorted({m for b in range(self.num_bundles) for m in self.micro_sizes(b)})
+        for rows in micro:
+            for s, weights in enumerate(self.row_weights):
+                sizes = weighted_sizes(rows, weights)
+                if min(sizes) < 1:
+                    r = sizes.index(0)
+                    raise TopologyError(
+                        "--row-weights",
+                        format_row_weights(self.row_weights),
+                        f"a micro-batch of {rows} rows gives replica {r} of stage {s} no row "
+                        f"(rows {'/'.join(map(str, sizes))}); raise --batch-size, lower "
+                        "--micro-batches or even out the weights",
+                    )
+
+    def _check_placement(self) -> None:
+        if not self.placement:
+            return
+        if len(self.placement) != self.world_size:
+            raise TopologyError(
+                "placement",
+                f"{len(self.placement)} ranks",
+                f"must place each of the {self.world_size} processes",
+            )
+        seen: dict[tuple[int, int], int] = {}
+        for rank, p in enumerate(self.placement):
+            if not 0 <= p.node < self.num_nodes:
+                raise TopologyError(
+                    "placement",
+                    f"rank {rank} on node {p.node}",
+                    f"the job has nodes 0..{self.num_nodes - 1}",
+                )
+            if p.cpu is not None and p.cpu <= 0:
+                raise TopologyError("placement", f"rank {rank} cpu {p.cpu}", "must be > 0")
+            if p.device is not None:
+                other = seen.setdefault((p.node, p.device), rank)
+                if other != rank:
+                    raise TopologyError(
+                        "placement",
+                        f"rank {rank} on node {p.node} device {p.device}",
+                        f"rank {other} drives that device already",
+                    )
+        for node in range(self.num_nodes):
+            n = sum(p.node == node for p in self.placement)
+            if n != self.procs_per_node:
+                raise TopologyError(
+                    "placement",
+                    f"{n} processes on node {node}",
+                    f"every node runs {self.procs_per_node} (--nproc-per-node)",
+                )
 
     # -- sizes ---------------------------------------------------------------------------------
 
@@ -186,13 +378,29 @@ class Topology:
         raise AssertionError("unreachable")
 
     def node_of(self, rank: int) -> int:
+        if self.placement:
+            return self.placement[rank].node
         return rank // self.procs_per_node
 
     def local_rank(self, rank: int) -> int:
+        if self.placement:
+            return self.node_ranks(self.node_of(rank)).index(rank)
         return rank % self.procs_per_node
 
     def node_ranks(self, node: int) -> tuple[int, ...]:
+        if self.placement:
+            return tuple(r for r, p in enumerate(self.placement) if p.node == node)
         return tuple(range(node * self.procs_per_node, (node + 1) * self.procs_per_node))
+
+    def device_index(self, rank: int) -> int:
+        """The local device ``rank`` drives: its placement's, else its local rank."""
+        if self.placement and self.placement[rank].device is not None:
+            return self.placement[rank].device  # type: ignore[return-value]
+        return self.local_rank(rank)
+
+    def cpu_share(self, rank: int) -> float | None:
+        """The fraction of one CPU a plan gives ``rank`` (an emulated slower device), or None."""
+        return self.placement[rank].cpu if self.placement else None
 
     def describe(self, rank: int) -> str:
         """``rank R (node n, bundle b, stage s, replica r)``: how errors name a process."""
@@ -234,13 +442,28 @@ class Topology:
         """Rows of each micro-batch of ``bundle``."""
         return split_sizes(self.bundle_batches[bundle], self.micro_batches)
 
+    def stage_weights(self, stage: int) -> int | tuple[Fraction, ...]:
+        """How ``stage`` splits a micro-batch: its width (even rows) or its replicas' weights."""
+        return self.row_weights[stage] if self.row_weights else self.shape[stage]
+
+    def stage_ranges(self, stage: int, rows: int) -> tuple[tuple[int, int], ...]:
+        """Each replica's ``[start, stop)`` of a micro-batch of ``rows`` rows at ``stage``."""
+        return _stage_ranges(rows, self.stage_weights(stage))
+
+    def stage_sizes(self, stage: int, rows: int) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.stage_ranges(stage, rows))
+
+    def rows_fit(self, rows: int) -> bool:
+        """Whether a bundle batch of ``rows`` rows (one micro-batch) gives every replica a row."""
+        return all(min(self.stage_sizes(s, rows)) >= 1 for s in range(self.num_stages))
+
     def global_rows(self, bundle: int, micro: int, stage: int, replica: int) -> tuple[int, int]:
         """Rows of the global batch that this replica holds for one micro-batch."""
         return replica_rows(
             self.global_batch,
             self.num_bundles,
             self.micro_batches,
-            self.shape[stage],
+            self.stage_weights(stage),
             bundle,
             micro,
             replica,
@@ -250,12 +473,12 @@ class Topology:
         """What ``replica`` of ``stage`` sends forward for a micro-batch of ``rows`` rows."""
         if stage + 1 >= self.num_stages:
             return ()
-        plan = row_plan(rows, self.shape[stage], self.shape[stage + 1])
+        plan = row_plan(rows, self.stage_weights(stage), self.stage_weights(stage + 1))
         return tuple(t for t in plan if t.src == replica)
 
     def recvs(self, stage: int, replica: int, rows: int) -> tuple[Transfer, ...]:
         """What ``replica`` of ``stage`` receives from the previous stage for ``rows`` rows."""
         if stage == 0:
             return ()
-        plan = row_plan(rows, self.shape[stage - 1], self.shape[stage])
+        plan = row_plan(rows, self.stage_weights(stage - 1), self.stage_weights(stage))
         return tuple(t for t in plan if t.dst == replica)

@@ -128,7 +128,7 @@ class Trainer:
             f"{topo.num_bundles} bundle(s), {topo.world_size} processes, batch "
             f"{cfg.train.batch_size} in {topo.micro_batches} micro-batch(es), "
             f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync{_data_parallel(cfg)}, "
-            f"{precision.describe(cfg.compute)}, steps {run.start + 1}..{run.total} "
+            f"{_mixed(cfg, topo)}{precision.describe(cfg.compute)}, steps {run.start + 1}..{run.total} "
             f"({run.steps_per_epoch}/epoch)"
         )
 
@@ -203,6 +203,16 @@ def _data_parallel(cfg: RunConfig) -> str:
     if par.aggregate != "mean":
         said.append(f"{par.aggregate} of bundles")
     return f" ({', '.join(said)})" if said else ""
+
+
+def _mixed(cfg: RunConfig, topo: Topology) -> str:
+    """Rows by speed and a plan's device types per stage (docs/mixed-devices.md), if any."""
+    said = [f"rows {cfg.parallel.row_weights}"] if cfg.parallel.row_weights else []
+    if any(p.kind or p.cpu for p in topo.placement):
+        for s in range(topo.num_stages):
+            kinds = [topo.placement[topo.rank(0, s, r)] for r in range(topo.shape[s])]
+            said.append(f"stage {s} on " + "+".join(p.kind or f"cpu {p.cpu:g}" for p in kinds))
+    return "".join(f"{x}, " for x in said)
 
 
 def build_trainer(

@@ -342,4 +342,4 @@ def top_k_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...
 def eval_rows(batch_len: int, topo: Topology, bundle: int) -> int | None:
     """Rows of one bundle in an evaluation batch, or None where it cannot give every replica a row."""
     sizes = split_sizes(batch_len, topo.num_bundles)
-    return sizes[bundle] if min(sizes) >= max(topo.shape) else None
+    return sizes[bundle] if all(topo.rows_fit(n) for n in sizes) else None

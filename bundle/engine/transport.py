@@ -22,7 +22,7 @@ import torch.distributed as dist
 from bundle.engine.p2p import SIDE, boundary_peers
 from bundle.engine.schedule import Op
 from bundle.errors import PeerFailure
-from bundle.topology import Topology, Transfer, split_ranges
+from bundle.topology import Topology, Transfer
 
 # Posts one call (a list of point-to-point operations, and a function naming each of them for
 # errors, called only by a poster that reports them) and returns its works:
@@ -169,7 +169,7 @@ class Transport:
             topo, s = self.topo, self.stage
             peers = boundary_peers(topo, self.bundle, s, self.replica, side, rows)
             text = ", ".join(topo.describe(rank) for _, rank in peers)
-            self._plans[key] = _Plan(split_ranges(rows, topo.shape[s])[self.replica], peers, text)
+            self._plans[key] = _Plan(topo.stage_ranges(s, rows)[self.replica], peers, text)
         return self._plans[key]
 
     def _recv_buffers(self, op: Op, rows: int, slot: int) -> tuple[torch.Tensor, ...]:

@@ -10,6 +10,7 @@ Modules, from the data up:
 - ``watchdog``: the step watchdog and the groups' timeouts;
 - ``process``: one training process around its session and trainer (self-spawned or torchrun);
 - ``supervisor``: a node's workers started, watched, restarted and stopped;
+- ``throttle``: CPU quotas (cgroups) that emulate slower devices for a plan's ``cpu`` shares;
 - ``slurm``: a Slurm job step as the node layout;
 - ``localworld``: N loopback processes for tests and benchmarks.
 """

@@ -37,6 +37,31 @@ def check_devices(cfg: RunConfig, topo: Topology) -> None:
         if found:
             allowed += "; --share-gpus runs several processes per GPU (to test with fewer GPUs)"
         raise ConfigError("--nproc-per-node", topo.procs_per_node, allowed)
+    mine = topo.node_ranks(cfg.launch.node_rank) if cfg.launch.node_rank < topo.num_nodes else ()
+    for rank in mine:
+        index = topo.device_index(rank)
+        if index >= found and not cfg.launch.share_gpus:
+            raise ConfigError(
+                "--plan",
+                f"{topo.describe(rank)} on cuda:{index}",
+                f"this node has {found} CUDA device(s)",
+            )
+        check_precision(cfg.compute.precision, rank, index % found, topo)
+
+
+def check_precision(precision: str, rank: int, index: int, topo: Topology) -> None:
+    """bf16 needs compute capability 8.0 (A100 and later); a V100 or T4 is refused, by name."""
+    if precision != "bf16":
+        return
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 8:
+        name = torch.cuda.get_device_name(index)
+        raise ConfigError(
+            "--precision",
+            precision,
+            f"{topo.describe(rank)} runs on cuda:{index}, a {name} (compute capability "
+            f"{major}.{minor}) without bf16 arithmetic; use fp16 or fp32 there",
+        )
 
 
 def _interface_of(address: str) -> str | None:
@@ -76,15 +101,22 @@ def pin_gloo_interface(master: str, port: int) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
-def prepare_backend_env(backend: str, host: str, port: int, procs_per_node: int) -> None:
+def prepare_backend_env(
+    backend: str, host: str, port: int, procs_per_node: int, *, cpu_share: float | None = None
+) -> None:
     """Per-process settings made before any process group exists.
 
-    The CPU threads are shared out only on gloo (the process computes on the CPU). The gloo
+    The CPU threads are shared out only on gloo (the process computes on the CPU); a process
+    limited to ``cpu_share`` of one CPU (an emulated slower device) keeps a thread per whole CPU
+    of its share, at least one: more threads than that only wait on the quota together. The gloo
     interface is pinned whatever the backend: an NCCL job creates gloo groups too (the control
     and async groups), and those fail to connect across nodes the same way.
     """
     if backend == "gloo":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // procs_per_node))
+        threads = max(1, (os.cpu_count() or 1) // procs_per_node)
+        if cpu_share is not None:
+            threads = max(1, min(threads, int(cpu_share)))
+        torch.set_num_threads(threads)
     pin_gloo_interface(host, port)
 
 

@@ -31,6 +31,7 @@ from bundle.runtime.store import (
     start_abort_watch,
     store_barrier,
 )
+from bundle.runtime.throttle import own_quota
 from bundle.runtime.watchdog import StepWatchdog, group_timeout, watch_limit
 from bundle.session import build_session
 from bundle.topology import Topology
@@ -90,7 +91,8 @@ def worker_main(
     stop = StopRequest(shared=stop_shared, announce=stop_shared is None)
     stop.install(on_second=lambda signum: os._exit(exit_code(signum)))
     backend = torch_backend(resolve_backend(cfg))
-    prepare_backend_env(backend, host, port, topo.procs_per_node)
+    share = topo.cpu_share(rank) if backend == "gloo" else None
+    prepare_backend_env(backend, host, port, topo.procs_per_node, cpu_share=share)
     store = _job_store(cfg, topo, rank, host, port, attempt, host_store)
     me = topo.describe(rank)
     start_abort_watch(store, rank, me)
@@ -165,7 +167,7 @@ def _join(
     _arrive(cfg, topo, store, "start")
     # --share-gpus sets NCCL's multi-rank switch here, in the worker itself (self-spawned or
     # under torchrun alike), before NCCL first reads its environment.
-    device = device_for(backend, local_rank, share_gpus=cfg.launch.share_gpus)
+    device = device_for(backend, topo.device_index(rank), share_gpus=cfg.launch.share_gpus)
     # With NCCL, naming the device forms the world communicator now, with every rank: the
     # first batch_isend_irecv on the default group may then involve only two ranks (NCCL
     # requires all of a group's ranks in its first call otherwise), and sub-groups are split
@@ -246,6 +248,9 @@ def run_torchrun(
             env["WORLD_SIZE"],
             f"shape {','.join(map(str, topo.shape))} x {topo.num_bundles} bundle(s) needs {topo.world_size} processes",
         )
+    # No supervisor owns this process's CPU quota (an emulated slower device): it takes its own.
+    job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}.{os.getpid()}"
+    quota = own_quota(topo, int(env["RANK"]), torch_backend(resolve_backend(cfg)), job)
     code = worker_main(
         cfg,
         topo,
@@ -257,6 +262,7 @@ def run_torchrun(
         resume=resume,
         host_store=int(env["RANK"]) == 0 and env["TORCHELASTIC_USE_AGENT_STORE"] == "False",
     )
+    quota.release()
     # Leave as a self-spawned worker does, without interpreter teardown: it may destroy the store
     # client while the abort-watch thread is inside a call on it (std::terminate, SIGABRT).
     sys.stdout.flush()

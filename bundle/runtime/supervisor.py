@@ -37,6 +37,7 @@ from bundle import log
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig
 from bundle.errors import LaunchError, PeerFailure
+from bundle.runtime.devices import resolve_backend, torch_backend
 from bundle.runtime.preemption import StopRequest, exit_code, stop_line
 from bundle.runtime.process import spawned
 from bundle.runtime.store import (
@@ -47,6 +48,7 @@ from bundle.runtime.store import (
     read_abort,
     store_barrier,
 )
+from bundle.runtime.throttle import NodeQuotas, ThrottleError, cpu_shares
 from bundle.topology import Topology
 
 _POLL_S = 0.5
@@ -150,6 +152,9 @@ def _attempt(
         )
         for rank, step in step_now.items()
     }
+    # Emulated slower devices: the supervisor owns its workers' CPU quotas (runtime/throttle.py).
+    backend = torch_backend(resolve_backend(cfg))
+    quotas = NodeQuotas(cpu_shares(topo, procs, backend), f"{lc.master_port}.{os.getpid()}")
     for p in procs.values():
         p.start()
     running.clear()
@@ -161,6 +166,7 @@ def _attempt(
     beats: dict[int, tuple[int, float]] = {}
     outcome = Outcome(End.FAILED, why="the node supervisor lost its workers")
     try:
+        quotas.admit({rank: p.pid for rank, p in procs.items()})
         outcome = watch(
             procs,
             step_of=lambda rank: int(step_now[rank].value),
@@ -177,9 +183,12 @@ def _attempt(
                 else None
             )
             outcome = Outcome(End.FAILED, why=failure) if failure else outcome
+    except ThrottleError as exc:
+        outcome = Outcome(End.FAILED, why=post_abort(store, str(exc)))
     finally:
         _stop(procs.values(), grace=_KILL_GRACE_S if outcome.end is End.FAILED else 0.0)
         running.clear()
+        quotas.release()
     return outcome
 
 

@@ -28,7 +28,7 @@ from bundle import data
 from bundle.engine.nccl_emu import Emulator
 from bundle.runtime.localworld import run_world
 from bundle.session import build_session, train_stream
-from bundle.topology import Topology
+from bundle.topology import Topology, parse_row_weights, split_sizes
 from tests.support.reference import STEPS, TOL, equivalence_config, reference
 
 SHAPES = [(1,), (2,), (1, 1), (2, 1), (1, 2), (2, 3), (1, 1, 1), (2, 2, 1)]
@@ -46,14 +46,27 @@ VARIANTS = [
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
-def _hybrid(rank: int, world: int, shape, bundles, backend: str = "auto") -> list[str]:
+def _hybrid(
+    rank: int,
+    world: int,
+    shape,
+    bundles,
+    backend: str = "auto",
+    row_weights: str = "",
+    variants=VARIANTS,
+) -> list[str]:
     """Runs every variant in one world of processes; rank 0 returns the mismatches found."""
     failures, refs = [], {}
-    for schedule, micro, sync, precision, recompute in VARIANTS:
+    for schedule, micro, sync, precision, recompute in variants:
         model = "skip_mlp" if len(shape) > 1 and micro == 3 else "mlp"
         cfg = equivalence_config(shape, bundles, schedule, micro, sync, model, precision, recompute)
-        cfg = replace(cfg, launch=replace(cfg.launch, backend=backend))
+        cfg = replace(
+            cfg,
+            launch=replace(cfg.launch, backend=backend),
+            parallel=replace(cfg.parallel, row_weights=row_weights),
+        )
         name = f"{schedule} M={micro} {sync} {precision} recompute {recompute} {model}"
+        name += f" rows {row_weights}" if row_weights else ""
         topo = Topology.from_config(cfg)
         session = build_session(cfg, topo, rank, torch.device("cpu"))
         emulated = isinstance(
@@ -116,6 +129,33 @@ EMU_CASES = [((1, 1), 2), ((2, 3), 1), ((1, 1, 1), 1), ((2, 2, 1), 2)]
 )
 def test_hybrid_equals_single_process_under_nccl_emu(shape, bundles):
     results = run_world(sum(shape) * bundles, _hybrid, shape, bundles, "nccl-emu")
+    assert results[0] == [], "\n".join(results[0])
+
+
+# Rows by speed (--row-weights): each replica's share of a micro-batch follows its weight, so the
+# row ranges differ from the even split on every boundary (4 rows at 3:1 -> 3/1, at 1:1:2 -> 1/1/2,
+# 4 rows at 1:2 -> 1/3), through both schedules and syncs, one and three micro-batches; the wider
+# case under NCCL's ordering (nccl-emu), where peers differ between micro-batch sizes.
+WEIGHTED_CASES = [((2, 1), "3:1,1", "auto"), ((3, 2), "1:1:2,1:2", "nccl-emu")]
+FP32_VARIANTS = [v for v in VARIANTS if v[3] == "fp32" and v[4] == "never"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape,weights,backend", WEIGHTED_CASES, ids=[f"{w}-{b}" for _, w, b in WEIGHTED_CASES]
+)
+def test_weighted_rows_equal_single_process(shape, weights, backend):
+    topo = Topology(
+        shape=shape,
+        num_bundles=2,
+        procs_per_node=1,
+        global_batch=23,
+        micro_batches=3,
+        row_weights=parse_row_weights(weights, shape),
+    )
+    for stage, width in enumerate(shape):  # the weights move rows on every stage
+        assert topo.stage_sizes(stage, 4) != split_sizes(4, width) or width == 1
+    results = run_world(sum(shape) * 2, _hybrid, shape, 2, backend, weights, FP32_VARIANTS)
     assert results[0] == [], "\n".join(results[0])
 
 

@@ -76,6 +76,8 @@ def shared(**sections):
             "grad_sync": "flat",
             "bucket_mb": 25.0,
             **DATA_PARALLEL_DEFAULTS,
+            "row_weights": "",
+            "placement": [],
         },
         "model": {"name": "digits_cnn", "partition": None, "args": None, "loss": None},
         "data": {

@@ -134,3 +134,40 @@ def test_the_gloo_interface_is_pinned_for_every_backend(backend, monkeypatch):
     dev.prepare_backend_env(backend, "10.0.0.1", 29500, procs_per_node=2)
     assert pinned == [("10.0.0.1", 29500)]
     assert bool(threads) == (backend == "gloo")
+
+
+def _placed(devices: list[int], precision: str = "fp32") -> RunConfig:
+    return make_config(
+        parallel={
+            "shape": (len(devices),),
+            "placement": tuple((0, d, "gpu", None) for d in devices),
+        },
+        launch={"backend": "nccl"},
+        compute={"precision": precision},
+    )
+
+
+def test_a_plans_device_beyond_the_node_is_refused(gpus):
+    gpus(2)
+    _check(_placed([1, 0]))
+    with pytest.raises(ConfigError, match=r"rank 1 .* on cuda:2.*has 2 CUDA device"):
+        _check(_placed([0, 2]))
+
+
+@pytest.mark.parametrize("capability,refused", [((7, 0), True), ((8, 0), False)])
+def test_bf16_on_a_device_without_it_is_refused_naming_the_device(
+    gpus, monkeypatch, capability, refused
+):
+    gpus(2)
+    names = {0: "NVIDIA A100-SXM4-40GB", 1: "Tesla V100-SXM2-32GB"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+    monkeypatch.setattr(
+        torch.cuda, "get_device_capability", lambda i: (8, 0) if i == 0 else capability
+    )
+    if not refused:
+        _check(_placed([0, 1], "bf16"))
+        return
+    with pytest.raises(ConfigError) as err:
+        _check(_placed([0, 1], "bf16"))
+    assert "\n" not in str(err.value)
+    assert "rank 1" in str(err.value) and "Tesla V100-SXM2-32GB" in str(err.value)

@@ -17,7 +17,7 @@ def cfg(argv, env=None):
 
 # RunConfig fields no option fills, on purpose: set from torchrun's environment in to_config, and
 # by the planner when it resolves --bundle-shape/--partition auto.
-NOT_OPTIONS = {"launch.torchrun", "predicted_samples_per_s"}
+NOT_OPTIONS = {"launch.torchrun", "predicted_samples_per_s", "parallel.placement"}  # --plan's
 
 
 def leaf_fields(cls: type, prefix: str = "") -> set[str]:
@@ -45,7 +45,7 @@ def test_the_option_table_is_the_single_source(tmp_path):
     for opt in options.OPTIONS:
         assert (opt.flag if opt.flag.startswith("-") else opt.metavar) in text, opt.flag
     values = {opt.flag.lstrip("-"): opt.unset for opt in options.OPTIONS if opt.yaml}
-    assert [o.flag for o in options.OPTIONS if not o.yaml] == ["--config"]
+    assert [o.flag for o in options.OPTIONS if not o.yaml] == ["--config", "--plan"]
     path = tmp_path / "unset.yaml"
     path.write_text(yaml.safe_dump(values))
     assert cfg(["--config", str(path)]) == C.RunConfig()

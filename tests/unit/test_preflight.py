@@ -19,6 +19,7 @@ CHECKS = (
     "check_data",
     "resolve",
     "check_devices",
+    "check_cpu_shares",
     "check_model",
     "check_precision",
     "check_lr_schedule",
