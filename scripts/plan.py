@@ -9,8 +9,11 @@ engine's overheads and the loopback links (cached under ``--profile-cache``); wi
 ``--gpus-per-node`` or several ``--nodes`` and no cluster file, for nominal GPUs (the figures are
 named on stderr). With a cluster file,
 the device is estimated from FLOPs and bytes against its speed (or timed here when its speed is
-``measure``), and its links are the file's. Predictions are predictions: ``--validate`` says how
-far they are from measured runs on this machine.
+``measure``), and its links are the file's. A cluster file of several device types (e.g.
+``clusters/a100_8_v100_8.yaml``) is planned with placement and row weights too, against the plan
+chosen as if every device were alike; run a plan with ``main.py --plan plans.json[:i]``.
+Predictions are predictions: ``--validate`` says how far they are from measured runs on this
+machine.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 from pathlib import Path
 
 from bundle.config import PRECISIONS, RECOMPUTES, DataConfig
-from bundle.data import input_spec
+from bundle.data import TEXT_VOCAB, input_spec
 from bundle.errors import BundleError
 from bundle.plan import planner, report
 from bundle.plan import profile as prof
@@ -33,7 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="plan.py", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a registered model (see main.py --help)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch per step")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument(
+        "--nodes", type=int, help="nodes planned on (default: a mixed cluster's nodes, else 1)"
+    )
     p.add_argument(
         "--gpus-per-node",
         type=int,
@@ -42,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cluster", metavar="FILE.yaml", help="devices and links (clusters/*.yaml)")
     p.add_argument("--image-size", type=int, default=224, help="input side of image models")
     p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--seq-len", type=int, default=64, help="gpt: tokens per sample")
+    p.add_argument("--model-args", help="keyword arguments of the model's builder (main.py's)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--recompute", choices=RECOMPUTES, default="never")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size")
@@ -65,14 +72,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _request(args: argparse.Namespace, cluster) -> planner.Request:
     dataset = "digits" if args.model == "digits_cnn" else "synthetic"
-    classes, shape = input_spec(
-        DataConfig(dataset=dataset, image_size=args.image_size, num_classes=args.num_classes)
-    )
+    if args.model == "gpt":  # byte-level text: no file is read to plan
+        classes, shape = TEXT_VOCAB, (args.seq_len,)
+    else:
+        classes, shape = input_spec(
+            DataConfig(dataset=dataset, image_size=args.image_size, num_classes=args.num_classes)
+        )
     per_node = args.gpus_per_node or (cluster.devices_per_node if cluster else 2)
     return planner.Request(
         model=args.model,
         batch=args.batch_size,
-        nodes=args.nodes,
+        nodes=_nodes(args, cluster),
         per_node=per_node,
         input_shape=shape,
         num_classes=classes,
@@ -81,7 +91,14 @@ def _request(args: argparse.Namespace, cluster) -> planner.Request:
         bucket_mb=args.bucket_mb,
         max_stages=args.max_stages,
         max_micro=args.max_micro_batches,
+        model_args=args.model_args,
     )
+
+
+def _nodes(args: argparse.Namespace, cluster) -> int:
+    if args.nodes is not None:
+        return args.nodes
+    return cluster.nodes if cluster is not None and cluster.mixed else 1
 
 
 def _cluster(args: argparse.Namespace):
@@ -89,7 +106,7 @@ def _cluster(args: argparse.Namespace):
     machine, measured)."""
     if args.cluster:
         return load_cluster(args.cluster)
-    if args.gpus_per_node is None and args.nodes == 1:
+    if args.gpus_per_node is None and args.nodes in (None, 1):
         return None
     # Counts of GPUs say the plan is for GPUs, not for this machine: timing the model here
     # would be the wrong device (and, on a CPU, minutes of work for a large model).
@@ -99,7 +116,7 @@ def _cluster(args: argparse.Namespace):
         file=sys.stderr,
         flush=True,
     )
-    return nominal("cuda", args.nodes, args.gpus_per_node or 2)
+    return nominal("cuda", args.nodes or 1, args.gpus_per_node or 2)
 
 
 def plan(args: argparse.Namespace) -> dict:
@@ -108,9 +125,13 @@ def plan(args: argparse.Namespace) -> dict:
     planner.check(request, cluster)
     cache = prof.ProfileCache(args.profile_cache or None)
     cost = planner.cost_model(request, cluster=cluster, cache=cache)
-    ranked = planner.plan(request, cost)
+    mixed = planner.plan_mixed(request, cost) if cost.cluster.mixed else None
+    ranked = mixed.ranked if mixed else planner.plan(request, cost)
     extra = ["--dataset", "synthetic", "--image-size", str(args.image_size)]
     extra += ["--num-classes", str(args.num_classes)] if request.model != "digits_cnn" else []
+    if request.model == "gpt":  # add --data-file FILE.txt
+        extra = ["--dataset", "text", "--seq-len", str(args.seq_len)]
+    extra += ["--model-args", args.model_args] if args.model_args else []
     job = report.Job(
         model=request.model,
         batch=request.batch,
@@ -121,7 +142,10 @@ def plan(args: argparse.Namespace) -> dict:
     )
     top = ranked[: args.top]
     rows = [report.row(e, job, cost) for e in top]
-    dp = evaluate(cost, data_parallel(request.nodes, request.per_node), request.batch)
+    if mixed:
+        dp = mixed.data_parallel
+    else:
+        dp = evaluate(cost, data_parallel(request.nodes, request.per_node), request.batch)
     best = ranked[0]
     out = {
         "model": request.model,
@@ -136,21 +160,43 @@ def plan(args: argparse.Namespace) -> dict:
         "speedup_over_data_parallel": round(best.samples_per_s / dp.samples_per_s, 3),
         "simulated": len(ranked),
     }
+    if mixed:
+        out.update(_mixed_keys(mixed, best, job, cost))
     print(
         f"{request.model}, batch {request.batch}, {request.devices} devices on {cost.cluster.name}"
     )
-    print(report.table(rows, cost.cluster.memory_bytes))
+    print(report.table(rows, cost.cluster.memory_bytes, mixed=mixed is not None))
     fits = "" if dp.fits else " (does not fit in memory)"
     print(
         f"best plan: {best.samples_per_s:.1f} samples/s predicted, "
         f"{out['speedup_over_data_parallel']:.2f}x pure data parallelism "
         f"({dp.samples_per_s:.1f} samples/s{fits}); {len(ranked)} plans simulated"
     )
+    if mixed:
+        print(
+            f"{out['speedup_over_uniform']:.2f}x the plan chosen as if every device were alike "
+            f"({mixed.uniform.samples_per_s:.1f} samples/s on these devices), "
+            f"{out['speedup_over_weighted_data_parallel']:.2f}x data parallelism with "
+            f"speed-weighted rows ({mixed.weighted_data_parallel.samples_per_s:.1f} samples/s); "
+            "run a plan with: python main.py --plan plans.json[:i] (its run options and placement)"
+        )
     if args.png:
         shown = evaluate(cost, best.plan, request.batch, timeline=True)
         title = f"{request.model} {rows[0]['shape']} x{best.plan.num_bundles}"
         report.draw(args.png, shown, rows, title)
     return out
+
+
+def _mixed_keys(mixed, best, job: report.Job, cost) -> dict:
+    """What a mixed cluster's plans add: the uniform-assumption plan and weighted data parallel."""
+    return {
+        "uniform_plan": report.row(mixed.uniform, job, cost),
+        "speedup_over_uniform": round(best.samples_per_s / mixed.uniform.samples_per_s, 3),
+        "data_parallel_weighted": report.row(mixed.weighted_data_parallel, job, cost),
+        "speedup_over_weighted_data_parallel": round(
+            best.samples_per_s / mixed.weighted_data_parallel.samples_per_s, 3
+        ),
+    }
 
 
 def validate(args: argparse.Namespace) -> dict:

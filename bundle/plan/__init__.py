@@ -11,6 +11,7 @@ Modules, from the data up:
 - ``dataparallel``: the user's data-parallel options (compression, bundle sync, aggregation) costed;
 - ``simulate``: an event simulation of the engine's own schedule action lists;
 - ``search``: enumerate plans, split by a dynamic program, rank by simulated throughput;
+- ``mixed``: the search on several device types: placement, widths, split and row weights;
 - ``planner``: one request's checks, cost model and search;
 - ``report``: the ranked table, the JSON, the main.py command and the picture of a plan;
 - ``auto``: ``--bundle-shape auto`` / ``--partition auto`` for main.py.

@@ -1,6 +1,6 @@
 """The devices and links a plan runs on: a cluster file, or this machine as measured.
 
-A cluster file (YAML; ``clusters/`` ships two)::
+A cluster file (YAML; see ``clusters/``)::
 
     name: 4 x 4 V100 PCIe, 10 Gb/s Ethernet
     nodes: 4
@@ -17,6 +17,17 @@ A cluster file (YAML; ``clusters/`` ships two)::
     inter_node: {bandwidth_gbs: 1.25, latency_us: 50}
 
 Bandwidths are bytes per second in one direction of one link between two devices.
+
+A cluster of several device types names them under ``device_types`` (each as ``device`` above,
+plus ``cpu: 0.4`` beside ``speed: measure`` for a CPU process given that fraction of one CPU, an
+emulated slower device) and lists each node's devices in local-index order::
+
+    device_types:
+      A100: {name: A100 SXM4 40 GB, memory_gib: 40, speed: {...}}
+      V100: {name: Tesla V100 SXM2 32 GB, memory_gib: 32, speed: {...}}
+    nodes:
+      - {A100: 8}
+      - {V100: 8}
 """
 
 from __future__ import annotations
@@ -52,6 +63,24 @@ class Speed:
 
 
 @dataclass(frozen=True)
+class DeviceType:
+    """One kind of device of a mixed cluster."""
+
+    key: str  # its name in the cluster file ("A100")
+    name: str
+    memory_bytes: float
+    speed: Speed | None  # None: measure the model on this machine
+    cpu: float | None = None  # fraction of one CPU a process of this type gets (emulation)
+
+    def check_precision(self, precision: str) -> None:
+        if self.speed is not None and precision not in self.speed.peak_flops:
+            have = ", ".join(sorted(self.speed.peak_flops))
+            raise ConfigError(
+                "--precision", precision, f"{self.name} computes in {have} (cluster file)"
+            )
+
+
+@dataclass(frozen=True)
 class Cluster:
     name: str
     nodes: int
@@ -63,12 +92,28 @@ class Cluster:
     inter: Link
     # Measured collective throughput where it differs from point-to-point (gloo on loopback).
     collective: Link | None = None
+    # A mixed cluster: its device types, and per node the type (key) of each local device.
+    types: tuple[DeviceType, ...] = ()
+    kinds: tuple[tuple[str, ...], ...] = ()
 
     @property
     def devices(self) -> int:
         return self.nodes * self.devices_per_node
 
+    @property
+    def mixed(self) -> bool:
+        return bool(self.kinds)
+
+    def device_type(self, key: str) -> DeviceType:
+        return next(t for t in self.types if t.key == key)
+
+    def kind_of(self, node: int, device: int) -> str:
+        """The type key of a node's local device ("" on a cluster of one device type)."""
+        return self.kinds[node][device] if self.kinds else ""
+
     def check_precision(self, precision: str) -> None:
+        for t in self.types:
+            t.check_precision(precision)
         if self.speed is not None and precision not in self.speed.peak_flops:
             have = ", ".join(sorted(self.speed.peak_flops))
             raise ConfigError(
@@ -120,27 +165,74 @@ class _Reader:
             self.number(sec, "latency_us", f"{key}.", zero=True) * 1e-6,
         )
 
-    def speed(self, device: Mapping[str, Any]) -> Speed | None:
+    def speed(self, device: Mapping[str, Any], at: str = "device.") -> Speed | None:
         if device.get("speed") == "measure":
             return None
-        sec = self.section(device, "speed", "device.")
-        peaks = self.section(sec, "peak_tflops", "device.speed.")
+        sec = self.section(device, "speed", at)
+        peaks = self.section(sec, "peak_tflops", f"{at}speed.")
         unknown = sorted(set(peaks) - set(PRECISIONS))
         if unknown or not peaks:
             raise self.fail(
-                "device.speed.peak_tflops", dict(peaks), f"give one or more of {list(PRECISIONS)}"
+                f"{at}speed.peak_tflops", dict(peaks), f"give one or more of {list(PRECISIONS)}"
             )
-        efficiency = self.number(sec, "efficiency", "device.speed.")
+        efficiency = self.number(sec, "efficiency", f"{at}speed.")
         if efficiency > 1:
-            raise self.fail("device.speed.efficiency", efficiency, "must be a fraction in (0, 1]")
+            raise self.fail(f"{at}speed.efficiency", efficiency, "must be a fraction in (0, 1]")
         return Speed(
-            peak_flops={
-                p: self.number(peaks, p, "device.speed.peak_tflops.") * 1e12 for p in peaks
-            },
-            memory_bandwidth=self.number(sec, "memory_bandwidth_gbs", "device.speed.") * 1e9,
+            peak_flops={p: self.number(peaks, p, f"{at}speed.peak_tflops.") * 1e12 for p in peaks},
+            memory_bandwidth=self.number(sec, "memory_bandwidth_gbs", f"{at}speed.") * 1e9,
             efficiency=efficiency,
-            kernel_latency=self.number(sec, "kernel_latency_us", "device.speed.", zero=True) * 1e-6,
+            kernel_latency=self.number(sec, "kernel_latency_us", f"{at}speed.", zero=True) * 1e-6,
         )
+
+    def device_type(self, key: Any, doc: Any) -> DeviceType:
+        at = f"device_types.{key}."
+        if not isinstance(key, str) or not key:
+            raise self.fail("device_types", key, "names must be non-empty strings")
+        if not isinstance(doc, Mapping):
+            raise self.fail(at[:-1], doc, "must be a mapping (see clusters/*.yaml)")
+        unknown = sorted(set(doc) - _TYPE_KEYS)
+        if unknown:
+            raise self.fail(
+                at + unknown[0], doc[unknown[0]], f"is not a key; allowed: {sorted(_TYPE_KEYS)}"
+            )
+        speed = self.speed(doc, at)
+        cpu = None
+        if "cpu" in doc:
+            cpu = self.number(doc, "cpu", at)
+            if speed is not None or cpu > 1:
+                raise self.fail(at + "cpu", cpu, "a fraction in (0, 1] beside 'speed: measure'")
+        return DeviceType(
+            key=key,
+            name=self.text(doc, "name", at),
+            memory_bytes=self.number(doc, "memory_gib", at) * 2**30,
+            speed=speed,
+            cpu=cpu,
+        )
+
+    def node_kinds(
+        self, nodes: Any, types: Mapping[str, DeviceType]
+    ) -> tuple[tuple[str, ...], ...]:
+        if not isinstance(nodes, list) or not nodes:
+            raise self.fail("nodes", nodes, "must list each node's devices, e.g. - {A100: 8}")
+        out = []
+        for n, node in enumerate(nodes):
+            if not isinstance(node, Mapping) or not node:
+                raise self.fail(f"nodes[{n}]", node, "must map device types to counts")
+            kinds: list[str] = []
+            for key, count in node.items():
+                if key not in types:
+                    raise self.fail(
+                        f"nodes[{n}].{key}", count, f"is not a device type; have {sorted(types)}"
+                    )
+                if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                    raise self.fail(f"nodes[{n}].{key}", count, "must be an integer >= 1")
+                kinds += [key] * count
+            out.append(tuple(kinds))
+        if len({len(k) for k in out}) > 1:
+            counts = [len(k) for k in out]
+            raise self.fail("nodes", counts, "every node must have the same number of devices")
+        return tuple(out)
 
 
 # What a plan assumes of a device and its links when none is measured or given: several nodes
@@ -190,6 +282,8 @@ def describe_nominal(kind: str) -> str:
 
 
 _KEYS = {"name", "nodes", "devices_per_node", "device", "intra_node", "inter_node"}
+_MIXED_KEYS = {"name", "nodes", "device_types", "intra_node", "inter_node"}
+_TYPE_KEYS = {"name", "memory_gib", "speed", "cpu"}
 
 
 def load_cluster(path: str) -> Cluster:
@@ -205,6 +299,8 @@ def load_cluster(path: str) -> Cluster:
         raise ConfigError("--cluster", path, f"must be valid YAML ({exc})") from exc
     if not isinstance(doc, Mapping):
         raise ConfigError("--cluster", path, "must hold a mapping (see clusters/*.yaml)")
+    if "device_types" in doc:
+        return _load_mixed(r, doc)
     unknown = sorted(set(doc) - _KEYS)
     if unknown:
         raise r.fail(unknown[0], doc[unknown[0]], f"is not a key; allowed: {sorted(_KEYS)}")
@@ -218,4 +314,31 @@ def load_cluster(path: str) -> Cluster:
         speed=r.speed(device),
         intra=r.link(doc, "intra_node"),
         inter=r.link(doc, "inter_node"),
+    )
+
+
+def _load_mixed(r: _Reader, doc: Mapping[str, Any]) -> Cluster:
+    """A cluster file with ``device_types`` and a list of nodes."""
+    unknown = sorted(set(doc) - _MIXED_KEYS)
+    if unknown:
+        raise r.fail(unknown[0], doc[unknown[0]], f"is not a key; allowed: {sorted(_MIXED_KEYS)}")
+    sec = r.section(doc, "device_types")
+    types = {key: r.device_type(key, value) for key, value in sec.items()}
+    if not types:
+        raise r.fail("device_types", dict(sec), "must name one or more device types")
+    kinds = r.node_kinds(doc.get("nodes"), types)
+    used = [types[k] for k in dict.fromkeys(k for node in kinds for k in node)]
+    speeds = [t.speed for t in used]
+    return Cluster(
+        name=r.text(doc, "name"),
+        nodes=len(kinds),
+        devices_per_node=len(kinds[0]),
+        device_name=" + ".join(t.name for t in used),
+        memory_bytes=min(t.memory_bytes for t in used),
+        # The first type's speed stands for the cluster where one figure is asked for.
+        speed=speeds[0] if all(s is not None for s in speeds) else None,
+        intra=r.link(doc, "intra_node"),
+        inter=r.link(doc, "inter_node"),
+        types=tuple(used),
+        kinds=kinds,
     )

@@ -4,6 +4,9 @@
   (``profile.Timings``) or estimated by a roofline over the block's operators against the
   cluster's device; the engine's own per-action overhead (``Overheads``, measured once by
   ``calibrate``) on top. Recompute adds the stage's forward to each recomputed backward.
+- **Mixed devices**: a cluster of several device types has one cost model per type (``on``): its
+  roofline against that type's speed, or the measured timings divided by the type's CPU share
+  (an emulated slower device); a process is costed on its own device's model.
 - **Transfers**: bytes of the boundary tensors in their wire dtype / bandwidth + latency, over the
   intra- or inter-node link by where the two ranks sit.
 - **Collectives**: ring all-reduce ``2(n-1)/n * bytes / bandwidth + 2(n-1) * latency`` over the
@@ -22,13 +25,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from bundle.engine.schedule import Action, Op
 from bundle.plan.anatomy import Anatomy
-from bundle.plan.cluster import Cluster, Link, Speed
+from bundle.plan.cluster import Cluster, DeviceType, Link, Speed
 from bundle.plan.profile import Timings
 
 DDP_FIRST_BUCKET = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
@@ -134,10 +137,13 @@ class CostModel:
         recompute: str = "never",
         bucket_mb: float = 25.0,
         overlap: bool = True,
+        compute_scale: float = 1.0,
     ) -> None:
         if timings is None and cluster.speed is None:
             raise ValueError("a cluster whose device speed is 'measure' needs measured timings")
         self.anatomy, self.cluster = anatomy, cluster
+        self.timings = timings
+        self.compute_scale = compute_scale  # compute seconds x this (1 / a CPU share)
         self.overheads = overheads or Overheads()
         self.precision, self.recompute = precision, recompute
         self.bucket_bytes = bucket_mb * 2**20
@@ -150,12 +156,44 @@ class CostModel:
         self._prefix: dict[float, np.ndarray] = {}
         self.params = np.array([b.params for b in anatomy.blocks], dtype=float)
         self._act_scale = 0.5 if precision != "fp32" else 1.0
+        self._types = {t.key: self._for_type(t) for t in cluster.types}
+
+    def like(self, cluster: Cluster, *, compute_scale: float = 1.0) -> CostModel:
+        """This model's settings on another cluster (or device type)."""
+        return CostModel(
+            anatomy=self.anatomy,
+            cluster=cluster,
+            timings=self.timings if cluster.speed is None else None,
+            overheads=self.overheads,
+            precision=self.precision,
+            recompute=self.recompute,
+            bucket_mb=self.bucket_bytes / 2**20,
+            overlap=self.overlap,
+            compute_scale=compute_scale,
+        )
+
+    def _for_type(self, t: DeviceType) -> CostModel:
+        one = replace(
+            self.cluster,
+            device_name=t.name,
+            memory_bytes=t.memory_bytes,
+            speed=t.speed,
+            types=(),
+            kinds=(),
+        )
+        return self.like(one, compute_scale=1.0 / t.cpu if t.cpu else 1.0)
+
+    def on(self, kind: str) -> CostModel:
+        """The cost model of one device type ("" or a single-type cluster: this one)."""
+        return self._types.get(kind, self)
 
     # -- compute ---------------------------------------------------------------------------------
 
     def block_times(self, rows: float) -> tuple[np.ndarray, np.ndarray, float]:
         if rows not in self._times:
-            self._times[rows] = self._source.at(rows)
+            fwd, bwd, loss = self._source.at(rows)
+            k = self.compute_scale
+            self._times[rows] = (fwd * k, bwd * k, loss * k) if k != 1.0 else (fwd, bwd, loss)
         return self._times[rows]
 
     def prefix(self, rows: float) -> np.ndarray:
@@ -270,7 +308,7 @@ class CostModel:
     def optimizer(self, a: int, b: int) -> float:
         params = float(self.params[a:b].sum())
         if isinstance(self._source, Timings):
-            return params * self._source.optimizer_per_param
+            return params * self._source.optimizer_per_param * self.compute_scale
         speed = _speed(self.cluster)
         return params * _OPTIMIZER_BYTES / (speed.memory_bandwidth * speed.efficiency)
 

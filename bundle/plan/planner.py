@@ -18,6 +18,7 @@ from bundle.plan import profile as prof
 from bundle.plan.cluster import NOMINAL, Cluster
 from bundle.plan.cost import CostModel, Overheads
 from bundle.plan.dataparallel import DataParallel
+from bundle.plan.mixed import MixedResult, mixed_search
 from bundle.plan.search import Evaluated, search
 
 
@@ -78,7 +79,14 @@ def check(request: Request, cluster: Cluster | None) -> None:
         raise ConfigError(
             "--nodes", request.nodes, f"the cluster '{cluster.name}' has {cluster.nodes}"
         )
-    cluster.check_precision(request.precision)
+    if not cluster.mixed:
+        cluster.check_precision(request.precision)
+        return
+    # Only the devices planned on must compute in the precision (--nodes 1: the first node's).
+    used = {cluster.kind_of(n, i) for n in range(request.nodes) for i in range(request.per_node)}
+    for t in cluster.types:
+        if t.key in used:
+            t.check_precision(request.precision)
 
 
 @contextlib.contextmanager
@@ -219,6 +227,19 @@ def cost_model(
 def plan(request: Request, cost: CostModel) -> list[Evaluated]:
     """Every plan the search simulated, best first."""
     return search(
+        cost,
+        nodes=request.nodes,
+        per_node=request.per_node,
+        batch=request.batch,
+        max_stages=request.max_stages,
+        max_micro=request.max_micro,
+        dp=request.dp,
+    )
+
+
+def plan_mixed(request: Request, cost: CostModel) -> MixedResult:
+    """A cluster of several device types: placement, widths, split and row weights searched."""
+    return mixed_search(
         cost,
         nodes=request.nodes,
         per_node=request.per_node,

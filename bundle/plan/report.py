@@ -12,6 +12,7 @@ from typing import Any
 from bundle.plan.cost import CostModel
 from bundle.plan.search import Evaluated, Plan
 from bundle.plan.simulate import COMPUTE, OPTIMIZER, SEND, SYNC, WAIT
+from bundle.topology import format_row_weights
 
 _GIB = 2**30
 
@@ -33,8 +34,58 @@ def split_names(plan: Plan, cost: CostModel) -> list[str]:
     return [names[i] for i in plan.starts]
 
 
+def weights(plan: Plan) -> str:
+    """The plan's ``--row-weights`` ("" : even rows)."""
+    return format_row_weights(plan.row_weights) if plan.row_weights else ""
+
+
+def places(plan: Plan, cost: CostModel) -> list[dict[str, Any]]:
+    """Where each rank runs, in bundle-major rank order (nodes filled in order without one)."""
+    out = []
+    for r in range(plan.processes):
+        if plan.placement:
+            p = plan.placement[r]
+            node, device, kind, cpu = p.node, p.device, p.kind, p.cpu
+        else:
+            (node, device), kind, cpu = divmod(r, plan.procs_per_node), "", None
+        kind = kind or cost.cluster.device_name
+        out.append({"node": node, "device": device, "type": kind, "cpu": cpu})
+    return out
+
+
+def run_options(plan: Plan, job: Job, cost: CostModel) -> dict[str, Any]:
+    """The plan as main.py's ``--config`` keys (what ``main.py --plan`` reads)."""
+    run: dict[str, Any] = {
+        # The model and batch the plan was made for: another given with --plan is refused.
+        "model": job.model,
+        "batch_size": job.batch,
+        "bundle_shape": ",".join(map(str, plan.shape)),
+        "num_bundle": plan.num_bundles,
+        "micro_batches": plan.micro_batches,
+        "schedule": plan.schedule,
+        "grad_sync": plan.grad_sync,
+        "row_weights": weights(plan),
+        "nproc_per_node": plan.procs_per_node,
+        "num_nodes": -(-plan.processes // plan.procs_per_node),
+    }
+    given = dict(zip(job.extra[::2], job.extra[1::2], strict=True))
+    if "--model-args" in given:
+        run["model_args"] = given["--model-args"]
+    if len(plan.shape) > 1:
+        run["partition"] = ",".join(split_names(plan, cost))
+    flags = plan.dp.flags()
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        run[flag[2:].replace("-", "_")] = int(value) if value.isdigit() else value
+    if job.precision != "fp32":
+        run["precision"] = job.precision
+    if job.recompute != "never":
+        run["recompute"] = job.recompute
+    return run
+
+
 def command(plan: Plan, job: Job, cost: CostModel) -> str:
-    """The main.py command that runs ``plan`` (one per node: add --rank and --IP on each)."""
+    """The main.py command that runs ``plan`` (one per node: add --rank and --IP on each; a plan
+    placed on mixed devices runs with ``--plan plans.json:i``, which also carries the placement)."""
     args = ["python", "main.py", "--model", job.model, "--batch-size", str(job.batch)]
     args += [
         "--bundle-shape",
@@ -44,6 +95,8 @@ def command(plan: Plan, job: Job, cost: CostModel) -> str:
     ]
     if len(plan.shape) > 1:
         args += ["--partition", ",".join(split_names(plan, cost))]
+    if plan.row_weights:
+        args += ["--row-weights", weights(plan)]
     args += ["--micro-batches", str(plan.micro_batches), "--schedule", plan.schedule]
     args += ["--grad-sync", plan.grad_sync, *plan.dp.flags()]
     if job.nodes > 1:
@@ -87,15 +140,35 @@ def row(e: Evaluated, job: Job, cost: CostModel) -> dict[str, Any]:
         ],
         "fits": e.fits,
         "command": command(p, job, cost),
+        "row_weights": weights(p),
+        "placement": places(p, cost),
+        "run": run_options(p, job, cost),
     }
+
+
+def stage_devices(r: dict[str, Any]) -> str:
+    """Which device types serve which stage (bundle 0), e.g. ``stage 0: 8 A100; stage 1: 8 V100``."""
+    out, rank = [], 0
+    for s, width in enumerate(r["shape"]):
+        kinds: dict[str, int] = {}
+        for p in r["placement"][rank : rank + width]:
+            kinds[p["type"]] = kinds.get(p["type"], 0) + 1
+        nodes = sorted({p["node"] for p in r["placement"][rank : rank + width]})
+        where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {','.join(map(str, nodes))}"
+        out.append(
+            f"stage {s}: " + " + ".join(f"{n} {k}" for k, n in kinds.items()) + f" ({where})"
+        )
+        rank += width
+    return "; ".join(out)
 
 
 def _ms(values: Iterable[float]) -> str:
     return "/".join(f"{v * 1e3:.1f}" for v in values)
 
 
-def table(rows: list[dict[str, Any]], device_memory: float) -> str:
-    """The ranked plans as text, one line each, then each plan's command."""
+def table(rows: list[dict[str, Any]], device_memory: float, *, mixed: bool = False) -> str:
+    """The ranked plans as text, one line each, then each plan's command; ``mixed``: under each
+    plan its row weights (where not even) and which device types serve which stage."""
     head = (
         f"{'#':>2} {'shape':<12} {'b':>2} {'M':>3} {'sched':<5} {'sync':<5} {'samples/s':>10} "
         f"{'stage ms':<16} {'bubble':>6} {'sync ms':>7} {'GiB/dev':>8}  split"
@@ -111,6 +184,9 @@ def table(rows: list[dict[str, Any]], device_memory: float) -> str:
             f"{r['bubble']:>6.1%} {r['grad_sync_s'] * 1e3:>7.1f} {mem:>8.2f}  "
             f"{','.join(r['split'])}{fit}"
         )
+        if mixed:
+            rw = f"row weights {r['row_weights']}; " if r["row_weights"] else "even rows; "
+            lines.append(f"{'':>3}{rw}{stage_devices(r)}")
     if math.isfinite(device_memory):
         lines.append(f"device memory {device_memory / _GIB:.1f} GiB")
     else:  # a nominal device: no capacity to check plans against
@@ -153,7 +229,11 @@ def draw(path: str, best: Evaluated, rows: list[dict[str, Any]], title: str) -> 
             [(span.start * 1e3, (span.end - span.start) * 1e3)], band, facecolors=_COLOURS[kind]
         )
     stage_of = dict(zip(best.sim.ranks, best.sim.stage_of, strict=True))
-    ax.set_yticks(range(len(ranks)), [f"rank {r} (stage {stage_of[r]})" for r in ranks])
+    place = best.plan.placement
+    ax.set_yticks(
+        range(len(ranks)),
+        [f"rank {r} (stage {stage_of[r]}{', ' + place[r].kind if place else ''})" for r in ranks],
+    )
     ax.invert_yaxis()
     ax.set_xlabel("ms (simulated)")
     ax.set_title(f"best plan: {title}")

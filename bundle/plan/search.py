@@ -19,6 +19,7 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from bundle.errors import ConfigError
 from bundle.plan.cost import CostModel, Memory
 from bundle.plan.dataparallel import EXACT, DataParallel, HopCost
 from bundle.plan.simulate import Layout, SimResult, simulate
-from bundle.topology import Topology, split_sizes
+from bundle.topology import Place, Topology
 
 SYNCS = ("flat", "hierarchical")
 
@@ -43,6 +44,8 @@ class Plan:
     schedule: str = "1f1b"
     grad_sync: str = "flat"
     dp: DataParallel = DataParallel()
+    row_weights: tuple[tuple[Fraction, ...], ...] = ()  # () : even rows (bundle.plan.mixed)
+    placement: tuple[Place, ...] = ()  # () : ranks fill the nodes in order
 
     @property
     def processes(self) -> int:
@@ -59,6 +62,8 @@ class Plan:
             batch=batch,
             procs_per_node=self.procs_per_node,
             dp=self.dp,
+            row_weights=self.row_weights,
+            placement=self.placement,
         )
 
 
@@ -253,7 +258,9 @@ def _canonical(plan: Plan) -> Plan:
     (the same rows per replica, the same stage group): named the ``--DP-ONLY`` way."""
     flat = not plan.dp.two_hops(plan.grad_sync)
     if len(plan.shape) == 1 and flat and plan.num_bundles > 1:
-        return replace(plan, shape=(plan.processes,), num_bundles=1)
+        # Ranks keep their places; the bundles' row weights line up one after another.
+        weights = (plan.row_weights[0] * plan.num_bundles,) if plan.row_weights else ()
+        return replace(plan, shape=(plan.processes,), num_bundles=1, row_weights=weights)
     return plan
 
 
@@ -324,25 +331,46 @@ def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False)
     policy = Policy(recompute=cost.recompute)
     hop = HopCost(cost, plan.dp)
     ddp = not plan.dp.two_hops(plan.grad_sync)
-    memory, compute = [], []
+    memory, compute, fits = [], [], True
     for s, (a, b) in enumerate(zip(plan.starts, ends, strict=True)):
         acts = actions(plan.schedule, s, S, M)
-        rows = [split_sizes(m, plan.shape[s])[0] for m in topo.micro_sizes(0)]
         synced = len(topo.stage_group(s)) > 1
-        mem = cost.memory(
-            a,
-            b,
-            acts=acts,
-            rows=rows,
-            recomputed=policy.recomputes(acts, M),
-            synced=synced,
-            ddp=ddp,
-        )
+        state = 0.0
         if synced:
             largest = max((n for _, n in cost.buckets(a, b, ddp=ddp)), default=0.0)
             state = hop.state_bytes(a, b, largest_bucket=largest, bundles=plan.num_bundles)
-            mem = replace(mem, data_parallel=state)
-        memory.append(mem)
+        # Each replica against its own device's memory (rows differ under row weights); the
+        # stage's figure is its replica with the most rows.
+        per_replica = []
+        for i in _distinct_replicas(plan, topo, s):
+            rows = [topo.stage_sizes(s, m)[i] for m in topo.micro_sizes(0)]
+            mem = cost.memory(
+                a,
+                b,
+                acts=acts,
+                rows=rows,
+                recomputed=policy.recomputes(acts, M),
+                synced=synced,
+                ddp=ddp,
+            )
+            mem = replace(mem, data_parallel=state) if synced else mem
+            per_replica.append((rows[0], mem))
+            fits &= all(
+                mem.total <= _device_memory(cost, plan, topo.rank(bb, s, i))
+                for bb in range(plan.num_bundles if plan.placement else 1)
+            )
+        memory.append(max(per_replica, key=lambda x: x[0])[1])
         compute.append(max(t for t, st in zip(sim.busy, sim.stage_of, strict=True) if st == s))
-    fits = all(m.total <= cost.cluster.memory_bytes for m in memory)
     return Evaluated(plan, sim, batch / sim.step_time, memory, fits, compute)
+
+
+def _distinct_replicas(plan: Plan, topo: Topology, s: int) -> list[int]:
+    """Replicas of stage ``s`` whose memory differs: one where rows are even on one device type."""
+    if not plan.row_weights and not plan.placement:
+        return [0]
+    return list(range(topo.shape[s]))
+
+
+def _device_memory(cost: CostModel, plan: Plan, rank: int) -> float:
+    kind = plan.placement[rank].kind if plan.placement else ""
+    return cost.on(kind).cluster.memory_bytes

@@ -2,7 +2,8 @@
 
 Every replica of bundle 0 (bundles are alike) runs ``bundle.engine.schedule.actions(...)`` for its stage
 in order, each action at the earliest time it can: a forward or backward takes the stage's
-compute time at the rows this replica holds (``Topology.global_rows``: the engine's row split); a
+compute time at the rows this replica holds (``Topology.global_rows``: the engine's row split, even
+or by row weights) on its own device (``CostModel.on`` its placement's device type); a
 send hands each peer of the topology's row plan its rows, over the link between the two ranks'
 nodes (transfers between one pair of ranks queue behind each other); a receive waits until every
 transfer of its micro-batch has arrived. No schedule logic lives here: change a schedule and the
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from bundle.engine.precision import Policy
 from bundle.engine.schedule import Action, Op, actions, peak_in_flight
 from bundle.errors import ScheduleError
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import DataParallel, HopCost
-from bundle.topology import Topology, Transfer, split_sizes
+from bundle.topology import Place, Topology, Transfer
 
 COMPUTE, WAIT, SEND, SYNC, OPTIMIZER = "compute", "wait", "send", "sync", "optimizer"
 
@@ -55,6 +57,8 @@ class Layout:
     batch: int
     procs_per_node: int
     dp: DataParallel = DataParallel()  # the user's options, costed as given
+    row_weights: tuple[tuple[Fraction, ...], ...] = ()  # () : even rows
+    placement: tuple[Place, ...] = ()  # () : ranks fill the nodes in order, on one device type
 
     def topology(self) -> Topology:
         return Topology(
@@ -63,6 +67,8 @@ class Layout:
             procs_per_node=self.procs_per_node,
             global_batch=self.batch,
             micro_batches=self.micro_batches,
+            row_weights=self.row_weights,
+            placement=self.placement,
         )
 
 
@@ -95,18 +101,20 @@ def _stage_bounds(layout: Layout, n_blocks: int) -> list[tuple[int, int]]:
 
 def simulate(layout: Layout, cost: CostModel, *, timeline: bool = False) -> SimResult:
     """Simulate one step of ``layout``; ``timeline`` keeps every span (for pictures)."""
-    sim = _Simulation(layout, cost, timeline=timeline)
-    sim.run_actions()
-    return sim.finish()
+    topo = layout.topology()
+    sims = [_Simulation(layout, cost, timeline=timeline, bundle=b) for b in _distinct_bundles(topo)]
+    for sim in sims:  # bundles meet only in the gradient sync
+        sim.run_actions()
+    return _finish(sims)
 
 
-Replica = tuple[int, int]  # (stage, replica) in bundle 0
+Replica = tuple[int, int]  # (stage, replica) in the bundle simulated
 
 
 class _Simulation:
     """Every replica's clock, position in its action list and transfers in flight."""
 
-    def __init__(self, layout: Layout, cost: CostModel, *, timeline: bool) -> None:
+    def __init__(self, layout: Layout, cost: CostModel, *, timeline: bool, bundle: int = 0) -> None:
         topo = layout.topology()
         S, M = topo.num_stages, topo.micro_batches
         if len(layout.starts) != S:
@@ -114,17 +122,19 @@ class _Simulation:
         self.layout, self.cost, self.topo, self.timeline = layout, cost, topo, timeline
         self.bounds = _stage_bounds(layout, cost.n)
         self.hop = HopCost(cost, layout.dp)
-        self.sizes = topo.micro_sizes(0)
+        self.sizes = topo.micro_sizes(bundle)
         policy = Policy(recompute=cost.recompute)
         procs = [(s, i) for s in range(S) for i in range(topo.shape[s])]
         self.procs = procs
-        self.rank = {p: topo.rank(0, *p) for p in procs}
+        self.rank = {p: topo.rank(bundle, *p) for p in procs}
         self.node = {p: topo.node_of(self.rank[p]) for p in procs}
         self.lists = {p: actions(layout.schedule, p[0], S, M) for p in procs}
         self.recomputed = {p: policy.recomputes(self.lists[p], M) for p in procs}
         self.rows = {
-            p: [split_sizes(self.sizes[k], topo.shape[p[0]])[p[1]] for k in range(M)] for p in procs
+            p: [topo.stage_sizes(p[0], self.sizes[k])[p[1]] for k in range(M)] for p in procs
         }
+        place = topo.placement
+        self.dev = {p: cost.on(place[self.rank[p]].kind if place else "") for p in procs}
         self.clock = dict.fromkeys(procs, 0.0)
         self.pc = dict.fromkeys(procs, 0)
         self.busy = dict.fromkeys(procs, 0.0)
@@ -184,10 +194,10 @@ class _Simulation:
     def _compute(self, p: Replica, a: Action) -> None:
         k, (lo, hi) = a.micro, self.bounds[p[0]]
         if a.op is Op.FORWARD:
-            d = self.cost.forward(lo, hi, self.rows[p][k])
+            d = self.dev[p].forward(lo, hi, self.rows[p][k])
             label = f"F{k}"
         else:
-            d = self.cost.backward(lo, hi, self.rows[p][k], recompute=self.recomputed[p][k])
+            d = self.dev[p].backward(lo, hi, self.rows[p][k], recompute=self.recomputed[p][k])
             self.last_bwd[p] = (self.clock[p], self.clock[p] + d)
             label = f"B{k}"
         self.span(p, COMPUTE, label, self.clock[p], self.clock[p] + d)
@@ -223,44 +233,67 @@ class _Simulation:
                 )
                 raise ScheduleError(f"the schedules wait on each other: {stuck}")
 
-    def finish(self) -> SimResult:
-        """After its actions a replica waits for its sends, its stage's sync, the optimizer."""
-        procs, cost = self.procs, self.cost
-        done = {p: max(self.clock[p], self.sent[p]) for p in procs}
-        finish, sync_wait = {}, {}
-        for s in range(self.topo.num_stages):
-            members = [p for p in procs if p[0] == s]
-            synced = _sync(self, s, members, done)
-            for p in members:
-                ready = max(done[p], synced)
-                sync_wait[p] = ready - done[p]
-                self.span(p, SYNC, "sync", done[p], ready)
-                opt = cost.optimizer(*self.bounds[s])
-                self.span(p, OPTIMIZER, "optimizer", ready, ready + opt)
-                finish[p] = ready + opt + cost.overheads.step
-        return SimResult(
-            step_time=max(finish.values()),
-            ranks=[self.rank[p] for p in procs],
-            stage_of=[p[0] for p in procs],
-            busy=[self.busy[p] for p in procs],
-            sync=[sync_wait[p] for p in procs],
-            peak_in_flight=[peak_in_flight(self.lists[p]) for p in procs],
-            timeline=self.spans,
-        )
+
+Member = tuple[int, Replica]  # (index of the bundle simulated, replica)
 
 
-def _sync(sim: _Simulation, s: int, members: list[Replica], done: dict[Replica, float]) -> float:
-    """When stage ``s``'s gradients are summed over its stage group (every bundle alike)."""
+def _finish(sims: list[_Simulation]) -> SimResult:
+    """After its actions a replica waits for its sends, its stage's sync, the optimizer."""
+    done = {(j, p): max(sim.clock[p], sim.sent[p]) for j, sim in enumerate(sims) for p in sim.procs}
+    finish, sync_wait = {}, {}
+    for s in range(sims[0].topo.num_stages):
+        members = [m for m in done if m[1][0] == s]
+        synced = _sync(sims, s, members, done)
+        for m in members:
+            sim, p = sims[m[0]], m[1]
+            ready = max(done[m], synced)
+            sync_wait[m] = ready - done[m]
+            sim.span(p, SYNC, "sync", done[m], ready)
+            opt = sim.dev[p].optimizer(*sim.bounds[s])
+            sim.span(p, OPTIMIZER, "optimizer", ready, ready + opt)
+            finish[m] = ready + opt + sim.cost.overheads.step
+    order = list(done)
+    return SimResult(
+        step_time=max(finish.values()),
+        ranks=[sims[j].rank[p] for j, p in order],
+        stage_of=[p[0] for _, p in order],
+        busy=[sims[j].busy[p] for j, p in order],
+        sync=[sync_wait[m] for m in order],
+        peak_in_flight=[peak_in_flight(sims[j].lists[p]) for j, p in order],
+        timeline=[span for sim in sims for span in sim.spans],
+    )
+
+
+def _distinct_bundles(topo: Topology) -> list[int]:
+    """Bundles to simulate: one per distinct set of devices (bundle 0 alone without a placement:
+    every bundle runs alike)."""
+    if not topo.placement:
+        return [0]
+    seen: dict[tuple[tuple[str, float | None], ...], int] = {}
+    for b in range(topo.num_bundles):
+        ranks = [topo.rank(b, s, i) for s in range(topo.num_stages) for i in range(topo.shape[s])]
+        sig = tuple((topo.placement[r].kind, topo.placement[r].cpu) for r in ranks)
+        seen.setdefault(sig, b)
+    return list(seen.values())
+
+
+def _sync(
+    sims: list[_Simulation], s: int, members: list[Member], done: dict[Member, float]
+) -> float:
+    """When stage ``s``'s gradients are summed over its stage group (bundles simulated once per
+    distinct set of devices; without a placement bundle 0 stands for all)."""
+    sim = sims[0]
     topo, cost = sim.topo, sim.cost
     group = topo.stage_group(s)
     if len(group) == 1:
         return 0.0
     lo, hi = sim.bounds[s]
     # Buckets are collective: one is ready when the slowest replica of the stage has filled it.
-    slowest = max(members, key=lambda p: sim.last_bwd[p][1])
-    b0, b1 = sim.last_bwd[slowest]
-    share = cost.backward_share(lo, hi, sim.rows[slowest][-1])
-    finished = max(done[p] for p in members)
+    late, slowest = max(members, key=lambda m: sims[m[0]].last_bwd[m[1]][1])
+    b0, b1 = sims[late].last_bwd[slowest]
+    device = sims[late].dev[slowest]
+    share = device.backward_share(lo, hi, sims[late].rows[slowest][-1])
+    finished = max(done[m] for m in members)
 
     def nodes(ranks: tuple[int, ...] | list[int]) -> list[int]:
         return [topo.node_of(r) for r in ranks]
@@ -272,7 +305,7 @@ def _sync(sim: _Simulation, s: int, members: list[Replica], done: dict[Replica, 
         for (j, nbytes), wire in zip(buckets, hop.wire_bytes(buckets, hi), strict=True):
             ready = b0 + share[j - lo] * (b1 - b0)
             t = max(t, ready) + hop.between(nbytes, wire, nodes(group))
-            t += cost.bucket_copies(nbytes)
+            t += device.bucket_copies(nbytes)
         return t
     # Two hops: in-bundle reduces start from gradient hooks; the masters' hop and the broadcast
     # follow bucket by bucket once every replica has called finish().

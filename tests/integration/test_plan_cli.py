@@ -21,9 +21,14 @@ from bundle.errors import ConfigError
 from bundle.plan import auto
 from bundle.plan.cluster import load_cluster
 from bundle.runtime.localworld import free_port
+from bundle.topology import parse_row_weights
 
 ROOT = Path(__file__).resolve().parents[2]
-CLUSTERS = sorted((ROOT / "clusters").glob("*.yaml"))
+CLUSTERS = [ROOT / "clusters" / name for name in ("h100_2x8_ib.yaml", "v100_4x4_eth.yaml")]
+MIXED = [
+    ROOT / "clusters" / name
+    for name in ("a100_8_v100_8.yaml", "cpu_mixed_emulated.yaml", "h100_4_a10g_8.yaml")
+]
 
 
 def _plan_script():
@@ -37,7 +42,8 @@ PLAN = _plan_script()
 
 
 def test_shipped_cluster_files_load():
-    assert [p.name for p in CLUSTERS] == ["h100_2x8_ib.yaml", "v100_4x4_eth.yaml"]
+    shipped = sorted(p.name for p in (ROOT / "clusters").glob("*.yaml"))
+    assert shipped == sorted(p.name for p in [*CLUSTERS, *MIXED])
     h100, v100 = (load_cluster(str(p)) for p in CLUSTERS)
     assert (h100.nodes, h100.devices_per_node, h100.devices) == (2, 8, 16)
     assert (v100.nodes, v100.devices_per_node, v100.devices) == (4, 4, 16)
@@ -145,6 +151,74 @@ def test_plans_for_a_cluster_file(tmp_path, capsys):
     cfg = cli.parse(cmd, {})
     assert cfg.parallel.shape == tuple(best["shape"])
     assert cfg.parallel.micro_batches == best["micro_batches"]
+
+
+def test_shipped_mixed_cluster_files_load():
+    a100_v100, cpu, h100_a10g = (load_cluster(str(p)) for p in MIXED)
+    assert a100_v100.kinds == (("A100",) * 8, ("V100",) * 8)
+    assert h100_a10g.kinds == (("H100", "H100", "A10G", "A10G", "A10G", "A10G"),) * 2
+    assert [cpu.device_type(k).cpu for k in cpu.kinds[0]] == [1.0, 1.0, 0.4, 0.4]
+    assert cpu.speed is None  # timed on this machine
+    with pytest.raises(ConfigError, match="Tesla V100 SXM2 32 GB computes in fp16, fp32"):
+        a100_v100.check_precision("bf16")
+
+
+def test_bf16_on_a_cluster_with_v100s_is_one_line_and_exit_2(capsys, tmp_path):
+    argv = ["--model", "resnet18", "--precision", "bf16", "--cluster", str(MIXED[0])]
+    assert PLAN.main([*argv, "--profile-cache", str(tmp_path)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "--precision" in err[0] and "Tesla V100" in err[0], err
+
+
+def _check_mixed_report(report: dict, devices: int, path: Path) -> dict:
+    best = report["plans"][0]
+    assert report["devices"] == devices
+    assert report["speedup_over_uniform"] >= 1.0
+    assert report["speedup_over_data_parallel"] >= 1.0
+    assert report["speedup_over_weighted_data_parallel"] >= 1.0
+    assert len(report["uniform_plan"]["placement"]) == report["uniform_plan"]["processes"]
+    for row in report["plans"]:
+        assert len(row["placement"]) == row["processes"]
+        assert set(row["placement"][0]) == {"node", "device", "type", "cpu"}
+        assert row["run"]["row_weights"] == row["row_weights"]
+        assert row["run"]["bundle_shape"] == ",".join(map(str, row["shape"]))
+        assert ("--row-weights" in row["command"]) == bool(row["row_weights"])
+    # What main.py --plan reads: the run options are main.py's own config keys.
+    argv = ["--model", report["model"], "--batch-size", str(report["batch"]), "--plan", str(path)]
+    cfg = cli.parse(argv, {})
+    assert cfg.parallel.shape == tuple(best["shape"])
+    assert cfg.parallel.row_weights == best["row_weights"]
+    assert len(cfg.parallel.placement) == best["processes"]
+    return best
+
+
+def test_plans_for_a_mixed_cluster(tmp_path, capsys):
+    out = tmp_path / "plans.json"
+    argv = ["--model", "resnet18", "--batch-size", "256", "--cluster", str(MIXED[0])]
+    assert (
+        PLAN.main([*argv, "--top", "3", "--json", str(out), "--profile-cache", str(tmp_path)]) == 0
+    )
+    report = json.loads(out.read_text())
+    best = _check_mixed_report(report, 16, out)
+    assert {p["type"] for p in best["placement"]} == {"A100", "V100"}
+    text = capsys.readouterr().out
+    assert "as if every device were alike" in text and "stage 0:" in text
+
+
+def test_plans_for_emulated_cpu_devices_carry_cpu_shares(tmp_path):
+    out = tmp_path / "plans.json"
+    argv = ["--model", "digits_cnn", "--batch-size", "64", "--cluster", str(MIXED[1])]
+    assert PLAN.main([*argv, "--json", str(out), "--profile-cache", str(tmp_path)]) == 0
+    report = json.loads(out.read_text())
+    best = _check_mixed_report(report, 4, out)
+    assert sorted(p["cpu"] for p in best["placement"]) == [0.4, 0.4, 1.0, 1.0]
+    # With rows weighted by speed, the 0.4-CPU processes take fewer rows than the whole ones.
+    weighted = report["data_parallel_weighted"]
+    weights = parse_row_weights(weighted["row_weights"], tuple(weighted["shape"]))[0]
+    shares = [p["cpu"] for p in weighted["placement"]]
+    fast = {w for w, c in zip(weights, shares, strict=True) if c == 1.0}
+    slow = {w for w, c in zip(weights, shares, strict=True) if c == 0.4}
+    assert min(fast) > max(slow)
 
 
 def test_auto_is_parsed_and_refused_beside_dp_only():
