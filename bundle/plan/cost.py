@@ -183,6 +183,11 @@ class CostModel:
         )
         return self.like(one, compute_scale=1.0 / t.cpu if t.cpu else 1.0)
 
+    def host(self, seconds: float) -> float:
+        """Work of the process itself (the engine's overheads, copies): slowed, like compute, by
+        a CPU share."""
+        return seconds * self.compute_scale
+
     def on(self, kind: str) -> CostModel:
         """The cost model of one device type ("" or a single-type cluster: this one)."""
         return self._types.get(kind, self)
@@ -208,12 +213,16 @@ class CostModel:
         fwd, _, loss = self.block_times(rows)
         last = b == self.n
         # The loss's forward and backward run where the last stage's forward does.
-        return float(fwd[a:b].sum()) + (loss if last else 0.0) + self.overheads.compute_action
+        return (
+            float(fwd[a:b].sum())
+            + (loss if last else 0.0)
+            + self.host(self.overheads.compute_action)
+        )
 
     def backward(self, a: int, b: int, rows: float, *, recompute: bool) -> float:
         fwd, bwd, _ = self.block_times(rows)
         again = float(fwd[a:b].sum()) if recompute else 0.0
-        return float(bwd[a:b].sum()) + again + self.overheads.compute_action
+        return float(bwd[a:b].sum()) + again + self.host(self.overheads.compute_action)
 
     def backward_share(self, a: int, b: int, rows: float) -> np.ndarray:
         """Fraction of a stage's backward done when each block's gradients are complete
@@ -275,14 +284,14 @@ class CostModel:
         speed = self.cluster.speed
         if speed is not None:
             return 2 * nbytes / (speed.memory_bandwidth * speed.efficiency)
-        return nbytes / self.overheads.copy_bandwidth
+        return self.host(nbytes / self.overheads.copy_bandwidth)
 
     def bucket_copies(self, nbytes: float) -> float:
         """DDP copies each gradient into its bucket and back (no gradient-as-bucket views)."""
         speed = self.cluster.speed
         if speed is not None:  # a copy reads and writes every byte
             return 2 * 2 * nbytes / (speed.memory_bandwidth * speed.efficiency)
-        return 2 * nbytes / self.overheads.copy_bandwidth
+        return self.host(2 * nbytes / self.overheads.copy_bandwidth)
 
     def grad_bytes(self, a: int, b: int) -> float:
         """Bytes of the fp32 gradients (or parameters) of blocks ``a..b-1``."""

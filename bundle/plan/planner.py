@@ -144,6 +144,17 @@ def measure(
             repeats=repeats,
             args=request.model_args,
         )
+    if (
+        cluster is not None
+        and device.type == "cpu"
+        and cluster.types
+        and all(t.cpu for t in cluster.types)
+    ):
+        # CPU processes emulating devices (cpu shares): their links are this machine's loopback,
+        # measured; the file's figures stand for nodes this machine does not have.
+        cal = calibrate.calibrate(cache, start_method=start_method)
+        links = replace(cluster, intra=cal.p2p, collective=cal.collective)
+        return Measured(timings, cal.overheads, links)
     if cluster is not None:
         return Measured(timings, overheads, cluster)
     if device.type == "cuda":

@@ -156,7 +156,7 @@ class _Simulation:
         link = self.cost.link(self.node[p], self.node[q])
         pair = (self.rank[p], self.rank[q])
         start = max(self.clock[p], self.channel[pair])
-        done = start + nbytes / link.bandwidth
+        done = start + nbytes / link.bandwidth * cpu_slowdown(self.topo, pair)
         self.channel[pair] = done
         self.arrived[key].append(done + link.latency)
         self.sent[p] = max(self.sent[p], done)
@@ -188,7 +188,9 @@ class _Simulation:
             return False
         ready = max(got, default=self.clock[p])
         self.span(p, WAIT, repr(a), self.clock[p], ready)
-        self.clock[p] = max(self.clock[p], ready) + self.cost.overheads.comm_action
+        self.clock[p] = max(self.clock[p], ready) + self.dev[p].host(
+            self.cost.overheads.comm_action
+        )
         return True
 
     def _compute(self, p: Replica, a: Action) -> None:
@@ -214,7 +216,7 @@ class _Simulation:
             for t in self.peers(s, i, k, forward=False):
                 nbytes = self.cost.boundary_bytes(lo, t.stop - t.start, grad=True)
                 self.transfer(p, (s - 1, t.src), nbytes, ("grad", s - 1, t.src, k), f"G{k}")
-        self.clock[p] += self.cost.overheads.comm_action
+        self.clock[p] += self.dev[p].host(self.cost.overheads.comm_action)
 
     def run_actions(self) -> None:
         """Every replica runs its actions, each as early as it can; a deadlock is an error."""
@@ -251,7 +253,7 @@ def _finish(sims: list[_Simulation]) -> SimResult:
             sim.span(p, SYNC, "sync", done[m], ready)
             opt = sim.dev[p].optimizer(*sim.bounds[s])
             sim.span(p, OPTIMIZER, "optimizer", ready, ready + opt)
-            finish[m] = ready + opt + sim.cost.overheads.step
+            finish[m] = ready + opt + sim.dev[p].host(sim.cost.overheads.step)
     order = list(done)
     return SimResult(
         step_time=max(finish.values()),
@@ -262,6 +264,15 @@ def _finish(sims: list[_Simulation]) -> SimResult:
         peak_in_flight=[peak_in_flight(sims[j].lists[p]) for j, p in order],
         timeline=[span for sim in sims for span in sim.spans],
     )
+
+
+def cpu_slowdown(topo: Topology, ranks: tuple[int, ...] | list[int]) -> float:
+    """How much slower communication among ``ranks`` runs where they are CPU processes held to a
+    share of a CPU (emulated devices): gloo moves and sums bytes on the processes' own time, so a
+    transfer or collective goes at its slowest member's share."""
+    shares = [topo.placement[r].cpu for r in ranks] if topo.placement else []
+    held = [s for s in shares if s]
+    return 1.0 / min(held) if held else 1.0
 
 
 def _distinct_bundles(topo: Topology) -> list[int]:
@@ -298,13 +309,13 @@ def _sync(
     def nodes(ranks: tuple[int, ...] | list[int]) -> list[int]:
         return [topo.node_of(r) for r in ranks]
 
-    hop = sim.hop
+    hop, slow = sim.hop, cpu_slowdown(topo, group)
     if not hop.dp.two_hops(sim.layout.grad_sync):
         buckets = cost.buckets(lo, hi, ddp=True)
         t = 0.0
         for (j, nbytes), wire in zip(buckets, hop.wire_bytes(buckets, hi), strict=True):
             ready = b0 + share[j - lo] * (b1 - b0)
-            t = max(t, ready) + hop.between(nbytes, wire, nodes(group))
+            t = max(t, ready) + hop.between(nbytes, wire, nodes(group)) * slow
             t += device.bucket_copies(nbytes)
         return t
     # Two hops: in-bundle reduces start from gradient hooks; the masters' hop and the broadcast
@@ -315,15 +326,15 @@ def _sync(
     reduced, t = [], 0.0
     for j, nbytes in buckets:
         ready = b0 + share[j - lo] * (b1 - b0)
-        t = max(t, ready) + cost.reduce(nbytes, inner)
+        t = max(t, ready) + cost.reduce(nbytes, inner) * slow
         reduced.append(t)
     summed = reduced  # bundles that meet every H steps skip the masters' hop between meetings
     if hop.dp.per_step:
         t, summed = finished, []
         for (_, nbytes), wire, r in zip(buckets, hop.wire_bytes(buckets, hi), reduced, strict=True):
-            t = max(t, r) + hop.between(nbytes, wire, masters)
+            t = max(t, r) + hop.between(nbytes, wire, masters) * slow
             summed.append(t)
     t = finished
     for (_, nbytes), r in zip(buckets, summed, strict=True):
-        t = max(t, r) + cost.reduce(nbytes, inner)
-    return t + hop.meeting(lo, hi, masters, inner)
+        t = max(t, r) + cost.reduce(nbytes, inner) * slow
+    return t + hop.meeting(lo, hi, masters, inner) * slow

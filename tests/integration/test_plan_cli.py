@@ -157,7 +157,7 @@ def test_shipped_mixed_cluster_files_load():
     a100_v100, cpu, h100_a10g = (load_cluster(str(p)) for p in MIXED)
     assert a100_v100.kinds == (("A100",) * 8, ("V100",) * 8)
     assert h100_a10g.kinds == (("H100", "H100", "A10G", "A10G", "A10G", "A10G"),) * 2
-    assert [cpu.device_type(k).cpu for k in cpu.kinds[0]] == [1.0, 1.0, 0.4, 0.4]
+    assert [cpu.device_type(k).cpu for k in cpu.kinds[0]] == [0.5, 0.5, 0.2, 0.2]
     assert cpu.speed is None  # timed on this machine
     with pytest.raises(ConfigError, match="Tesla V100 SXM2 32 GB computes in fp16, fp32"):
         a100_v100.check_precision("bf16")
@@ -211,13 +211,13 @@ def test_plans_for_emulated_cpu_devices_carry_cpu_shares(tmp_path):
     assert PLAN.main([*argv, "--json", str(out), "--profile-cache", str(tmp_path)]) == 0
     report = json.loads(out.read_text())
     best = _check_mixed_report(report, 4, out)
-    assert sorted(p["cpu"] for p in best["placement"]) == [0.4, 0.4, 1.0, 1.0]
-    # With rows weighted by speed, the 0.4-CPU processes take fewer rows than the whole ones.
+    assert sorted(p["cpu"] for p in best["placement"]) == [0.2, 0.2, 0.5, 0.5]
+    # With rows weighted by speed, the 0.2-CPU processes take fewer rows than the 0.5 ones.
     weighted = report["data_parallel_weighted"]
     weights = parse_row_weights(weighted["row_weights"], tuple(weighted["shape"]))[0]
     shares = [p["cpu"] for p in weighted["placement"]]
-    fast = {w for w, c in zip(weights, shares, strict=True) if c == 1.0}
-    slow = {w for w, c in zip(weights, shares, strict=True) if c == 0.4}
+    fast = {w for w, c in zip(weights, shares, strict=True) if c == 0.5}
+    slow = {w for w, c in zip(weights, shares, strict=True) if c == 0.2}
     assert min(fast) > max(slow)
 
 

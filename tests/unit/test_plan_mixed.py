@@ -17,7 +17,8 @@ from bundle.plan import planner, report
 from bundle.plan.cluster import DeviceType, load_cluster
 from bundle.plan.mixed import bundle_devices, mixed_search, natural, uniform_cost, weights_for
 from bundle.plan.search import Plan, evaluate
-from bundle.topology import Place
+from bundle.plan.simulate import cpu_slowdown
+from bundle.topology import Place, Topology
 from tests.support.plan_fixtures import literal_cost
 
 INF = float("inf")
@@ -210,6 +211,8 @@ def test_plan_rows_carry_run_options_placement_and_row_weights():
     ]
     run = row["run"]
     assert run == {
+        "model": "mlp",
+        "batch_size": 6,
         "bundle_shape": "2",
         "num_bundle": 1,
         "micro_batches": 1,
@@ -239,3 +242,14 @@ def test_a_homogeneous_plan_row_places_ranks_in_node_order():
     assert row["run"]["partition"] == "b0,b1" and row["run"]["num_nodes"] == 2
     assert "--row-weights" not in row["command"]
     assert natural(plan, cost.cluster).placement[3] == Place(1, 1, "", None)
+
+
+def test_communication_goes_at_the_slowest_cpu_share():
+    """gloo moves and sums bytes on the processes' own time: a held process slows its links."""
+    topo = Topology(
+        shape=(3,), num_bundles=1, procs_per_node=3, global_batch=6, micro_batches=1,
+        placement=(Place(0, 0, "fast", 1.0), Place(0, 1, "slow", 0.25), Place(0, 2, "gpu")),
+    )  # fmt: skip
+    assert cpu_slowdown(topo, (0, 1, 2)) == 4.0
+    assert cpu_slowdown(topo, (0, 2)) == 1.0
+    assert cpu_slowdown(replace(topo, placement=()), (0, 1)) == 1.0

@@ -1,0 +1,123 @@
+"""scripts/bench_hetero.py: which plans it runs and how it scores them (as data), its planner part
+skipped with a reason, and a smoke run of main.py under CPU quotas that leaves no cgroup behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bundle.runtime import throttle
+
+REPO = Path(__file__).resolve().parents[2]
+WHY_NOT = throttle.available()
+
+
+def _load():
+    sys.path.insert(0, str(REPO / "scripts"))  # it imports bench_dp beside it
+    spec = importlib.util.spec_from_file_location(
+        "bench_hetero", REPO / "scripts" / "bench_hetero.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_hetero"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+
+
+def _plan(shape: str, bundles: int, micro: int, weights: str = "", sched: str = "1f1b") -> dict:
+    run = {"bundle_shape": shape, "num_bundle": bundles, "micro_batches": micro}
+    run.update(schedule=sched, row_weights=weights)
+    return {"shape": [int(w) for w in shape.split(",")], "num_bundles": bundles, "run": run}
+
+
+def test_picks_the_best_then_other_shapes_then_other_configurations():
+    plans = [
+        _plan("2", 2, 1),
+        _plan("2", 2, 1),  # the same run options as the best (a mirror placement): never run
+        _plan("2", 2, 2, "2.5:1"),
+        _plan("4", 1, 2, "2.5:2.5:1:1"),
+        _plan("4", 1, 2, "2.5:2.5:1:1", "gpipe"),
+        _plan("1,1", 2, 4),
+    ]
+    assert bench.pick_plans(plans, 1) == [0]
+    assert bench.pick_plans(plans, 3) == [0, 3, 5]
+    assert bench.pick_plans(plans, 5) == [0, 3, 5, 2, 4]
+    assert bench.pick_plans(plans, 10) == [0, 3, 5, 2, 4]
+    assert bench.pick_plans([], 3) == []
+
+
+def test_errors_are_relative_to_the_measured_figure():
+    rows = [
+        {"predicted_here": 150.0, "measured_samples_per_s": 100.0},
+        {"predicted_here": 50.0, "measured_samples_per_s": 100.0},
+        {"predicted_here": 80.0, "measured_samples_per_s": None},  # a failed run
+    ]
+    assert bench.abs_errors(rows) == [0.5, 0.5]
+
+
+def test_shares_are_scaled_to_fit_the_cpus():
+    place = [{"node": 0, "cpu": c} for c in (1.0, 1.0, 0.4, 0.4)]
+    doc = {"plans": [{"placement": place}], "uniform_plan": {"placement": place}}
+    fitted, scale = bench.fit_shares(doc, 2.0)
+    assert scale == pytest.approx(2 / 2.8)
+    shares = [r["cpu"] for r in fitted["plans"][0]["placement"]]
+    assert shares == pytest.approx([0.7143, 0.7143, 0.2857, 0.2857], abs=1e-4)
+    assert doc["plans"][0]["placement"][0]["cpu"] == 1.0  # the planner's file is left as it was
+    assert bench.fit_shares(doc, 4.0) == (doc, 1.0)
+    row = bench._row(0, {"predicted_samples_per_s": 280.0, "run": {}}, scale, 150.0)
+    assert row["predicted_here"] == pytest.approx(200.0)
+
+
+def test_the_planner_part_says_why_it_was_skipped(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "CLUSTER", REPO / "clusters" / "no_such_cluster.yaml")
+
+    def no_runs(args):
+        raise AssertionError(f"nothing should run: {args}")
+
+    got = bench.bench_planner(no_runs, bench.PRESETS["quick"], tmp_path, 10.0, 2.0)
+    assert got == {"skipped": "clusters/no_such_cluster.yaml does not exist"}
+    assert bench.headline({"planner": got})["planner_skipped"] == got["skipped"]
+    assert bench.headline({"planner": got})["planner_vs_uniform"] is None
+
+
+def test_without_cgroups_it_exits_2_with_the_reason(monkeypatch, capsys):
+    monkeypatch.setattr(bench.throttle, "available", lambda: "cgroup v1 at /x is read-only")
+    assert bench.main(["--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "bench_hetero.py: cannot emulate slower devices here: cgroup v1 at /x is read-only"
+    )
+
+
+def _cgroups() -> set[str]:
+    found = throttle.find()
+    if isinstance(found, str):
+        return set()
+    return {p.name for p in found.parent.glob("bundle-*-rank*")}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"no CPU quota cgroups: {WHY_NOT}")
+def test_quick_weighted_run_reports_a_ratio_and_cleans_up(tmp_path: Path) -> None:
+    before = _cgroups()
+    out = tmp_path / "hetero.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_hetero.py"), "--quick"]
+    cmd += ["--only", "weighted", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    ratio = report["weighted_vs_even"]
+    assert isinstance(ratio, float) and math.isfinite(ratio) and ratio > 0, report
+    for key in ("planner_median_abs_error", "planner_max_abs_error", "planner_vs_uniform"):
+        assert key in report and report[key] is None, key
+    w = report["weighted"]
+    assert len(w["samples_per_s"]["even"]) == len(w["samples_per_s"]["weighted"]) == 1
+    assert _cgroups() <= before  # every quota cgroup of the runs is gone
