@@ -6,7 +6,8 @@ From the data up:
 - ``sync_options``: the data-parallel options' spellings and the combinations refused;
 - ``config``, ``options``, ``cli``: the frozen ``RunConfig``, the options table it is declared
   in, and the command line and YAML that build it;
-- ``topology``: the job's ranks, groups and row plans as one pure value;
+- ``topology``, ``row_weights``: the job's ranks, groups and row plans as one pure value; the
+  ``--row-weights`` spelling of each replica's share of a micro-batch;
 - ``partition``, ``samples``, ``data``, ``loader``, ``lr_schedule``: where stages begin, how one
   sample is read (seeded augmentations, samples that cannot be read), the datasets and their
   deterministic shards, a stage's micro-batches read in order (loader workers), the learning rate

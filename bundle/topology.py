@@ -23,13 +23,15 @@ the rows both own::
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 from bundle.errors import TopologyError
+from bundle.row_weights import format_row_weights as format_row_weights
+from bundle.row_weights import parse_row_weights as parse_row_weights
+from bundle.row_weights import shape_text
 
 if TYPE_CHECKING:
     from bundle.config import RunConfig
@@ -70,78 +72,6 @@ def split_ranges(total: int, parts: int) -> tuple[tuple[int, int], ...]:
 def weighted_ranges(total: int, weights: tuple[Fraction, ...]) -> tuple[tuple[int, int], ...]:
     """Half-open ``[start, stop)`` ranges of :func:`weighted_sizes`."""
     return _ranges(weighted_sizes(total, weights))
-
-
-def parse_row_weights(spec: str, shape: tuple[int, ...]) -> tuple[tuple[Fraction, ...], ...]:
-    """``--row-weights``: stages separated by commas, a stage's replicas by colons (``2:1,1`` for
-    shape ``2,1``); one number for a stage weighs its replicas alike; ``W*N`` is N replicas of
-    weight W (``3.5*8:1*8``). Empty: every stage even."""
-    if not spec:
-        return tuple((Fraction(1),) * w for w in shape)
-    stages = spec.split(",")
-    if len(stages) != len(shape):
-        raise TopologyError(
-            "--row-weights",
-            spec,
-            f"give one entry per stage of shape {_shape(shape)} "
-            f"({len(shape)}), replicas separated by ':' (e.g. {_example(shape)})",
-        )
-    out = []
-    for s, (text, width) in enumerate(zip(stages, shape, strict=True)):
-        try:
-            weights = tuple(w for part in text.split(":") for w in _repeated(part))
-        except (ValueError, ZeroDivisionError):
-            weights = ()
-        if not weights or any(w <= 0 for w in weights):
-            raise TopologyError(
-                "--row-weights",
-                spec,
-                f"stage {s}: weights must be numbers > 0 (W, or W*N for N replicas of weight W)",
-            )
-        if len(weights) == 1:
-            weights *= width
-        if len(weights) != width:
-            raise TopologyError(
-                "--row-weights",
-                spec,
-                f"stage {s} has {width} replica(s) and {len(weights)} weights were given",
-            )
-        out.append(weights)
-    return tuple(out)
-
-
-def _repeated(part: str) -> tuple[Fraction, ...]:
-    """``W`` or ``W*N`` (N replicas of weight W); ValueError where either is not a number."""
-    weight, star, count = part.strip().partition("*")
-    n = int(count) if star else 1
-    if n < 1:
-        raise ValueError(part)
-    return (Fraction(weight.strip()),) * n
-
-
-def format_row_weights(weights: tuple[tuple[float | Fraction, ...], ...]) -> str:
-    """The ``--row-weights`` spelling of per-stage weights: a stage of equal weights as ``1``,
-    three or more equal neighbours as ``W*N``."""
-
-    def one(w: float | Fraction) -> str:
-        f = Fraction(w).limit_denominator(1000)
-        return str(f.numerator) if f.denominator == 1 else f"{float(f):g}"
-
-    def stage(ws: tuple[float | Fraction, ...]) -> str:
-        if len(set(ws)) == 1:
-            return "1"
-        runs = [(one(w), len(list(g))) for w, g in itertools.groupby(ws)]
-        return ":".join(":".join([w] * n) if n < 3 else f"{w}*{n}" for w, n in runs)
-
-    return ",".join(stage(ws) for ws in weights)
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return ",".join(map(str, shape))
-
-
-def _example(shape: tuple[int, ...]) -> str:
-    return ",".join(":".join("1" for _ in range(w)) for w in shape)
 
 
 @dataclass(frozen=True)
@@ -283,7 +213,7 @@ class Topology:
             raise TopologyError(
                 "--row-weights",
                 format_row_weights(self.row_weights),
-                f"give one weight per replica of shape {_shape(self.shape)}",
+                f"give one weight per replica of shape {shape_text(self.shape)}",
             )
         micro = sorted({m for b in range(self.num_bundles) for m in self.micro_sizes(b)})
         for rows in micro:

@@ -8,6 +8,7 @@ import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -235,27 +236,23 @@ def cost_model(
     )
 
 
+def _bounds(request: Request) -> dict[str, Any]:
+    """What a search is asked for: the devices, the batch, its limits, the data-parallel options."""
+    return {
+        "nodes": request.nodes,
+        "per_node": request.per_node,
+        "batch": request.batch,
+        "max_stages": request.max_stages,
+        "max_micro": request.max_micro,
+        "dp": request.dp,
+    }
+
+
 def plan(request: Request, cost: CostModel) -> list[Evaluated]:
     """Every plan the search simulated, best first."""
-    return search(
-        cost,
-        nodes=request.nodes,
-        per_node=request.per_node,
-        batch=request.batch,
-        max_stages=request.max_stages,
-        max_micro=request.max_micro,
-        dp=request.dp,
-    )
+    return search(cost, **_bounds(request))
 
 
 def plan_mixed(request: Request, cost: CostModel) -> MixedResult:
     """A cluster of several device types: placement, widths, split and row weights searched."""
-    return mixed_search(
-        cost,
-        nodes=request.nodes,
-        per_node=request.per_node,
-        batch=request.batch,
-        max_stages=request.max_stages,
-        max_micro=request.max_micro,
-        dp=request.dp,
-    )
+    return mixed_search(cost, **_bounds(request))

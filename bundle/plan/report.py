@@ -12,7 +12,7 @@ from typing import Any
 from bundle.plan.cost import CostModel
 from bundle.plan.search import Evaluated, Plan
 from bundle.plan.simulate import COMPUTE, OPTIMIZER, SEND, SYNC, WAIT
-from bundle.topology import format_row_weights
+from bundle.row_weights import format_row_weights
 
 _GIB = 2**30
 

@@ -26,9 +26,10 @@ import torch.distributed as dist
 import models
 from bundle import data
 from bundle.engine.nccl_emu import Emulator
+from bundle.row_weights import parse_row_weights
 from bundle.runtime.localworld import run_world
 from bundle.session import build_session, train_stream
-from bundle.topology import Topology, parse_row_weights, split_sizes
+from bundle.topology import Topology, split_sizes
 from tests.support.reference import STEPS, TOL, equivalence_config, reference
 
 SHAPES = [(1,), (2,), (1, 1), (2, 1), (1, 2), (2, 3), (1, 1, 1), (2, 2, 1)]

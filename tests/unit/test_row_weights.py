@@ -10,15 +10,8 @@ import pytest
 
 from bundle import cli
 from bundle.errors import ConfigError, TopologyError
-from bundle.topology import (
-    Place,
-    Topology,
-    Transfer,
-    format_row_weights,
-    parse_row_weights,
-    split_sizes,
-    weighted_sizes,
-)
+from bundle.row_weights import format_row_weights, parse_row_weights
+from bundle.topology import Place, Topology, Transfer, split_sizes, weighted_sizes
 
 
 def F(*ws) -> tuple[Fraction, ...]:
