@@ -99,7 +99,7 @@ def worker_main(
     phase = Phase()
     watchdog = start_step_watchdog(store, me, phase, backend, cfg.launch.timeout)
     try:
-        device = _join(cfg, topo, rank, local_rank, backend, store)
+        device = _join(cfg, topo, rank, backend, store)
         session = build_session(
             cfg, topo, rank, device, arrive=lambda name: _arrive(cfg, topo, store, name)
         )
@@ -161,7 +161,7 @@ def _arrive(cfg: RunConfig, topo: Topology, store: dist.Store, name: str) -> Non
 
 
 def _join(
-    cfg: RunConfig, topo: Topology, rank: int, local_rank: int, backend: str, store: dist.Store
+    cfg: RunConfig, topo: Topology, rank: int, backend: str, store: dist.Store
 ) -> torch.device:
     """Wait for every process, take this process's device and create the default group."""
     _arrive(cfg, topo, store, "start")
