@@ -21,7 +21,7 @@ ARGS ?=
 
 BIN := $(VENV)/bin
 # The linters pip installs (hadolint, shellcheck) are found on PATH, by the tests too.
-WITH_VENV := PATH="$(CURDIR)/$(BIN):$$PATH"
+WITH_VENV := PATH="$(abspath $(BIN)):$$PATH"
 RUN := $(WITH_VENV) $(BIN)/python
 
 .PHONY: run test lint gpu-check
@@ -32,7 +32,7 @@ run: $(VENV)/.runtime
 test: $(VENV)/.dev
 	$(RUN) -m pytest -q -ra $(ARGS)
 
-gpu-check: $(VENV)/.dev
+gpu-check: $(VENV)/.gpu
 	$(RUN) scripts/gpu_check.py --json gpu-check-report.json $(ARGS)
 
 lint: $(VENV)/.dev
@@ -53,7 +53,16 @@ $(VENV)/.runtime: requirements.txt pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.dev: requirements-dev.txt requirements.txt pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -r requirements-dev.txt
+# gpu-check needs the runtime and pytest only, so a GPU image without the linters (or without a
+# registry: PIP_NO_INDEX=1 PIP_FIND_LINKS=wheels/) runs it. An image whose python is itself a
+# virtual environment holding torch: make gpu-check VENV=/that/venv (a venv made from a venv sees
+# the base interpreter's packages, not its parent's).
+$(VENV)/.gpu: requirements-test.txt requirements.txt pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -r requirements-test.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@ $(VENV)/.runtime
+
+$(VENV)/.dev: requirements-dev.txt requirements-test.txt requirements.txt pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@ $(VENV)/.runtime $(VENV)/.gpu

@@ -13,6 +13,8 @@ from bundle.errors import ConfigError
 from bundle.topology import Topology
 
 MULTI_RANK_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
+HOSTID_ENV = "NCCL_HOSTID"
+MULTI_RANK_NCCL = (2, 30, 0)  # the first NCCL with a multi-rank mode
 
 
 def resolve_backend(cfg: RunConfig) -> str:
@@ -120,22 +122,29 @@ def prepare_backend_env(
     pin_gloo_interface(host, port)
 
 
-def allow_shared_gpu() -> None:
-    """Let NCCL place several ranks of one communicator on one GPU (NCCL 2.30 and later).
+def allow_shared_gpu(nccl: tuple[int, ...] | None = None) -> str:
+    """Let NCCL place several ranks of one communicator on one GPU; returns the variable set.
 
-    NCCL otherwise refuses two ranks on one device at communicator creation. With
-    NCCL_MULTI_RANK_GPU_ENABLE=1 they share it, point-to-point through CUDA IPC; it is not
-    compatible with NCCL_NVLS_ENABLE=1. Before 2.30 the way was a distinct NCCL_HOSTID per process,
-    which makes NCCL take every peer for another host and use its socket transport. NCCL reads its
-    environment when it first initialises, so this must run in the worker before the process
-    group is created; a value the user set is kept.
+    NCCL otherwise refuses two ranks on one device at communicator creation ("Duplicate GPU
+    detected"). From 2.30, NCCL_MULTI_RANK_GPU_ENABLE=1 lets them share it, point-to-point
+    through CUDA IPC (not compatible with NCCL_NVLS_ENABLE=1). Before 2.30 (torch 2.11 ships
+    2.28) the way is a distinct NCCL_HOSTID per process: NCCL then takes every peer for another
+    host and moves data over its network transport, staged through host memory. ``nccl``: the
+    version to plan for (default: this torch's). NCCL reads its environment when it first
+    initialises, so this must run in the worker before the process group is created; a value the
+    user set is kept.
     """
-    os.environ.setdefault(MULTI_RANK_GPU_ENV, "1")
+    found = nccl if nccl is not None else torch.cuda.nccl.version()
+    if tuple(found) >= MULTI_RANK_NCCL:
+        os.environ.setdefault(MULTI_RANK_GPU_ENV, "1")
+        return MULTI_RANK_GPU_ENV
+    os.environ.setdefault(HOSTID_ENV, f"{socket.gethostname()}-pid{os.getpid()}")
+    return HOSTID_ENV
 
 
 def device_for(backend: str, local_rank: int, *, share_gpus: bool = False) -> torch.device:
     """This process's device, made current: ``cuda:local_rank`` with nccl; with ``share_gpus``,
-    ``cuda:(local_rank % devices)`` (round-robin, NCCL's multi-rank mode allowed); else the CPU.
+    ``cuda:(local_rank % devices)`` (round-robin, several ranks per GPU allowed); else the CPU.
     """
     if backend != "nccl":
         return torch.device("cpu")

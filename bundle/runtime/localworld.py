@@ -105,7 +105,9 @@ def run_world(
 
     ``backend="nccl"`` binds each child to a CUDA device before its group is created: ``device``
     (e.g. ``"cuda:0"``, every child on one GPU) or round-robin over the visible GPUs; ``fn``
-    finds it as the current device. Several children on one GPU need NCCL 2.30 or later.
+    finds it as the current device (several children on one GPU: bundle.runtime.devices).
+    A child that fails ends the world at once: the others are killed rather than left waiting on
+    it until their group's timeout, and the first failure is raised.
     ``backend="nccl-emu"`` runs gloo underneath; a session whose config says ``nccl-emu`` adds
     NCCL's ordering (bundle.engine.nccl_emu).
     """
@@ -123,23 +125,52 @@ def run_world(
         ]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
         try:
-            for p in procs:
-                p.join(max(deadline - time.monotonic(), 0.1))
+            _join_or_first_failure(procs, out, time.monotonic() + timeout)
         finally:
             for p in procs:
                 if p.is_alive():
                     p.kill()
                     p.join()
-        results = []
-        for r, p in enumerate(procs):
-            path = os.path.join(out, f"{r}.pkl")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} produced no result (exit code {p.exitcode})")
+        return _results(procs, out)
+
+
+def _failed(r: int, proc: Any, out: str) -> bool:
+    """Whether child ``r`` ended without success: a non-zero exit, or an error result."""
+    if proc.is_alive():
+        return False
+    if proc.exitcode != 0:
+        return True
+    path = os.path.join(out, f"{r}.pkl")
+    if not os.path.exists(path):
+        return True
+    with open(path, "rb") as f:
+        return pickle.load(f)[0] != "ok"
+
+
+def _join_or_first_failure(procs: list, out: str, deadline: float) -> None:
+    """Wait until every child ended, one failed, or the deadline passed."""
+    pause = 0.01
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if any(_failed(r, p, out) for r, p in enumerate(procs)):
+            return
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)
+
+
+def _results(procs: list, out: str) -> list:
+    """The children's results in rank order. A rank that reported an error is raised before one
+    without a result (killed for the first, or dead without a word)."""
+    found: dict[int, tuple] = {}
+    for r in range(len(procs)):
+        path = os.path.join(out, f"{r}.pkl")
+        if os.path.exists(path):
             with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status != "ok":
-                raise RuntimeError(f"rank {r} failed:\n{value}")
-            results.append(value)
-        return results
+                found[r] = pickle.load(f)
+    for r, (status, value) in sorted(found.items()):
+        if status != "ok":
+            raise RuntimeError(f"rank {r} failed:\n{value}")
+    for r, p in enumerate(procs):
+        if r not in found:
+            raise RuntimeError(f"rank {r} produced no result (exit code {p.exitcode})")
+    return [found[r][1] for r in range(len(procs))]

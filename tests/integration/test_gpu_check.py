@@ -265,7 +265,7 @@ def test_make_gpu_check_runs_the_script_in_the_test_venv_and_the_docs_show_it():
     phony = re.search(r"^\.PHONY:(.*)$", makefile, re.M).group(1).split()
     assert "gpu-check" in phony and "make gpu-check" in makefile.split("\n\n", 1)[0]
     recipe = re.search(r"^gpu-check: (.*)\n\t(.*)", makefile, re.M)
-    assert recipe.group(1) == "$(VENV)/.dev"
+    assert recipe.group(1) == "$(VENV)/.gpu"
     assert recipe.group(2).startswith("$(RUN) scripts/gpu_check.py ")
     page = (REPO / "docs" / "gpu.md").read_text()
     section = page.split("## On a GPU: `make gpu-check`", 1)[1].split("\n## ", 1)[0]

@@ -25,6 +25,7 @@ def gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
         monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(int(d)))
+        monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 30, 7))  # a multi-rank mode
         return current
 
     monkeypatch.setenv(ENV, "unset")  # records the original, so teardown restores it
@@ -115,6 +116,18 @@ def test_a_multi_rank_setting_from_the_user_is_kept(gpus, monkeypatch):
     monkeypatch.setenv(ENV, "0")
     dev.device_for("nccl", 1, share_gpus=True)
     assert os.environ[ENV] == "0"
+
+
+def test_nccl_before_2_30_shares_a_gpu_by_a_host_id_per_process(monkeypatch):
+    """NCCL 2.28 (torch 2.11's) has no multi-rank mode: each process claims a host of its own."""
+    monkeypatch.setenv(dev.HOSTID_ENV, "unset")
+    monkeypatch.delenv(dev.HOSTID_ENV)
+    assert dev.allow_shared_gpu((2, 28, 9)) == dev.HOSTID_ENV
+    assert os.environ[dev.HOSTID_ENV].endswith(f"-pid{os.getpid()}") and ENV not in os.environ
+    monkeypatch.setenv(dev.HOSTID_ENV, "mine")
+    dev.allow_shared_gpu((2, 28, 9))
+    assert os.environ[dev.HOSTID_ENV] == "mine"
+    assert dev.allow_shared_gpu((2, 30, 7)) == ENV and os.environ[ENV] == "1"
 
 
 def test_gloo_places_on_the_cpu_and_touches_nothing(gpus):
