@@ -315,6 +315,7 @@ class LaunchConfig:
     max_restarts: int = 0
     share_gpus: bool = False  # testing: several nccl processes per GPU (round-robin)
     emu_eager_bytes: int = 0  # nccl-emu: sends of at most this many bytes need no receiver
+    emu_strict: bool = False  # nccl-emu: a process's communicators run one call at a time
 
     def __post_init__(self) -> None:
         positive("--world-size", self.num_nodes)
@@ -329,6 +330,8 @@ class LaunchConfig:
         if self.backend not in BACKENDS:
             raise ConfigError("--backend", self.backend, f"choose one of: {', '.join(BACKENDS)}")
         positive("--nccl-emu-eager-bytes", self.emu_eager_bytes, 0)
+        if self.emu_strict and self.backend != "nccl-emu":
+            raise ConfigError("--nccl-emu-strict", True, "needs --backend nccl-emu")
         if self.timeout <= 0:
             raise ConfigError("--timeout", self.timeout, "must be > 0 seconds")
         if self.init_timeout <= 0:

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from bundle import loader, samples
 from bundle.engine.stage_engine import EVAL_COUNTS, MicroBatch, StageEngine, eval_rows
@@ -43,6 +42,7 @@ class Evaluator:
         self.dataset: Any = session.splits.val
         self.num_classes = session.splits.num_classes
         self.coord, self.group = session.coord, session.groups.last_stage
+        self.comm = session.comm
         self.topo, self.batch, self.workers, self.device = topo, batch, workers, device
         self.every, self.total, self.enabled = every, total, enabled
         self.reporter, self.phase = reporter, phase
@@ -69,7 +69,7 @@ class Evaluator:
         stage.train()
         if self.group is None:
             return Validation(None, None, None, None, 0)
-        dist.all_reduce(counts, group=self.group)
+        self.comm.all_reduce(counts, self.group).wait()
         top1, top5, positions, loss, rows = counts.tolist()
         if not rows:
             return Validation(None, None, None, None, 0)

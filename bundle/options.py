@@ -307,13 +307,17 @@ OPTIONS: tuple[Option, ...] = (
     Option(LAUNCH, "--nccl-emu-eager-bytes", "launch.emu_eager_bytes", metavar="N",
            help="nccl-emu: sends of at most N bytes complete without waiting for their "
                 "receiver, as NCCL's small messages do (0: every send waits, the strict model)"),
+    Option(LAUNCH, "--nccl-emu-strict", "launch.emu_strict",
+           help="nccl-emu: a process's communicators run one call at a time, in the order "
+                "posted (NCCL does not promise that two communicators progress concurrently)"),
     Option(LAUNCH, "--timeout", "launch.timeout", metavar="S",
            help="seconds any wait on a peer may take before the job fails"),
     Option(LAUNCH, "--init-timeout", "launch.init_timeout", metavar="S",
            help="seconds to wait for every node to join"),
     Option(LAUNCH, "--share-gpus", "launch.share_gpus",
            help="testing: allow more nccl processes per node than GPUs, placed round-robin, "
-                "several per GPU (sets NCCL_MULTI_RANK_GPU_ENABLE=1)"),
+                "several per GPU (NCCL 2.30+: NCCL_MULTI_RANK_GPU_ENABLE=1; older: a host id per "
+                "process)"),
 
     # A config file naming another would be a second precedence order; it is no YAML key.
     Option(OUT, "--config", None, kind=str, metavar="FILE.yaml", yaml=False,

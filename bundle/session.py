@@ -13,8 +13,9 @@ from bundle import data, loader
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig, parse_bundle_sync
-from bundle.engine import aggregate, nccl_emu, precision
-from bundle.engine.grad_sync import Collectives, Comm, FlatSync, GradSync, HierarchicalSync
+from bundle.engine import aggregate, device_audit, nccl_emu, precision
+from bundle.engine.comm import Collectives, Comm
+from bundle.engine.grad_sync import FlatSync, GradSync, HierarchicalSync
 from bundle.engine.hops import Hop, Wire, make_hop
 from bundle.engine.optim import make_optimizer
 from bundle.engine.outer import OuterSync
@@ -58,6 +59,7 @@ class Session:
     groups: ProcessGroups
     optimizer: torch.optim.Optimizer
     layout: Layout
+    comm: Comm  # the collectives of its NCCL groups (bundle.engine.comm)
 
 
 def build_session(
@@ -72,8 +74,14 @@ def build_session(
 
     ``arrive(name)``, when given, waits (with the start-up timeout) until every process reaches
     the same point, so uneven start-up is never charged to the per-operation ``--timeout``.
+    Under nccl-emu the rank's ``device`` is the emulated GPU (bundle.engine.device_audit).
     """
     arrive = arrive or (lambda name: None)
+    backend = resolve_backend(cfg)
+    emu = nccl_emu.for_session(cfg.launch, rank) if backend == "nccl-emu" else None
+    if emu is not None:
+        device = device_audit.MARK
+    comm: Comm = emu if emu is not None else Collectives()
     coord = topo.coord(rank)
     S = topo.num_stages
     splits = data.load(cfg.data, cfg.train.seed)
@@ -93,8 +101,6 @@ def build_session(
         async_save=cfg.checkpoint.async_save,
         timeout=cfg.launch.timeout,
     )
-    backend = resolve_backend(cfg)
-    emu = nccl_emu.for_session(cfg.launch, rank) if backend == "nccl-emu" else None
     transport = Transport(
         topo=topo,
         bundle=coord.bundle,
@@ -106,14 +112,16 @@ def build_session(
         timeout=cfg.launch.timeout,
         post=emu.batch_isend_irecv if emu is not None else post_with_torch,
     )
-    sync = _make_sync(cfg, topo, coord, stage, groups, device, emu)
+    sync = _make_sync(cfg, topo, coord, stage, groups, device, comm)
     sharded = cfg.parallel.zero and len(topo.stage_group(coord.stage)) > 1
-    optimizer = make_optimizer(cfg.train, stage, shard_over=groups.stage if sharded else None)
+    optimizer = make_optimizer(
+        cfg.train, stage, shard_over=groups.stage if sharded else None, comm=comm
+    )
     engine = StageEngine(
         topo=topo,
         coord=coord,
         sync=sync,
-        outer=_make_outer(cfg, topo, coord, stage, groups, sync.wire),
+        outer=_make_outer(cfg, topo, coord, stage, groups, sync.wire, comm),
         transport=transport,
         optimizer=optimizer,
         schedule=cfg.parallel.schedule,
@@ -121,14 +129,14 @@ def build_session(
         stage=stage,
         policy=policy,
         # The skip decision spans the job: the default group holds every rank.
-        scaler=policy.make_scaler(device),
+        scaler=policy.make_scaler(device, comm=comm),
         timer=timing.make_timer(device),
         loss=make_loss(cfg),
         # gloo alone lets a receive progress on its own: there it is posted ahead (bundle.engine.p2p).
         early_receives=backend == "gloo",
     )
     arrive("ready to train")
-    return Session(engine, stage, splits, coord, groups, optimizer, layout)
+    return Session(engine, stage, splits, coord, groups, optimizer, layout, comm)
 
 
 def make_loss(cfg: RunConfig) -> Loss:
@@ -154,7 +162,7 @@ def _make_sync(
     stage: Stage,
     groups: ProcessGroups,
     device: torch.device,
-    comm: Comm | None,
+    comm: Comm,
 ) -> GradSync:
     par = cfg.parallel
     if len(topo.stage_group(coord.stage)) == 1:
@@ -165,7 +173,7 @@ def _make_sync(
         return make_hop(
             par.grad_compression,
             group,
-            comm or Collectives(),
+            comm,
             wire=Wire(),
             powersgd_rank=par.powersgd_rank,
             rule=par.aggregate,
@@ -183,7 +191,7 @@ def _make_sync(
     # Start from identical weights without relying on every process's initialisation agreeing.
     members = topo.stage_group(coord.stage)
     for p in stage.parameters():
-        dist.broadcast(p.data, src=members[0], group=groups.stage)
+        comm.broadcast(p.data, members[0], groups.stage).wait()
     master = coord.replica == 0
     crosses = master and topo.num_bundles > 1 and per_step
     return HierarchicalSync(
@@ -208,6 +216,7 @@ def _make_outer(
     stage: Stage,
     groups: ProcessGroups,
     wire: Wire,
+    comm: Comm,
 ) -> OuterSync | None:
     """The meetings between bundles of ``--bundle-sync local:H|diloco:H`` (None: every step)."""
     par = cfg.parallel
@@ -230,6 +239,7 @@ def _make_outer(
         wire=wire,
         fault=aggregate.fault_from_env(topo.num_bundles),
         seed=cfg.train.seed,
+        comm=comm,
     )
 
 
@@ -327,4 +337,5 @@ def make_checkpointer(
         bundle_group=session.groups.bundle,
         outer=session.engine.outer,
         hop=session.engine.sync.hop,
+        comm=session.comm,
     )

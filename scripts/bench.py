@@ -8,7 +8,9 @@ worlds are started, one after the other:
   Schedule1F1B) on the same split, global batch and micro-batches; then Bundle data-parallel only
   (shape 2, flat sync, one micro-batch) against a plain DistributedDataParallel loop on the same
   model and global batch;
-- ``bundles`` (4 processes): two bundles of shape 1,1 with flat against hierarchical gradient sync.
+- ``bundles`` (4 processes): two bundles of shape 1,1 with flat against hierarchical gradient sync,
+  and the flat sync posting its last gradient send before it waits for the stage's all-reduce
+  against waiting first (``flat_send_first_vs_waited``).
 
 The ``pipeline`` world also times bf16 against fp32 (small_resnet and the MLP), and recompute=always
 and channels-last against neither (small_resnet), at shape 1,1, 1F1B, M = 8, in groups of their
@@ -427,17 +429,21 @@ def build_groups(job: str, rank: int, world: int, sizes: Sizes) -> list[list[Cas
         ]
         return [headline, *([c] for c in sweep), ddp, compute, mlp_bf16, timers]
     if job == "bundles":
-        return [
-            [
-                bundle_case(
-                    f"bundle {sync} M={cm}",
-                    make_cfg(sizes, sizes.mlp_model, micro=cm, bundles=2, sync=sync),
-                    rank,
-                    probe=False,
-                )
-                for sync in ("flat", "hierarchical")
-            ]
+        cases = [
+            bundle_case(
+                f"bundle {sync} M={cm}",
+                make_cfg(sizes, sizes.mlp_model, micro=cm, bundles=2, sync=sync),
+                rank,
+                probe=False,
+            )
+            for sync in ("flat", "hierarchical", "flat")
         ]
+        # The flat sync as it was: DDP waits for the stage's sums inside the last backward, so
+        # the last gradient send (and the stage upstream) waits for the cross-bundle all-reduce.
+        cases[2].name = f"bundle flat waited M={cm}"
+        assert cases[2].session is not None
+        cases[2].session.engine.sync.defer = False  # type: ignore[attr-defined]
+        return [cases]
     raise ValueError(f"unknown job {job!r}")
 
 

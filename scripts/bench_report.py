@@ -143,6 +143,7 @@ def render(report: dict, cases: dict[str, dict]) -> str:
     ]
     cnn_first = f"cnn bundle 1f1b M={s['cnn_micro'][0]}"
     others = ["bundle dp", "torch ddp", f"bundle flat M={cm}", f"bundle hierarchical M={cm}"]
+    others.append(f"bundle flat waited M={cm}")
     compute = [
         *(f"cnn bundle {k} M={cm}" for k in ("fp32", "bf16", "recompute", "channels-last")),
         *(f"mlp bundle {k} M={cm}" for k in ("fp32", "bf16", "timers on", "timers off")),
@@ -179,6 +180,7 @@ def render(report: dict, cases: dict[str, dict]) -> str:
         + f" (a step at the ideal would lead it {detail['ceiling']:.2f}x)",
         f"  dp_vs_ddp             {r['dp_vs_ddp']:.3f}",
         f"  hierarchical_vs_flat  {r['hierarchical_vs_flat']:.3f}",
+        f"  flat_send_first_vs_waited  {r['flat_send_first_vs_waited']:.3f}",
         f"  peak in flight on stage 0, M={cm}: 1f1b {r['peak_inflight_1f1b']}, "
         f"gpipe {r['peak_inflight_gpipe']}",
         "",
@@ -273,6 +275,9 @@ def build_report(
         "peak_inflight_1f1b": cases[f"mlp bundle 1f1b M={cm}"]["peak_in_flight_stage0"],
         "peak_inflight_gpipe": cases[f"mlp bundle gpipe M={cm}"]["peak_in_flight_stage0"],
         "hierarchical_vs_flat": paired(cases, f"bundle hierarchical M={cm}", f"bundle flat M={cm}"),
+        "flat_send_first_vs_waited": paired(
+            cases, f"bundle flat M={cm}", f"bundle flat waited M={cm}"
+        ),
         "bf16_vs_fp32": {
             model: paired(cases, f"{prefix} bundle bf16 M={cm}", f"{prefix} bundle fp32 M={cm}")
             for model, prefix in (("small_resnet", "cnn"), (sizes.mlp_model, "mlp"))

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from bundle import log
 from bundle.checkpoint import format as ckpt
 from bundle.config import CheckpointConfig
+from bundle.engine.comm import Collectives, Comm
 from bundle.engine.hops import Hop
 from bundle.engine.optim import holder
 from bundle.engine.outer import OuterSync
@@ -88,8 +89,12 @@ class Checkpointer:
         bundle_group: dist.ProcessGroup | None = None,
         outer: OuterSync | None = None,
         hop: Hop | None = None,
+        comm: Comm | None = None,
     ) -> None:
+        """``comm`` carries the agreement on the stage's (NCCL) group; ``group`` and
+        ``async_group`` are gloo groups."""
         self.cfg, self.topo, self.coord, self.rank = cfg, topo, coord, rank
+        self.comm = comm or Collectives()
         self.stage, self.group = stage, group
         # The optimizer holding this rank's state; sharded: of the parameters it owns only.
         self.optimizer = holder(optimizer)
@@ -198,10 +203,14 @@ class Checkpointer:
             for k in state
             if k in params or k.startswith("outer.") or (k.startswith(optim) and not self.sharded)
         ]
-        sums = torch.stack([_checksum(state[k]) for k in names])
+        # One device for every checksum: an optimizer's step counts stay on the host (torch keeps
+        # Adam's ``step`` on the CPU unless fused or capturable) while parameters are on the GPU,
+        # and the stage group's all-reduce is NCCL's there.
+        device = self.stage_device
+        sums = torch.stack([_checksum(state[k]).to(device) for k in names])
         lo, hi = sums.clone(), sums.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.stage_group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.stage_group)
+        self.comm.all_reduce(lo, self.stage_group, op=dist.ReduceOp.MIN).wait()
+        self.comm.all_reduce(hi, self.stage_group, op=dist.ReduceOp.MAX).wait()
         differ = (lo != hi).nonzero().flatten().tolist()
         if differ:
             raise CheckpointError(
@@ -402,8 +411,10 @@ class Checkpointer:
                 slot = key[len(prefix) :]
                 if not key.startswith(prefix) or "." in slot:
                     continue
-                # A 0-d entry (Adam's step) lives on the CPU, as the optimizer keeps it.
-                device = p.device if shape else torch.device("cpu")
+                # Adam's step count lives on the CPU, as the optimizer keeps it (neither fused
+                # nor capturable); every other slot beside its parameter, 0-d ones too (the
+                # momentum of a scalar parameter).
+                device = torch.device("cpu") if slot == "step" else p.device
                 want[key] = torch.zeros(shape, dtype=dtype, device=device)
                 slots.setdefault(p, {})[slot] = want[key]
         return slots

@@ -5,6 +5,8 @@ Modules, from the data up:
 - ``schedule``: GPipe and 1F1B as pure lists of actions per stage (tested as literal data);
 - ``p2p``: the point-to-point calls those actions make in a step, and a model of NCCL's streams;
 - ``transport``: activations forward and gradients back between stages of any widths;
+- ``comm``: the collectives of training's NCCL groups behind one interface (torch's, emulated);
+- ``device_audit``: under nccl-emu, device tensors told from host ones, and CUDA's mixing refused;
 - ``nccl_emu``: ``--backend nccl-emu``, gloo with NCCL's in-order streams on top;
 - ``aggregate``: how bundles' contributions combine (mean, median, trimmed), and a faulty bundle;
 - ``hops``: the hop between bundles of a sync: exact, compressed (bf16, fp16, PowerSGD), robust;

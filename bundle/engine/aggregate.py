@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from bundle.config import parse_aggregate
+from bundle.engine.comm import Comm
 from bundle.errors import ConfigError
 from bundle.samples import step_seed
 
@@ -47,10 +48,13 @@ def combine(stacked: torch.Tensor, rule: str) -> torch.Tensor:
     return ordered[trim : n - trim].mean(dim=0)
 
 
-def gather_and_combine(t: torch.Tensor, group: dist.ProcessGroup, rule: str) -> torch.Tensor:
-    """Every group member's ``t``, combined by ``rule`` (the same result on every member)."""
+def gather_and_combine(
+    t: torch.Tensor, group: dist.ProcessGroup, rule: str, comm: Comm
+) -> torch.Tensor:
+    """Every group member's ``t`` (gathered through ``comm``), combined by ``rule`` (the same
+    result on every member)."""
     parts = [torch.empty_like(t) for _ in range(group.size())]
-    dist.all_gather(parts, t, group=group)
+    comm.all_gather(parts, t, group).wait()
     return combine(torch.stack(parts), rule)
 
 

@@ -18,54 +18,28 @@ meet every H steps instead, bundle.engine.outer) and scales each bundle's sum to
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from bundle.engine.hops import Hop, Wire, ddp_hook
+from bundle.engine.comm import Collectives, Comm, Started
+from bundle.engine.hops import Hop, Wire, done
 
-
-class Started(Protocol):
-    """A collective in flight: torch's ``Work``, or the emulator's."""
-
-    def wait(self, timeout: timedelta = ...) -> bool: ...
-
-    def get_future(self) -> torch.futures.Future[Any]: ...
-
-
-class Comm(Protocol):
-    """What a sync needs to start its collectives asynchronously."""
-
-    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Started: ...
-
-    def reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> Started: ...
-
-    def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> Started: ...
-
-
-class Collectives:
-    """The sync's collectives on torch.distributed; ``bundle.engine.nccl_emu.Emulator`` has the
-    same methods and runs them on per-group in-order streams, as NCCL does."""
-
-    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
-        return _started(dist.all_reduce(tensor, group=group, async_op=True))
-
-    def reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> dist.Work:
-        return _started(dist.reduce(tensor, dst=dst, group=group, async_op=True))
-
-    def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> dist.Work:
-        return _started(dist.broadcast(tensor, src=src, group=group, async_op=True))
-
-
-def _started(work: dist.Work | None) -> dist.Work:
-    if work is None:  # async_op=True in a group this rank belongs to always returns its work
-        raise RuntimeError("a collective started in a group this rank is not in")
-    return work
+# Buffers (BatchNorm's statistics) are per replica after the start, as in every pipeline system:
+# DDP must not broadcast them before each forward. torch 2.13 renamed the switch; the old name
+# (which also skips the start-up broadcast of buffers, harmless: replicas build them alike) is what
+# torch 2.4-2.12 accept.
+_NO_FORWARD_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 class _Waits:
@@ -109,6 +83,15 @@ class GradSync:
 
 
 class FlatSync(GradSync):
+    """DDP over the stage group, its buckets summed by the hop (DDP's comm hook).
+
+    The hook starts each bucket's hop and hands DDP the bucket back at once (gradients are views
+    of DDP's buckets), so the step's last backward returns without waiting for the stage's
+    all-reduce: the engine posts the last gradient send to the stage before first, and ``finish``
+    waits for the sums. Otherwise DDP waits for every bucket at the end of that backward, and
+    the stage upstream waits for the cross-bundle all-reduce before its own last backward.
+    """
+
     module: DistributedDataParallel
 
     def __init__(
@@ -121,18 +104,23 @@ class FlatSync(GradSync):
         comm: Comm | None = None,
         hop: Hop | None = None,
     ) -> None:
-        super().__init__(
-            DistributedDataParallel(
+        self.comm = comm or Collectives()
+        with self.comm.exclusive(group, "DDP's start-up broadcasts"):
+            ddp = DistributedDataParallel(
                 stage,
                 device_ids=[device] if device.type == "cuda" else None,
                 process_group=group,
-                forward_sync_buffers=False,
                 bucket_cap_mb=bucket_mb,
+                gradient_as_bucket_view=True,
+                **_NO_FORWARD_BUFFER_SYNC,
             )
-        )
-        self.hop = hop or Hop(group, comm or Collectives(), wire=self.wire)
+        super().__init__(ddp)
+        self.group = group
+        self.hop = hop or Hop(group, self.comm, wire=self.wire)
         self.wire = self.hop.wire
-        self.module.register_comm_hook((self.hop, self), ddp_hook)
+        self._pending: list[tuple[torch.Tensor, torch.futures.Future]] = []
+        self.defer = True  # False: DDP waits for the sums in the backward (scripts/bench.py)
+        self.module.register_comm_hook(self, _deferred_hook)
         self._settle_buckets()
 
     def _settle_buckets(self) -> None:
@@ -143,7 +131,8 @@ class FlatSync(GradSync):
         used the new one, and a bucket laid out differently is summed in another order over 3 or
         more replicas: not bit-identical. One backward of zeros through every parameter, built so
         that they arrive in reverse registration order (DDP's classic layout, overlapping the
-        backward), makes every process re-bucket alike before it trains.
+        backward), makes every process re-bucket alike before it trains; the rebuild itself (a
+        broadcast DDP would start in the first step's forward) runs here too.
         """
         params = [p for p in self.module.module.parameters() if p.requires_grad]
         if not params:
@@ -154,9 +143,20 @@ class FlatSync(GradSync):
         self.module.reducer.prepare_for_backward([zero])
         self.step = -1  # no fault, no compression: an exact sum of zeros
         zero.backward()
+        self.finish()
+        with self.comm.exclusive(self.group, "DDP's bucket rebuild"):
+            self.module._has_rebuilt_buckets = self.module.reducer._rebuild_buckets()
         for p in params:
             p.grad = None
         self.wire.sent = self.wire.full = 0
+
+    def finish(self) -> None:
+        pending, self._pending = self._pending, []
+        for buf, fut in pending:
+            fut.wait()
+            summed = fut.value()
+            if summed.data_ptr() != buf.data_ptr():  # a hop that sums into a tensor of its own
+                buf.copy_(summed)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         # Forwards never arm the reducer: under 1F1B a later forward precedes earlier backwards,
@@ -242,6 +242,7 @@ class HierarchicalSync(GradSync):
         self._sizes = [len(g) for g in groups]
         self._left: list[int] = []
         self._works: list = []
+        self._launched = 0  # buckets whose reduce started this step: always 0..n-1 in order
         self._armed = False
 
     def backward(self, outputs, grads, *, last: bool) -> None:
@@ -249,6 +250,7 @@ class HierarchicalSync(GradSync):
             self._armed = True
             self._left = list(self._sizes)
             self._works = [None] * len(self.buffers)
+            self._launched = 0
         super().backward(outputs, grads, last=last)
 
     def _reduce(self, b: int):
@@ -267,14 +269,24 @@ class HierarchicalSync(GradSync):
         b = self._bucket_of[p]
         self._left[b] -= 1
         if self._left[b] == 0:
-            self._works[b] = self._reduce(b)
+            self._launch()
+
+    def _launch(self, *, all_of_them: bool = False) -> None:
+        """Start the reduces of the ready buckets that come next in index order (of every bucket
+        left, ready or not, with ``all_of_them``). Replicas whose backwards produce gradients in
+        different orders (data-dependent branches) still launch alike, as DDP does: on NCCL the
+        n-th reduce of every member must be the same bucket's."""
+        while self._launched < len(self._works) and (
+            all_of_them or self._left[self._launched] == 0
+        ):
+            self._works[self._launched] = self._reduce(self._launched)
+            self._launched += 1
 
     def finish(self) -> None:
         self._armed = False
         works = self._works
-        for b, left in enumerate(self._left):
-            if left > 0:  # some parameters got no gradient in the last backward
-                works[b] = self._reduce(b)
+        # Buckets some of whose parameters got no gradient in the last backward start now.
+        self._launch(all_of_them=True)
         self._then(works, self._allreduce if self.hop is not None else None)
         if self.counts_masters and self.is_master:
             for buf in self.buffers:  # what the masters' hop would send every step
@@ -306,3 +318,14 @@ class HierarchicalSync(GradSync):
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         for buf in self.buffers:
             buf.zero_()
+
+
+def _deferred_hook(sync: FlatSync, bucket):  # DDP checks real annotations: none here
+    """DDP's comm hook for the flat sync: the bucket's hop started, its sum waited for later."""
+    buf, hop = bucket.buffer(), sync.hop
+    assert hop is not None  # FlatSync always has one
+    summed = hop.start(bucket.index(), buf, bucket.parameters(), sync.step)
+    if not sync.defer:
+        return summed
+    sync._pending.append((buf, summed))
+    return done(buf)

@@ -33,6 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from bundle.engine import aggregate
 from bundle.engine.aggregate import Fault
+from bundle.engine.comm import Comm
 from bundle.samples import step_seed
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,7 +55,7 @@ class Wire:
         return self.sent / self.full if self.full else 1.0
 
 
-def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+def done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(value)
     return fut
@@ -66,7 +67,7 @@ class Hop:
     def __init__(
         self,
         group: dist.ProcessGroup,
-        comm: Any,
+        comm: Comm,
         *,
         wire: Wire,
         bundle: int = 0,
@@ -174,21 +175,22 @@ class PowerSGDHop(Hop):
         # The same draws on every replica, and on a resumed run, whatever ran before.
         self.psgd.rng = np.random.RandomState(step_seed(self.seed, step, index) % 2**32)
         numel = self.psgd.total_numel_after_compression
-        fut = psgd.powerSGD_hook(self.psgd, bucket)  # type: ignore[arg-type]
-        sent = self.psgd.total_numel_after_compression - numel
-        self.wire.add(sent * buf.element_size(), buf.numel() * buf.element_size())
-
         # Its rounds chain collectives from future callbacks, which run on the backend's threads:
         # two buckets in flight could start them in different orders on different ranks (a hang
-        # on gloo, a mismatch on NCCL). One bucket at a time keeps every rank's order the same.
-        fut.wait()
+        # on gloo, a mismatch on NCCL). One bucket at a time keeps every rank's order the same,
+        # and its rounds are one call of the group's communicator (in order under nccl-emu).
+        with self.comm.exclusive(self.group, f"PowerSGD's rounds (bucket {index})"):
+            fut = psgd.powerSGD_hook(self.psgd, bucket)  # type: ignore[arg-type]
+            fut.wait()
+        sent = self.psgd.total_numel_after_compression - numel
+        self.wire.add(sent * buf.element_size(), buf.numel() * buf.element_size())
         out = fut.value()
         offset = 0
         for p in members:  # the local error: what this share lost to the approximation
             n = p.numel()
             self.errors[p] = before[offset : offset + n] - out[offset : offset + n]
             offset += n
-        return _done(out.mul_(self.size))
+        return done(out.mul_(self.size))
 
     def state(self, names):
         return {f"error.{names[p]}": e for p, e in self.errors.items()}
@@ -217,8 +219,8 @@ class GatherHop(Hop):
         self.wire.add(nbytes, nbytes)
         # Each bundle's share scaled to a whole-batch estimate before the rule compares them.
         mine = buf * self.share
-        buf.copy_(aggregate.gather_and_combine(mine, self.group, self.rule))
-        return _done(buf)
+        buf.copy_(aggregate.gather_and_combine(mine, self.group, self.rule, self.comm))
+        return done(buf)
 
 
 def make_hop(
@@ -240,9 +242,3 @@ def make_hop(
     if rule != "mean":
         return GatherHop(group, comm, rule=rule, shares=shares, wire=wire, **kw)
     return Hop(group, comm, wire=wire, **kw)
-
-
-def ddp_hook(hop_and_step: tuple[Hop, Any], bucket):  # DDP checks real annotations: none here
-    """DDP's comm hook for the flat sync: the bucket through the hop."""
-    hop, sync = hop_and_step
-    return hop.start(bucket.index(), bucket.buffer(), bucket.parameters(), sync.step)

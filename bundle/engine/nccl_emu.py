@@ -5,26 +5,33 @@ gloo lets every send and receive progress on its own; NCCL does not, and a patte
 on gloo can hang on GPUs. Under this backend the engine's calls go through the model NCCL imposes:
 
 - **One in-order stream per communicator per process.** A posted call starts only after the
-  previous call on that communicator completed. Point-to-point calls (``batch_isend_irecv`` on
-  the default group, which NCCL runs on the world communicator) share one stream; each gradient
-  sync group (DDP's stage group, the hierarchical sync's bundle and masters groups) has its own,
-  and streams progress independently of each other.
+  previous call on that communicator completed. The world communicator's stream holds the
+  point-to-point calls (``batch_isend_irecv`` on the default group) and the world group's
+  collectives (the fp16 scaler's vote, the final barrier); each other NCCL group (stage, bundle,
+  masters) has its own. Every collective training runs on them goes through this stream model
+  (bundle.engine.comm), including those torch's own code starts (DDP, ZeRO-1, PowerSGD), which
+  run as one call of their group's stream.
+- **Communicators one at a time** (``--nccl-emu-strict``): NCCL does not promise that two
+  communicators progress concurrently, so in this mode a rank's calls on all of them run one at
+  a time, in the order they were posted. Without it streams progress independently.
 - **A call's operations progress together:** each starts as soon as its peer is ready, and the
   call completes when all of them have.
 - **Rendezvous:** a send completes only while the call holding its matching receive runs, as NCCL
   does for messages larger than its buffers; a receive completes once its send runs. The n-th
   send from a to b matches the n-th receive at b from a. ``--nccl-emu-eager-bytes N`` lets sends
-  of at most N bytes complete without waiting for their receiver (NCCL's small messages); the
-  default, 0, is the strict model.
+  of 1 to N bytes complete without waiting for their receiver (NCCL's small messages); the
+  default, 0, is the strict model; zero-byte messages always rendezvous.
+- **Devices** (bundle.engine.device_audit): tensors that would be on the GPU are told apart from
+  host tensors; an operation CUDA would refuse for mixing them fails, naming it and its call
+  site, and what a call moves must be on the device.
 - **Waits keep their timeouts** (``--timeout``), and a stall names the stuck call, its operations
   and peers, and what the stream holds behind it.
 
 Not modelled: kernels and their timing, NVLink/InfiniBand bandwidth, NCCL's own buffer sizes and
 protocols (the eager limit is a single switch), the compute streams and events of CUDA beyond
-"a wait orders what is posted after it", and two communicators' kernels competing for the GPU
-(NCCL asks not to rely on concurrent progress of communicators; the emulation grants it).
-Collectives run as gloo's, one call each on their group's stream, so their ordering and timeouts
-are NCCL's but a mismatch between ranks fails as gloo reports it.
+"a wait orders what is posted after it". Collectives run as gloo's, one call each on their
+group's stream, so their ordering and timeouts are NCCL's but a mismatch between ranks fails as
+gloo reports it.
 
 Rendezvous goes through the job's store: a call that starts running sets one key per operation,
 and an operation is handed to gloo (with the message's number as its tag) once its partner's key
@@ -34,18 +41,22 @@ speed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from bundle.engine import device_audit
+from bundle.engine.device_audit import DeviceAudit
 
 _POLL_FIRST_S, _POLL_MAX_S = 5e-5, 2e-3
 _TAG_MOD = 2**31 - 1
@@ -178,13 +189,28 @@ class _Stream:
 
 
 class Emulator:
-    """This process's side of the emulation: its point-to-point stream and its groups' streams."""
+    """This process's side of the emulation: its point-to-point stream and its groups' streams.
+
+    ``strict``: the rank's communicators run one call at a time, in the order they were posted
+    (NCCL does not promise that two communicators progress concurrently), as if one stream held
+    them all. ``audit`` (bundle.engine.device_audit) checks that what NCCL would move is on the
+    device.
+    """
 
     def __init__(
-        self, store: dist.Store, rank: int, *, timeout: float, eager_bytes: int = 0
+        self,
+        store: dist.Store,
+        rank: int,
+        *,
+        timeout: float,
+        eager_bytes: int = 0,
+        strict: bool = False,
+        audit: DeviceAudit | None = None,
     ) -> None:
         self.store, self.rank, self.timeout, self.eager_bytes = store, rank, timeout, eager_bytes
-        self._p2p = _Stream("point-to-point", rank, timeout)
+        self.strict, self.audit = strict, audit
+        name = "one-at-a-time (every communicator)" if strict else "world (point-to-point)"
+        self._p2p = _Stream(name, rank, timeout)
         self._groups: dict[object, _Stream] = {}
         self._sent: dict[tuple[int, bool], int] = {}  # (peer, send?) -> messages so far
         self._eager: list = []  # eager sends gloo has not delivered yet
@@ -204,7 +230,10 @@ class Emulator:
             n = self._sent.get((op.peer, send), 0)
             self._sent[(op.peer, send)] = n + 1
             nbytes = op.tensor.numel() * op.tensor.element_size()
-            mine.append(_Op(send, op.tensor, op.peer, n, label, nbytes <= self.eager_bytes))
+            self._check_device(op.tensor, label)
+            # Zero-byte messages rendezvous like the rest.
+            eager = 0 < nbytes <= self.eager_bytes
+            mine.append(_Op(send, op.tensor, op.peer, n, label, eager))
         return [self._p2p.post(", ".join(names), self._run_p2p, mine)]
 
     def _run_p2p(self, call: _Call, deadline: float) -> None:
@@ -244,26 +273,37 @@ class Emulator:
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def _stream_of(self, group: dist.ProcessGroup) -> _Stream:
+    def _stream_of(self, group: dist.ProcessGroup | None) -> _Stream:
+        """The stream of ``group``'s communicator: the world group's is the point-to-point one."""
+        if self.strict or group is None or group is dist.GroupMember.WORLD:
+            return self._p2p
         if group not in self._groups:
             name = f"group {dist.get_process_group_ranks(group)}"
             self._groups[group] = _Stream(name, self.rank, self.timeout)
         return self._groups[group]
 
+    def _check_device(self, tensors: Any, what: str) -> None:
+        if self.audit is not None:
+            self.audit.require_device(tensors, what)
+
     def collective(
-        self, name: str, tensor: torch.Tensor, group: dist.ProcessGroup, start: Callable
+        self, name: str, tensor: Any, group: dist.ProcessGroup | None, start: Callable
     ) -> Work:
         """Run ``start()`` (a blocking gloo collective on ``group``) as one call of its stream."""
+        where = "world" if group is None else f"group {dist.get_process_group_ranks(group)}"
+        self._check_device(tensor, f"{name} on the {where}")
 
         def run(call: _Call, deadline: float) -> None:
             start()
             call.result = [tensor]
 
-        return self._stream_of(group).post(name, run, future=True)
+        return self._stream_of(group).post(f"{name} on the {where}", run, future=True)
 
-    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Work:
+    def all_reduce(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: Any = dist.ReduceOp.SUM
+    ) -> Work:
         return self.collective(
-            "all_reduce", tensor, group, lambda: dist.all_reduce(tensor, group=group)
+            "all_reduce", tensor, group, lambda: dist.all_reduce(tensor, op=op, group=group)
         )
 
     def reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> Work:
@@ -278,6 +318,46 @@ class Emulator:
             group,
             lambda: dist.broadcast(tensor, src, group=group),
         )
+
+    def all_gather(
+        self, parts: list[torch.Tensor], tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> Work:
+        return self.collective(
+            "all_gather", [tensor, *parts], group, lambda: dist.all_gather(parts, tensor, group)
+        )
+
+    def barrier(self, group: dist.ProcessGroup | None = None) -> None:
+        # NCCL's barrier is an all-reduce of one element on the device, in the stream's order.
+        self.collective("barrier", [], group, lambda: dist.barrier(group=group)).wait()
+
+    @contextlib.contextmanager
+    def exclusive(self, group: dist.ProcessGroup | None, what: str) -> Iterator[None]:
+        """Collectives that torch's own code starts on ``group`` (DDP, ZeRO-1, PowerSGD), run
+        by the caller as one call of the group's stream: after what was posted before, before
+        what is posted after."""
+        running, done = threading.Event(), threading.Event()
+
+        def hold(call: _Call, deadline: float) -> None:
+            running.set()
+            if not done.wait(max(deadline - time.monotonic(), 0.0)):
+                raise TimeoutError(f"{what} did not end within {self.timeout:.0f}s")
+
+        stream = self._stream_of(group)
+        work = stream.post(what, hold)
+        call, end = work._call, time.monotonic() + self.timeout
+        while not running.wait(_POLL_MAX_S):
+            if call.done.is_set():  # the stream broke on a call ahead of it
+                raise RuntimeError(f"nccl-emu: {what} could not start: {call.error}")
+            if time.monotonic() > end:
+                raise RuntimeError(
+                    f"nccl-emu: {what} could not start within {self.timeout:.0f}s; "
+                    f"{stream.status(call)}"
+                )
+        try:
+            yield
+        finally:
+            done.set()
+            work.wait()
 
     def close(self) -> None:
         """Finish what gloo still holds of eager sends, then stop the streams."""
@@ -305,4 +385,11 @@ def for_session(launch, rank: int) -> Emulator:
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = dist.PrefixStore(f"nccl-emu/{next(_sessions)}", _get_default_store())
-    return Emulator(store, rank, timeout=launch.timeout, eager_bytes=launch.emu_eager_bytes)
+    return Emulator(
+        store,
+        rank,
+        timeout=launch.timeout,
+        eager_bytes=launch.emu_eager_bytes,
+        strict=launch.emu_strict,
+        audit=device_audit.install(),
+    )

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from bundle.config import TrainConfig
+from bundle.engine.comm import Collectives, Comm
 
 
 def param_groups(cfg: TrainConfig, stage: nn.Module) -> list[dict[str, Any]]:
@@ -32,11 +33,29 @@ def param_groups(cfg: TrainConfig, stage: nn.Module) -> list[dict[str, Any]]:
     return groups + [{"params": plain, "weight_decay": 0.0}] if plain else groups
 
 
+class _ZeRO(ZeroRedundancyOptimizer):
+    """ZeRO-1 whose broadcasts after each step run as one call of the group's communicator
+    (bundle.engine.comm: in order under nccl-emu)."""
+
+    def __init__(self, *args: Any, comm: Comm, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._comm = comm
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+        with self._comm.exclusive(self.process_group, "ZeRO-1's parameter broadcasts"):
+            return super().step(closure, **kwargs)
+
+
 def make_optimizer(
-    cfg: TrainConfig, stage: nn.Module, *, shard_over: dist.ProcessGroup | None = None
+    cfg: TrainConfig,
+    stage: nn.Module,
+    *,
+    shard_over: dist.ProcessGroup | None = None,
+    comm: Comm | None = None,
 ) -> torch.optim.Optimizer:
     """This stage's optimizer; every replica of the stage builds the same one. With
-    ``shard_over``, its state is sharded over that group (ZeRO-1)."""
+    ``shard_over``, its state is sharded over that group (ZeRO-1), its broadcasts through
+    ``comm``."""
     groups = param_groups(cfg, stage)
     kind: type[torch.optim.Optimizer]
     if cfg.optimizer == "sgd":
@@ -47,8 +66,13 @@ def make_optimizer(
         options = {"betas": (cfg.betas[0], cfg.betas[1]), "eps": cfg.eps}
     if shard_over is None:
         return kind(groups, lr=cfg.lr, **options)
-    return ZeroRedundancyOptimizer(
-        groups, optimizer_class=kind, process_group=shard_over, lr=cfg.lr, **options
+    return _ZeRO(
+        groups,
+        optimizer_class=kind,
+        process_group=shard_over,
+        lr=cfg.lr,
+        comm=comm or Collectives(),
+        **options,
     )
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from bundle.engine import aggregate
 from bundle.engine.aggregate import Fault
+from bundle.engine.comm import Collectives, Comm
 from bundle.engine.hops import Wire
 
 
@@ -48,7 +49,10 @@ class OuterSync:
         wire: Wire,
         fault: Fault | None = None,
         seed: int = 0,
+        comm: Comm | None = None,
     ) -> None:
+        """``comm``: the collectives of the masters' and bundle groups (torch's by default)."""
+        self.comm = comm or Collectives()
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.every, self.total, self.rule = every, total, rule
@@ -84,13 +88,15 @@ class OuterSync:
             if self.fault is not None and self.fault.applies(self.bundle, step):
                 self.fault.corrupt(drift, seed=self.seed, step=step)
             if self.rule == "mean":
-                dist.all_reduce(drift, group=self.masters_group)
+                self.comm.all_reduce(drift, self.masters_group).wait()
                 drift /= self.masters_group.size()
             else:
-                drift = aggregate.gather_and_combine(drift, self.masters_group, self.rule)
+                drift = aggregate.gather_and_combine(
+                    drift, self.masters_group, self.rule, self.comm
+                )
             self.wire.add(nbytes, 0)
         if self.bundle_group is not None:
-            dist.broadcast(drift, src=self.bundle_master, group=self.bundle_group)
+            self.comm.broadcast(drift, self.bundle_master, self.bundle_group).wait()
             self.wire.add(nbytes, 0)
         offset = 0
         for a in self.anchor:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bundle.config import ComputeConfig
+from bundle.engine.comm import Collectives, Comm
 from bundle.engine.schedule import Action, backward_follows_forward
 from bundle.engine.transport import TensorMeta
 
@@ -84,8 +85,12 @@ class Policy:
             return x.to(device, memory_format=torch.channels_last, non_blocking=True)
         return x.to(device, non_blocking=True)
 
-    def make_scaler(self, device: torch.device, group=None) -> LossScaler | None:
-        return LossScaler(device=device, group=group) if self.precision == "fp16" else None
+    def make_scaler(
+        self, device: torch.device, group=None, comm: Comm | None = None
+    ) -> LossScaler | None:
+        if self.precision != "fp16":
+            return None
+        return LossScaler(device=device, group=group, comm=comm)
 
 
 def describe(cfg: ComputeConfig) -> str:
@@ -113,7 +118,8 @@ class LossScaler:
 
     The rules are ``torch.amp.GradScaler``'s (start at 2**16, halve on inf/NaN and skip the
     step, double after 2000 clean steps); the scale is a power of two, so scaling and unscaling
-    are exact. ``group`` spans every rank of the job (None: the default group).
+    are exact. ``group`` spans every rank of the job (None: the default group, whose NCCL
+    communicator also carries the pipeline's point-to-point calls: the vote goes through ``comm``).
     """
 
     def __init__(
@@ -121,12 +127,13 @@ class LossScaler:
         *,
         device: torch.device,
         group=None,
+        comm: Comm | None = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
     ) -> None:
-        self.device, self.group = device, group
+        self.device, self.group, self.comm = device, group, comm or Collectives()
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
         # Tensors so that a checkpoint holds them like any other entry.
@@ -156,7 +163,7 @@ class LossScaler:
         if grads:
             inv = torch.full((), 1.0 / self.scale, dtype=torch.float32, device=self.device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+        self.comm.all_reduce(found, self.group, op=dist.ReduceOp.MAX).wait()
         ok = not bool(found.item())
         self._update(ok)
         return ok

@@ -44,6 +44,7 @@ def make_reporter(
         batch=cfg.train.batch_size,
         path=cfg.metrics_out,
         group=session.groups.last_stage,
+        comm=session.comm,
         reporting=reporting,
         device=device,
         start=start,

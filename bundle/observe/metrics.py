@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from bundle.engine.comm import Collectives, Comm
 from bundle.observe.board import Board
 from bundle.observe.console import Console
 from bundle.observe.timing import Breakdown, table
@@ -219,6 +219,7 @@ class Reporter:
         group,
         reporting: bool,
         device: torch.device,
+        comm: Comm | None = None,
         start: int = 0,
         breakdown: Breakdown | None = None,
         board: Board | None = None,
@@ -227,6 +228,7 @@ class Reporter:
     ) -> None:
         self.log_every, self.total, self.batch = log_every, total, batch
         self.group, self.reporting = group, reporting
+        self.comm = comm or Collectives()  # the last stage's group is an NCCL one on GPUs
         self.metrics = MetricsFile(path if reporting else None, start=start)
         self.breakdown, self.lr = breakdown, lr
         self.board = board or Board(None)
@@ -251,7 +253,7 @@ class Reporter:
         """Close the loss window: sum it over the last stage's replicas and report it."""
         times = self.breakdown.window() if self.breakdown is not None and self.steps else None
         if self.steps and self.group is not None:
-            dist.all_reduce(self.window, group=self.group)
+            self.comm.all_reduce(self.window, self.group).wait()
             record: dict[str, Any] = {
                 "step": done,
                 "loss": self.window.item() / self.steps,

@@ -117,7 +117,7 @@ def worker_main(
             step_now=step_now,
         )
         summary = trainer.train()
-        dist.barrier()
+        session.comm.barrier()  # the world group: in order with the point-to-point calls
         if summary is not None:
             print(summary.line(), flush=True)
         return 0

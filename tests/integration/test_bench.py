@@ -22,7 +22,13 @@ def _load_bench():
     return module
 
 
-RATIOS = ("pipeline_efficiency", "vs_torch_pipelining", "dp_vs_ddp", "hierarchical_vs_flat")
+RATIOS = (
+    "pipeline_efficiency",
+    "vs_torch_pipelining",
+    "dp_vs_ddp",
+    "hierarchical_vs_flat",
+    "flat_send_first_vs_waited",
+)
 
 
 def _positive(value: object) -> bool:

@@ -45,6 +45,7 @@ VARIANTS = [
     ("1f1b", 3, "hierarchical", "fp32", "always"),
 ]
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+STRICT = "nccl-emu-strict"  # nccl-emu with --nccl-emu-strict
 
 
 def _hybrid(
@@ -61,9 +62,12 @@ def _hybrid(
     for schedule, micro, sync, precision, recompute in variants:
         model = "skip_mlp" if len(shape) > 1 and micro == 3 else "mlp"
         cfg = equivalence_config(shape, bundles, schedule, micro, sync, model, precision, recompute)
+        strict = backend == STRICT  # nccl-emu, its communicators one call at a time
         cfg = replace(
             cfg,
-            launch=replace(cfg.launch, backend=backend),
+            launch=replace(
+                cfg.launch, backend="nccl-emu" if strict else backend, emu_strict=strict
+            ),
             parallel=replace(cfg.parallel, row_weights=row_weights),
         )
         name = f"{schedule} M={micro} {sync} {precision} recompute {recompute} {model}"
@@ -73,7 +77,7 @@ def _hybrid(
         emulated = isinstance(
             getattr(session.engine.transport._post_call, "__self__", None), Emulator
         )
-        assert emulated == (backend == "nccl-emu"), f"{backend}: emulated is {emulated}"
+        assert emulated == backend.startswith("nccl-emu"), f"{backend}: emulated is {emulated}"
         batches = train_stream(session, topo, cfg.train.seed, STEPS, 0)
         for step in range(STEPS):
             session.engine.train_step(step, next(batches))
@@ -120,24 +124,29 @@ def test_hybrid_equals_single_process(shape, bundles):
 
 
 # Under NCCL's ordering (bundle.engine.nccl_emu): uneven widths, three stages and several bundles, with
-# every variant above (both schedules and syncs, skip connections, bf16 and fp16 on the wire).
-EMU_CASES = [((1, 1), 2), ((2, 3), 1), ((1, 1, 1), 1), ((2, 2, 1), 2)]
+# every variant above (both schedules and syncs, skip connections, bf16 and fp16 on the wire); two
+# of the cases with each process's communicators one call at a time (--nccl-emu-strict), as NCCL
+# may run them.
+EMU_CASES = [((1, 1), 2, "nccl-emu"), ((2, 3), 1, STRICT), ((1, 1, 1), 1, "nccl-emu")]
+EMU_CASES += [((2, 2, 1), 2, STRICT)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "shape,bundles", EMU_CASES, ids=[f"{','.join(map(str, s))}-{b}" for s, b in EMU_CASES]
+    "shape,bundles,backend",
+    EMU_CASES,
+    ids=[f"{','.join(map(str, s))}-{b}{'-strict' if e == STRICT else ''}" for s, b, e in EMU_CASES],
 )
-def test_hybrid_equals_single_process_under_nccl_emu(shape, bundles):
-    results = run_world(sum(shape) * bundles, _hybrid, shape, bundles, "nccl-emu")
+def test_hybrid_equals_single_process_under_nccl_emu(shape, bundles, backend):
+    results = run_world(sum(shape) * bundles, _hybrid, shape, bundles, backend)
     assert results[0] == [], "\n".join(results[0])
 
 
 # Rows by speed (--row-weights): each replica's share of a micro-batch follows its weight, so the
 # row ranges differ from the even split on every boundary (4 rows at 3:1 -> 3/1, at 1:1:2 -> 1/1/2,
 # 4 rows at 1:2 -> 1/3), through both schedules and syncs with three micro-batches of 4/4/3 rows
-# (two row plans per boundary); the wider case under NCCL's ordering (nccl-emu).
-WEIGHTED_CASES = [((2, 1), "3:1,1", "auto"), ((3, 2), "1:1:2,1:2", "nccl-emu")]
+# (two row plans per boundary); the wider case under NCCL's ordering, communicators one at a time.
+WEIGHTED_CASES = [((2, 1), "3:1,1", "auto"), ((3, 2), "1:1:2,1:2", STRICT)]
 WEIGHTED_VARIANTS = [v for v in VARIANTS if v[1] == 3 and v[3] == "fp32" and v[4] == "never"]
 
 

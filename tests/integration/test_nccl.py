@@ -3,7 +3,8 @@
 The check of test_equivalence.py on the GPU path: ``batch_isend_irecv`` between stages, DDP with
 ``device_ids`` (flat) and reduce/allreduce/broadcast started from gradient hooks (hierarchical).
 Shapes ``1,1`` and ``2,1`` and two bundles of ``1,1``; 1F1B with 3 and 1 micro-batches. All ranks
-share ``cuda:0`` through NCCL's multi-rank mode (NCCL 2.30 and later), so one GPU runs it. TF32
+share ``cuda:0`` (NCCL's multi-rank mode from 2.30, a host id per process before it), so one GPU
+runs it. TF32
 is off, so fp32 on the GPU matches the CPU reference at 1e-5; parameters are compared on the CPU.
 Where there is no GPU these skip; how run_world places NCCL children is still checked, on fakes.
 """
@@ -12,22 +13,22 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from bundle.config import ComputeConfig, RunConfig
+from bundle.config import CheckpointConfig, ComputeConfig, RunConfig
 from bundle.runtime import devices, localworld
-from bundle.session import build_session, train_stream
+from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology
 from tests.support.reference import STEPS, TOL, equivalence_config, reference
 
 DEVICE = "cuda:0"
 CASES = [((1, 1), 1), ((2, 1), 1), ((1, 1), 2)]  # (shape, bundles)
 VARIANTS = list(itertools.product((3, 1), ("flat", "hierarchical")))  # (micro-batches, sync)
-NCCL_MULTI_RANK = (2, 30, 0)
 
 
 def _skip_reason() -> str | None:
@@ -35,9 +36,6 @@ def _skip_reason() -> str | None:
         return "needs a CUDA device (torch.cuda.is_available() is False)"
     if not dist.is_nccl_available():
         return "this torch build has no NCCL"
-    found = torch.cuda.nccl.version()
-    if found < NCCL_MULTI_RANK:
-        return f"several ranks on one GPU need NCCL >= 2.30; this torch has NCCL {found}"
     return None
 
 
@@ -100,11 +98,41 @@ def test_nccl_hybrid_equals_single_process(shape, bundles):
     assert results[0] == [], "\n".join(results[0])
 
 
+def _adam_saves(rank: int, world: int, root: str) -> str:
+    """Two AdamW steps over NCCL, a checkpoint (its agreement runs on the stage's NCCL group,
+    over the parameters' checksums and Adam's CPU step counts), and a resume from it."""
+    base = _gpu_config((1, 1), 2, 3, "flat")
+    cfg = replace(
+        base,
+        train=replace(base.train, optimizer="adamw", lr=0.01),
+        checkpoint=CheckpointConfig(save_dir=root),
+    )
+    topo = Topology.from_config(cfg)
+    for resume in (None, f"{root}/step-2"):
+        session = build_session(cfg, topo, rank, torch.device(DEVICE))
+        saver = make_checkpointer(cfg, topo, rank, session)
+        start = saver.restore(resume)
+        batches = train_stream(session, topo, cfg.train.seed, STEPS, 0, start=start)
+        for step in range(start, 2 if resume is None else STEPS):
+            session.engine.train_step(step, next(batches))
+        if resume is None:
+            saver.save(2)
+    return "saved and resumed"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_an_adamw_checkpoint_saves_and_resumes_over_nccl(tmp_path):
+    results = localworld.run_world(4, _adam_saves, str(tmp_path), backend="nccl", device=DEVICE)
+    assert results == ["saved and resumed"] * 4
+
+
 def test_children_share_one_gpu_with_nccl_multi_rank_mode(monkeypatch):
     """run_world's placement of NCCL children, with the device count faked (no GPU needed)."""
     current: list[int] = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d).index))
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 30, 7))  # 2.28: a host id each
     monkeypatch.setenv(devices.MULTI_RANK_GPU_ENV, "unset")  # teardown restores the original
     monkeypatch.delenv(devices.MULTI_RANK_GPU_ENV)
 
@@ -120,3 +148,16 @@ def test_children_share_one_gpu_with_nccl_multi_rank_mode(monkeypatch):
 def test_run_world_names_a_bad_backend():
     with pytest.raises(ValueError, match="mpi"):
         localworld.run_world(1, print, backend="mpi")
+
+
+def _breaks(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one breaks")
+    time.sleep(60)  # would hold the world for a minute if its failed peer did not end it
+
+
+def test_a_failed_child_ends_the_world_at_once():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 failed:(.|\n)*rank one breaks"):
+        localworld.run_world(2, _breaks)
+    assert time.monotonic() - start < 30

@@ -18,12 +18,14 @@ TIMEOUT = 2.0
 N = 64  # elements per message: 256 bytes
 
 
-def _emulator(name: str, rank: int, eager_bytes: int = 0) -> nccl_emu.Emulator:
+def _emulator(
+    name: str, rank: int, eager_bytes: int = 0, strict: bool = False
+) -> nccl_emu.Emulator:
     store = dist.PrefixStore(f"test/{name}", dist.distributed_c10d._get_default_store())
-    return nccl_emu.Emulator(store, rank, timeout=TIMEOUT, eager_bytes=eager_bytes)
+    return nccl_emu.Emulator(store, rank, timeout=TIMEOUT, eager_bytes=eager_bytes, strict=strict)
 
 
-def _run(emu, calls: list, rank: int) -> tuple[dict, str | None, float]:
+def _run(emu, calls: list, rank: int, n: int = N) -> tuple[dict, str | None, float]:
     """Post each call ((op, label) pairs; op send/recv with the other rank), waiting for it at
     once where the pattern says ``WAIT`` (its data is needed next); the received data, the error."""
     peer, got, works = 1 - rank, {}, []
@@ -35,10 +37,10 @@ def _run(emu, calls: list, rank: int) -> tuple[dict, str | None, float]:
             ops, labels, bufs = [], [], {}
             for op, label in call:
                 if op == "send":
-                    t = torch.full((N,), float(len(label) + 10 * rank))
+                    t = torch.full((n,), float(len(label) + 10 * rank))
                     ops.append(dist.P2POp(dist.isend, t, peer))
                 else:
-                    bufs[label] = torch.zeros(N)
+                    bufs[label] = torch.zeros(n)
                     ops.append(dist.P2POp(dist.irecv, bufs[label], peer))
                 labels.append(f"{label} {'to' if op == 'send' else 'from'} rank {peer}")
             posted = emu.batch_isend_irecv(ops, lambda labels=labels: labels)
@@ -50,7 +52,7 @@ def _run(emu, calls: list, rank: int) -> tuple[dict, str | None, float]:
         for posted, bufs in works:
             for w in posted:
                 w.wait()
-            got.update({k: v[0].item() for k, v in bufs.items()})
+            got.update({k: v[0].item() if len(v) else None for k, v in bufs.items()})
     except RuntimeError as exc:
         return got, str(exc), time.monotonic() - start
     return got, None, time.monotonic() - start
@@ -73,14 +75,16 @@ FUSED = {  # bundle.engine.p2p's calls for the same actions
 
 def _scenarios(rank: int, world: int) -> dict:
     out = {}
-    for name, pattern, eager in (
-        ("old", OLD, 0),
-        ("crossed", CROSSED, 0),
-        ("fused", FUSED, 0),
-        ("crossed-eager", CROSSED, 4 * N),
+    for name, pattern, eager, n in (
+        ("old", OLD, 0, N),
+        ("crossed", CROSSED, 0, N),
+        ("fused", FUSED, 0, N),
+        ("crossed-eager", CROSSED, 4 * N, N),
+        ("crossed-zero-bytes", CROSSED, 4 * N, 0),  # eager allowed, but zero bytes rendezvous
     ):
-        out[name] = _run(_emulator(name, rank, eager), pattern[rank], rank)
+        out[name] = _run(_emulator(name, rank, eager), pattern[rank], rank, n)
         dist.barrier()  # the next scenario starts on both ranks after this one ended on both
+    out.update(_behind_a_stuck_receive(rank))
 
     # A stuck point-to-point stream does not hold up a collective on another communicator.
     emu = _emulator("independent", rank)
@@ -91,6 +95,43 @@ def _scenarios(rank: int, world: int) -> dict:
     total = torch.ones(N)
     emu.all_reduce(total, group).wait()
     out["collective"] = (total[0].item(), stuck[0].is_completed())
+    dist.barrier()
+    return out
+
+
+def _stuck_receive(emu: nccl_emu.Emulator, rank: int) -> None:
+    emu.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(N), 1 - rank)], lambda: ["lonely"])
+
+
+def _error(start) -> str | None:
+    try:
+        start()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def _behind_a_stuck_receive(rank: int) -> dict:
+    """What waits behind a receive no send will meet: the world group's collectives (one NCCL
+    communicator with the point-to-point calls), torch's own collectives run inside
+    ``exclusive``, and under ``strict`` another communicator's collectives too."""
+    out, group = {}, dist.new_group([0, 1])
+    for name, strict, collective in (
+        ("world all_reduce", False, lambda emu: emu.all_reduce(torch.ones(N), None).wait()),
+        ("world exclusive", False, lambda emu: emu.exclusive(None, "DDP's start-up").__enter__()),
+        ("strict all_reduce", True, lambda emu: emu.all_reduce(torch.ones(N), group).wait()),
+    ):
+        emu = _emulator(name, rank, strict=strict)
+        _stuck_receive(emu, rank)
+        out[name] = _error(lambda emu=emu, collective=collective: collective(emu))
+        dist.barrier()
+    # Not strict: torch's collectives on another group run inside ``exclusive`` meanwhile.
+    emu = _emulator("other exclusive", rank)
+    _stuck_receive(emu, rank)
+    total = torch.ones(N)
+    with emu.exclusive(group, "PowerSGD's rounds"):
+        dist.all_reduce(total, group=group)
+    out["other exclusive"] = total[0].item()
     dist.barrier()
     return out
 
@@ -152,6 +193,24 @@ def test_eager_sends_lift_the_crossing(scenarios):
 def test_communicators_progress_independently(scenarios):
     for rank in (0, 1):
         assert scenarios[rank]["collective"] == (2.0, False)
+
+
+@pytest.mark.slow
+def test_zero_byte_messages_rendezvous_like_the_rest(scenarios):
+    for rank in (0, 1):
+        _, error, seconds = scenarios[rank]["crossed-zero-bytes"]
+        assert error is not None and "waiting for its peer" in error, error
+        assert seconds < TIMEOUT + 5.0
+
+
+@pytest.mark.slow
+def test_what_runs_behind_a_stuck_call_on_the_same_communicator_is_reported_stuck(scenarios):
+    for rank in (0, 1):
+        for name in ("world all_reduce", "world exclusive", "strict all_reduce"):
+            error = scenarios[rank][name]
+            assert error is not None and "lonely: waiting for its peer" in error, (name, error)
+        assert "DDP's start-up could not start" in scenarios[rank]["world exclusive"]
+        assert scenarios[rank]["other exclusive"] == 2.0
 
 
 @pytest.mark.slow

@@ -123,6 +123,7 @@ def shared(**sections):
             "max_restarts": 0,
             "share_gpus": False,
             "emu_eager_bytes": 0,
+            "emu_strict": False,
         },
         "checkpoint": {"save_every": 0, "keep": 3, "async_save": False},
         "compute": {

@@ -114,3 +114,21 @@ def test_a_replica_that_is_not_master_skips_the_masters_allreduce():
     sync, stage, comm = _sync(bucket_mb=25.0, masters=False)  # one bundle: no masters' group
     _step(sync, stage)
     assert [c[0] for c in comm.calls] == ["reduce", "broadcast"]
+
+
+def test_reduces_start_in_bucket_order_whatever_order_gradients_arrive_in():
+    """On NCCL the n-th reduce of every member must be the same bucket's: a replica whose
+    backward produces gradients in another order (data-dependent branches) launches alike."""
+    sizes = [2, 8, 4, 12, 3, 6]  # bucket 0 holds the last parameter
+    for arrival in ("last parameter first", "first parameter first"):
+        sync, stage, comm = _sync(bucket_mb=1e-9)
+        params = list(stage.parameters())
+        built = params if arrival == "last parameter first" else params[::-1]
+        out = torch.zeros(())
+        for p in built:  # autograd runs the latest-built branch first
+            out = out + (p * 1.0).sum()
+        sync.backward([out], None, last=True)
+        if arrival == "first parameter first":  # bucket 0 was ready last: nothing ran ahead
+            assert [c[1] for c in comm.calls if c[0] == "reduce"] == sizes
+        sync.finish()
+        assert [c[1] for c in comm.calls if c[0] == "reduce"] == sizes, arrival
