@@ -106,8 +106,9 @@ def call_site() -> str:
 def _asked_by_torch() -> bool:
     """Whether torch's own Python code made the call. It sees a device tensor's real device
     (``cpu``): its code for CPU tensors runs (DCP writes them as they are, where it would copy a
-    GPU tensor to the host first), and what it moves to that device keeps its tag
-    (``optimizer.load_state_dict`` moves state to its parameter's device)."""
+    GPU tensor to the host first), what it moves to that device keeps its tag
+    (``optimizer.load_state_dict`` moves state to its parameter's device), and what it makes there
+    is unknown (PowerSGD's matrices, made on its bucket's device)."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename in _PASSING:
         frame = frame.f_back
@@ -211,6 +212,10 @@ class DeviceAudit(TorchFunctionMode):
         if func is torch.Tensor.cpu:
             return self.tags.get(args[0]) if _asked_by_torch() else HOST
         made = _target(kwargs.get("device"))
+        if (
+            made is HOST and _asked_by_torch()
+        ):  # torch read the real device: either, for all we know
+            return None
         if made is not None:
             return made
         if DEVICE in ours:
