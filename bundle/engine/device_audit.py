@@ -107,8 +107,8 @@ def _asked_by_torch() -> bool:
     """Whether torch's own Python code made the call. It sees a device tensor's real device
     (``cpu``): its code for CPU tensors runs (DCP writes them as they are, where it would copy a
     GPU tensor to the host first), what it moves to that device keeps its tag
-    (``optimizer.load_state_dict`` moves state to its parameter's device), and what it makes there
-    is unknown (PowerSGD's matrices, made on its bucket's device)."""
+    (``optimizer.load_state_dict`` moves state to its parameter's device), and what it makes on a
+    device it read off a tensor is unknown (PowerSGD's matrices, made on its bucket's device)."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename in _PASSING:
         frame = frame.f_back
@@ -211,10 +211,11 @@ class DeviceAudit(TorchFunctionMode):
             return moved if moved is not None else self.tags.get(args[0])
         if func is torch.Tensor.cpu:
             return self.tags.get(args[0]) if _asked_by_torch() else HOST
-        made = _target(kwargs.get("device"))
-        if (
-            made is HOST and _asked_by_torch()
-        ):  # torch read the real device: either, for all we know
+        device = kwargs.get("device")
+        made = _target(device)
+        # torch's code that names "cpu" means the host (Adam's step); a device it read off a
+        # tensor (PowerSGD's bucket.device) is the real cpu of either, for all we know.
+        if made is HOST and not isinstance(device, str) and _asked_by_torch():
             return None
         if made is not None:
             return made
