@@ -12,7 +12,7 @@ From the data up:
   sample is read (seeded augmentations, samples that cannot be read), the datasets and their
   deterministic shards, a stage's micro-batches read in order (loader workers), the learning rate
   of every step;
-- ``plan_file``: ``--plan FILE``: a planner's saved plan (options and placement) to run as is;
+- ``plan_file``: ``--plan FILE``: a planner's saved plan (options, placement, data) to run as is;
 - ``preflight``: every check made before a process starts;
 - ``engine/``: one replica of one stage running a step (schedule, calls, transport, sync);
 - ``session``: one rank's stage, groups, engine and data, built once;

@@ -46,7 +46,8 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     return p
 
 
-def _merge_yaml(args: argparse.Namespace, explicit: set[str]) -> None:
+def _merge_yaml(args: argparse.Namespace, explicit: set[str]) -> set[str]:
+    """--config: the file's values where the command line gives none; returns the dests it names."""
     try:
         with open(args.config) as f:
             values = yaml.safe_load(f) or {}
@@ -54,20 +55,37 @@ def _merge_yaml(args: argparse.Namespace, explicit: set[str]) -> None:
         raise ConfigError("--config", args.config, f"must be a readable YAML file ({exc})") from exc
     if not isinstance(values, dict):
         raise ConfigError("--config", args.config, "must hold a mapping of option: value")
+    named = set()
     for key, value in values.items():
         opt = options.BY_YAML_KEY.get(str(key).replace("-", "_"))
         if opt is None:
             allowed = ", ".join(sorted(options.BY_YAML_KEY))
             raise ConfigError(f"--config {args.config} key", key, f"allowed keys: {allowed}")
+        named.add(opt.dest)
         if opt.dest not in explicit:
             setattr(args, opt.dest, opt.from_yaml(value, f"{key} (in --config {args.config})"))
+    return named
 
 
-def _merge_plan(args: argparse.Namespace, explicit: set[str]) -> None:
-    """--plan: the plan's options beat a --config file's; the command line must agree with them."""
+# The options that choose the data: where either is given, a plan's data are not used.
+_DATA_CHOICE = {"data", "dataset"}
+
+
+def _merge_plan(args: argparse.Namespace, explicit: set[str], given: set[str]) -> None:
+    """--plan: the plan's options beat a --config file's; the command line must agree with them.
+    The plan's data are used where neither the command line nor --config (``given``) names data."""
     from bundle import plan_file
 
-    run, args.placement = plan_file.load(args.plan)
+    run, args.placement, data = plan_file.load(args.plan)
+    if not given & _DATA_CHOICE:
+        for key, value in data.items():
+            opt = options.BY_YAML_KEY.get(str(key).replace("-", "_"))
+            if opt is None:
+                raise ConfigError(
+                    f"--plan {args.plan}: data option", key, "is not a main.py option"
+                )
+            if opt.dest not in given:
+                setattr(args, opt.dest, opt.from_yaml(value, f"{key} (in --plan {args.plan})"))
     for key, value in run.items():
         opt = options.BY_YAML_KEY.get(str(key).replace("-", "_"))
         if opt is None:
@@ -142,10 +160,11 @@ def parse(argv: list[str] | None, env: dict[str, str]) -> C.RunConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     explicit = set(vars(build_parser(suppress=True).parse_args(argv)))
+    given = set(explicit)
     if args.config:
-        _merge_yaml(args, explicit)
+        given |= _merge_yaml(args, explicit)
     if args.plan:
-        _merge_plan(args, explicit)
+        _merge_plan(args, explicit, given)
     return to_config(args, env)
 
 

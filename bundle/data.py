@@ -93,10 +93,10 @@ def _synthetic(cfg: DataConfig, seed: int) -> DataSplits:
     )
 
 
-def _image_folder(cfg: DataConfig, seed: int) -> DataSplits:
+def _image_folder(cfg: DataConfig, seed: int, needs_val: bool = True) -> DataSplits:
     from torchvision import datasets, transforms
 
-    check_data(cfg)
+    check_data(cfg, needs_val=needs_val)
     normalize = transforms.Normalize(_IMAGENET_MEAN, _IMAGENET_STD)
     size = cfg.image_size
     train_tf = transforms.Compose(
@@ -115,9 +115,13 @@ def _image_folder(cfg: DataConfig, seed: int) -> DataSplits:
             normalize,
         ]
     )
-    splits = {}
+    splits: dict[str, Any] = {}
     for name, tf in (("train", train_tf), ("val", val_tf)):
         path = os.path.join(_root(cfg), name)
+        if name == "val" and not needs_val:
+            # --no-eval: val/ is never read, and may be missing.
+            splits[name] = TensorDataset(torch.empty(0, 3, size, size), torch.empty(0).long())
+            continue
         try:
             splits[name] = datasets.ImageFolder(path, transform=tf)
         except (FileNotFoundError, RuntimeError) as exc:
@@ -125,23 +129,26 @@ def _image_folder(cfg: DataConfig, seed: int) -> DataSplits:
     classes = len(splits["train"].classes)
     skip = cfg.skip_bad_samples
     train = Guarded(SeededAugment(splits["train"], seed), split="train", skip=skip)
-    val = Guarded(splits["val"], split="val", skip=skip)
+    val = Guarded(splits["val"], split="val", skip=skip) if needs_val else splits["val"]
     return DataSplits(train, val, classes, (3, size, size))
 
 
-def check_data(cfg: DataConfig) -> None:
-    """Cheap checks done before any process starts (directory exists and is not empty)."""
+def check_data(cfg: DataConfig, *, needs_val: bool = True) -> None:
+    """Cheap checks done before any process starts (directory exists and is not empty);
+    ``needs_val``: the run evaluates, so ``val/`` must be there too (``--no-eval``: not)."""
     if cfg.dataset != "imagefolder":
         return
     if not cfg.root:
         raise DataError("--dataset imagefolder needs a data directory (positional DATA_DIR)")
     if not os.path.isdir(cfg.root):
         raise DataError(f"data directory {cfg.root!r} does not exist")
-    for name in ("train", "val"):
+    for name in ("train", "val") if needs_val else ("train",):
         path = os.path.join(_root(cfg), name)
         if not os.path.isdir(path) or not any(os.scandir(path)):
+            hint = "; --no-eval trains without one" if name == "val" else ""
             raise DataError(
-                f"data directory {cfg.root!r}: {name}/ is missing or empty (expected DIR/{name}/CLASS/*.jpg)"
+                f"data directory {cfg.root!r}: {name}/ is missing or empty "
+                f"(expected DIR/{name}/CLASS/*.jpg{hint})"
             )
 
 
@@ -157,7 +164,7 @@ def train_size(cfg: DataConfig) -> int:
         return size(_custom(cfg).train)
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
-    check_data(cfg)
+    check_data(cfg, needs_val=False)
     return len(make_dataset(os.path.join(_root(cfg), "train"), extensions=IMG_EXTENSIONS))
 
 
@@ -231,7 +238,9 @@ def _custom(cfg: DataConfig) -> DataSplits:
     )
 
 
-def load(cfg: DataConfig, seed: int) -> DataSplits:
+def load(cfg: DataConfig, seed: int, *, needs_val: bool = True) -> DataSplits:
+    """The training and validation splits; ``needs_val`` False (``--no-eval``): an ImageFolder's
+    ``val/`` is not read (an empty split stands in), so it may be missing."""
     if cfg.dataset == "digits":
         return _digits()
     if cfg.dataset == "synthetic":
@@ -239,7 +248,7 @@ def load(cfg: DataConfig, seed: int) -> DataSplits:
     if cfg.dataset == "text":
         return _text(cfg)
     if cfg.dataset == "imagefolder":
-        return _image_folder(cfg, seed)
+        return _image_folder(cfg, seed, needs_val)
     return _custom(cfg)
 
 

@@ -9,7 +9,8 @@ run's others (``bundle.json``), and resuming under other ones is noted. Step ``t
   ``WARMUP_START`` x ``--lr`` at step 0 to ``--lr`` at step ``W`` (Goyal et al., 2017);
 - ``step``: times ``--lr-gamma`` for every milestone at or before ``t``; a milestone ``30`` is
   after 30 epochs, ``500s`` after 500 steps (``30,60`` over 90 epochs is pytorch/examples'
-  ImageNet decay);
+  ImageNet decay). A milestone at or after the run's last step changes no step's rate: it is
+  dropped (``past_the_run``, noted before start), so a short run of a recipe needs no other flags;
 - ``cosine``: from ``--lr`` after the warm-up down towards 0 at the end of the run.
 """
 
@@ -84,6 +85,17 @@ def needs_epoch_length(train: TrainConfig) -> bool:
     return (counts_steps and in_epochs) or (not counts_steps and in_steps)
 
 
+def milestone_steps(train: TrainConfig, steps_per_epoch: int) -> tuple[int, ...]:
+    """Every ``--lr-steps`` milestone as the step it takes effect at."""
+    return tuple(m.at if m.unit == "step" else m.at * steps_per_epoch for m in train.lr_steps)
+
+
+def past_the_run(train: TrainConfig, *, steps_per_epoch: int, total: int) -> tuple[Milestone, ...]:
+    """The milestones a run of ``total`` steps ends before: they change no step's rate."""
+    steps = milestone_steps(train, steps_per_epoch)
+    return tuple(m for m, at in zip(train.lr_steps, steps, strict=True) if at >= total)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LRSchedule:
     """The rate of every step of one run; ``milestones`` and ``warmup`` are in steps."""
@@ -97,18 +109,10 @@ class LRSchedule:
 
     @classmethod
     def of(cls, train: TrainConfig, *, steps_per_epoch: int, total: int) -> LRSchedule:
-        """The schedule of a run of ``total`` steps; a milestone or warm-up that does not end
-        inside the run is a ConfigError naming the flag."""
-        steps = [m.at if m.unit == "step" else m.at * steps_per_epoch for m in train.lr_steps]
-        for milestone, step in zip(train.lr_steps, steps, strict=True):
-            if step >= total:
-                where = "" if milestone.unit == "step" else f" (step {step})"
-                raise ConfigError(
-                    "--lr-steps",
-                    spell(train.lr_steps),
-                    f"every milestone must come before the run ends: {milestone}{where} is not "
-                    f"before step {total}, the run's last",
-                )
+        """The schedule of a run of ``total`` steps, without the milestones it ends before; a
+        warm-up that does not end inside the run is a ConfigError naming the flag (unlike a late
+        milestone, it would change the rate of every step)."""
+        steps = tuple(at for at in milestone_steps(train, steps_per_epoch) if at < total)
         warmup = warmup_steps(train.warmup_epochs, steps_per_epoch)
         if warmup >= total:
             raise ConfigError(
@@ -119,7 +123,7 @@ class LRSchedule:
         return cls(
             base=train.lr,
             kind=train.lr_schedule,
-            milestones=tuple(steps),
+            milestones=steps,
             gamma=train.lr_gamma,
             warmup=warmup,
             total=total,

@@ -1,17 +1,22 @@
 """``main.py --plan FILE[:INDEX]``: run a planner's plan exactly as saved.
 
 ``scripts/plan.py --json plans.json`` writes ranked plans; each carries ``run`` (the main.py
-options of the plan, under the keys ``--config`` accepts) and ``placement`` (per rank, in rank
+options of the plan, under the keys ``--config`` accepts), ``placement`` (per rank, in rank
 order: the node, the local device, the device type and, for an emulated slower device on CPU, the
-fraction of one CPU)::
+fraction of one CPU) and ``data`` (the data the plan was made for: main.py's data options, and
+the input shape and classes they give)::
 
     {"plans": [{"run": {"bundle_shape": "2,1", "num_bundle": 1, "micro_batches": 4,
                         "schedule": "1f1b", "grad_sync": "flat", "row_weights": "2:1,1"},
-                "placement": [{"node": 0, "device": 0, "type": "A100", "cpu": null}, ...]}]}
+                "placement": [{"node": 0, "device": 0, "type": "A100", "cpu": null}, ...],
+                "data": {"dataset": "synthetic", "image_size": 224, "num_classes": 1000,
+                         "input_shape": [3, 224, 224]}}]}
 
 ``--plan plans.json`` runs ``plans[0]`` (the best), ``--plan plans.json:2`` the third. A file holding
 one plan (a mapping with ``run``) works too. The plan's options beat a ``--config`` file's; one
-given on the command line must agree with the plan, else the run is refused in one line.
+given on the command line must agree with the plan, else the run is refused in one line. The
+plan's data are the run's unless the command line or ``--config`` names data (``DATA_DIR`` or
+``--dataset``); a plan written before plans recorded their data has none.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 from bundle.errors import ConfigError
 
@@ -37,8 +42,16 @@ def split_spec(spec: str) -> tuple[str, int]:
     return path, int(index)
 
 
-def load(spec: str) -> tuple[Mapping[str, Any], tuple[PlacementRow, ...]]:
-    """The plan's option values (YAML keys) and its placement (empty: ranks fill nodes in order)."""
+class SavedPlan(NamedTuple):
+    """One plan of a plan file, as main.py reads it."""
+
+    run: Mapping[str, Any]  # option values under their YAML keys
+    placement: tuple[PlacementRow, ...]  # empty: ranks fill nodes in order
+    data: Mapping[str, Any]  # the data's option values (YAML keys); empty in older files
+
+
+def load(spec: str) -> SavedPlan:
+    """The plan's option values, its placement and the data it was made for."""
     path, index = split_spec(spec)
     try:
         doc = json.loads(Path(path).read_text())
@@ -59,7 +72,25 @@ def load(spec: str) -> tuple[Mapping[str, Any], tuple[PlacementRow, ...]]:
         raise ConfigError(
             "--plan", spec, "the plan has no 'run' options (written by an older scripts/plan.py?)"
         )
-    return run, placement(plan.get("placement") or [], spec)
+    return SavedPlan(
+        run, placement(plan.get("placement") or [], spec), data(plan.get("data"), spec)
+    )
+
+
+def data(section: Any, spec: str) -> Mapping[str, Any]:
+    """The plan's data options without the shape they describe (checked, not applied: the
+    options give it again)."""
+    if section is None:
+        return {}
+    where = f"--plan {spec}: data"
+    if not isinstance(section, Mapping):
+        raise ConfigError(where, section, "must be a mapping of main.py data options")
+    shape = section.get("input_shape")
+    if shape is not None and not (
+        isinstance(shape, list) and shape and all(_count(d) and d > 0 for d in shape)
+    ):
+        raise ConfigError(f"{where} input_shape", shape, "must be a list of positive integers")
+    return {k: v for k, v in section.items() if k != "input_shape"}
 
 
 def placement(rows: Any, spec: str) -> tuple[PlacementRow, ...]:

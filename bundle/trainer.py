@@ -21,7 +21,7 @@ from bundle.errors import DataError
 from bundle.evaluate import Evaluator
 from bundle.lr_schedule import LRSchedule
 from bundle.observe import build as observe
-from bundle.observe.metrics import Reporter, RunFacts, Summary
+from bundle.observe.metrics import Reporter, RunFacts, Summary, model_label
 from bundle.observe.timing import Mark
 from bundle.observe.trace import KernelProfiler
 from bundle.runtime.phase import Phase
@@ -123,8 +123,10 @@ class Trainer:
         run, cfg, topo = self.run, self.run.cfg, self.run.topo
         if run.rank != observe.reporter_rank(topo):
             return
+        label = model_label(cfg.model.name, cfg.model.kwargs)
+        built_by = f" ({cfg.model.name})" if label != cfg.model.name else ""
         log.get().info(
-            f"training {cfg.model.name}: shape {','.join(map(str, topo.shape))} x "
+            f"training {label}{built_by}: shape {','.join(map(str, topo.shape))} x "
             f"{topo.num_bundles} bundle(s), {topo.world_size} processes, batch "
             f"{cfg.train.batch_size} in {topo.micro_batches} micro-batch(es), "
             f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync{_data_parallel(cfg)}, "
@@ -161,8 +163,10 @@ class Trainer:
         scaler, device = engine.scaler, engine.device
         # The reporting process's own peak (make gpu-check reads it).
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        label = model_label(cfg.model.name, cfg.model.kwargs)
         return RunFacts(
-            model=cfg.model.name,
+            model=label,
+            factory=cfg.model.name if label != cfg.model.name else None,
             shape=list(topo.shape),
             num_bundles=topo.num_bundles,
             world_size=topo.world_size,

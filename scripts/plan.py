@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from bundle.config import PRECISIONS, RECOMPUTES, DataConfig
 from bundle.data import TEXT_VOCAB, input_spec
@@ -70,14 +71,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _request(args: argparse.Namespace, cluster) -> planner.Request:
-    dataset = "digits" if args.model == "digits_cnn" else "synthetic"
-    if args.model == "gpt":  # byte-level text: no file is read to plan
+def _data(args: argparse.Namespace) -> dict[str, Any]:
+    """The data the plans are made for: main.py's data options (what ``main.py --plan`` runs on
+    unless given other data), with the input shape and classes they give."""
+    if args.model == "gpt":  # byte-level text: no file is read to plan (main.py needs --data-file)
+        options: dict[str, Any] = {"dataset": "text", "seq_len": args.seq_len}
         classes, shape = TEXT_VOCAB, (args.seq_len,)
     else:
-        classes, shape = input_spec(
-            DataConfig(dataset=dataset, image_size=args.image_size, num_classes=args.num_classes)
-        )
+        options = {"dataset": "digits"} if args.model == "digits_cnn" else {"dataset": "synthetic"}
+        if options["dataset"] == "synthetic":
+            options.update(image_size=args.image_size, num_classes=args.num_classes)
+        classes, shape = input_spec(DataConfig(**options))
+    return {**options, "num_classes": classes, "input_shape": list(shape)}
+
+
+def _request(args: argparse.Namespace, cluster) -> planner.Request:
+    data = _data(args)
+    classes, shape = data["num_classes"], tuple(data["input_shape"])
     per_node = args.gpus_per_node or (cluster.devices_per_node if cluster else 2)
     return planner.Request(
         model=args.model,
@@ -139,6 +149,7 @@ def plan(args: argparse.Namespace) -> dict:
         precision=request.precision,
         recompute=request.recompute,
         extra=tuple(extra) if request.model != "digits_cnn" else (),
+        data=_data(args),
     )
     top = ranked[: args.top]
     rows = [report.row(e, job, cost) for e in top]

@@ -79,3 +79,14 @@ def _seeded() -> Any:
     torch.manual_seed(0)
     yield
     torch.random.set_rng_state(state)
+
+
+@pytest.fixture(autouse=True)
+def _logger_restored() -> Any:
+    """A test that sets up the process's logger (bundle.log.setup) leaves it as it found it."""
+    import logging
+
+    logger = logging.getLogger("bundle")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]

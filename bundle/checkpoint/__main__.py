@@ -1,10 +1,42 @@
-"""``python -m bundle.checkpoint export SAVE_DIR/step-N OUT.pt``: a checkpoint's weights as one file."""
+"""``python -m bundle.checkpoint export SAVE_DIR/step-N OUT.pt``: a checkpoint's weights as one file.
+
+Says in one line on stdout what it wrote; a missing or damaged checkpoint, or a file that cannot
+be written, is one line on stderr and exit code 2 (as main.py's input errors)."""
+
+from __future__ import annotations
 
 import sys
 
 from bundle.checkpoint.format import export
+from bundle.errors import BundleError
+
+USAGE = "usage: python -m bundle.checkpoint export SAVE_DIR/step-N OUT.pt"
+
+
+def size_text(n: int) -> str:
+    """Bytes as a person reads them: ``593.9 KiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[0] != "export":
+        print(USAGE, file=sys.stderr)
+        return 2
+    _, source, out = argv
+    try:
+        exported = export(source, out)
+    except BundleError as exc:
+        print(f"python -m bundle.checkpoint: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {exported.out}: {exported.tensors} tensors, {size_text(exported.bytes)} "
+        f"(the weights of {source})"
+    )
+    return 0
+
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "export":
-        sys.exit("usage: python -m bundle.checkpoint export SAVE_DIR/step-N OUT.pt")
-    export(sys.argv[2], sys.argv[3])
+    sys.exit(main(sys.argv[1:]))

@@ -35,6 +35,7 @@ import re
 import shutil
 import tempfile
 import warnings
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -357,8 +358,21 @@ def check_fits(path: str, model_name: str, shapes: dict[str, tuple[int, ...]]) -
 # -- export ---------------------------------------------------------------------------------------
 
 
-def export(path: str, out: str) -> None:
-    """Write the canonical weights of checkpoint ``path`` as one ``--checkpoint``-format file."""
+@dataclass(frozen=True)
+class Exported:
+    """What ``export`` wrote: the file, how many tensors it holds, its size in bytes."""
+
+    out: str
+    tensors: int
+    bytes: int
+
+
+def export(path: str, out: str) -> Exported:
+    """Write the canonical weights of checkpoint ``path`` as one ``--checkpoint``-format file,
+    once the checkpoint is verified (``damage``); what it wrote."""
+    why = damage(path) if os.path.isdir(path) else "no such checkpoint directory"
+    if why is not None:
+        raise CheckpointError(f"{path}: {why}; nothing exported")
     want = {
         k: torch.empty(shape, dtype=dtype)
         for k, (shape, dtype) in entries(path).items()
@@ -368,3 +382,4 @@ def export(path: str, out: str) -> None:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(want, storage_reader=SafeReader(path), no_dist=True)
     save(out, {k.removeprefix("model."): v for k, v in want.items()})
+    return Exported(out, len(want), os.path.getsize(out))

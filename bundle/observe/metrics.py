@@ -7,12 +7,13 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from bundle.config import is_reference
 from bundle.engine.comm import Collectives, Comm
 from bundle.observe.board import Board
 from bundle.observe.console import Console
@@ -69,11 +70,28 @@ class MetricsFile:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
+# The keyword arguments by which a factory is told which model to build: timm.create_model's
+# model_name, torchvision.models.get_model's name.
+_MODEL_NAME_ARGS = ("model_name", "name")
+
+
+def model_label(name: str, kwargs: Mapping[str, Any]) -> str:
+    """The model a run trains, as its start line and summary name it: ``--model``, or for a
+    factory (``package.module:function``) the model its ``--model-args`` ask it for by name
+    (``timm:create_model`` with ``model_name=resnet18``: ``resnet18``)."""
+    if is_reference(name):
+        for key in _MODEL_NAME_ARGS:
+            value = kwargs.get(key)
+            if isinstance(value, str) and value:
+                return value
+    return name
+
+
 @dataclass(frozen=True)
 class RunFacts:
     """What the training loop knows of the run it finished, for its summary."""
 
-    model: str
+    model: str  # model_label: the model, not the factory that built it
     shape: list[int]
     num_bundles: int
     world_size: int
@@ -103,6 +121,9 @@ class RunFacts:
     # steps (start_step + 1 on) and evaluations, summed over every process that reads inputs; a
     # sample drawn in two epochs counts twice.
     replaced_samples: int | None = None
+    # The factory (--model package.module:function) that built ``model``, where that is not
+    # ``model`` itself.
+    factory: str | None = None
 
 
 _OPTIONAL = (
@@ -112,6 +133,7 @@ _OPTIONAL = (
     "predicted_samples_per_s",
     "trace",
     "replaced_samples",
+    "factory",
 )
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from bundle.plan.cost import CostModel
@@ -27,6 +27,9 @@ class Job:
     precision: str = "fp32"
     recompute: str = "never"
     extra: tuple[str, ...] = ()  # more main.py arguments, as given (data set, image size)
+    # The data the plans are for: main.py's data options (YAML keys), "input_shape" and
+    # "num_classes"; each plan row carries it, and main.py --plan runs on it (bundle.plan_file).
+    data: Mapping[str, Any] = field(default_factory=dict)
 
 
 def split_names(plan: Plan, cost: CostModel) -> list[str]:
@@ -143,6 +146,7 @@ def row(e: Evaluated, job: Job, cost: CostModel) -> dict[str, Any]:
         "row_weights": weights(p),
         "placement": places(p, cost),
         "run": run_options(p, job, cost),
+        **({"data": dict(job.data)} if job.data else {}),
     }
 
 

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from bundle import log
-from bundle.config import RunConfig
+from bundle.config import DEFAULT_PORT, LaunchConfig, RunConfig
 from bundle.errors import LaunchError, PeerFailure
 
 ABORT_KEY = "bundle/abort"
@@ -42,6 +42,30 @@ def open_store(host: str, port: int, *, server: bool, timeout: float) -> dist.TC
         raise LaunchError(
             f"cannot reach the master at {host}:{port} within {timeout:.0f}s ({exc})"
         ) from exc
+
+
+def open_job_store(launch: LaunchConfig, *, node: int, nodes: int) -> tuple[dist.TCPStore, int]:
+    """The job's store and its port: node 0 serves it, every other node joins it.
+
+    A single-node run whose ``--portNum`` was not given takes a free port when ``DEFAULT_PORT``
+    is busy, as ``torchrun --standalone`` does, and says which in one line; a port that was given,
+    or a job of several nodes (each must know the port beforehand), is held to strictly."""
+    given = launch.master_port
+    port = DEFAULT_PORT if given is None else given
+    try:
+        store = open_store(launch.master_addr, port, server=node == 0, timeout=launch.init_timeout)
+        return store, port
+    except LaunchError:
+        if given is not None or nodes > 1:
+            raise
+    # Port 0: the kernel picks a free one as the store binds it, so no other job can take it
+    # between a check and the bind.
+    store = open_store(launch.master_addr, 0, server=True, timeout=launch.init_timeout)
+    log.notice(
+        f"port {port} is in use: the job's store listens on port {store.port} instead "
+        "(--portNum PORT chooses one)"
+    )
+    return store, store.port
 
 
 def read_abort(store: dist.Store) -> str | None:

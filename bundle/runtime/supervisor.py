@@ -1,7 +1,8 @@
 """The node supervisor of a self-spawned job: start, watch, restart and stop this node's workers.
 
     main.py (node supervisor) --spawn--> one worker per local process, per attempt
-      node 0 also hosts the job's TCPStore at --IP:--portNum; every node's supervisor checks
+      node 0 also hosts the job's TCPStore at --IP:--portNum (on one node without --portNum,
+      a free port if 29500 is busy); every node's supervisor checks
       the config fingerprints there, heartbeats, and watches its workers.
 
 An attempt ends in one of three ways. *Done*: every worker exited 0. *Stopped*: a stop signal
@@ -43,7 +44,7 @@ from bundle.runtime.process import spawned
 from bundle.runtime.store import (
     attempt_prefix,
     exchange_config,
-    open_store,
+    open_job_store,
     post_abort,
     read_abort,
     store_barrier,
@@ -82,7 +83,7 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
     lc = cfg.launch
     node = lc.node_rank
     logger = log.setup(f"[node {node}]")
-    store = open_store(lc.master_addr, lc.master_port, server=node == 0, timeout=lc.init_timeout)
+    store, port = open_job_store(lc, node=node, nodes=topo.num_nodes)
     exchange_config(store, cfg, node, topo.num_nodes, lc.init_timeout)
     ctx = mp.get_context("spawn")
     running: dict[int, SpawnProcess] = {}
@@ -97,7 +98,7 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
     stop.install(on_second=kill_now)
     try:
         for attempt in range(lc.max_restarts + 1):
-            outcome = _attempt(cfg, topo, store, ctx, attempt, resume, stop, running)
+            outcome = _attempt(cfg, topo, store, port, ctx, attempt, resume, stop, running)
             if outcome.end is End.DONE:
                 return 0
             if outcome.end is End.STOPPED or stop.value:
@@ -122,7 +123,7 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
                 logger.warning(note)
         return 1
     except (RuntimeError, LaunchError) as exc:  # a store call failed: its host, node 0, is gone
-        store_at = f"the job's store at {lc.master_addr}:{lc.master_port}"
+        store_at = f"the job's store at {lc.master_addr}:{port}"
         lost = f"lost contact with node 0 ({store_at})" if node else store_at
         logger.error(f"job failed: {lost}: {exc}")
         return 1
@@ -132,6 +133,7 @@ def _attempt(
     cfg: RunConfig,
     topo: Topology,
     base: dist.Store,
+    port: int,
     ctx: SpawnContext,
     attempt: int,
     resume: str | None,
@@ -146,7 +148,7 @@ def _attempt(
     procs = {
         rank: ctx.Process(
             target=spawned,
-            args=(cfg, topo, rank, topo.local_rank(rank), lc.master_addr, lc.master_port),
+            args=(cfg, topo, rank, topo.local_rank(rank), lc.master_addr, port),
             kwargs=dict(step_now=step, attempt=attempt, resume=resume, stop_shared=stop.shared),
             name=f"bundle-rank{rank}",
         )
@@ -154,7 +156,7 @@ def _attempt(
     }
     # Emulated slower devices: the supervisor owns its workers' CPU quotas (runtime/throttle.py).
     backend = torch_backend(resolve_backend(cfg))
-    quotas = NodeQuotas(cpu_shares(topo, procs, backend), f"{lc.master_port}.{os.getpid()}")
+    quotas = NodeQuotas(cpu_shares(topo, procs, backend), f"{port}.{os.getpid()}")
     for p in procs.values():
         p.start()
     running.clear()

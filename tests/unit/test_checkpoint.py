@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from bundle import cli
 from bundle.checkpoint import format as ckpt
+from bundle.checkpoint.__main__ import main as export_command
 from bundle.errors import CheckpointError, ConfigError
 from bundle.runtime.preemption import parse_fault, resume_command, stop_line
 
@@ -209,6 +210,37 @@ def test_export_writes_the_model_entries_by_their_names(tmp_path):
     assert set(got) == {"fc.weight", "bn.running_mean"}
     assert torch.equal(got["fc.weight"], state["model.fc.weight"])
     assert json.loads((tmp_path / "step-7" / "bundle.json").read_text())["step"] == 7
+
+
+def test_the_export_command_says_in_one_line_what_it_wrote(tmp_path, capsys):
+    state = {"model.fc.weight": torch.randn(2, 3), "model.fc.bias": torch.randn(2)}
+    path = write(tmp_path, 4, {**state, "optim.fc.weight.momentum_buffer": torch.randn(2, 3)})
+    out = tmp_path / "model.pt"
+    assert export_command(["export", path, str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    size = out.stat().st_size
+    assert (
+        captured.out == f"wrote {out}: 2 tensors, {size / 1024:.1f} KiB (the weights of {path})\n"
+    )
+    assert set(torch.load(out, weights_only=True)) == {"fc.weight", "fc.bias"}
+
+
+def test_the_export_command_refuses_a_missing_or_damaged_checkpoint_in_one_line(tmp_path, capsys):
+    damaged = write(tmp_path, 5, complete=False)
+    out = tmp_path / "model.pt"
+    for path, why in (
+        (str(tmp_path / "step-9"), "no such checkpoint directory"),
+        (damaged, "no .metadata"),
+    ):
+        assert export_command(["export", path, str(out)]) == 2
+        captured = capsys.readouterr()
+        lines = captured.err.splitlines()
+        assert captured.out == "" and len(lines) == 1, captured
+        assert lines[0] == f"python -m bundle.checkpoint: error: {path}: {why}; nothing exported"
+    assert not out.exists()
+    assert export_command(["export", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("usage: python -m bundle.checkpoint export")
 
 
 def test_the_final_export_gathers_on_the_group_it_is_given(tmp_path, monkeypatch):

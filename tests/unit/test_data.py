@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from bundle import data, loader, samples
+from bundle import cli, data, loader, preflight, samples
 from bundle.config import DataConfig
 from bundle.errors import DataError
 from tests.support.processes import ROOT
@@ -83,6 +83,27 @@ def test_imagefolder_loads_images(tmp_path):
     assert splits.num_classes == 2 and data.input_spec(cfg) == (2, (3, 32, 32))
     x, y = next(loader.micro_batches(splits.train, [torch.tensor([0, 3])], workers=0))
     assert x.shape == (2, 3, 32, 32) and y.tolist() == [0, 1]
+
+
+def test_an_imagefolder_without_val_trains_with_no_eval(tmp_path):
+    from PIL import Image
+
+    for cls in ("cat", "dog"):
+        (tmp_path / "train" / cls).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (20, 20), (i * 50, 10, 200)).save(
+                tmp_path / "train" / cls / f"{i}.png"
+            )
+    cfg = DataConfig(dataset="imagefolder", root=str(tmp_path), image_size=16)
+    with pytest.raises(DataError, match="val/ is missing or empty .*--no-eval trains without one"):
+        data.check_data(cfg)
+    data.check_data(cfg, needs_val=False)
+    assert data.train_size(cfg) == 4
+    splits = data.load(cfg, seed=0, needs_val=False)
+    assert (len(splits.train), len(splits.val), splits.num_classes) == (4, 0, 2)
+    # And so before start: main.py --no-eval DIR passes every check (val/ is never read).
+    argv = ["--no-eval", "--model", "mlp", "--image-size", "16", "--batch-size", "2", str(tmp_path)]
+    preflight.check_all(cli.parse(argv, {}), {})
 
 
 def test_replica_indices_follow_the_global_batches_across_epochs():

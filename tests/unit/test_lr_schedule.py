@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 
 import pytest
 import torch
 
-from bundle import cli
+from bundle import cli, preflight
 from bundle import config as C
 from bundle.errors import ConfigError
 from bundle.lr_schedule import LRSchedule, Milestone, parse_milestones, warmup_steps
@@ -116,30 +117,30 @@ def test_node_rank_is_the_original_spelling_of_rank():
 
 
 # Each is refused before any process starts: one line naming the flag, exit code 2. The last
-# three need the data's size (steps per epoch: 1438 digits / batch 64 = 22).
+# needs the data's size (steps per epoch: 1438 digits / batch 64 = 22).
 BAD = {
     "unknown schedule": (["--lr-schedule", "linear"], "--lr-schedule"),
     "milestones out of order": (["--lr-schedule", "step", "--lr-steps", "3,2"], "--lr-steps"),
     "step without milestones": (["--lr-schedule", "step"], "--lr-steps"),
     "milestones without step": (["--lr-steps", "2"], "--lr-steps"),
-    "epoch beyond the run": (["--lr-schedule", "step", "--lr-steps", "2,5"], "5 is not"),
-    "step beyond the run": (
-        ["--lr-schedule", "step", "--lr-steps", "10s", "--itr", "10"],
-        "10s is not",
-    ),
     "warm-up as long as the run": (["--warmup-epochs", "5"], "--warmup-epochs"),
     "bad gamma": (["--lr-gamma", "0"], "--lr-gamma"),
     "smoothing of one": (["--label-smoothing", "1"], "--label-smoothing"),
     "nesterov without momentum": (["--nesterov", "--momentum", "0"], "--nesterov"),
-    "epoch milestone beyond --itr": (
-        ["--lr-schedule", "step", "--lr-steps", "1", "--itr", "22"],
-        "1 (step 22) is not",
-    ),
-    "step milestone beyond the epochs": (
-        ["--lr-schedule", "step", "--lr-steps", "110s", "--epochs", "5"],
-        "110s is not",
-    ),
     "warm-up longer than --itr": (["--warmup-epochs", "1", "--itr", "20"], "(22 steps)"),
+}
+
+# Milestones the run ends before change no step's rate: dropped, in one note before start (the
+# last two need the data's size: 22 steps per epoch).
+LATE = {
+    "epoch beyond the run": (["--lr-steps", "2,5"], "milestone 5 comes", (44,)),
+    "step beyond the run": (["--lr-steps", "10s", "--itr", "10"], "milestone 10s comes", ()),
+    "epoch milestone beyond --itr": (["--lr-steps", "1", "--itr", "22"], "milestone 1 comes", ()),
+    "step milestone beyond the epochs": (
+        ["--lr-steps", "10s,110s,120s", "--epochs", "5"],
+        "milestones 110s,120s come",
+        (10,),
+    ),
 }
 
 
@@ -155,6 +156,63 @@ def test_bad_schedule_is_one_line_and_exit_2(name, capsys, monkeypatch):
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("main.py: error:") and needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("name", sorted(LATE))
+def test_milestones_the_run_ends_before_are_dropped_with_one_note(name, capsys):
+    args, needle, kept = LATE[name]
+    c = cli.parse(["--lr-schedule", "step", *args], {})
+    preflight.check_lr_schedule(c)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("main.py: note: --lr-steps"), lines
+    assert needle in lines[0] and lines[0].endswith(": dropped"), lines[0]
+    total = c.train.steps or c.train.epochs * 22
+    assert LRSchedule.of(c.train, steps_per_epoch=22, total=total).milestones == kept
+
+
+def test_milestones_inside_the_run_make_no_note(capsys):
+    preflight.check_lr_schedule(cli.parse(["--lr-schedule", "step", "--lr-steps", "2,4"], {}))
+    assert capsys.readouterr().err == ""
+
+
+def imagenet_like(root: Path, images: int) -> Path:
+    """DATA_DIR with ``images`` training files of one class (only counted, never decoded)."""
+    for split in ("train", "val"):
+        (root / split / "n01440764").mkdir(parents=True)
+    for i in range(images):
+        (root / "train" / "n01440764" / f"{i}.JPEG").touch()
+    return root
+
+
+def test_a_short_run_of_the_imagenet_config_needs_no_other_flag(tmp_path, monkeypatch, capsys):
+    """--itr 1 of configs/imagenet-resnet50.yaml: its milestones (epochs 30 and 60) are dropped
+    with a note; before, the run was refused until --lr-schedule and --lr-steps were overridden."""
+    monkeypatch.chdir(ROOT)
+    data = imagenet_like(tmp_path, 256)  # one batch of 256: one step per epoch
+    c = cli.parse(["--config", "configs/imagenet-resnet50.yaml", "--itr", "1", str(data)], {})
+    preflight.check_lr_schedule(c)
+    err = capsys.readouterr().err
+    assert "--lr-steps 30,60: milestones 30,60 come at or after the end of the run (--itr 1)" in err
+
+
+def recipes() -> list[list[str]]:
+    """The main.py commands of docs/configuration.md's Recipes section, as argument lists."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    section = text.split("## Recipes", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    return [shlex.split(line)[2:] for line in block.splitlines() if "main.py" in line]
+
+
+def test_the_documented_recipes_are_accepted_as_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    data = imagenet_like(tmp_path, 0)
+    commands = recipes()
+    assert len(commands) == 2 and all(c[-1] == "/data/imagenet" for c in commands), commands
+    for argv in commands:
+        c = cli.parse([*argv[:-1], str(data)], {})
+        assert c.model.name == "resnet50" and c.data.root == str(data)
+        preflight.check_lr_schedule(c)  # the same unit: no data read
+    assert capsys.readouterr().err == ""
 
 
 def test_the_imagenet_config_is_pytorch_examples_recipe(tmp_path, monkeypatch):
