@@ -176,6 +176,11 @@ class ModelConfig:
     weights: str | None = field(default=None, metadata=NODE_LOCAL)
     # A user's loss, module:function(outputs, labels) -> the micro-batch's mean; None: cross-entropy.
     loss: str | None = field(default=None, metadata=RECORDED)
+    # Which of the forward's outputs the loss takes (models.outputs.select); None: logits, else
+    # the first tensor.
+    output: str | None = field(default=None, metadata=recorded("model_output"))
+    # A transformers model's config (config.json or its directory); --model-args override it.
+    config_file: str | None = field(default=None, metadata=NODE_LOCAL)
 
     def __post_init__(self) -> None:
         parse_model_args(self.args)
@@ -284,15 +289,9 @@ class TrainConfig:
             raise ConfigError("--lr-gamma", self.lr_gamma, "must be > 0")
         if self.warmup_epochs < 0:
             raise ConfigError("--warmup-epochs", self.warmup_epochs, "must be >= 0")
-        unit, end = ("step", self.steps) if self.steps else ("epoch", self.epochs)
+        # A milestone the run ends before is no error: it changes no step's rate, and is dropped
+        # with a note before start (bundle.preflight.check_lr_schedule).
         run = f"--itr {self.steps}" if self.steps else f"--epochs {self.epochs}"
-        late = [m for m in self.lr_steps if m.unit == unit and m.at >= end]
-        if late:
-            raise ConfigError(
-                "--lr-steps",
-                spell(self.lr_steps),
-                f"every milestone must come before the run ends ({late[0]} is not, with {run})",
-            )
         if not self.steps and self.warmup_epochs >= self.epochs:
             raise ConfigError(
                 "--warmup-epochs",
@@ -301,13 +300,19 @@ class TrainConfig:
             )
 
 
+# The job store's port when --portNum is not given (torchrun's default too).
+DEFAULT_PORT = 29500
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     node_rank: int = field(default=0, metadata=NODE_LOCAL)
     num_nodes: int = 1
     nproc_per_node: int = 0  # 0: all processes spread evenly over the nodes
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    # None: not given, DEFAULT_PORT; a single-node run then takes a free port if that one is busy
+    # (bundle.runtime.store.open_job_store). Nodes that meet at one store agree on its port.
+    master_port: int | None = field(default=None, metadata=NODE_LOCAL)
     backend: str = "auto"
     timeout: float = 30.0
     init_timeout: float = 300.0
@@ -325,7 +330,7 @@ class LaunchConfig:
             raise ConfigError(
                 "--rank", self.node_rank, f"must be < --world-size ({self.num_nodes} node(s))"
             )
-        if not 1 <= self.master_port <= 65535:
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ConfigError("--portNum", self.master_port, "must be a TCP port in 1..65535")
         if self.backend not in BACKENDS:
             raise ConfigError("--backend", self.backend, f"choose one of: {', '.join(BACKENDS)}")

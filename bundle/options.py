@@ -141,7 +141,8 @@ SEE = "observing a run"
 # fmt: off
 OPTIONS: tuple[Option, ...] = (
     Option(None, "data", "data.root", metavar="DATA_DIR",
-           help="ImageFolder directory with train/ and val/ (implies --dataset imagefolder)"),
+           help="ImageFolder directory with train/ and val/ (val/ may be missing with --no-eval; "
+                "implies --dataset imagefolder)"),
 
     Option(PAR, "--bundle-shape", "parallel.shape", metavar="W0,W1,...|auto",
            help="replicas per stage of one bundle, e.g. 1,1 (front+rear) or 4,2; auto: the "
@@ -208,7 +209,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(TRAIN, "--lr-steps", "train.lr_steps", metavar="E1,E2,...|S1s,S2s,...",
            parse=lr_schedule.parse_milestones, default=None,
            help="milestones of --lr-schedule step: after these epochs (30,60,80), "
-                "or with an s after these steps (500s,900s)"),
+                "or with an s after these steps (500s,900s); those at or after the end of the "
+                "run are dropped, with a note"),
     Option(TRAIN, "--lr-gamma", "train.lr_gamma", help="factor of each step of --lr-schedule step"),
     Option(TRAIN, "--warmup-epochs", "train.warmup_epochs", metavar="E",
            help=f"linear warm-up from {lr_schedule.WARMUP_START} x --lr to --lr over the first E "
@@ -243,10 +245,17 @@ OPTIONS: tuple[Option, ...] = (
                 "classification model (resnet18, resnet50, resnet101, vgg16, mobilenet_v3_small, "
                 "vit_b_16, ...); a factory "
                 "of your own, called with num_classes= and input_shape= (docs/models.md); or "
-                "MODEL_SPLIT, the model with partitions/MODEL_SPLIT.yaml (resnet101_trial0..4)"),
+                "MODEL_SPLIT, the model with partitions/MODEL_SPLIT.yaml (resnet101_trial0..4); "
+                "a Hugging Face class, transformers:GPT2LMHeadModel (built from its config)"),
     Option(MODEL, "--model-args", "model.args", metavar="K=V,...",
            help="keyword arguments of the model's builder, e.g. gpt's "
                 "layers=6,width=384,heads=6 (Python literals)"),
+    Option(MODEL, "--model-config", "model.config_file", metavar="FILE|DIR",
+           help="a transformers model's config.json (or the directory holding it); "
+                "--model-args set fields on it"),
+    Option(MODEL, "--model-output", "model.output", metavar="NAME|N",
+           help="which of the forward's outputs the loss takes: a key of a dict or ModelOutput, "
+                "or a position in a tuple (default: logits, else the first tensor)"),
     Option(MODEL, "--weights", "model.weights", metavar="FILE",
            help="load this full-model state dict (torch.save of model.state_dict()) before the "
                 "model is cut: fine-tuning from a local file"),
@@ -297,7 +306,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(LAUNCH, "--IP", "launch.master_addr", metavar="HOST", aliases=("--master-addr",),
            help="master node address"),
     Option(LAUNCH, "--portNum", "launch.master_port", metavar="PORT", aliases=("--master-port",),
-           help="master port"),
+           help=f"the port of the job's store on node 0 (default {C.DEFAULT_PORT}; a single-node "
+                "run without this flag takes a free port if that one is busy, and says which)"),
     Option(LAUNCH, "--nproc-per-node", "launch.nproc_per_node", metavar="N",
            help="processes on each node (0: all processes spread evenly over the nodes)"),
     Option(LAUNCH, "--backend", "launch.backend", choices=C.BACKENDS,
@@ -325,7 +335,8 @@ OPTIONS: tuple[Option, ...] = (
                 "the command line wins"),
     Option(OUT, "--plan", None, kind=str, metavar="FILE.json[:I]", yaml=False,
            help="run plan I (default 0, the best) of scripts/plan.py --json FILE.json exactly as "
-                "saved: shape, split, micro-batches, schedule, sync, row weights, placement"),
+                "saved: shape, split, micro-batches, schedule, sync, row weights, placement; on "
+                "the data it was made for unless DATA_DIR or --dataset names others"),
     Option(OUT, "--metrics-out", "metrics_out", metavar="FILE.jsonl",
            help="JSON lines of progress; the last line is the run summary"),
 

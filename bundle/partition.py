@@ -31,7 +31,6 @@ from bundle.config import ModelConfig
 from bundle.engine.memory import run_recomputed
 from bundle.errors import ConfigError, PartitionError
 from models import Block, apply_blocks, is_known
-from models.graph import Segment
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PARTITIONS_DIR = REPO_ROOT / "partitions"
@@ -212,7 +211,7 @@ class Stage(nn.Module):
         self.names: tuple[str, ...] = tuple(name for name, _ in blocks)
         self.blocks = nn.ModuleList(module for _, module in blocks)
         # A graph split's blocks name their parameters as the full model does already.
-        self._named_fully = tuple(isinstance(m, Segment) for _, m in blocks)
+        self._named_fully = tuple(getattr(m, "named_fully", False) for _, m in blocks)
         # Set by the runner per micro-batch: keep only the stage's inputs, recompute the rest.
         self.recompute = False
         # What the model takes (token ids: long), for inputs made up before training.
@@ -253,7 +252,11 @@ class Stage(nn.Module):
 def build_model(cfg: ModelConfig, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
     """``--model`` built for the data (``--model-args`` passed), ``--weights`` loaded."""
     model = models.build(
-        cfg.name, num_classes=num_classes, input_shape=input_shape, args=cfg.kwargs
+        cfg.name,
+        num_classes=num_classes,
+        input_shape=input_shape,
+        args=cfg.kwargs,
+        config_file=cfg.config_file,
     )
     if cfg.weights:
         models.load_weights(model, cfg.weights)
@@ -265,8 +268,12 @@ def cut(
 ) -> list[Stage]:
     """The model cut into ``num_stages`` stages at ``--partition`` (default: balanced)."""
     spec = load_spec(cfg.partition) if cfg.partition else None
+    if num_stages == 1 and spec is None:  # nothing to cut: never traced
+        stages = [Stage(models.whole(model, cfg.output))]
+        stages[0].input_dtype = models.input_dtype(model)
+        return stages
     try:
-        blocks = models.blocks(model, input_shape, spec.starts if spec else ())
+        blocks = models.blocks(model, input_shape, spec.starts if spec else (), cfg.output)
         stages = split_model(blocks, resolve(spec, blocks, num_stages, cfg.name))
     except PartitionError as exc:
         if spec is None:
@@ -279,23 +286,12 @@ def cut(
 
 def split_model(model: nn.Module | Sequence[Block], starts: Sequence[int]) -> list[Stage]:
     """Cut a model (or its ``blocks``) into stages beginning at the given block indices (from
-    ``resolve``). A parameter or buffer used by two stages (tied weights) cannot be: one line
-    names it."""
+    ``resolve``). A parameter several stages use (tied weights) is held by each of them; their
+    gradients are summed among them every step (bundle.engine.ties)."""
     blocks = models.blocks(model) if isinstance(model, nn.Module) else list(model)
     bounds = [*starts, len(blocks)]
     if not starts or starts[0] != 0 or any(a >= b for a, b in pairwise(bounds)):
         raise PartitionError(
             f"stage starts {tuple(starts)} must begin at 0 and increase below {len(blocks)}"
         )
-    stages = [Stage(blocks[a:b]) for a, b in pairwise(bounds)]
-    owner: dict[int, tuple[int, str]] = {}
-    for i, stage in enumerate(stages):
-        for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
-            first = owner.setdefault(id(t), (i, stage.full_name(name)))
-            if first[0] != i:
-                raise PartitionError(
-                    f"cannot cut at {stage.names[0]!r}: {first[1]} is used by stage {first[0]} "
-                    f"and by stage {i} ({stage.full_name(name)}); tied weights must stay in one "
-                    "stage: cut elsewhere or untie them"
-                )
-    return stages
+    return [Stage(blocks[a:b]) for a, b in pairwise(bounds)]

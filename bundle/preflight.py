@@ -19,8 +19,8 @@ from bundle.config import RunConfig, parse_steps
 from bundle.data import input_spec
 from bundle.engine import aggregate
 from bundle.engine.precision import DTYPES
-from bundle.errors import ConfigError, DataError
-from bundle.lr_schedule import LRSchedule, needs_epoch_length
+from bundle.errors import BundleError, ConfigError, DataError
+from bundle.lr_schedule import LRSchedule, needs_epoch_length, past_the_run, spell
 from bundle.plan import auto
 from bundle.runtime import devices, throttle
 from bundle.runtime.preemption import parse_fault
@@ -40,7 +40,8 @@ class LaunchPlan:
 
 def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
     """Every pre-launch check, once each, in order; the first that fails raises."""
-    data.check_data(cfg.data)  # before the planner, which reads the data's sample shape
+    # Before the planner, which reads the data's sample shape; val/ only for a run that evaluates.
+    data.check_data(cfg.data, needs_val=cfg.train.eval)
     cfg = auto.resolve(cfg)
     topo = Topology.from_config(cfg)
     devices.check_devices(cfg, topo)
@@ -83,9 +84,18 @@ def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
     if cfg.model.loss:
         models.load_callable(cfg.model.loss, "--loss")
     num_classes, input_shape = input_spec(cfg.data)
-    model = models.build_on_meta(
-        cfg.model.name, num_classes=num_classes, input_shape=input_shape, args=cfg.model.kwargs
-    )
+    try:
+        model = models.build_on_meta(
+            cfg.model.name,
+            num_classes=num_classes,
+            input_shape=input_shape,
+            args=cfg.model.kwargs,
+            config_file=cfg.model.config_file,
+        )
+    except BundleError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a model's constructor refused the data: one line
+        raise _unbuildable(cfg, num_classes, input_shape, exc) from None
     _check_input_kind(cfg, model)
     with torch.device("meta"):
         if cfg.model.weights:
@@ -98,6 +108,28 @@ def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
             "needs a CNN (a model with 2-d convolutions)",
         )
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _unbuildable(
+    cfg: RunConfig, num_classes: int, input_shape: tuple[int, ...], exc: Exception
+) -> ConfigError:
+    """A model whose constructor fails on the data's shape (a CNN given token ids): the flag
+    that chose the data, the shape, and the constructor's own reason, in one line."""
+    text = str(exc).strip()
+    reason = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    if cfg.data.dataset == "text":
+        return ConfigError(
+            "--dataset",
+            "text",
+            f"gives token ids (input shape {input_shape}), for which --model {cfg.model.name} "
+            f"cannot be built ({reason}); train a language model on text, e.g. --model gpt",
+        )
+    return ConfigError(
+        "--model",
+        cfg.model.name,
+        f"cannot be built for --dataset {cfg.data.dataset} (input shape {input_shape}, "
+        f"{num_classes} classes): {reason}",
+    )
 
 
 def _check_input_kind(cfg: RunConfig, model: nn.Module) -> None:
@@ -140,16 +172,28 @@ def check_precision(cfg: RunConfig, backend: str) -> None:
 
 
 def check_lr_schedule(cfg: RunConfig) -> None:
-    """Milestones and warm-up in epochs against a run in steps, or the other way round: every one
-    must end inside the run. (In one unit, TrainConfig has checked them already.)"""
-    if not needs_epoch_length(cfg.train):
-        return
-    n, batch = data.train_size(cfg.data), cfg.train.batch_size
-    spe = data.steps_per_epoch(n, batch)
-    if spe == 0:
-        raise DataError(f"the training set has {n} samples, fewer than one batch of {batch}")
-    total = cfg.train.steps or cfg.train.epochs * spe
-    LRSchedule.of(cfg.train, steps_per_epoch=spe, total=total)
+    """A warm-up in epochs against a run in steps, or the other way round, must end inside the
+    run (in one unit, TrainConfig has checked it already). Milestones the run ends before are
+    dropped, in one note: they change no step's rate, so a short run of a recipe just runs."""
+    train = cfg.train
+    if needs_epoch_length(train):
+        n, batch = data.train_size(cfg.data), train.batch_size
+        spe = data.steps_per_epoch(n, batch)
+        if spe == 0:
+            raise DataError(f"the training set has {n} samples, fewer than one batch of {batch}")
+        total = train.steps or train.epochs * spe
+        LRSchedule.of(train, steps_per_epoch=spe, total=total)
+    else:  # the run and its milestones count in one unit: compare in it (an epoch as a step)
+        spe, total = 1, train.steps or train.epochs
+    late = past_the_run(train, steps_per_epoch=spe, total=total)
+    if late:
+        run = f"--itr {train.steps}" if train.steps else f"--epochs {train.epochs}"
+        which = f"milestones {spell(late)} come" if len(late) > 1 else f"milestone {late[0]} comes"
+        print(
+            f"main.py: note: --lr-steps {spell(train.lr_steps)}: {which} at or after the end of "
+            f"the run ({run}): dropped",
+            file=sys.stderr,
+        )
 
 
 def check_paths(cfg: RunConfig) -> None:

@@ -13,7 +13,7 @@ from bundle import data, loader
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig, parse_bundle_sync
-from bundle.engine import aggregate, device_audit, nccl_emu, precision
+from bundle.engine import aggregate, device_audit, nccl_emu, precision, ties
 from bundle.engine.comm import Collectives, Comm
 from bundle.engine.grad_sync import FlatSync, GradSync, HierarchicalSync
 from bundle.engine.hops import Hop, Wire, make_hop
@@ -84,8 +84,9 @@ def build_session(
     comm: Comm = emu if emu is not None else Collectives()
     coord = topo.coord(rank)
     S = topo.num_stages
-    splits = data.load(cfg.data, cfg.train.seed)
+    splits = data.load(cfg.data, cfg.train.seed, needs_val=cfg.train.eval)
     stages = build_stages(cfg, S, splits.input_shape, splits.num_classes)
+    tied = ties.find(stages)
     policy = Policy.of(cfg.compute, device)
     metas = boundary_metas(stages, splits.input_shape, policy)
     layout = Layout(list(topo.shape), topo.num_bundles, [s.names[0] for s in stages])
@@ -134,6 +135,7 @@ def build_session(
         loss=make_loss(cfg),
         # gloo alone lets a receive progress on its own: there it is posted ahead (bundle.engine.p2p).
         early_receives=backend == "gloo",
+        ties=_make_ties(cfg, topo, coord, stage, comm, tied),
     )
     arrive("ready to train")
     return Session(engine, stage, splits, coord, groups, optimizer, layout, comm)
@@ -146,6 +148,16 @@ def make_loss(cfg: RunConfig) -> Loss:
 
         return load_callable(cfg.model.loss, "--loss")
     return cross_entropy(cfg.train.label_smoothing)
+
+
+def _make_ties(
+    cfg: RunConfig, topo: Topology, coord: Coord, stage: Stage, comm: Comm, tied: list[ties.Tie]
+) -> ties.TiedGrads:
+    """This rank's part in summing the gradients of weights tied across stages."""
+    per_step = cfg.parallel.bundle_sync == "step"
+    return ties.TiedGrads(
+        tied, stage, topo, coord, comm, per_step=per_step, timeout=cfg.launch.timeout
+    )
 
 
 def _in_two_hops(cfg: RunConfig) -> bool:

@@ -6,11 +6,15 @@
 - any torchvision classification model (``torchvision.models.list_models``), random weights;
 - a user's factory, ``package.module:function`` (or ``path/to/file.py:function``), called with
   the keyword arguments it declares among ``num_classes`` and ``input_shape`` (and any of
-  ``--model-args``), returning an ``nn.Module``.
+  ``--model-args``), returning an ``nn.Module``;
+- a ``transformers`` model class, ``transformers:GPT2LMHeadModel``, built from its config with
+  random weights (``models.hf``).
 
 ``blocks(model, input_shape)`` gives the ordered (name, module) pairs whose chained application
 equals ``model(x)``: a model's own chain where it has one (the small models, ResNets, VGG,
-``nn.Sequential``), else a split of its ``torch.fx`` graph (``models.graph``).
+``nn.Sequential``), else a split of its captured graph (``models.graph``: torch.fx, or
+torch.export where fx cannot trace). ``whole(model)`` is the one block of a one-stage shape,
+never traced.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from torchvision.models.vgg import VGG
 
 from bundle.config import is_reference
 from bundle.errors import ConfigError, PartitionError
-from models import graph
+from models import graph, hf
 from models.gpt import GPT
+from models.outputs import Whole, call_kwargs, check_forward, select
 from models.small import MLP, Block, Chain, DigitsCNN, SkipMLP, SmallResNet, apply_blocks
 from models.vision import build_zoo, no_inplace, resnet_blocks, vgg_blocks, zoo_names
 
@@ -44,9 +49,11 @@ __all__ = [
     "build",
     "build_on_meta",
     "example_input",
+    "forward",
     "input_dtype",
     "is_known",
     "load_weights",
+    "whole",
 ]
 
 Builder = Callable[..., nn.Module]
@@ -83,8 +90,11 @@ def build(
     num_classes: int,
     input_shape: Sequence[int],
     args: Mapping[str, Any] | None = None,
+    config_file: str | None = None,
 ) -> nn.Module:
-    """A freshly initialised model (random weights; seed torch first for reproducibility)."""
+    """A freshly initialised model (random weights; seed torch first for reproducibility).
+
+    ``config_file``: a ``transformers`` model's config (``--model-config``)."""
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ConfigError("num_classes", num_classes, "a positive integer")
     shape = tuple(input_shape)
@@ -92,7 +102,9 @@ def build(
         raise ConfigError("input_shape", input_shape, "positive integers")
     kwargs = dict(args or {})
     if is_reference(name):
-        return _from_factory(name, num_classes, shape, kwargs)
+        return _from_factory(name, num_classes, shape, kwargs, config_file)
+    if config_file:
+        raise ConfigError("--model-config", config_file, "only a transformers model takes one")
     if kwargs and name not in _TAKES_ARGS and name not in zoo_names():
         raise ConfigError("--model-args", kwargs, f"--model {name} takes none")
     if name in _REGISTRY:
@@ -116,6 +128,7 @@ def build_on_meta(
     num_classes: int,
     input_shape: Sequence[int],
     args: Mapping[str, Any] | None = None,
+    config_file: str | None = None,
 ) -> nn.Module:
     """The model with its tensors on the meta device (no memory), to check and count it.
 
@@ -123,9 +136,22 @@ def build_on_meta(
     device: it is built on the CPU and moved there."""
     try:
         with torch.device("meta"):
-            return build(name, num_classes=num_classes, input_shape=input_shape, args=args)
+            return build(
+                name,
+                num_classes=num_classes,
+                input_shape=input_shape,
+                args=args,
+                config_file=config_file,
+            )
     except Exception:  # noqa: BLE001 - whatever failed on meta: the CPU build says it again
-        return build(name, num_classes=num_classes, input_shape=input_shape, args=args).to("meta")
+        cpu = build(
+            name,
+            num_classes=num_classes,
+            input_shape=input_shape,
+            args=args,
+            config_file=config_file,
+        )
+        return cpu.to("meta")
 
 
 def _import(name: str) -> Any:
@@ -167,9 +193,17 @@ def load_callable(name: str, what: str) -> Callable[..., Any]:
 
 
 def _from_factory(
-    name: str, num_classes: int, shape: tuple[int, ...], kwargs: dict[str, Any]
+    name: str,
+    num_classes: int,
+    shape: tuple[int, ...],
+    kwargs: dict[str, Any],
+    config_file: str | None = None,
 ) -> nn.Module:
     factory = load_callable(name, "--model")
+    if hf.is_pretrained_class(factory):
+        return hf.build(factory, name, num_classes, shape, kwargs, config_file)
+    if config_file:
+        raise ConfigError("--model-config", config_file, "only a transformers model takes one")
     offered = {"num_classes": num_classes, "input_shape": shape, **kwargs}
     try:
         params = list(inspect.signature(factory).parameters.values())
@@ -252,14 +286,18 @@ def example_input(model: nn.Module, input_shape: Sequence[int], rows: int = 1) -
 
 
 def blocks(
-    model: nn.Module, input_shape: Sequence[int] | None = None, points: Sequence[str] = ()
+    model: nn.Module,
+    input_shape: Sequence[int] | None = None,
+    points: Sequence[str] = (),
+    output: str | None = None,
 ) -> list[Block]:
     """The model as ordered (dotted name, module) pairs whose chained application equals model(x).
 
     A block's name is its module path; its parameters' full-model names are ``f"{name}.{param}"``
     (a ``graph.Segment`` names them fully itself). The only invented name is a parameterless
     ``flatten`` standing in for torchvision's functional ``torch.flatten``. ``points`` are split
-    points a graph split must cut at besides its own (other models take theirs as they are).
+    points a graph split must cut at besides its own (other models take theirs as they are);
+    ``output``: which of the forward's outputs the loss takes (``--model-output``).
     """
     if isinstance(model, Chain):
         return model.blocks()
@@ -272,7 +310,21 @@ def blocks(
         return sequential_blocks(model)
     if input_shape is None:
         raise PartitionError(f"cutting a {type(model).__name__} needs the shape of its input")
-    return graph.blocks(model, example_input(model, input_shape, rows=3), points)
+    return graph.blocks(model, example_input(model, input_shape, rows=3), points, output)
+
+
+def forward(model: nn.Module, x: torch.Tensor, output: str | None = None) -> torch.Tensor:
+    """The unsplit model's output for the loss, as a stage's would be (``--model-output``)."""
+    return select(model(x, **call_kwargs(model)), output)
+
+
+def whole(model: nn.Module, output: str | None = None) -> list[Block]:
+    """The model as one block, never traced (a one-stage shape): a model's own chain where it
+    has one, else the model itself, its output taken by ``--model-output``'s rule."""
+    if isinstance(model, (Chain, ResNet, VGG, nn.Sequential)):
+        return blocks(model)
+    check_forward(model)
+    return [(type(model).__name__, Whole(model, output))]
 
 
 def sequential_blocks(model: nn.Sequential, prefix: str = "") -> list[Block]:

@@ -21,8 +21,11 @@ the module doing so is kept whole instead (found by tracing in both modes and co
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Sequence
+import contextlib
+import logging
+import re
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +33,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from bundle.errors import PartitionError
+from models.outputs import Selected, check_forward
 
 Block = tuple[str, nn.Module]
 
@@ -40,6 +44,17 @@ _ROWS = 3
 
 class Segment(fx.GraphModule):
     """One block of a graph split; its parameters are named as in the full model."""
+
+    named_fully = True
+
+
+# Operators a stage must not run again (a recomputed value must be the same value).
+_RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential")
+
+
+def _fetch(model: nn.Module, target: str) -> object:
+    owner, _, leaf = target.rpartition(".")
+    return getattr(model.get_submodule(owner) if owner else model, leaf)
 
 
 class _Tracer(fx.Tracer):
@@ -55,44 +70,81 @@ class _Tracer(fx.Tracer):
         )
 
 
-def _trace(model: nn.Module, leaves: frozenset[str]) -> fx.Graph:
-    params = list(inspect.signature(model.forward).parameters.values())
-    concrete = {p.name: p.default for p in params[1:] if p.default is not inspect.Parameter.empty}
-    if not params or len(params) - len(concrete) != 1:
-        raise PartitionError(
-            f"{type(model).__name__}.forward must take one input (its other arguments need "
-            f"defaults), not {len(params) - len(concrete)}"
-        )
+_WRAPPER = "m"  # the traced root is Selected(model): its paths are the model's under "m."
+
+
+def _own(path: str) -> str:
+    """A path in the traced wrapper -> the model's own ('' for the model itself)."""
+    if path == _WRAPPER:
+        return ""
+    return path[len(_WRAPPER) + 1 :] if path.startswith(_WRAPPER + ".") else path
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _trace(model: nn.Module, leaves: frozenset[str], key: str | None) -> fx.Graph:
+    tracer = _Tracer(frozenset(f"{_WRAPPER}.{leaf}" for leaf in leaves))
     try:
-        return _Tracer(leaves).trace(model, concrete_args=concrete or None)
-    except Exception as exc:  # noqa: BLE001 - any tracing failure is the same refusal
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PartitionError(
-            f"cannot cut {type(model).__name__} into stages: torch.fx cannot trace its forward "
-            f"({reason}); give an nn.Sequential, or a forward without data-dependent control flow"
-        ) from None
+        graph = tracer.trace(Selected(model, key))
+    except Exception as exc:  # noqa: BLE001 - any tracing failure: the capture by export next
+        raise _Untraceable(_plain(_first_line(exc))) from None
+    return _owned(graph)
+
+
+def _plain(reason: str) -> str:
+    """A tracer's reason without its internal names (fx's ``Proxy(getitem)``, export's ``s77``)."""
+    reason = re.sub(r"Proxy\(\w+\)|'Proxy' object|\bProxy\b", "a traced value", reason)
+    return re.sub(r"\b[su]\d+\b", "a traced size", reason)
+
+
+class _Untraceable(Exception):
+    """torch.fx cannot trace the forward (its reason, first line)."""
+
+
+def _owned(graph: fx.Graph) -> fx.Graph:
+    """Targets named as in the model itself, not in the traced wrapper."""
+    for n in graph.nodes:
+        if n.op in ("get_attr", "call_module"):
+            n.target = _own(str(n.target))
+    return graph
 
 
 def _module_of(node: fx.Node) -> str:
     """The innermost module path the node runs in ('' for the root's own code)."""
     stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack)) if stack else ""
+    if not stack:
+        return ""
+    path = next(reversed(stack.values()))[0]  # (qualified name, type), as fx and export record
+    return _own(str(path))
 
 
 def _signature(graph: fx.Graph) -> list[str]:
     return [f"{n.op} {n.target} {n.args} {n.kwargs}" for n in graph.nodes]
 
 
-def trace(model: nn.Module) -> fx.Graph:
-    """The model's graph, the same in training and in evaluation mode."""
+def trace(model: nn.Module, example: torch.Tensor, key: str | None = None) -> fx.Graph:
+    """The model's graph, the same in training and in evaluation mode: torch.fx's where it can
+    trace the forward, else ``torch.export``'s (control flow on shapes and configs, as in
+    Hugging Face models)."""
+    check_forward(model)
+    try:
+        return _fx_trace(model, key)
+    except _Untraceable as exc:
+        return _exported(model, example, key, str(exc))
+
+
+def _fx_trace(model: nn.Module, key: str | None) -> fx.Graph:
     leaves: set[str] = set()
     was = model.training
     try:
         for _ in range(len(list(model.modules())) + 1):
             model.train()
-            train = _trace(model, frozenset(leaves))
+            train = _trace(model, frozenset(leaves), key)
             model.eval()
-            evaluation = _trace(model, frozenset(leaves))
+            evaluation = _trace(model, frozenset(leaves), key)
             a, b = _signature(train), _signature(evaluation)
             if a == b:
                 return train
@@ -113,6 +165,128 @@ def trace(model: nn.Module) -> fx.Graph:
     finally:
         model.train(was)
     raise AssertionError("unreachable: every module made whole")
+
+
+# Operators whose training flag export records as a constant: (operator, the flag's position).
+_MODE_ARGS = {
+    torch.ops.aten.dropout.default: 2,
+    torch.ops.aten.feature_dropout.default: 2,
+    torch.ops.aten.alpha_dropout.default: 2,
+    torch.ops.aten.feature_alpha_dropout.default: 2,
+    torch.ops.aten.batch_norm.default: 5,
+}
+# Operators taking a dropout probability that forwards set to 0 outside training.
+_DROPOUT_P = {torch.ops.aten.scaled_dot_product_attention.default: 4}
+# Checks export leaves in the graph, with no users: dropped (they would stretch their inputs'
+# lifetimes across stage boundaries).
+_CHECKS = ("_assert", "sym_constrain")
+
+
+def _exported(model: nn.Module, example: torch.Tensor, key: str | None, fx_reason: str) -> fx.Graph:
+    """The forward captured by ``torch.export`` with the batch dynamic, in training mode; a
+    dropout's or batch norm's training flag then follows the segment's own mode."""
+    batch = torch.export.Dim("batch", min=1)
+    was = model.training
+    model.train()
+    try:
+        with _quiet():
+            program = torch.export.export(
+                Selected(model, key), (example,), dynamic_shapes=({0: batch},), strict=False
+            )
+    except Exception as exc:  # noqa: BLE001 - neither capture works: both reasons, one line
+        raise PartitionError(
+            f"cannot cut {type(model).__name__} into stages: torch.fx cannot trace its forward "
+            f"({fx_reason}) and torch.export cannot capture it ({_plain(_first_line(exc))}); it "
+            "trains "
+            "whole at one-stage shapes (data parallelism)"
+        ) from None
+    finally:
+        model.train(was)
+    graph = program.module().graph
+    # The graph's new attributes are the model's (its segments'), not the exported module's.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _tied_names(model, _owned(_own_mode(graph)))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export's own warnings and graph dumps kept off the user's console."""
+    loggers = [logging.getLogger(n) for n in _EXPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+
+
+def _own_mode(graph: fx.Graph) -> fx.Graph:
+    """Export's guards and checks dropped; dropout's and batch norm's training flag read from
+    the segment running them."""
+    training: fx.Node | None = None
+    for n in list(graph.nodes):
+        name = getattr(n.target, "__name__", str(n.target))
+        check = n.op == "call_function" and not n.users and name.startswith(_CHECKS)
+        if n.op == "call_module" or check:
+            graph.erase_node(n)  # export's guards and checks
+        elif n.op == "call_function" and (n.target in _MODE_ARGS or n.target in _DROPOUT_P):
+            if training is None:
+                with graph.inserting_before(n):
+                    training = graph.get_attr("training")  # the segment's own flag
+            args = list(n.args)
+            if n.target in _MODE_ARGS:
+                args[_MODE_ARGS[n.target]] = training
+            elif len(args) > _DROPOUT_P[n.target] and args[_DROPOUT_P[n.target]]:
+                with graph.inserting_before(n):
+                    p = graph.call_function(_in_training, (args[_DROPOUT_P[n.target]], training))
+                args[_DROPOUT_P[n.target]] = p
+            n.args = tuple(args)
+    return graph
+
+
+def _in_training(p: float, training: bool) -> float:
+    """An attention's dropout probability, captured in training mode: none in evaluation."""
+    return p if training else 0.0
+
+
+def _tied_names(model: nn.Module, graph: fx.Graph) -> fx.Graph:
+    """A weight the model holds under several names (tied) is fetched, by each operation that
+    uses it, under the name of the module running it (export keeps one name for all): GPT-2's
+    embedding reads ``transformer.wte.weight``, its head ``lm_head.weight``."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for n in [n for n in graph.nodes if n.op == "get_attr"]:
+        candidates = names.get(id(_fetch(model, str(n.target))), [])
+        if len(candidates) < 2:
+            continue
+        for user in list(n.users):
+            path = _module_of(user)
+            best = max(candidates, key=lambda c: _shared_prefix(c.rpartition(".")[0], path))
+            if best != n.target:
+                with graph.inserting_before(n):
+                    user.replace_input_with(n, graph.get_attr(best))
+        if not n.users:
+            graph.erase_node(n)
+    return graph
+
+
+def _shared_prefix(owner: str, path: str) -> int:
+    """How many leading module names the two dotted paths share."""
+    count = 0
+    for a, b in zip(owner.split("."), path.split("."), strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
 
 
 class _Analysis:
@@ -143,6 +317,35 @@ class _Analysis:
             users = [end if u.op == "output" else self.index[u] for u in n.users]
             self.span[n] = (self.index.get(n, -1), max(users, default=-1))
         self.batched = self._run(example)
+        self.recomputable = self._recomputable()
+
+    def _recomputable(self) -> set[fx.Node]:
+        """Values a later stage computes again instead of receiving: those made from constants,
+        buffers and the batch size only (positions, masks, rotary tables), never from a
+        parameter that trains, a random draw or a write."""
+        out: set[fx.Node] = set()
+        for n in self.body:
+            if n.op != "call_function":
+                continue
+            if n.target is torch.ops.aten.sym_size.int and n.args[1] == 0:
+                if self.batched.get(n.args[0]) == "":  # the batch size, of any batched value
+                    out.add(n)
+                continue
+            schema = getattr(n.target, "_schema", None)
+            name = getattr(n.target, "__name__", str(n.target))
+            if schema is None or schema.is_mutable or any(w in name for w in _RANDOM):
+                continue
+            if all(i in out or self._constant(i) for i in n.all_input_nodes):
+                out.add(n)
+        return out
+
+    def _constant(self, n: fx.Node) -> bool:
+        if n.op != "get_attr":
+            return False
+        if n.target == "training":
+            return True
+        value = _fetch(self.model, str(n.target))
+        return not (isinstance(value, torch.Tensor) and value.requires_grad)
 
     @torch.no_grad()
     def _run(self, example: torch.Tensor) -> dict[fx.Node, str]:
@@ -180,12 +383,19 @@ class _Analysis:
         """The values defined before body[at] and used from it on, in graph order."""
         return [n for n, (d, last) in self.span.items() if d < at <= last]
 
+    def sent(self, at: int) -> list[fx.Node]:
+        """The crossing values sent to the stage beginning at body[at] (the rest it recomputes)."""
+        return [n for n in self.crossing(at) if n not in self.recomputable]
+
     def why_not(self, at: int) -> str:
         """'' if a stage can begin at body[at], else why not."""
-        for n in self.crossing(at):
+        sent = self.sent(at)
+        for n in sent:
             kind = self.batched.get(n, "")
             if kind:
                 return f"{n.name} crossing it is {kind}"
+        if not sent:
+            return "nothing computed from the input crosses it"
         return ""
 
     def where(self, point: str) -> int:
@@ -216,7 +426,8 @@ def _interpret(probe: fx.Interpreter, example: torch.Tensor) -> None:
 
 def _expands(module: nn.Module, path: str, a: _Analysis) -> bool:
     """Whether a module's children are points rather than the module itself: a container's are,
-    and so are those of a module holding a container of composite modules (a ViT's encoder)."""
+    and so are those of a module holding a container of composite modules (a ViT's encoder), or
+    holding a module that does (BERT's ``bert`` holds ``encoder``, which holds its layers)."""
     if path in a.whole:
         return False
     if isinstance(module, _CONTAINERS):
@@ -225,10 +436,14 @@ def _expands(module: nn.Module, path: str, a: _Analysis) -> bool:
     def composite(m: nn.Module, p: str) -> bool:
         return p not in a.whole and any(True for _ in m.children())
 
+    def expands_within(m: nn.Module, p: str) -> bool:
+        return not isinstance(m, _CONTAINERS) and _expands(m, p, a)
+
     return any(
         isinstance(c, _CONTAINERS)
         and f"{path}.{name}" not in a.whole
         and any(composite(g, f"{path}.{name}.{k}") for k, g in c.named_children())
+        or expands_within(c, f"{path}.{name}")
         for name, c in module.named_children()
     )
 
@@ -251,9 +466,12 @@ def default_points(model: nn.Module, a: _Analysis) -> list[tuple[str, int]]:
     return out
 
 
-def blocks(model: nn.Module, example: torch.Tensor, points: Sequence[str] = ()) -> list[Block]:
-    """The model cut at its default points and ``points`` (each checked), as ``Segment`` blocks."""
-    a = _Analysis(model, trace(model), example)
+def blocks(
+    model: nn.Module, example: torch.Tensor, points: Sequence[str] = (), key: str | None = None
+) -> list[Block]:
+    """The model cut at its default points and ``points`` (each checked), as ``Segment`` blocks;
+    ``key``: which of the forward's outputs the last one returns (models.outputs.select)."""
+    a = _Analysis(model, trace(model, example, key), example)
     if not a.body:
         raise PartitionError(f"{type(model).__name__}'s forward computes nothing")
     starts: dict[int, str] = {}
@@ -278,17 +496,24 @@ def blocks(model: nn.Module, example: torch.Tensor, points: Sequence[str] = ()) 
 def _segment(a: _Analysis, lo: int, hi: int) -> Segment:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for n in a.crossing(lo) if lo else a.inputs:
+    for n in a.sent(lo) if lo else a.inputs:
         env[n] = graph.placeholder(n.name)
+    batch = next(iter(env.values()))  # a batched input: its first dimension is the batch size
     for n in a.defaulted:
         default = n.args[0] if n.args else None
         env[n] = graph.placeholder(n.name, default_value=default)
 
     def arg(n: fx.Node) -> fx.Node:
         if n not in env:
-            if n.op != "get_attr":
+            if n in a.recomputable and a.index[n] < lo:  # computed again here, not received
+                if n.target is torch.ops.aten.sym_size.int:
+                    env[n] = graph.call_function(torch.ops.aten.sym_size.int, (batch, 0))
+                else:
+                    env[n] = graph.node_copy(n, arg)
+            elif n.op == "get_attr":
+                env[n] = graph.get_attr(str(n.target))
+            else:
                 raise AssertionError(f"{n.name} is neither crossing nor computed here")
-            env[n] = graph.get_attr(str(n.target))
         return env[n]
 
     for n in a.body[lo:hi]:
@@ -296,6 +521,6 @@ def _segment(a: _Analysis, lo: int, hi: int) -> Segment:
     if hi == len(a.body):
         graph.output(fx.map_arg(a.output.args[0], arg))
     else:
-        outs = [arg(n) for n in a.crossing(hi)]
+        outs = [arg(n) for n in a.sent(hi)]
         graph.output(outs[0] if len(outs) == 1 else tuple(outs))
     return Segment(a.model, graph, class_name="Segment")

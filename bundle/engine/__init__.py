@@ -11,6 +11,7 @@ Modules, from the data up:
 - ``aggregate``: how bundles' contributions combine (mean, median, trimmed), and a faulty bundle;
 - ``hops``: the hop between bundles of a sync: exact, compressed (bf16, fp16, PowerSGD), robust;
 - ``grad_sync``: a stage's gradients summed over its replicas (flat or hierarchical);
+- ``ties``: weights tied across stages, their gradients summed among the stages holding them;
 - ``outer``: bundles that meet every H steps (local SGD, DiLoCo) and their outer optimizer;
 - ``precision``: the compute policy: dtypes, the boundary's wire form, loss scaling;
 - ``optim``: a stage's optimizer (SGD, AdamW, Adam), its parameter groups, ZeRO-1 sharding;

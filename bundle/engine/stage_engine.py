@@ -18,6 +18,7 @@ from bundle.engine.outer import OuterSync
 from bundle.engine.p2p import step_plan
 from bundle.engine.precision import LossScaler, Policy
 from bundle.engine.schedule import Action, Op, peak_in_flight
+from bundle.engine.ties import TiedGrads
 from bundle.engine.transport import Part, Pending, TensorMeta, Transport
 from bundle.observe.timing import MARK_OF_OP, Mark, StepTimer
 from bundle.partition import Stage
@@ -96,10 +97,13 @@ class StageEngine:
         loss: Loss | None = None,
         early_receives: bool = False,
         outer: OuterSync | None = None,
+        ties: TiedGrads | None = None,
     ) -> None:
         self.topo, self.coord, self.sync, self.transport = topo, coord, sync, transport
         # Bundles that meet every H steps (--bundle-sync local/diloco) meet after the step.
         self.outer = outer
+        # Weights this stage shares with another stage: their gradients summed after the sync.
+        self.ties = ties
         self.optimizer, self.device, self.stage = optimizer, device, stage
         self.policy, self.scaler = policy or Policy(device_type=device.type), scaler
         # The micro-batch's mean, scaled by rows / global batch below: the global mean, shared out.
@@ -238,6 +242,9 @@ class StageEngine:
             p.wait()
         lap(Mark.SEND_WAIT)
         self.sync.finish()
+        if self.ties:
+            self._at = (step, "tied weights' gradient sum")
+            self.ties.sum()
         lap(Mark.SYNC)
         self._at = (step, "optimizer")
         if self.scaler is None or self.scaler.unscale_and_agree(self.stage.parameters()):

@@ -58,9 +58,9 @@ BAD = {
         [*ZOO, "--partition", "features.0.1"],
         "runs inside 'features.0', which runs whole",
     ),
-    "split point between tied uses": (
-        ["--model", "tests.support.user_models:tied", "--partition", "mid"],
-        "tied weights must stay in one stage",
+    "a forward of two inputs": (
+        ["--model", "tests.support.user_models:two_inputs"],
+        "its forward must take one input (its other arguments need defaults), not 2 (x, y)",
     ),
     "text without a file": (["--dataset", "text"], "--data-file"),
     "a language model on images": (["--model", "gpt"], "takes token ids"),

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import torch
 
+import models
 from bundle import data, partition
 from bundle.config import RunConfig
 from bundle.engine.optim import make_optimizer
@@ -88,10 +89,13 @@ def reference(
         schedule.apply(opt, step)
         opt.zero_grad()
         with torch.autocast("cpu", dtype=DTYPES.get(precision), enabled=precision in DTYPES):
-            out = model(x[idx])
+            out = models.forward(model, x[idx], cfg.model.output)
         scaler.scale(loss_fn(out.float(), y[idx])).backward()
         if grads is not None and step == 0:
-            grads.update({k: p.grad.clone() for k, p in model.named_parameters()})
+            grads.update(
+                {k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=False)}
+            )
         scaler.step(opt)
         scaler.update()
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
+    # Tied weights under each of their names: every stage holding one is compared.
+    return {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}

@@ -93,6 +93,20 @@ def not_a_model(num_classes: int, input_shape: tuple[int, ...]) -> object:
     return {"layers": 3}
 
 
+class _TwoInputs(nn.Module):
+    def __init__(self, d: int, num_classes: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, num_classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.a(x.flatten(1)) + y
+
+
+def two_inputs(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """A forward that needs a second input: no data set gives it."""
+    return _TwoInputs(math.prod(input_shape), num_classes)
+
+
 def tied(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
     """The same Linear twice, far apart: a cut between its uses would tie two stages."""
     return _Tied(math.prod(input_shape), num_classes)
@@ -115,3 +129,64 @@ def mean_squared_logits(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Te
     """A user loss: squared error against one-hot labels, the mean over the micro-batch's rows."""
     target = nn.functional.one_hot(labels, outputs.shape[-1]).float()
     return ((outputs - target) ** 2).sum(-1).mean()
+
+
+class KeywordNet(nn.Module):
+    """A forward taking keyword arguments (``**kwargs``, a defaulted flag) and returning a dict:
+    the loss takes its ``logits``; ``hidden`` is returned too and not trained on."""
+
+    def __init__(self, num_classes: int, input_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        d = math.prod(input_shape)
+        self.layers = nn.ModuleList([nn.Linear(d, 24), nn.Linear(24, 24), nn.Linear(24, 24)])
+        self.head = nn.Linear(24, num_classes)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, **kwargs) -> dict[str, torch.Tensor]:
+        h = x.flatten(1) * scale
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return {"hidden": h, "logits": self.head(h)}
+
+
+def keyword_net(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    return KeywordNet(num_classes, input_shape)
+
+
+def _tiny_hf(config_class, model_class, **fields):
+    import transformers
+
+    config = getattr(transformers, config_class)(**fields)
+    return getattr(transformers, model_class)(config)
+
+
+def gpt2(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """A tiny GPT-2 with its token embedding tied to its output head, dropout off."""
+    return _tiny_hf(
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        n_layer=3,
+        n_embd=16,
+        n_head=2,
+        vocab_size=num_classes,
+        n_positions=input_shape[0],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
+
+
+def llama(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """A tiny Llama (rotary positions, grouped-query attention, RMSNorm, SwiGLU)."""
+    return _tiny_hf(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        num_hidden_layers=3,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=num_classes,
+        max_position_embeddings=input_shape[0],
+        use_cache=False,
+    )

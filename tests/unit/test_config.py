@@ -79,7 +79,13 @@ def shared(**sections):
             "row_weights": "",
             "placement": [],
         },
-        "model": {"name": "digits_cnn", "partition": None, "args": None, "loss": None},
+        "model": {
+            "name": "digits_cnn",
+            "partition": None,
+            "args": None,
+            "loss": None,
+            "output": None,
+        },
         "data": {
             "dataset": "digits",
             "root": None,
@@ -115,7 +121,6 @@ def shared(**sections):
             "num_nodes": 1,
             "nproc_per_node": 0,
             "master_addr": "127.0.0.1",
-            "master_port": 29500,
             "backend": "auto",
             "timeout": 30.0,
             "init_timeout": 300.0,
@@ -168,6 +173,7 @@ RECORDED_DEFAULT = {
     "channels_last": False,
     "model_args": None,
     "loss": None,
+    "model_output": None,
     "seq_len": 64,
 }
 

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import models
 from bundle import partition
+from bundle.engine import ties
 from bundle.errors import PartitionError
 from models import apply_blocks
 from models.graph import Segment
@@ -193,13 +194,29 @@ def test_an_untraceable_forward_is_refused_in_one_line():
     assert "\n" not in str(err.value)
 
 
-def test_tied_weights_across_stages_are_refused():
+def test_a_weight_tied_across_stages_is_held_by_each_and_named_as_its_module_uses_it():
     blocks = models.blocks(user_models.tied(3, (4,)), (4,))
     names = [n for n, _ in blocks]
-    with pytest.raises(PartitionError, match="shared.weight is used by stage 0 and by stage 1"):
-        partition.split_model(blocks, (0, names.index("mid")))
-    # Both uses in one stage: fine.
-    partition.split_model(blocks, (0, names.index("out")))
+    stages = partition.split_model(blocks, (0, names.index("mid")))
+    assert [t.holders for t in ties.find(stages)] == [
+        ((0, "shared.weight"), (1, "shared.weight")),
+        ((0, "shared.bias"), (1, "shared.bias")),
+    ]
+    # Both uses in one stage: no tie.
+    assert ties.find(partition.split_model(blocks, (0, names.index("out")))) == []
+
+
+def test_an_exported_tied_embedding_is_named_by_each_module_that_uses_it():
+    model = user_models.gpt2(50, (8,))
+    blocks = models.blocks(model, (8,))
+    names = [n for n, _ in blocks]
+    stages = partition.split_model(blocks, (0, names.index("transformer.h.2")))
+    assert [t.holders for t in ties.find(stages)] == [
+        ((0, "transformer.wte.weight"), (1, "lm_head.weight"))
+    ]
+    x = torch.randint(0, 50, (5, 8))
+    want = model(x).logits
+    assert torch.equal(stages[1](*stages[0](x))[0], want)
 
 
 def test_a_sequential_is_cut_between_its_children():

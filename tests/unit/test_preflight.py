@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
+from torch import nn
 
 from bundle import cli, preflight
-from bundle.errors import ConfigError, DataError
+from bundle.errors import BundleError, ConfigError, DataError
 from bundle.topology import Topology
 
 
@@ -88,3 +90,93 @@ def test_a_torchrun_restart_is_an_attempt_that_resumes(tmp_path):
     # Outside torchrun the count is not this job's.
     plan = preflight.check_all(replace(c, launch=replace(c.launch, torchrun=False)), restarted)
     assert plan.attempt == 0
+
+
+def one_line_exit(argv: list[str], capsys, monkeypatch) -> tuple[int, list[str]]:
+    """main.py's exit code and stderr lines for ``argv``, in this process (nothing is launched:
+    each case fails a check)."""
+    for key in ("RANK", "LOCAL_WORLD_SIZE", "SLURM_STEP_ID"):
+        monkeypatch.delenv(key, raising=False)
+    code = cli.main(argv)
+    return code, [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+
+
+def test_text_for_the_default_model_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """digits_cnn cannot even be built for token windows; before, its constructor's ValueError
+    ended main.py in a traceback."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("any text at all, long enough for two windows. " * 40)
+    code, lines = one_line_exit(
+        ["--dataset", "text", "--data-file", str(text), "--itr", "1"], capsys, monkeypatch
+    )
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(
+        "main.py: error: --dataset: 'text' is not valid; gives token ids (input shape (64,)), "
+        "for which --model digits_cnn cannot be built (ValueError: "
+    ), lines[0]
+    assert lines[0].endswith("train a language model on text, e.g. --model gpt")
+
+
+def test_a_model_whose_constructor_refuses_the_data_names_the_model(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise ValueError("needs 3-channel images\nsecond line")
+
+    monkeypatch.setattr(preflight.models, "build_on_meta", refuse)
+    with pytest.raises(ConfigError) as err:
+        preflight.check_model(cfg("--model", "mlp"), 2)
+    assert str(err.value) == (
+        "--model: 'mlp' is not valid; cannot be built for --dataset digits (input shape "
+        "(1, 8, 8), 10 classes): ValueError: needs 3-channel images"
+    )
+
+
+class _RowByRow(nn.Module):
+    """A forward looping over its batch's rows: torch.fx fails on a Proxy used as an integer,
+    torch.export on the batch it must specialise."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 16), nn.Linear(16, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        return self.b(torch.cat([self.a(x[i : i + 1]) for i in range(x.shape[0])]))
+
+
+class _ChecksItsRows(nn.Module):
+    """A forward that checks its batch size is an int: torch.fx's reason prints the Proxy."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 16), nn.Linear(16, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if not isinstance(rows, int):
+            raise TypeError(f"expected a whole number of rows, got {rows}")
+        return self.b(self.a(x.flatten(1)))
+
+
+def row_by_row(num_classes: int) -> nn.Module:
+    return _RowByRow(num_classes)
+
+
+def checks_its_rows(num_classes: int) -> nn.Module:
+    return _ChecksItsRows(num_classes)
+
+
+UNCAPTURABLE = [f"tests.unit.test_preflight:{name}" for name in ("row_by_row", "checks_its_rows")]
+
+
+@pytest.mark.parametrize("model", UNCAPTURABLE)
+def test_a_model_no_capture_takes_cannot_be_cut_in_one_line(model):
+    with pytest.raises(BundleError) as err:
+        preflight.check_model(cfg("--model", model), 2)
+    assert "cannot cut" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("model", UNCAPTURABLE)
+def test_no_torch_fx_proxy_reaches_the_message(model):
+    with pytest.raises(BundleError) as err:
+        preflight.check_model(cfg("--model", model), 2)
+    assert "Proxy" not in str(err.value), str(err.value)

@@ -1,0 +1,96 @@
+"""Hugging Face ``transformers`` models by reference: ``--model transformers:GPT2LMHeadModel``.
+
+Built from a config with random weights (nothing is downloaded): the class's own config class,
+read from ``--model-config`` (a ``config.json`` or a directory holding one) if given, with
+``--model-args`` set on it. What the data decides, unless the arguments say otherwise: a language
+model's vocabulary (``...LMHeadModel``, ``...ForCausalLM``, ``...ForMaskedLM``) or a classifier's
+``num_labels`` is the number of classes; an image model's ``image_size`` and ``num_channels``
+come from the input shape, a text model's positions cover the sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+from bundle.errors import ConfigError
+
+_LM = ("LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForPreTraining")
+_POSITIONS = ("n_positions", "max_position_embeddings")
+
+
+def is_pretrained_class(obj: Any) -> bool:
+    """Whether ``obj`` is a ``transformers`` model class (without importing transformers)."""
+    return isinstance(obj, type) and any(c.__name__ == "PreTrainedModel" for c in obj.__mro__)
+
+
+def _config(cls: type, name: str, config_file: str | None) -> Any:
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None:
+        raise ConfigError("--model", name, f"{cls.__name__} has no config class to build from")
+    if not config_file:
+        return config_class()
+    path = Path(config_file)
+    if not path.exists():
+        raise ConfigError("--model-config", config_file, "no such file or directory")
+    try:
+        if path.is_dir():
+            return config_class.from_pretrained(str(path), local_files_only=True)
+        return config_class.from_json_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - unreadable in any way: one line
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError("--model-config", config_file, f"cannot read it: {reason}") from None
+
+
+def build(
+    cls: Any,
+    name: str,
+    num_classes: int,
+    shape: tuple[int, ...],
+    args: Mapping[str, Any],
+    config_file: str | None = None,
+) -> nn.Module:
+    """The model ``cls`` from its config (random weights), sized for the data."""
+    config = _config(cls, name, config_file)
+    unknown = sorted(k for k in args if not hasattr(config, k))
+    if unknown:
+        raise ConfigError(
+            "--model-args",
+            dict(args),
+            f"{type(config).__name__} has no field(s) {unknown}",
+        )
+    data: dict[str, Any] = {}
+    if cls.__name__.endswith(_LM):
+        data["vocab_size"] = num_classes
+    else:
+        data["num_labels"] = num_classes
+    if getattr(config, "image_size", None) is not None and len(shape) == 3:
+        data["image_size"], data["num_channels"] = shape[-1], shape[0]
+    elif len(shape) == 1:
+        for key in _POSITIONS:
+            if isinstance(getattr(config, key, None), int) and getattr(config, key) < shape[0]:
+                data[key] = shape[0]
+    for key, value in {**data, **args}.items():
+        setattr(config, key, value)
+    if hasattr(config, "use_cache"):
+        config.use_cache = False  # training never reuses it
+    if (
+        cls.__name__.endswith(_LM)
+        and isinstance(getattr(config, "vocab_size", None), int)
+        and config.vocab_size < num_classes
+    ):
+        raise ConfigError(
+            "--model-args",
+            dict(args),
+            f"vocab_size={config.vocab_size} is smaller than the data's {num_classes} tokens",
+        )
+    try:
+        return cls(config)
+    except Exception as exc:  # noqa: BLE001 - the library refused the config: say so
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            "--model", name, f"{cls.__name__}({type(config).__name__}): {reason}"
+        ) from None
