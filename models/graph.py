@@ -148,6 +148,10 @@ def _fx_trace(model: nn.Module, key: str | None) -> fx.Graph:
             a, b = _signature(train), _signature(evaluation)
             if a == b:
                 return train
+            differing = _differing_modules(train, evaluation) - leaves
+            if differing and "" not in differing:
+                leaves |= differing  # every module that reads self.training, in one pass
+                continue
             i = next(
                 (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                 min(len(a), len(b)),
@@ -165,6 +169,22 @@ def _fx_trace(model: nn.Module, key: str | None) -> fx.Graph:
     finally:
         model.train(was)
     raise AssertionError("unreachable: every module made whole")
+
+
+def _by_module(graph: fx.Graph) -> dict[str, list[str]]:
+    """Each module's own operations (innermost path), as targets and constants: names left out,
+    so an operation added or removed elsewhere does not make a module differ."""
+    out: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        consts = [a for a in (*n.args, *n.kwargs.values()) if not isinstance(a, fx.Node)]
+        out.setdefault(_module_of(n), []).append(f"{n.op} {n.target} {consts}")
+    return out
+
+
+def _differing_modules(train: fx.Graph, evaluation: fx.Graph) -> set[str]:
+    """The modules whose own operations differ between the training and evaluation traces."""
+    a, b = _by_module(train), _by_module(evaluation)
+    return {path for path in a.keys() | b.keys() if a.get(path) != b.get(path)}
 
 
 # Operators whose training flag export records as a constant: (operator, the flag's position).

@@ -11,7 +11,7 @@ import models
 from bundle import partition
 from bundle.engine import ties
 from bundle.errors import PartitionError
-from models import apply_blocks
+from models import apply_blocks, graph
 from models.graph import Segment
 from tests.support import user_models
 
@@ -145,6 +145,34 @@ class _ModeDependent(nn.Module):
 
     def forward(self, x):
         return self.b(self.d(self.a(x)))
+
+
+class _ManyDoublings(nn.Module):
+    """Twenty blocks whose forwards read self.training (timm's drop-path habit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), _Doubling()) for _ in range(20))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_every_module_that_reads_self_training_is_found_in_one_pass(monkeypatch):
+    calls = []
+    trace = graph._trace
+    monkeypatch.setattr(graph, "_trace", lambda *a: calls.append(1) or trace(*a))
+    model = _ManyDoublings()
+    blocks = models.blocks(model, (4,))
+    assert len(calls) <= 4, len(calls)  # one trace pair to find them all, one to confirm
+    x = torch.randn(3, 4)
+    for mode in (True, False):
+        model.train(mode)
+        for _, b in blocks:
+            b.train(mode)
+        assert torch.equal(apply_blocks(blocks, x), model(x))
 
 
 class _Chooser(nn.Module):
