@@ -20,5 +20,6 @@ From the data up:
 - ``checkpoint/``, ``observe/``: what is saved and resumed; what a run reports of itself;
 - ``runtime/``: the processes of a job: devices, the job's store, groups, supervisor, restarts;
 - ``plan/``: the planner behind ``--bundle-shape auto``;
-- ``api``: ``train(model, dataset=, loss=, **options)``: what main.py runs, from Python.
+- ``api``: ``train(model, dataset=, loss=, **options)``: what main.py runs, from Python;
+- ``generate``: ``python -m bundle.generate CHECKPOINT --prompt TEXT``: sampling after training.
 """

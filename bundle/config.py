@@ -174,6 +174,8 @@ class ModelConfig:
     args: str | None = field(default=None, metadata=recorded("model_args"))
     # A full-model state dict loaded before the model is cut (fine-tuning); paths may differ.
     weights: str | None = field(default=None, metadata=NODE_LOCAL)
+    # Refuse --weights of which anything does not fit (default: load what fits, note the rest).
+    weights_strict: bool = False
     # A user's loss, module:function(outputs, labels) -> the micro-batch's mean; None: cross-entropy.
     loss: str | None = field(default=None, metadata=RECORDED)
     # Which of the forward's outputs the loss takes (models.outputs.select); None: logits, else
@@ -198,7 +200,8 @@ class DataConfig:
     root: str | None = None
     workers: int = 0
     image_size: int = 224
-    num_classes: int = 10
+    # None: synthetic data's 10, or what a dataset of the user's declares (its classes).
+    num_classes: int | None = None
     synthetic_size: int = 4096
     data_file: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset text
     seq_len: int = field(default=64, metadata=RECORDED)  # --dataset text: tokens per sample
@@ -217,7 +220,8 @@ class DataConfig:
             raise ConfigError("--dataset", "text", "needs --data-file FILE (any UTF-8 text)")
         positive("--workers", self.workers, 0)
         positive("--image-size", self.image_size)
-        positive("--num-classes", self.num_classes, 2)
+        if self.num_classes is not None:
+            positive("--num-classes", self.num_classes, 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,6 +249,9 @@ class TrainConfig:
     seed: int = field(default=0, metadata=RECORDED)
     log_every: int = 10
     eval: bool = True
+    # Evaluate the model of --resume or --weights and stop: validation loss, accuracy, perplexity.
+    eval_only: bool = False
+    val_batches: int = 0  # validation's global batches at most; 0: the whole validation set
     checkpoint: str | None = field(default=None, metadata=NODE_LOCAL)
 
     def __post_init__(self) -> None:
@@ -252,6 +259,7 @@ class TrainConfig:
         positive("--itr", self.steps, 0)
         positive("--epochs", self.epochs)
         positive("--log-every", self.log_every)
+        positive("--val-batches", self.val_batches, 0)
         if self.lr <= 0:
             raise ConfigError("--lr", self.lr, "must be > 0")
         if not 0 <= self.momentum < 1:
@@ -415,6 +423,14 @@ class RunConfig:
     # Set by bundle.plan.auto when the planner chose the shape or split: reported beside the
     # measured throughput in the run's summary.
     predicted_samples_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.train.eval_only and not (self.checkpoint.resume or self.model.weights):
+            raise ConfigError(
+                "--eval-only", True, "needs a model to evaluate: --resume or --weights"
+            )
+        if self.train.eval_only and not self.train.eval:
+            raise ConfigError("--eval-only", True, "evaluates: leave --no-eval out")
 
     @property
     def procs_per_node(self) -> int:

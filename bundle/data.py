@@ -18,16 +18,17 @@ cannot be read fails as one line naming its split, index and path, or, with
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from bundle.config import DataConfig
-from bundle.errors import DataError
+from bundle.config import DataConfig, is_reference
+from bundle.errors import ConfigError, DataError
 from bundle.samples import (
     Guarded,
     SeededAugment,
@@ -81,15 +82,16 @@ def _digits() -> DataSplits:
 def _synthetic(cfg: DataConfig, seed: int) -> DataSplits:
     shape = (3, cfg.image_size, cfg.image_size)
     gen = torch.Generator().manual_seed(seed)
+    classes = cfg.num_classes or SYNTHETIC_CLASSES
 
     def make(n: int) -> TensorDataset:
         return TensorDataset(
             torch.randn(n, *shape, generator=gen),
-            torch.randint(0, cfg.num_classes, (n,), generator=gen),
+            torch.randint(0, classes, (n,), generator=gen),
         )
 
     return DataSplits(
-        make(cfg.synthetic_size), make(max(cfg.synthetic_size // 8, 1)), cfg.num_classes, shape
+        make(cfg.synthetic_size), make(max(cfg.synthetic_size // 8, 1)), classes, shape
     )
 
 
@@ -126,7 +128,7 @@ def _image_folder(cfg: DataConfig, seed: int, needs_val: bool = True) -> DataSpl
             splits[name] = datasets.ImageFolder(path, transform=tf)
         except (FileNotFoundError, RuntimeError) as exc:
             raise DataError(f"data directory {path!r} holds no images: {exc}") from exc
-    classes = len(splits["train"].classes)
+    classes = _classes(cfg, splits["train"])
     skip = cfg.skip_bad_samples
     train = Guarded(SeededAugment(splits["train"], seed), split="train", skip=skip)
     val = Guarded(splits["val"], split="val", skip=skip) if needs_val else splits["val"]
@@ -170,6 +172,7 @@ def train_size(cfg: DataConfig) -> int:
 
 # --dataset text: byte-level tokens, so the vocabulary is every byte value.
 TEXT_VOCAB = 256
+SYNTHETIC_CLASSES = 10  # --dataset synthetic without --num-classes
 _TEXT_VAL_FRACTION = 0.1
 
 
@@ -215,7 +218,7 @@ def _custom(cfg: DataConfig) -> DataSplits:
     from models import load_callable
 
     factory = load_callable(cfg.dataset, "--dataset")
-    splits = {}
+    splits, raw = {}, None
     for split in ("train", "val"):
         try:
             ds = factory(split)
@@ -231,25 +234,50 @@ def _custom(cfg: DataConfig) -> DataSplits:
         if len(ds) == 0:
             raise DataError(f"--dataset {cfg.dataset}({split!r}) is empty")
         splits[split] = Guarded(ds, split=split, skip=cfg.skip_bad_samples)
+        raw = ds if split == "train" else raw
     x, _ = splits["train"][0]
     splits["train"].take()  # a stand-in for the shape alone is no sample trained on
     return DataSplits(
-        splits["train"], splits["val"], cfg.num_classes, tuple(torch.as_tensor(x).shape)
+        splits["train"], splits["val"], _classes(cfg, raw), tuple(torch.as_tensor(x).shape)
     )
+
+
+def _classes(cfg: DataConfig, ds: object) -> int:
+    """How many classes a dataset has: what it declares (``num_classes``, or the length of
+    ``classes`` as torchvision's datasets and ImageFolder have), else ``--num-classes``, else 10;
+    a ``--num-classes`` the data contradicts is refused in one line."""
+    declared = getattr(ds, "num_classes", None)
+    if not isinstance(declared, int):
+        names = getattr(ds, "classes", None)
+        declared = len(names) if isinstance(names, (list, tuple)) and names else None
+    if declared is not None and cfg.num_classes is not None and declared != cfg.num_classes:
+        raise DataError(
+            f"--num-classes {cfg.num_classes}: --dataset {cfg.dataset} has {declared} classes; "
+            "leave --num-classes out to use them"
+        )
+    return declared or cfg.num_classes or SYNTHETIC_CLASSES
 
 
 def load(cfg: DataConfig, seed: int, *, needs_val: bool = True) -> DataSplits:
     """The training and validation splits; ``needs_val`` False (``--no-eval``): an ImageFolder's
     ``val/`` is not read (an empty split stands in), so it may be missing."""
-    if cfg.dataset == "digits":
-        return _digits()
-    if cfg.dataset == "synthetic":
-        return _synthetic(cfg, seed)
-    if cfg.dataset == "text":
-        return _text(cfg)
-    if cfg.dataset == "imagefolder":
-        return _image_folder(cfg, seed, needs_val)
-    return _custom(cfg)
+    if cfg.dataset in SOURCES:
+        return SOURCES[cfg.dataset](cfg, seed, needs_val)
+    if is_reference(cfg.dataset):
+        return _custom(cfg)
+    raise ConfigError(
+        "--dataset", cfg.dataset, f"choose one of: {', '.join(SOURCES)}, or package.module:function"
+    )
+
+
+# --dataset NAME -> its splits (the names bundle.config.DATASETS accepts: a test keeps the two
+# the same); any other name is a user's package.module:function.
+SOURCES: dict[str, Callable[[DataConfig, int, bool], DataSplits]] = {
+    "digits": lambda cfg, seed, needs_val: _digits(),
+    "imagefolder": _image_folder,
+    "synthetic": lambda cfg, seed, needs_val: _synthetic(cfg, seed),
+    "text": lambda cfg, seed, needs_val: _text(cfg),
+}
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -330,6 +358,7 @@ def input_spec(cfg: DataConfig) -> tuple[int, tuple[int, ...]]:
         return splits.num_classes, splits.input_shape
     shape = (3, cfg.image_size, cfg.image_size)
     if cfg.dataset == "synthetic":
-        return cfg.num_classes, shape
+        return cfg.num_classes or SYNTHETIC_CLASSES, shape
     train = os.path.join(cfg.root or "", "train")
-    return sum(1 for e in os.scandir(train) if e.is_dir()), shape
+    names = [e.name for e in os.scandir(train) if e.is_dir()]
+    return _classes(cfg, SimpleNamespace(classes=names)), shape

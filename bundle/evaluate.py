@@ -35,6 +35,7 @@ class Evaluator:
         total: int,
         enabled: bool,
         reporter: Reporter,
+        limit: int = 0,
         phase: Phase,
         device: torch.device,
     ) -> None:
@@ -45,6 +46,7 @@ class Evaluator:
         self.comm = session.comm
         self.topo, self.batch, self.workers, self.device = topo, batch, workers, device
         self.every, self.total, self.enabled = every, total, enabled
+        self.limit = limit  # --val-batches: global batches at most (0: all)
         self.reporter, self.phase = reporter, phase
 
     def maybe_run(self, step: int) -> None:
@@ -52,6 +54,11 @@ class Evaluator:
         if not self.enabled or (step % self.every and step != self.total):
             return
         self.reporter.evaluated(step, self.run(f"evaluation after step {step}"))
+
+    def now(self, step: int) -> None:
+        """Evaluate the model as it stands after ``step`` (if validation is on) and report it."""
+        if self.enabled:
+            self.reporter.evaluated(step, self.run(f"evaluation after step {step}"))
 
     def run(self, label: str) -> Validation:
         """Accuracy, loss and perplexity over the validation set (collective)."""
@@ -90,7 +97,8 @@ class Evaluator:
         n = samples.size(self.dataset)
         batches = [torch.arange(i, min(i + self.batch, n)) for i in range(0, n, self.batch)]
         usable = [(ix, eval_rows(len(ix), self.topo, self.coord.bundle)) for ix in batches]
-        return [(ix, rows) for ix, rows in usable if rows is not None]
+        kept = [(ix, rows) for ix, rows in usable if rows is not None]
+        return kept[: self.limit] if self.limit else kept
 
     def _stream(self, batches: list[torch.Tensor]) -> Iterator[MicroBatch] | None:
         if not reads_data(self.topo, self.coord):

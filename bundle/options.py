@@ -221,6 +221,11 @@ OPTIONS: tuple[Option, ...] = (
     Option(TRAIN, "--log-every", "train.log_every", metavar="STEPS",
            help="progress line (and metrics record) every this many steps"),
     Option(TRAIN, "--no-eval", "train.eval", negate=True, help="skip validation"),
+    Option(TRAIN, "--eval-only", "train.eval_only",
+           help="evaluate the model of --resume or --weights and stop (validation loss, "
+                "accuracy, perplexity); nothing is trained or saved"),
+    Option(TRAIN, "--val-batches", "train.val_batches", metavar="N",
+           help="validation's global batches at most (default: the whole validation set)"),
     Option(TRAIN, "--checkpoint", "train.checkpoint", metavar="FILE",
            help="write the trained model's state dict (full-model names) here at the end"),
 
@@ -259,6 +264,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(MODEL, "--weights", "model.weights", metavar="FILE",
            help="load this full-model state dict (torch.save of model.state_dict()) before the "
                 "model is cut: fine-tuning from a local file"),
+    Option(MODEL, "--weights-strict", "model.weights_strict",
+           help="refuse --weights unless every tensor fits the model (default: load what fits, "
+                "initialise the rest, say which in one line)"),
     Option(MODEL, "--loss", "model.loss", metavar="package.module:function",
            help="loss(outputs, labels) -> the mean over the micro-batch's rows "
                 "(default: cross-entropy over the last dimension, per row or per token)"),
@@ -277,7 +285,9 @@ OPTIONS: tuple[Option, ...] = (
            help="--dataset text: tokens per sample (the model's context)"),
     Option(MODEL, "--image-size", "data.image_size",
            help="input side for imagefolder and synthetic data"),
-    Option(MODEL, "--num-classes", "data.num_classes", help="classes of synthetic data"),
+    Option(MODEL, "--num-classes", "data.num_classes",
+           help="classes of synthetic data (default 10); for other data, their own count "
+                "(a dataset's num_classes or classes), which this must match if given"),
     Option(MODEL, "--synthetic-size", "data.synthetic_size", help="synthetic samples"),
     Option(MODEL, "--workers", "data.workers",
            help="data-loading worker processes per process that reads inputs"),

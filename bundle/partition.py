@@ -259,7 +259,7 @@ def build_model(cfg: ModelConfig, num_classes: int, input_shape: Sequence[int]) 
         config_file=cfg.config_file,
     )
     if cfg.weights:
-        models.load_weights(model, cfg.weights)
+        models.load_weights(model, cfg.weights, strict=cfg.weights_strict)
     return model
 
 

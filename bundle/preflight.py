@@ -99,7 +99,11 @@ def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
     _check_input_kind(cfg, model)
     with torch.device("meta"):
         if cfg.model.weights:
-            models.load_weights(model, cfg.model.weights, check_only=True)
+            note = models.load_weights(
+                model, cfg.model.weights, strict=cfg.model.weights_strict, check_only=True
+            )
+            if note:
+                print(f"main.py: note: {note}", file=sys.stderr)
         partition.cut(model, cfg.model, num_stages, input_shape)
     if cfg.compute.channels_last and not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         raise ConfigError(

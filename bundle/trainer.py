@@ -77,7 +77,11 @@ class Trainer:
         run = self.run
         self._announce()
         clock = time.perf_counter()
-        for step in range(run.start, run.total):
+        only = run.cfg.train.eval_only
+        if only or run.start >= run.total:
+            # Nothing to train: the model as it stands, evaluated (a run resumed at its end too).
+            self.evaluator.now(run.start)
+        for step in range(run.start, run.start if only else run.total):
             signum = self._step(step)
             done = step + 1
             self.evaluator.maybe_run(done)
@@ -125,8 +129,9 @@ class Trainer:
             return
         label = model_label(cfg.model.name, cfg.model.kwargs)
         built_by = f" ({cfg.model.name})" if label != cfg.model.name else ""
+        doing = "evaluating" if cfg.train.eval_only else "training"
         log.get().info(
-            f"training {label}{built_by}: shape {','.join(map(str, topo.shape))} x "
+            f"{doing} {label}{built_by}: shape {','.join(map(str, topo.shape))} x "
             f"{topo.num_bundles} bundle(s), {topo.world_size} processes, batch "
             f"{cfg.train.batch_size} in {topo.micro_batches} micro-batch(es), "
             f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync{_data_parallel(cfg)}, "
@@ -266,6 +271,7 @@ def build_trainer(
         total=total,
         enabled=cfg.train.eval,
         reporter=reporter,
+        limit=cfg.train.val_batches,
         phase=phase,
         device=device,
     )

@@ -1,7 +1,9 @@
-"""GPT-2 from Hugging Face transformers, random weights, trained on a local text file with its
-token embedding tied to its head across two stages (their gradients summed every step).
+"""A Hugging Face causal language model (GPT-2 or Llama), random weights, trained on a local
+text file: GPT-2 cut across its embedding tied to its head (their gradients summed every step),
+Llama over three stages (its rotary table computed again on each).
 
-    python examples/hf_gpt2.py corpus.txt --steps 100 --shape 2,1
+    python examples/hf_causal_lm.py corpus.txt --model gpt2 --steps 100 --shape 2,1
+    python examples/hf_causal_lm.py corpus.txt --model llama --steps 100 --shape 1,1,1
 """
 
 from __future__ import annotations
@@ -10,15 +12,29 @@ import argparse
 
 from bundle.api import train
 
+MODELS = {  # --model -> (transformers class, config fields)
+    "gpt2": (
+        "GPT2LMHeadModel",
+        "n_layer=4,n_embd=128,n_head=4,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0",
+    ),
+    "llama": (
+        "LlamaForCausalLM",
+        "num_hidden_layers=4,hidden_size=128,intermediate_size=256,"
+        "num_attention_heads=4,num_key_value_heads=2",
+    ),
+}
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("data_file", help="any UTF-8 text file (byte-level tokens)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--shape", default="2,1", help="bundle shape, e.g. 2,1 or 1,1,1")
     args = parser.parse_args()
+    cls, fields = MODELS[args.model]
     result = train(
-        "transformers:GPT2LMHeadModel",
-        model_args="n_layer=4,n_embd=128,n_head=4,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0",
+        f"transformers:{cls}",
+        model_args=fields,
         dataset="text",
         data_file=args.data_file,
         seq_len=128,

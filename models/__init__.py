@@ -231,10 +231,17 @@ def _from_factory(
     return model
 
 
-def load_weights(model: nn.Module, path: str, *, check_only: bool = False) -> None:
-    """Load a full-model state dict (``--weights``), checked against the model: one line if not.
+def load_weights(
+    model: nn.Module, path: str, *, strict: bool = False, check_only: bool = False
+) -> str | None:
+    """Load a full-model state dict (``--weights``) into the model, checked against it.
 
-    ``check_only``: read and compare, load nothing (a model on the meta device, before launch)."""
+    Fine-tuning's habit (timm's, torchvision's): every tensor whose name and shape fit is loaded,
+    the rest of the model keeps its fresh initialisation (a head for 2 classes where the file has
+    1000), and the returned note names them in one line (None: everything fit). ``strict``
+    (``--weights-strict``): anything that does not fit is refused in one line; so is a file of
+    which nothing fits. ``check_only``: read and compare, load nothing (a model on the meta
+    device, before launch)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - unreadable in any way: the same one line
@@ -254,17 +261,24 @@ def load_weights(model: nn.Module, path: str, *, check_only: bool = False) -> No
         for k, v in own.items()
         if k in state and tuple(state[k].shape) != tuple(v.shape)
     ]
-    if missing or unexpected or shapes:
-        problems = [
-            f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
-            f"{len(unexpected)} unexpected (e.g. {unexpected[0]})" if unexpected else "",
-            f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else "",
-        ]
-        raise ConfigError(
-            "--weights", path, "it does not fit the model: " + "; ".join(p for p in problems if p)
-        )
+    problems = [
+        f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else "",
+        f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
+        f"{len(unexpected)} unexpected (e.g. {unexpected[0]})" if unexpected else "",
+    ]
+    problem = "; ".join(p for p in problems if p)
+    fits = {k: v for k, v in state.items() if k in own and tuple(v.shape) == tuple(own[k].shape)}
+    if problem and (strict or not fits):
+        raise ConfigError("--weights", path, f"it does not fit the model: {problem}")
     if not check_only:
-        model.load_state_dict(state)
+        model.load_state_dict(fits, strict=not problem)
+    if not problem:
+        return None
+    fresh = len(own) - len(fits)
+    return (
+        f"--weights {path}: loaded {len(fits)} of the model's {len(own)} tensors, "
+        f"{fresh} initialised afresh ({problem}); --weights-strict refuses such a file"
+    )
 
 
 def input_dtype(model: nn.Module) -> torch.dtype:

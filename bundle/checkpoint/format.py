@@ -367,12 +367,11 @@ class Exported:
     bytes: int
 
 
-def export(path: str, out: str) -> Exported:
-    """Write the canonical weights of checkpoint ``path`` as one ``--checkpoint``-format file,
-    once the checkpoint is verified (``damage``); what it wrote."""
+def weights(path: str) -> dict[str, torch.Tensor]:
+    """The model's weights in checkpoint ``path``, by full-model name, once it is verified."""
     why = damage(path) if os.path.isdir(path) else "no such checkpoint directory"
     if why is not None:
-        raise CheckpointError(f"{path}: {why}; nothing exported")
+        raise CheckpointError(f"{path}: {why}")
     want = {
         k: torch.empty(shape, dtype=dtype)
         for k, (shape, dtype) in entries(path).items()
@@ -381,5 +380,15 @@ def export(path: str, out: str) -> Exported:
     with warnings.catch_warnings():  # one process on purpose: no "assuming single process" note
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(want, storage_reader=SafeReader(path), no_dist=True)
-    save(out, {k.removeprefix("model."): v for k, v in want.items()})
-    return Exported(out, len(want), os.path.getsize(out))
+    return {k.removeprefix("model."): v for k, v in want.items()}
+
+
+def export(path: str, out: str) -> Exported:
+    """Write the canonical weights of checkpoint ``path`` as one ``--checkpoint``-format file,
+    once the checkpoint is verified (``damage``); what it wrote."""
+    try:
+        state = weights(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}; nothing exported") from None
+    save(out, state)
+    return Exported(out, len(state), os.path.getsize(out))

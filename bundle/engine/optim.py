@@ -11,6 +11,7 @@ state (a checkpoint saves from it)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from bundle.config import TrainConfig
 from bundle.engine.comm import Collectives, Comm
+from bundle.errors import ConfigError
 
 
 def param_groups(cfg: TrainConfig, stage: nn.Module) -> list[dict[str, Any]]:
@@ -46,6 +48,20 @@ class _ZeRO(ZeroRedundancyOptimizer):
             return super().step(closure, **kwargs)
 
 
+def _adam_options(cfg: TrainConfig) -> dict[str, Any]:
+    return {"betas": (cfg.betas[0], cfg.betas[1]), "eps": cfg.eps}
+
+
+# --optimizer NAME -> torch's optimizer class and its options from the config (the names
+# bundle.config.OPTIMIZERS accepts: a test keeps the two the same).
+OPTIMIZERS: dict[str, Callable[[TrainConfig], tuple[type[torch.optim.Optimizer], dict[str, Any]]]]
+OPTIMIZERS = {
+    "sgd": lambda cfg: (torch.optim.SGD, {"momentum": cfg.momentum, "nesterov": cfg.nesterov}),
+    "adamw": lambda cfg: (torch.optim.AdamW, _adam_options(cfg)),
+    "adam": lambda cfg: (torch.optim.Adam, _adam_options(cfg)),
+}
+
+
 def make_optimizer(
     cfg: TrainConfig,
     stage: nn.Module,
@@ -57,20 +73,16 @@ def make_optimizer(
     ``shard_over``, its state is sharded over that group (ZeRO-1), its broadcasts through
     ``comm``."""
     groups = param_groups(cfg, stage)
-    kind: type[torch.optim.Optimizer]
-    if cfg.optimizer == "sgd":
-        kind = torch.optim.SGD
-        options: dict[str, Any] = {"momentum": cfg.momentum, "nesterov": cfg.nesterov}
-    else:
-        kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-        options = {"betas": (cfg.betas[0], cfg.betas[1]), "eps": cfg.eps}
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ConfigError("--optimizer", cfg.optimizer, f"choose one of: {', '.join(OPTIMIZERS)}")
+    kind, options = OPTIMIZERS[cfg.optimizer](cfg)
+    options["lr"] = cfg.lr
     if shard_over is None:
-        return kind(groups, lr=cfg.lr, **options)
+        return kind(groups, **options)
     return _ZeRO(
         groups,
         optimizer_class=kind,
         process_group=shard_over,
-        lr=cfg.lr,
         comm=comm or Collectives(),
         **options,
     )

@@ -299,6 +299,7 @@ def test_a_users_factory_a_zoo_model_a_language_model_and_the_example_train(tmp_
             "--model", "gpt", "--model-args", "layers=2,width=32,heads=2", "--dataset", "text",
             "--data-file", str(corpus), "--seq-len", "16", "--batch-size", "8", "--itr", "4",
             "--micro-batches", "2", "--optimizer", "adamw", "--lr", "0.003",
+            "--save-dir", str(tmp_path / "gpt-ckpt"),
         ],
     }  # fmt: skip
     procs = {}
@@ -312,6 +313,19 @@ def test_a_users_factory_a_zoo_model_a_language_model_and_the_example_train(tmp_
         procs[name] = summary(m)
     assert procs["gpt"]["val_perplexity"] > 1 and procs["gpt"]["val_accuracy"] is not None
     assert procs["zoo"]["model"] == "mobilenet_v3_small" and procs["factory"]["steps"] == 3
+    # After training: the run resumed at its last step still reports its validation, and an
+    # evaluation-only run of the checkpoint (two batches of it) reports loss and perplexity.
+    for name, extra in (("again", []), ("eval-only", ["--eval-only", "--val-batches", "1"])):
+        m = tmp_path / f"{name}.jsonl"
+        code, _, err = finish(
+            start("main.py", *runs["gpt"], "--bundle-shape", "2,1", "--metrics-out", str(m),
+                  "--resume", "auto", *extra, "--portNum", str(free_port()))
+        )  # fmt: skip
+        assert code == 0, f"{name}: {err[-3000:]}"
+        procs[name] = summary(m)
+    assert procs["again"]["val_loss"] == procs["gpt"]["val_loss"], procs["again"]
+    only = procs["eval-only"]
+    assert only["val_perplexity"] > 1 and 0 < only["val_samples"] < procs["gpt"]["val_samples"]
     code, out, err = finish(
         start("examples/custom_model.py", "--steps", "4", "--port", str(free_port()))
     )

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bundle import cli
+from bundle import cli, generate
+from bundle.checkpoint import format as ckpt
 from bundle.lr_schedule import LRSchedule
 from bundle.runtime.localworld import free_port
 from tests.support.processes import SMALL, finish, image_folder, start, start_logged
@@ -319,8 +320,6 @@ def everything(save_dir) -> dict[str, torch.Tensor]:
     """Every entry of the newest checkpoint in ``save_dir``, read in this one process."""
     import torch.distributed.checkpoint as dcp
 
-    from bundle.checkpoint import format as ckpt
-
     newest, _ = ckpt.latest(str(save_dir))
     state = {k: torch.empty(s, dtype=d) for k, (s, d) in ckpt.entries(newest).items()}
     with warnings.catch_warnings():  # read in this one process on purpose
@@ -329,14 +328,28 @@ def everything(save_dir) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_gpt_with_adamw_and_a_cosine_schedule_resumes_bit_identical(tmp_path):
+LANGUAGE_MODELS = {
+    "gpt": ["--model", "gpt", "--model-args", "layers=2,width=16,heads=2"],
+    # Hugging Face GPT-2 by reference: its embedding tied to its head across the two stages.
+    "hf-gpt2-tied": [
+        "--model", "transformers:GPT2LMHeadModel", "--model-args",
+        "n_layer=2,n_embd=16,n_head=2,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", sorted(LANGUAGE_MODELS))
+def test_a_language_model_with_adamw_and_a_cosine_schedule_resumes_bit_identical(
+    model, tmp_path, capsys
+):
     """A language model with AdamW: a worker killed mid-run, the job restarted from the newest
     checkpoint, lands bit for bit where the uninterrupted run lands: parameters, Adam's moments
-    and step counts (of both rear replicas), every step's loss."""
+    and step counts (of both rear replicas), every step's loss. Text sampled from its newest
+    checkpoint is the same under the same seed."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(Path(json.__file__).read_text() * 2)
     run = [
-        "main.py", "--model", "gpt", "--model-args", "layers=2,width=16,heads=2",
+        "main.py", *LANGUAGE_MODELS[model],
         "--dataset", "text", "--data-file", str(corpus), "--seq-len", "16",
         "--batch-size", "12", "--micro-batches", "3", "--bundle-shape", "1,2", "--itr", "8",
         "--save-every", "3", "--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1",
@@ -364,3 +377,8 @@ def test_gpt_with_adamw_and_a_cosine_schedule_resumes_bit_identical(tmp_path):
     assert any(k.endswith(".exp_avg_sq") for k in adam) and any(k.endswith(".step") for k in adam)
     assert set(straight) == set(restarted)
     assert not [k for k in straight if not torch.equal(straight[k], restarted[k])]
+    newest, _ = ckpt.latest(str(tmp_path / "restarted"))
+    argv = [str(newest), "--prompt", "import ", "--max-new-tokens", "12", "--seed", "3"]
+    capsys.readouterr()
+    texts = [(generate.main(argv), capsys.readouterr().out) for _ in range(2)]
+    assert texts[0] == texts[1] and texts[0][0] == 0 and texts[0][1].startswith("import "), texts

@@ -83,6 +83,7 @@ def shared(**sections):
             "name": "digits_cnn",
             "partition": None,
             "args": None,
+            "weights_strict": False,
             "loss": None,
             "output": None,
         },
@@ -91,7 +92,7 @@ def shared(**sections):
             "root": None,
             "workers": 0,
             "image_size": 224,
-            "num_classes": 10,
+            "num_classes": None,
             "synthetic_size": 4096,
             "seq_len": 64,
             "skip_bad_samples": False,
@@ -116,6 +117,8 @@ def shared(**sections):
             "seed": 0,
             "log_every": 10,
             "eval": True,
+            "eval_only": False,
+            "val_batches": 0,
         },
         "launch": {
             "num_nodes": 1,
@@ -254,3 +257,18 @@ def test_a_checkpoint_records_the_training_settings():
 def test_a_recorded_setting_is_named_as_its_option():
     # A resume under another value is noted as "resuming with --KEY VALUE".
     assert set(DEFAULT.run_settings()) <= {o.dest for o in options.OPTIONS if o.field}
+
+
+def test_an_evaluation_only_run_needs_a_model_to_evaluate_and_validation():
+    import pytest
+
+    from bundle.errors import ConfigError
+
+    only = C.TrainConfig(eval_only=True)
+    with pytest.raises(ConfigError, match="needs a model to evaluate: --resume or --weights"):
+        C.RunConfig(train=only)
+    with pytest.raises(ConfigError, match="leave --no-eval out"):
+        C.RunConfig(
+            train=C.TrainConfig(eval_only=True, eval=False), model=C.ModelConfig(weights="w.pt")
+        )
+    C.RunConfig(train=only, checkpoint=C.CheckpointConfig(resume="auto", save_dir="ckpt"))

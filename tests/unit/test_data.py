@@ -270,6 +270,15 @@ def test_a_users_dataset_function_gives_both_splits():
         data.load(DataConfig(dataset="tests.support.user_data:not_data"), seed=0)
 
 
+def test_a_dataset_that_declares_its_classes_tells_the_model_and_a_contradiction_is_refused():
+    declared = "tests.support.user_data:tiny_declared"
+    assert data.load(DataConfig(dataset=declared), seed=0).num_classes == 3
+    assert data.input_spec(DataConfig(dataset=declared))[0] == 3
+    assert data.load(DataConfig(dataset="tests.support.user_data:tiny"), seed=0).num_classes == 10
+    with pytest.raises(DataError, match="--num-classes 5: --dataset .* has 3 classes"):
+        data.load(DataConfig(dataset=declared, num_classes=5), seed=0)
+
+
 class _Flaky(Dataset):
     """Six samples labelled 0,0,0,1,1,1 with torchvision's ``samples``; those in ``bad`` raise."""
 
@@ -393,3 +402,9 @@ def test_a_corrupt_image_in_an_image_folder_names_its_path(tmp_path):
     ((x, y),) = loader.micro_batches(skipping, [torch.tensor([7 + 4])], workers=0)
     assert y.tolist() == [1] and torch.equal(x[0], skipping[7 + 3][0])  # b's sample 0 of epoch 1
     assert samples.replaced(skipping) == 1
+
+
+def test_every_dataset_name_the_config_accepts_has_a_source():
+    from bundle import config as C
+
+    assert set(data.SOURCES) == set(C.DATASETS)

@@ -194,11 +194,22 @@ def test_weights_load_before_the_cut_and_a_misfit_is_one_line(tmp_path):
         for a, b in zip(source.state_dict().values(), target.state_dict().values(), strict=True)
     )
     other = models.build("mlp", num_classes=5, input_shape=(1, 4, 4))
+    fresh = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(
         ConfigError,
         match=r"does not fit the model: 2 of another shape \(e.g. head.weight: \(3, 256\) vs \(5, 256\)\)",
     ):
-        models.load_weights(other, str(tmp_path / "w.pt"))
+        models.load_weights(other, str(tmp_path / "w.pt"), strict=True)
+    # Fine-tuning: what fits is loaded, the head for 5 classes keeps its initialisation.
+    note = models.load_weights(other, str(tmp_path / "w.pt"))
+    assert note is not None and "\n" not in note
+    assert "loaded 8 of the model's 10 tensors, 2 initialised afresh" in note, note
+    for k, v in other.state_dict().items():
+        want = fresh[k] if k.startswith("head.") else source.state_dict()[k]
+        assert torch.equal(v, want), k
+    torch.save({"fc.weight": torch.zeros(3, 3)}, tmp_path / "nothing.pt")
+    with pytest.raises(ConfigError, match="does not fit the model: 10 missing"):
+        models.load_weights(other, str(tmp_path / "nothing.pt"))
     (tmp_path / "junk.pt").write_text("not a checkpoint")
     with pytest.raises(ConfigError, match="cannot read it"):
         models.load_weights(other, str(tmp_path / "junk.pt"))

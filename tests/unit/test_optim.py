@@ -67,3 +67,24 @@ def test_state_bytes_counts_what_the_optimizer_keeps(train, per_param):
     opt.step()
     counts = 2 * 4 if train.optimizer == "adamw" else 0  # float32 step tensors
     assert state_bytes(opt) == per_param * 18 * 4 + counts
+
+
+def test_every_optimizer_name_the_config_accepts_is_built_and_no_other():
+    import pytest
+
+    from bundle import config as C
+    from bundle.engine import optim
+    from bundle.errors import ConfigError
+
+    assert set(optim.OPTIMIZERS) == set(C.OPTIMIZERS)
+    stage = torch.nn.Linear(2, 2)
+    for name in C.OPTIMIZERS:
+        assert type(optim.make_optimizer(C.TrainConfig(optimizer=name), stage)).__name__ in (
+            "SGD",
+            "AdamW",
+            "Adam",
+        )
+    bogus = object.__new__(C.TrainConfig)  # as if the config's list had a name this lacks
+    object.__setattr__(bogus, "__dict__", {**C.TrainConfig().__dict__, "optimizer": "lion"})
+    with pytest.raises(ConfigError, match="choose one of: sgd, adamw, adam"):
+        optim.make_optimizer(bogus, stage)
