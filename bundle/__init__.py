@@ -12,6 +12,9 @@ From the data up:
   sample is read (seeded augmentations, samples that cannot be read), the datasets and their
   deterministic shards, a stage's micro-batches read in order (loader workers), the learning rate
   of every step;
+- ``models/``: models by name, a user's factory, ``transformers`` classes, and their cut into
+  blocks (the layout's top-level ``models/`` folder, imported as ``bundle.models`` only, so a
+  user's own ``models`` package never meets it);
 - ``plan_file``: ``--plan FILE``: a planner's saved plan (options, placement, data) to run as is;
 - ``preflight``: every check made before a process starts;
 - ``engine/``: one replica of one stage running a step (schedule, calls, transport, sync);

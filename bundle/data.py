@@ -215,7 +215,7 @@ def _text(cfg: DataConfig) -> DataSplits:
 
 def _custom(cfg: DataConfig) -> DataSplits:
     """A user's ``module:function``, called as ``function(split)`` for "train" and "val"."""
-    from models import load_callable
+    from bundle.models import load_callable
 
     factory = load_callable(cfg.dataset, "--dataset")
     splits, raw = {}, None

@@ -92,7 +92,7 @@ def source(args: argparse.Namespace) -> Source:
 
 
 def build(src: Source, context: int, config_file: str | None) -> nn.Module:
-    import models
+    from bundle import models
 
     model = models.build(
         src.model,
@@ -126,7 +126,7 @@ def sample(
     output: str | None = None,
 ) -> list[int]:
     """``prompt`` continued by ``new_tokens`` tokens, each drawn from the model's last logits."""
-    import models
+    from bundle import models
 
     gen = torch.Generator().manual_seed(seed)
     tokens = list(prompt)

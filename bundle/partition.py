@@ -26,11 +26,11 @@ import torch
 import torch.nn as nn
 import yaml
 
-import models
+from bundle import models
 from bundle.config import ModelConfig
 from bundle.engine.memory import run_recomputed
 from bundle.errors import ConfigError, PartitionError
-from models import Block, apply_blocks, is_known
+from bundle.models import Block, apply_blocks, is_known
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PARTITIONS_DIR = REPO_ROOT / "partitions"

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import models
-from bundle import data, partition
+from bundle import data, models, partition
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig, parse_steps
 from bundle.data import input_spec

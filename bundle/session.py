@@ -144,7 +144,7 @@ def build_session(
 def make_loss(cfg: RunConfig) -> Loss:
     """``--loss module:function``, else cross-entropy (with ``--label-smoothing``)."""
     if cfg.model.loss:
-        from models import load_callable
+        from bundle.models import load_callable
 
         return load_callable(cfg.model.loss, "--loss")
     return cross_entropy(cfg.train.label_smoothing)

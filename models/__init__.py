@@ -35,11 +35,11 @@ from torchvision.models.vgg import VGG
 
 from bundle.config import is_reference
 from bundle.errors import ConfigError, PartitionError
-from models import graph, hf
-from models.gpt import GPT
-from models.outputs import Whole, call_kwargs, check_forward, select
-from models.small import MLP, Block, Chain, DigitsCNN, SkipMLP, SmallResNet, apply_blocks
-from models.vision import build_zoo, no_inplace, resnet_blocks, vgg_blocks, zoo_names
+from bundle.models import graph, hf
+from bundle.models.gpt import GPT
+from bundle.models.outputs import Whole, call_kwargs, check_forward, select
+from bundle.models.small import MLP, Block, Chain, DigitsCNN, SkipMLP, SmallResNet, apply_blocks
+from bundle.models.vision import build_zoo, no_inplace, resnet_blocks, vgg_blocks, zoo_names
 
 __all__ = [
     "Block",

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.small import Chain
+from bundle.models.small import Chain
 
 
 class Embed(nn.Module):

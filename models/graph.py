@@ -33,7 +33,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from bundle.errors import PartitionError
-from models.outputs import Selected, check_forward
+from bundle.models.outputs import Selected, check_forward
 
 Block = tuple[str, nn.Module]
 

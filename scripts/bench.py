@@ -60,8 +60,7 @@ import torch.nn.functional as F
 from bench_report import build_report, render, summarize
 from torch import nn
 
-import models
-from bundle import data
+from bundle import data, models
 from bundle.config import (
     ComputeConfig,
     DataConfig,

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import models
+from bundle import models
 from bundle.config import (
     PRECISIONS,
     ComputeConfig,

@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-import models
-from bundle import data, partition
+from bundle import data, models, partition
 from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from bundle.engine.optim import make_optimizer
 from bundle.runtime.localworld import run_world

@@ -118,7 +118,7 @@ class Profiler:
     """One timed forward and backward of a model's blocks at a case's rows, as ``profile`` does."""
 
     def __init__(self, sizes: bench.Sizes, c: Config) -> None:
-        import models
+        from bundle import models
 
         self.shape, _ = model_input(sizes, c.model)
         self.rows = case_rows(sizes, c)
@@ -233,8 +233,7 @@ def run(spec: Spec) -> tuple[dict, float]:
 
 def _starts(sizes: bench.Sizes, c: Config) -> tuple[int, ...]:
     """The split the engine runs for ``c`` (as ``bundle.trainer.build_stages`` resolves it)."""
-    import models
-    from bundle import partition
+    from bundle import models, partition
 
     cfg = case_config(sizes, c)
     shape, _ = model_input(sizes, c.model)

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
-from models import Block, apply_blocks
+from bundle.models import Block, apply_blocks
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-import models
+from bundle import models
 from bundle.config import parse_model_args
 
 # (flops per row, bytes fixed, bytes per row, 1 if the op computes in the autocast dtype)

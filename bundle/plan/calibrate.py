@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.distributed as dist
 
-import models
+from bundle import models
 from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from bundle.engine.grad_sync import GradSync
 from bundle.engine.precision import Policy

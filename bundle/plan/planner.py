@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-import models
+from bundle import models
 from bundle.errors import ConfigError
 from bundle.plan import calibrate, isolate
 from bundle.plan import profile as prof

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import models
+from bundle import models
 from bundle.config import parse_model_args
 from bundle.engine.precision import Policy
 from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear, count_anatomy

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import models
-from bundle import partition
+from bundle import models, partition
 from bundle.runtime.localworld import free_port
 from tests.support.processes import SMALL, finish, image_folder, start, start_logged
 
@@ -257,7 +256,7 @@ def test_image_folder_resnet_with_a_partition_loader_workers_and_checkpoint(tmp_
     assert s["steps"] == 4 and s["val_samples"] == 12 and 0.0 <= s["val_accuracy"] <= 1.0
     import torch
 
-    import models
+    from bundle import models
 
     state = torch.load(ckpt, weights_only=True)
     expected = models.build("resnet18", num_classes=3, input_shape=(3, 32, 32)).state_dict()

@@ -23,8 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import models
-from bundle import data
+from bundle import data, models
 from bundle.engine.nccl_emu import Emulator
 from bundle.row_weights import parse_row_weights
 from bundle.runtime.localworld import run_world

@@ -14,8 +14,7 @@ import pytest
 import torch
 import yaml
 
-import models
-from bundle import cli
+from bundle import cli, models
 from bundle.config import AUTO_SHAPE
 from bundle.errors import ConfigError
 from bundle.plan import auto

@@ -7,8 +7,7 @@ from dataclasses import replace
 
 import torch
 
-import models
-from bundle import data, partition
+from bundle import data, models, partition
 from bundle.config import RunConfig
 from bundle.engine.optim import make_optimizer
 from bundle.lr_schedule import LRSchedule

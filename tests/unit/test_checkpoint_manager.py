@@ -8,8 +8,7 @@ import os
 import pytest
 import torch
 
-import models
-from bundle import partition
+from bundle import models, partition
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import CheckpointConfig, TrainConfig

@@ -198,7 +198,7 @@ def test_help_is_grouped_and_lists_every_flag():
 
 
 def test_help_names_every_registered_model():
-    import models
+    from bundle import models
 
     text = " ".join(cli.build_parser().format_help().split())
     assert all(name in text for name in models.available())

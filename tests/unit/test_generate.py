@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import models
-from bundle import generate
+from bundle import generate, models
 from bundle.checkpoint import format as ckpt
 
 GPT = ["--model", "gpt", "--model-args", "layers=1,width=16,heads=2", "--seq-len", "16"]

@@ -7,12 +7,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-import models
-from bundle import partition
+from bundle import models, partition
 from bundle.engine import ties
 from bundle.errors import PartitionError
-from models import apply_blocks, graph
-from models.graph import Segment
+from bundle.models import apply_blocks, graph
+from bundle.models.graph import Segment
 from tests.support import user_models
 
 

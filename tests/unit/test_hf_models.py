@@ -10,12 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-import models
-from bundle import partition
+from bundle import models, partition
 from bundle.config import ModelConfig
 from bundle.errors import ConfigError
-from models import graph
-from models.outputs import Whole, check_forward, select
+from bundle.models import graph
+from bundle.models.outputs import Whole, check_forward, select
 from tests.support import user_models
 
 transformers = pytest.importorskip("transformers")

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import models
+from bundle import models
 from bundle.errors import ConfigError
-from models import apply_blocks
+from bundle.models import apply_blocks
 
 SMALL = ("mlp", "mlp_wide", "digits_cnn", "skip_mlp", "small_resnet", "gpt")
 # Big torchvision nets run on 64x64 so the suite stays cheap; adaptive pooling makes that legal.
@@ -219,3 +219,30 @@ def test_what_a_model_takes():
     assert models.input_dtype(built("gpt")) == torch.long
     assert models.input_dtype(nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2))) == torch.long
     assert models.input_dtype(built("digits_cnn")) == torch.float32
+
+
+def test_a_users_own_models_package_meets_none_of_ours(tmp_path):
+    """The tool's models are bundle.models: a project with its own ``models`` package imports the
+    tool, and ``--model models:build`` is the user's function."""
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "models"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "import torch.nn as nn\n"
+        "def build(num_classes, input_shape):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(16, num_classes))\n"
+    )
+    code = (
+        "from bundle.api import train\n"
+        "from bundle import models as ours\n"
+        "import models as theirs\n"
+        "m = ours.build('models:build', num_classes=3, input_shape=(1, 4, 4))\n"
+        "print(theirs.__file__, type(m).__name__, len(m))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(pkg / "__init__.py"), "Sequential", "2"]

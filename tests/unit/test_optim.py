@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import models
+from bundle import models
 from bundle.config import TrainConfig, parse_betas
 from bundle.engine.optim import make_optimizer, state_bytes
 from bundle.errors import ConfigError

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import models
+from bundle import models
 from bundle.errors import ConfigError, PartitionError
 from bundle.partition import (
     PARTITIONS_DIR,

@@ -41,7 +41,7 @@ def test_data_named_on_the_command_line_or_in_a_config_win_over_the_plans(tmp_pa
     path = plan_file(tmp_path, SYNTHETIC)
     (tmp_path / "train").mkdir()
     c = cli.parse(["--plan", path, str(tmp_path)], {})
-    assert (c.data.dataset, c.data.root, c.data.num_classes) == ("imagefolder", str(tmp_path), 10)
+    assert (c.data.dataset, c.data.root, c.data.num_classes) == ("imagefolder", str(tmp_path), None)
     c = cli.parse(["--plan", path, "--dataset", "digits"], {})
     assert (c.data.dataset, c.data.image_size) == ("digits", 224)
     config = tmp_path / "run.yaml"

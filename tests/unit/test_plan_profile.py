@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import models
+from bundle import models
 from bundle.config import parse_model_args
 from bundle.engine.memory import SavedBytes
 from bundle.plan import profile as prof

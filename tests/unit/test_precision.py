@@ -10,8 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import models
-from bundle import partition, preflight
+from bundle import models, partition, preflight
 from bundle.config import ComputeConfig
 from bundle.engine.memory import SavedBytes
 from bundle.engine.precision import LossScaler, Policy
