@@ -59,6 +59,9 @@ from bundle.engine import device_audit
 from bundle.engine.device_audit import DeviceAudit
 
 _POLL_FIRST_S, _POLL_MAX_S = 5e-5, 2e-3
+# How long a call that could not start waits, past its timeout, for a call ahead of it to break
+# the stream with the error that names the stall.
+_BROKEN_GRACE_S = 1.0
 _TAG_MOD = 2**31 - 1
 _WAITING = "waiting for its peer"
 
@@ -111,7 +114,7 @@ class Work:
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         seconds = self._stream.timeout if timeout is None else timeout.total_seconds()
-        if not self._stream.settle(self._call, self._call.done, seconds):
+        if not self._call.done.wait(seconds):
             raise RuntimeError(
                 f"nccl-emu: no completion within {seconds:.0f}s; {self._stream.status(self._call)}"
             )
@@ -145,27 +148,6 @@ class _Stream:
             self._pending.append(call)
         self._queue.put(call)
         return Work(call, self)
-
-    def _ahead(self, call: _Call) -> int:
-        with self._lock:
-            return self._pending.index(call) if call in self._pending else 0
-
-    def settle(self, call: _Call, event: threading.Event, seconds: float) -> bool:
-        """Wait for ``event`` of ``call`` (or for the call to end without it): ``seconds``,
-        counted again while calls ahead of it still run (each ends on its own deadline, so a
-        stall is reported by the call that stalls, not by one queued behind it), at most once
-        per call that was ahead of it when the wait began."""
-        extensions, end = self._ahead(call), time.monotonic() + seconds
-        slice_s = seconds if event is call.done else 0.05
-        while not event.wait(min(slice_s, max(end - time.monotonic(), 0.0))):
-            if call.done.is_set():
-                return event.is_set()
-            if time.monotonic() < end:
-                continue
-            if extensions == 0 or self._ahead(call) == 0:
-                return False
-            extensions, end = extensions - 1, time.monotonic() + seconds
-        return True
 
     def status(self, call: _Call) -> str:
         """Where this stream stands, for a stall report."""
@@ -365,14 +347,18 @@ class Emulator:
 
         stream = self._stream_of(group)
         work = stream.post(what, hold)
-        call = work._call
-        if not stream.settle(call, running, self.timeout):
+        # A call ahead that fails on its own deadline breaks the stream, and this call then ends
+        # with that error, which names the stall: a grace past the timeout lets it arrive (a
+        # loaded machine notices deadlines late).
+        call, end = work._call, time.monotonic() + self.timeout + _BROKEN_GRACE_S
+        while not running.wait(_POLL_MAX_S):
             if call.done.is_set():  # the stream broke on a call ahead of it
                 raise RuntimeError(f"nccl-emu: {what} could not start: {call.error}")
-            raise RuntimeError(
-                f"nccl-emu: {what} could not start within {self.timeout:.0f}s; "
-                f"{stream.status(call)}"
-            )
+            if time.monotonic() > end:
+                raise RuntimeError(
+                    f"nccl-emu: {what} could not start within {self.timeout:.0f}s; "
+                    f"{stream.status(call)}"
+                )
         try:
             yield
         finally:

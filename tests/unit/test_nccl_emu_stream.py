@@ -1,5 +1,6 @@
-"""The emulated stream's waits, without processes: a call queued behind one that stalls reports
-that stall (what the user must fix), however late the stalled call notices its own deadline."""
+"""The emulated stream's waits, without processes: a wait names the call its stream is stuck at;
+torch's own collectives held behind a call that stalls report that stall (what the user must
+fix), however late the stalled call notices its own deadline."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import threading
 import time
 
 import pytest
+import torch.distributed as dist
 
-from bundle.engine.nccl_emu import _Stream
+from bundle.engine.nccl_emu import Emulator
 
 LAG = 0.3  # how long after its deadline the stalled call notices (a loaded machine)
 
@@ -19,33 +21,32 @@ def _stalls(call, deadline: float) -> None:
 
 
 @pytest.fixture
-def stream():
-    s = _Stream("world (point-to-point)", 0, timeout=0.5)
-    yield s
-    s.close()
+def emu():
+    e = Emulator(dist.HashStore(), 0, timeout=0.5)
+    yield e
+    e.close()
 
 
-def test_a_wait_behind_a_stalled_call_reports_that_call(stream):
-    stream.post("lonely", _stalls)
-    work = stream.post("all_reduce", lambda call, deadline: None)
-    with pytest.raises(RuntimeError, match="lonely: waiting for its peer"):
-        work.wait()
+def test_what_torch_runs_behind_a_stalled_call_reports_that_call(emu):
+    emu._p2p.post("lonely", _stalls)
+    with pytest.raises(RuntimeError, match="DDP's start-up could not start: .*lonely: waiting"):
+        with emu.exclusive(None, "DDP's start-up"):
+            pass
 
 
-def test_a_call_that_never_starts_behind_nothing_times_out(stream):
-    started = threading.Event()
-    work = stream.post("all_reduce", lambda call, deadline: started.wait(5.0))
+def test_a_wait_names_the_call_its_stream_is_stuck_at(emu):
+    release = threading.Event()
+    emu._p2p.post("lonely", lambda call, deadline: release.wait(5.0))
+    work = emu._p2p.post("all_reduce", lambda call, deadline: None)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="no completion within 0s; .* is stuck at call 0"):
+    with pytest.raises(RuntimeError, match=r"has not started call 1 \(all_reduce\): 1 call\(s\) "):
         work.wait()
-    assert time.monotonic() - t0 < 2.0  # its own timeout, not extended: nothing was ahead
-    started.set()
-
-
-def test_a_call_behind_a_finished_one_waits_its_own_timeout_only(stream):
-    stream.post("quick", lambda call, deadline: None).wait()
-    done = threading.Event()
-    work = stream.post("slow", lambda call, deadline: done.wait(5.0))
-    assert not stream.settle(work._call, work._call.done, 0.2)
-    done.set()
+    assert time.monotonic() - t0 < 2.0  # its own timeout
+    release.set()
     assert work.wait()
+
+
+def test_torchs_collectives_run_once_the_calls_ahead_end(emu):
+    emu._p2p.post("quick", lambda call, deadline: time.sleep(0.1))
+    with emu.exclusive(None, "PowerSGD's rounds"):
+        pass
