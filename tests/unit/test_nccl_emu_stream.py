@@ -29,9 +29,9 @@ def emu():
 
 def test_what_torch_runs_behind_a_stalled_call_reports_that_call(emu):
     emu._p2p.post("lonely", _stalls)
-    with pytest.raises(RuntimeError, match="DDP's start-up could not start: .*lonely: waiting"):
-        with emu.exclusive(None, "DDP's start-up"):
-            pass
+    stalled = pytest.raises(RuntimeError, match="DDP's start-up could not start: .*lonely: waiting")
+    with stalled, emu.exclusive(None, "DDP's start-up"):
+        pass
 
 
 def test_a_wait_names_the_call_its_stream_is_stuck_at(emu):
