@@ -159,6 +159,15 @@ class _ManyDoublings(nn.Module):
         return x
 
 
+def _equal_in_both_modes(model: nn.Module, blocks) -> None:
+    x = torch.randn(3, 4)
+    for mode in (True, False):
+        model.train(mode)
+        for _, b in blocks:
+            b.train(mode)
+        assert torch.equal(apply_blocks(blocks, x), model(x))
+
+
 def test_every_module_that_reads_self_training_is_found_in_one_pass(monkeypatch):
     calls = []
     trace = graph._trace
@@ -166,12 +175,7 @@ def test_every_module_that_reads_self_training_is_found_in_one_pass(monkeypatch)
     model = _ManyDoublings()
     blocks = models.blocks(model, (4,))
     assert len(calls) <= 4, len(calls)  # one trace pair to find them all, one to confirm
-    x = torch.randn(3, 4)
-    for mode in (True, False):
-        model.train(mode)
-        for _, b in blocks:
-            b.train(mode)
-        assert torch.equal(apply_blocks(blocks, x), model(x))
+    _equal_in_both_modes(model, blocks)
 
 
 class _Chooser(nn.Module):
@@ -198,12 +202,7 @@ class _ChoosesInside(nn.Module):
 def test_a_module_that_reads_self_training_runs_whole_in_both_modes(make):
     model = make()
     blocks = models.blocks(model, (4,))
-    x = torch.randn(3, 4)
-    for mode in (True, False):
-        model.train(mode)
-        for _, b in blocks:
-            b.train(mode)
-        assert torch.equal(apply_blocks(blocks, x), model(x))
+    _equal_in_both_modes(model, blocks)
 
 
 class _DataDependent(nn.Module):
