@@ -59,9 +59,6 @@ from bundle.engine import device_audit
 from bundle.engine.device_audit import DeviceAudit
 
 _POLL_FIRST_S, _POLL_MAX_S = 5e-5, 2e-3
-# How long a call that could not start waits, past its timeout, for a call ahead of it to break
-# the stream with the error that names the stall.
-_BROKEN_GRACE_S = 1.0
 _TAG_MOD = 2**31 - 1
 _WAITING = "waiting for its peer"
 
@@ -137,6 +134,7 @@ class _Stream:
         self._lock = threading.Lock()
         self._pending: list[_Call] = []  # posted and not completed, in order
         self._broken: str | None = None
+        self._broken_at: str | None = None  # the call that broke it, as it stood
         self._thread = threading.Thread(target=self._loop, name=f"nccl-emu {name}", daemon=True)
         self._thread.start()
 
@@ -155,6 +153,10 @@ class _Stream:
             pending = list(self._pending)
         head = pending[0] if pending else None
         where = f"rank {self.rank}'s {self.name} stream"
+        if self._broken_at is not None:
+            # The call that broke the stream is the stall, though it has left the queue: what
+            # waits behind it is ended with its error next (a timeout may see it first).
+            return f"{where} is stuck at {self._broken_at}"
         if head is None or head is call or call not in pending:
             return f"{where} is stuck at {call.describe()}"
         ahead = pending.index(call)
@@ -183,6 +185,7 @@ class _Stream:
                 call.run(call, time.monotonic() + self.timeout)
                 self._finish(call, None)
             except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the call
+                self._broken_at = call.describe()
                 self._broken = f"nccl-emu: rank {self.rank}'s {self.name} stream: {exc}"
                 self._finish(call, self._broken)
 
@@ -347,10 +350,7 @@ class Emulator:
 
         stream = self._stream_of(group)
         work = stream.post(what, hold)
-        # A call ahead that fails on its own deadline breaks the stream, and this call then ends
-        # with that error, which names the stall: a grace past the timeout lets it arrive (a
-        # loaded machine notices deadlines late).
-        call, end = work._call, time.monotonic() + self.timeout + _BROKEN_GRACE_S
+        call, end = work._call, time.monotonic() + self.timeout
         while not running.wait(_POLL_MAX_S):
             if call.done.is_set():  # the stream broke on a call ahead of it
                 raise RuntimeError(f"nccl-emu: {what} could not start: {call.error}")

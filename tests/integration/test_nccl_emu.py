@@ -14,7 +14,7 @@ import torch.distributed as dist
 from bundle.engine import nccl_emu
 from bundle.runtime.localworld import run_world
 
-TIMEOUT = 2.0
+TIMEOUT = 4.0  # long enough that a loaded 2-core machine posts both sides in time
 N = 64  # elements per message: 256 bytes
 
 

@@ -1,6 +1,6 @@
-"""The emulated stream's waits, without processes: a wait names the call its stream is stuck at;
-torch's own collectives held behind a call that stalls report that stall (what the user must
-fix), however late the stalled call notices its own deadline."""
+"""The emulated stream's waits, without processes: a wait names the call its stream is stuck at,
+and what waits behind a call that stalled names that call (what the user must fix), even once it
+has left the queue."""
 
 from __future__ import annotations
 
@@ -12,13 +12,6 @@ import torch.distributed as dist
 
 from bundle.engine.nccl_emu import Emulator
 
-LAG = 0.3  # how long after its deadline the stalled call notices (a loaded machine)
-
-
-def _stalls(call, deadline: float) -> None:
-    time.sleep(max(deadline - time.monotonic(), 0.0) + LAG)
-    raise TimeoutError("lonely: waiting for its peer")
-
 
 @pytest.fixture
 def emu():
@@ -27,8 +20,19 @@ def emu():
     e.close()
 
 
-def test_what_torch_runs_behind_a_stalled_call_reports_that_call(emu):
-    emu._p2p.post("lonely", _stalls)
+def _stalls(call, deadline: float) -> None:
+    raise TimeoutError("lonely: waiting for its peer")
+
+
+def test_a_stall_report_names_the_call_that_broke_the_stream_even_once_it_left(emu):
+    """A call behind a stall whose own timeout fires just after the stalled call failed (a
+    loaded machine) names the stalled call, not itself."""
+    stream = emu._p2p
+    stream.post("lonely", _stalls)
+    behind = stream.post("all_reduce", lambda call, deadline: None)
+    with pytest.raises(RuntimeError, match="lonely: waiting for its peer"):
+        behind.wait()
+    assert stream.status(behind._call).endswith("is stuck at call 0 (lonely)")
     stalled = pytest.raises(RuntimeError, match="DDP's start-up could not start: .*lonely: waiting")
     with stalled, emu.exclusive(None, "DDP's start-up"):
         pass
