@@ -1,7 +1,9 @@
-"""Any ``nn.Module`` as ordered pipeline blocks, by a split of its ``torch.fx`` graph.
+"""Any ``nn.Module`` as ordered pipeline blocks, by a split of its graph: torch.fx's, or where fx
+cannot trace the forward, torch.export's (``models.export``).
 
-The model's forward is traced once (``torch.nn`` layers and ``torchvision.ops`` modules stay whole
-calls). A *point* is a module path; the stage it begins starts at the first graph node that module
+The model's forward is traced once (under fx, ``torch.nn`` layers and ``torchvision.ops`` modules
+stay whole calls). Values made only from constants, buffers and the batch size are computed
+again by the stage that needs them instead of crossing. A *point* is a module path; the stage it begins starts at the first graph node that module
 (or anything inside it) runs. Between two neighbouring points lies one block, a ``Segment``: a
 ``GraphModule`` over the nodes in between that takes every value crossing its start and returns
 every value crossing its end, so a skip connection over a boundary simply travels as one more
@@ -21,11 +23,7 @@ the module doing so is kept whole instead (found by tracing in both modes and co
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import re
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,6 +31,15 @@ import torch.fx as fx
 import torch.nn as nn
 
 from bundle.errors import PartitionError
+from bundle.models.export import (
+    WRAPPER,
+    exported,
+    fetch,
+    first_line,
+    module_of,
+    owned,
+    plain,
+)
 from bundle.models.outputs import Selected, check_forward
 
 Block = tuple[str, nn.Module]
@@ -52,11 +59,6 @@ class Segment(fx.GraphModule):
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential")
 
 
-def _fetch(model: nn.Module, target: str) -> object:
-    owner, _, leaf = target.rpartition(".")
-    return getattr(model.get_submodule(owner) if owner else model, leaf)
-
-
 class _Tracer(fx.Tracer):
     def __init__(self, leaves: frozenset[str]) -> None:
         super().__init__()
@@ -70,55 +72,17 @@ class _Tracer(fx.Tracer):
         )
 
 
-_WRAPPER = "m"  # the traced root is Selected(model): its paths are the model's under "m."
-
-
-def _own(path: str) -> str:
-    """A path in the traced wrapper -> the model's own ('' for the model itself)."""
-    if path == _WRAPPER:
-        return ""
-    return path[len(_WRAPPER) + 1 :] if path.startswith(_WRAPPER + ".") else path
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _trace(model: nn.Module, leaves: frozenset[str], key: str | None) -> fx.Graph:
-    tracer = _Tracer(frozenset(f"{_WRAPPER}.{leaf}" for leaf in leaves))
+    tracer = _Tracer(frozenset(f"{WRAPPER}.{leaf}" for leaf in leaves))
     try:
         graph = tracer.trace(Selected(model, key))
     except Exception as exc:  # noqa: BLE001 - any tracing failure: the capture by export next
-        raise _Untraceable(_plain(_first_line(exc))) from None
-    return _owned(graph)
-
-
-def _plain(reason: str) -> str:
-    """A tracer's reason without its internal names (fx's ``Proxy(getitem)``, export's ``s77``)."""
-    reason = re.sub(r"Proxy\(\w+\)|'Proxy' object|\bProxy\b", "a traced value", reason)
-    return re.sub(r"\b[su]\d+\b", "a traced size", reason)
+        raise _Untraceable(plain(first_line(exc))) from None
+    return owned(graph)
 
 
 class _Untraceable(Exception):
     """torch.fx cannot trace the forward (its reason, first line)."""
-
-
-def _owned(graph: fx.Graph) -> fx.Graph:
-    """Targets named as in the model itself, not in the traced wrapper."""
-    for n in graph.nodes:
-        if n.op in ("get_attr", "call_module"):
-            n.target = _own(str(n.target))
-    return graph
-
-
-def _module_of(node: fx.Node) -> str:
-    """The innermost module path the node runs in ('' for the root's own code)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = next(reversed(stack.values()))[0]  # (qualified name, type), as fx and export record
-    return _own(str(path))
 
 
 def _signature(graph: fx.Graph) -> list[str]:
@@ -133,7 +97,7 @@ def trace(model: nn.Module, example: torch.Tensor, key: str | None = None) -> fx
     try:
         return _fx_trace(model, key)
     except _Untraceable as exc:
-        return _exported(model, example, key, str(exc))
+        return exported(model, example, key, str(exc))
 
 
 def _fx_trace(model: nn.Module, key: str | None) -> fx.Graph:
@@ -157,7 +121,7 @@ def _fx_trace(model: nn.Module, key: str | None) -> fx.Graph:
                 min(len(a), len(b)),
             )
             node = list(train.nodes)[min(i, len(a) - 1)]
-            path = _module_of(node)
+            path = module_of(node)
             while path in leaves:  # kept whole already: the choice is its parent's
                 path = path.rpartition(".")[0]
             if not path:
@@ -177,7 +141,7 @@ def _by_module(graph: fx.Graph) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for n in graph.nodes:
         consts = [a for a in (*n.args, *n.kwargs.values()) if not isinstance(a, fx.Node)]
-        out.setdefault(_module_of(n), []).append(f"{n.op} {n.target} {consts}")
+        out.setdefault(module_of(n), []).append(f"{n.op} {n.target} {consts}")
     return out
 
 
@@ -187,144 +151,20 @@ def _differing_modules(train: fx.Graph, evaluation: fx.Graph) -> set[str]:
     return {path for path in a.keys() | b.keys() if a.get(path) != b.get(path)}
 
 
-# Operators whose training flag export records as a constant: (operator, the flag's position).
-_MODE_ARGS = {
-    torch.ops.aten.dropout.default: 2,
-    torch.ops.aten.feature_dropout.default: 2,
-    torch.ops.aten.alpha_dropout.default: 2,
-    torch.ops.aten.feature_alpha_dropout.default: 2,
-    torch.ops.aten.batch_norm.default: 5,
-}
-# Operators taking a dropout probability that forwards set to 0 outside training.
-_DROPOUT_P = {torch.ops.aten.scaled_dot_product_attention.default: 4}
-# Checks export leaves in the graph, with no users: dropped (they would stretch their inputs'
-# lifetimes across stage boundaries).
-_CHECKS = ("_assert", "sym_constrain")
-
-
-def _exported(model: nn.Module, example: torch.Tensor, key: str | None, fx_reason: str) -> fx.Graph:
-    """The forward captured by ``torch.export`` with the batch dynamic, in training mode; a
-    dropout's or batch norm's training flag then follows the segment's own mode."""
-    batch = torch.export.Dim("batch", min=1)
-    was = model.training
-    model.train()
-    try:
-        with _quiet():
-            program = torch.export.export(
-                Selected(model, key), (example,), dynamic_shapes=({0: batch},), strict=False
-            )
-    except Exception as exc:  # noqa: BLE001 - neither capture works: both reasons, one line
-        raise PartitionError(
-            f"cannot cut {type(model).__name__} into stages: torch.fx cannot trace its forward "
-            f"({fx_reason}) and torch.export cannot capture it ({_plain(_first_line(exc))}); it "
-            "trains "
-            "whole at one-stage shapes (data parallelism)"
-        ) from None
-    finally:
-        model.train(was)
-    graph = program.module().graph
-    # The graph's new attributes are the model's (its segments'), not the exported module's.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return _tied_names(model, _owned(_own_mode(graph)))
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """torch.export's own warnings and graph dumps kept off the user's console."""
-    loggers = [logging.getLogger(n) for n in _EXPORT_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
-_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
-
-
-def _own_mode(graph: fx.Graph) -> fx.Graph:
-    """Export's guards and checks dropped; dropout's and batch norm's training flag read from
-    the segment running them."""
-    training: fx.Node | None = None
-    for n in list(graph.nodes):
-        name = getattr(n.target, "__name__", str(n.target))
-        check = n.op == "call_function" and not n.users and name.startswith(_CHECKS)
-        if n.op == "call_module" or check:
-            graph.erase_node(n)  # export's guards and checks
-        elif n.op == "call_function" and (n.target in _MODE_ARGS or n.target in _DROPOUT_P):
-            if training is None:
-                with graph.inserting_before(n):
-                    training = graph.get_attr("training")  # the segment's own flag
-            args = list(n.args)
-            if n.target in _MODE_ARGS:
-                args[_MODE_ARGS[n.target]] = training
-            elif len(args) > _DROPOUT_P[n.target] and args[_DROPOUT_P[n.target]]:
-                with graph.inserting_before(n):
-                    p = graph.call_function(_in_training, (args[_DROPOUT_P[n.target]], training))
-                args[_DROPOUT_P[n.target]] = p
-            n.args = tuple(args)
-    return graph
-
-
-def _in_training(p: float, training: bool) -> float:
-    """An attention's dropout probability, captured in training mode: none in evaluation."""
-    return p if training else 0.0
-
-
-def _tied_names(model: nn.Module, graph: fx.Graph) -> fx.Graph:
-    """A weight the model holds under several names (tied) is fetched, by each operation that
-    uses it, under the name of the module running it (export keeps one name for all): GPT-2's
-    embedding reads ``transformer.wte.weight``, its head ``lm_head.weight``."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    for n in [n for n in graph.nodes if n.op == "get_attr"]:
-        candidates = names.get(id(_fetch(model, str(n.target))), [])
-        if len(candidates) < 2:
-            continue
-        for user in list(n.users):
-            path = _module_of(user)
-            best = max(candidates, key=lambda c: _shared_prefix(c.rpartition(".")[0], path))
-            if best != n.target:
-                with graph.inserting_before(n):
-                    user.replace_input_with(n, graph.get_attr(best))
-        if not n.users:
-            graph.erase_node(n)
-    return graph
-
-
-def _shared_prefix(owner: str, path: str) -> int:
-    """How many leading module names the two dotted paths share."""
-    count = 0
-    for a, b in zip(owner.split("."), path.split("."), strict=False):
-        if a != b:
-            break
-        count += 1
-    return count
-
-
 class _Analysis:
     """The traced graph in order, with where each module begins and what each value is."""
 
     def __init__(self, model: nn.Module, graph: fx.Graph, example: torch.Tensor) -> None:
         self.model, self.graph = model, graph
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        # The data input; the forward's other arguments keep their defaults (concrete when
-        # traced): every segment takes them as defaulted arguments of its own, none crosses.
-        self.inputs, self.defaulted = placeholders[:1], placeholders[1:]
+        # The data input: the traced Selected(model) takes it alone (defaults are inlined).
+        self.inputs = [n for n in graph.nodes if n.op == "placeholder"]
         self.output = next(n for n in graph.nodes if n.op == "output")
         self.body = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
         self.index = {n: i for i, n in enumerate(self.body)}
         self.first: dict[str, int] = {}
         self.whole: set[str] = set()  # modules called as one unit
         for i, n in enumerate(self.body):
-            path = _module_of(n)
+            path = module_of(n)
             if n.op == "call_module":
                 self.whole.add(str(n.target))
             parts = path.split(".") if path else []
@@ -364,7 +204,7 @@ class _Analysis:
             return False
         if n.target == "training":
             return True
-        value = _fetch(self.model, str(n.target))
+        value = fetch(self.model, str(n.target))
         return not (isinstance(value, torch.Tensor) and value.requires_grad)
 
     @torch.no_grad()
@@ -505,7 +345,7 @@ def blocks(
             raise PartitionError(f"cannot cut at {point!r}: {why}")
         starts[at] = point  # the name asked for wins over a default one at the same place
     if 0 not in starts:
-        starts[0] = _module_of(a.body[0]) or a.body[0].name
+        starts[0] = module_of(a.body[0]) or a.body[0].name
     bounds = sorted(starts)
     return [
         (starts[lo], _segment(a, lo, hi))
@@ -519,9 +359,6 @@ def _segment(a: _Analysis, lo: int, hi: int) -> Segment:
     for n in a.sent(lo) if lo else a.inputs:
         env[n] = graph.placeholder(n.name)
     batch = next(iter(env.values()))  # a batched input: its first dimension is the batch size
-    for n in a.defaulted:
-        default = n.args[0] if n.args else None
-        env[n] = graph.placeholder(n.name, default_value=default)
 
     def arg(n: fx.Node) -> fx.Node:
         if n not in env:

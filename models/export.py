@@ -1,0 +1,189 @@
+"""A model's forward captured by ``torch.export`` (what torch.fx cannot trace: control flow on
+shapes and configurations, as in Hugging Face models), and the naming both captures share.
+
+Both capture ``Selected(model)`` (the model called with its fixed arguments, the loss's tensor
+taken from its output), so their paths are the model's under ``m.``: ``owned`` names them as the
+model does. Export's capture is made in training mode with the batch dynamic; dropout's,
+attention dropout's and batch norm's training flag then reads the segment's own mode, export's
+guards and checks are dropped, and a weight the model ties under several names is fetched under
+the name of the module using it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from bundle.errors import PartitionError
+from bundle.models.outputs import Selected
+
+
+def fetch(model: nn.Module, target: str) -> object:
+    owner, _, leaf = target.rpartition(".")
+    return getattr(model.get_submodule(owner) if owner else model, leaf)
+
+
+WRAPPER = "m"  # the traced root is Selected(model): its paths are the model's under "m."
+
+
+def own(path: str) -> str:
+    """A path in the traced wrapper -> the model's own ('' for the model itself)."""
+    if path == WRAPPER:
+        return ""
+    return path[len(WRAPPER) + 1 :] if path.startswith(WRAPPER + ".") else path
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def plain(reason: str) -> str:
+    """A tracer's reason without its internal names (fx's ``Proxy(getitem)``, export's ``s77``)."""
+    reason = re.sub(r"Proxy\(\w+\)|'Proxy' object|\bProxy\b", "a traced value", reason)
+    return re.sub(r"\b[su]\d+\b", "a traced size", reason)
+
+
+def owned(graph: fx.Graph) -> fx.Graph:
+    """Targets named as in the model itself, not in the traced wrapper."""
+    for n in graph.nodes:
+        if n.op in ("get_attr", "call_module"):
+            n.target = own(str(n.target))
+    return graph
+
+
+def module_of(node: fx.Node) -> str:
+    """The innermost module path the node runs in ('' for the root's own code)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = next(reversed(stack.values()))[0]  # (qualified name, type), as fx and export record
+    return own(str(path))
+
+
+# Operators whose training flag export records as a constant: (operator, the flag's position).
+_MODE_ARGS = {
+    torch.ops.aten.dropout.default: 2,
+    torch.ops.aten.feature_dropout.default: 2,
+    torch.ops.aten.alpha_dropout.default: 2,
+    torch.ops.aten.feature_alpha_dropout.default: 2,
+    torch.ops.aten.batch_norm.default: 5,
+}
+# Operators taking a dropout probability that forwards set to 0 outside training.
+_DROPOUT_P = {torch.ops.aten.scaled_dot_product_attention.default: 4}
+# Checks export leaves in the graph, with no users: dropped (they would stretch their inputs'
+# lifetimes across stage boundaries).
+_CHECKS = ("_assert", "sym_constrain")
+
+
+def exported(model: nn.Module, example: torch.Tensor, key: str | None, fx_reason: str) -> fx.Graph:
+    """The forward captured by ``torch.export`` with the batch dynamic, in training mode; a
+    dropout's or batch norm's training flag then follows the segment's own mode."""
+    batch = torch.export.Dim("batch", min=1)
+    was = model.training
+    model.train()
+    try:
+        with _quiet():
+            program = torch.export.export(
+                Selected(model, key), (example,), dynamic_shapes=({0: batch},), strict=False
+            )
+    except Exception as exc:  # noqa: BLE001 - neither capture works: both reasons, one line
+        raise PartitionError(
+            f"cannot cut {type(model).__name__} into stages: torch.fx cannot trace its forward "
+            f"({fx_reason}) and torch.export cannot capture it ({plain(first_line(exc))}); it "
+            "trains whole at one-stage shapes (data parallelism)"
+        ) from None
+    finally:
+        model.train(was)
+    graph = program.module().graph
+    # The graph's new attributes are the model's (its segments'), not the exported module's.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _tied_names(model, owned(_own_mode(graph)))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export's own warnings and graph dumps kept off the user's console."""
+    loggers = [logging.getLogger(n) for n in _EXPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+
+
+def _own_mode(graph: fx.Graph) -> fx.Graph:
+    """Export's guards and checks dropped; dropout's and batch norm's training flag read from
+    the segment running them."""
+    training: fx.Node | None = None
+    for n in list(graph.nodes):
+        name = getattr(n.target, "__name__", str(n.target))
+        check = n.op == "call_function" and not n.users and name.startswith(_CHECKS)
+        if n.op == "call_module" or check:
+            graph.erase_node(n)  # export's guards and checks
+        elif n.op == "call_function" and (n.target in _MODE_ARGS or n.target in _DROPOUT_P):
+            if training is None:
+                with graph.inserting_before(n):
+                    training = graph.get_attr("training")  # the segment's own flag
+            args = list(n.args)
+            if n.target in _MODE_ARGS:
+                args[_MODE_ARGS[n.target]] = training
+            elif len(args) > _DROPOUT_P[n.target] and args[_DROPOUT_P[n.target]]:
+                with graph.inserting_before(n):
+                    p = graph.call_function(_in_training, (args[_DROPOUT_P[n.target]], training))
+                args[_DROPOUT_P[n.target]] = p
+            n.args = tuple(args)
+    return graph
+
+
+def _in_training(p: float, training: bool) -> float:
+    """An attention's dropout probability, captured in training mode: none in evaluation."""
+    return p if training else 0.0
+
+
+def _tied_names(model: nn.Module, graph: fx.Graph) -> fx.Graph:
+    """A weight the model holds under several names (tied) is fetched, by each operation that
+    uses it, under the name of the module running it (export keeps one name for all): GPT-2's
+    embedding reads ``transformer.wte.weight``, its head ``lm_head.weight``."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for n in [n for n in graph.nodes if n.op == "get_attr"]:
+        candidates = names.get(id(fetch(model, str(n.target))), [])
+        if len(candidates) < 2:
+            continue
+        for user in list(n.users):
+            path = module_of(user)
+            best = max(candidates, key=lambda c: _shared_prefix(c.rpartition(".")[0], path))
+            if best != n.target:
+                with graph.inserting_before(n):
+                    user.replace_input_with(n, graph.get_attr(best))
+        if not n.users:
+            graph.erase_node(n)
+    return graph
+
+
+def _shared_prefix(owner: str, path: str) -> int:
+    """How many leading module names the two dotted paths share."""
+    count = 0
+    for a, b in zip(owner.split("."), path.split("."), strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
