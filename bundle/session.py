@@ -78,7 +78,7 @@ def build_session(
     """
     arrive = arrive or (lambda name: None)
     backend = resolve_backend(cfg)
-    emu = nccl_emu.for_session(cfg.launch, rank) if backend == "nccl-emu" else None
+    emu = nccl_emu.for_session(cfg.launch, rank, topo.describe) if backend == "nccl-emu" else None
     if emu is not None:
         device = device_audit.MARK
     comm: Comm = emu if emu is not None else Collectives()

@@ -63,6 +63,10 @@ _TAG_MOD = 2**31 - 1
 _WAITING = "waiting for its peer"
 
 
+def _rank(rank: int) -> str:
+    return f"rank {rank}"
+
+
 @dataclass
 class _Op:
     send: bool
@@ -89,14 +93,21 @@ class _Call:
     error: str | None = None
     future: torch.futures.Future | None = None
     result: object = None
+    # For a report: the ranks whose matching call is not running (it is stuck on them).
+    absent: Callable[[_Call], list[int]] | None = None
+    name_rank: Callable[[int], str] = _rank
 
     def describe(self) -> str:
         if not self.ops:
-            return f"call {self.number} ({self.what})"
-        text = f"call {self.number} [{', '.join(f'{o.label}: {o.state}' for o in self.ops)}]"
-        peers = sorted({o.peer for o in self.ops if o.state == _WAITING})
-        if peers:
-            text += f"; no matching call running on rank(s) {', '.join(map(str, peers))}"
+            text = f"call {self.number} ({self.what})"
+        else:
+            text = f"call {self.number} [{', '.join(f'{o.label}: {o.state}' for o in self.ops)}]"
+        try:
+            ranks = self.absent(self) if self.absent is not None else []
+        except RuntimeError:  # the job's store is gone: the report goes without them
+            ranks = []
+        if ranks:
+            text += f"; no matching call running on {', '.join(map(self.name_rank, ranks))}"
         return text
 
 
@@ -127,8 +138,10 @@ class Work:
 class _Stream:
     """One communicator's in-order stream in this process: a thread that runs its calls in turn."""
 
-    def __init__(self, name: str, rank: int, timeout: float) -> None:
-        self.name, self.rank, self.timeout = name, rank, timeout
+    def __init__(
+        self, name: str, rank: int, timeout: float, name_rank: Callable[[int], str] = _rank
+    ) -> None:
+        self.name, self.rank, self.timeout, self.name_rank = name, rank, timeout, name_rank
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._numbers = itertools.count()
         self._lock = threading.Lock()
@@ -138,8 +151,16 @@ class _Stream:
         self._thread = threading.Thread(target=self._loop, name=f"nccl-emu {name}", daemon=True)
         self._thread.start()
 
-    def post(self, what: str, run: Callable[[_Call, float], None], ops=(), future=False) -> Work:
-        call = _Call(next(self._numbers), what, run, list(ops))
+    def post(
+        self,
+        what: str,
+        run: Callable[[_Call, float], None],
+        ops=(),
+        future=False,
+        absent: Callable[[_Call], list[int]] | None = None,
+    ) -> Work:
+        call = _Call(next(self._numbers), what, run, list(ops), absent=absent)
+        call.name_rank = self.name_rank
         if future:
             call.future = torch.futures.Future()
         with self._lock:
@@ -212,12 +233,14 @@ class Emulator:
         eager_bytes: int = 0,
         strict: bool = False,
         audit: DeviceAudit | None = None,
+        name_rank: Callable[[int], str] = _rank,
     ) -> None:
         self.store, self.rank, self.timeout, self.eager_bytes = store, rank, timeout, eager_bytes
-        self.strict, self.audit = strict, audit
+        self.strict, self.audit, self.name_rank = strict, audit, name_rank
         name = "one-at-a-time (every communicator)" if strict else "world (point-to-point)"
-        self._p2p = _Stream(name, rank, timeout)
+        self._p2p = _Stream(name, rank, timeout, name_rank)
         self._groups: dict[object, _Stream] = {}
+        self._collectives: dict[str, int] = {}  # communicator -> collectives posted so far
         self._sent: dict[tuple[int, bool], int] = {}  # (peer, send?) -> messages so far
         self._eager: list = []  # eager sends gloo has not delivered yet
         # Stop the stream threads once the session that built this is gone, or at exit.
@@ -240,7 +263,7 @@ class Emulator:
             # Zero-byte messages rendezvous like the rest.
             eager = 0 < nbytes <= self.eager_bytes
             mine.append(_Op(send, op.tensor, op.peer, n, label, eager))
-        return [self._p2p.post(", ".join(names), self._run_p2p, mine)]
+        return [self._p2p.post(", ".join(names), self._run_p2p, mine, absent=_partners_absent)]
 
     def _run_p2p(self, call: _Call, deadline: float) -> None:
         store, rank = self.store, self.rank
@@ -285,12 +308,36 @@ class Emulator:
             return self._p2p
         if group not in self._groups:
             name = f"group {dist.get_process_group_ranks(group)}"
-            self._groups[group] = _Stream(name, self.rank, self.timeout)
+            self._groups[group] = _Stream(name, self.rank, self.timeout, self.name_rank)
         return self._groups[group]
 
     def _check_device(self, tensors: Any, what: str) -> None:
         if self.audit is not None:
             self.audit.require_device(tensors, what)
+
+    def _arrival(
+        self, group: dist.ProcessGroup | None
+    ) -> tuple[Callable[[], None], Callable[[_Call], list[int]]]:
+        """The n-th collective on ``group``'s communicator: ``arrive()`` records, when it starts
+        running, that this rank reached it (one key per rank and communicator, so the store does
+        not grow); ``absent(call)`` lists the group's ranks that have not, for a stall report."""
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        where = "world" if ranks is None else ",".join(map(str, ranks))
+        n = self._collectives[where] = self._collectives.get(where, 0) + 1
+        store, me = self.store, self.rank
+
+        def arrive() -> None:
+            store.set(f"coll/{where}/{me}", str(n))
+
+        def absent(call: _Call) -> list[int]:
+            members = ranks if ranks is not None else range(dist.get_world_size())
+            return [
+                r
+                for r in members
+                if not store.check([f"coll/{where}/{r}"]) or int(store.get(f"coll/{where}/{r}")) < n
+            ]
+
+        return arrive, absent
 
     def collective(
         self, name: str, tensor: Any, group: dist.ProcessGroup | None, start: Callable
@@ -298,12 +345,16 @@ class Emulator:
         """Run ``start()`` (a blocking gloo collective on ``group``) as one call of its stream."""
         where = "world" if group is None else f"group {dist.get_process_group_ranks(group)}"
         self._check_device(tensor, f"{name} on the {where}")
+        arrive, absent = self._arrival(group)
 
         def run(call: _Call, deadline: float) -> None:
+            arrive()
             start()
             call.result = [tensor]
 
-        return self._stream_of(group).post(f"{name} on the {where}", run, future=True)
+        return self._stream_of(group).post(
+            f"{name} on the {where}", run, future=True, absent=absent
+        )
 
     def all_reduce(
         self, tensor: torch.Tensor, group: dist.ProcessGroup | None, op: Any = dist.ReduceOp.SUM
@@ -342,14 +393,16 @@ class Emulator:
         by the caller as one call of the group's stream: after what was posted before, before
         what is posted after."""
         running, done = threading.Event(), threading.Event()
+        arrive, absent = self._arrival(group)
 
         def hold(call: _Call, deadline: float) -> None:
+            arrive()
             running.set()
             if not done.wait(max(deadline - time.monotonic(), 0.0)):
                 raise TimeoutError(f"{what} did not end within {self.timeout:.0f}s")
 
         stream = self._stream_of(group)
-        work = stream.post(what, hold)
+        work = stream.post(what, hold, absent=absent)
         call, end = work._call, time.monotonic() + self.timeout
         while not running.wait(_POLL_MAX_S):
             if call.done.is_set():  # the stream broke on a call ahead of it
@@ -372,6 +425,11 @@ class Emulator:
         self._finalizer()
 
 
+def _partners_absent(call: _Call) -> list[int]:
+    """The peers of a point-to-point call whose matching call is not running."""
+    return sorted({o.peer for o in call.ops if o.state == _WAITING})
+
+
 def _stop(p2p: _Stream, groups: dict) -> None:
     # Joined, not left to die with the interpreter: a stream thread that torch's teardown finds
     # alive after it ran gloo operations ends the process in std::terminate.
@@ -382,7 +440,7 @@ def _stop(p2p: _Stream, groups: dict) -> None:
 _sessions = itertools.count()
 
 
-def for_session(launch, rank: int) -> Emulator:
+def for_session(launch, rank: int, name_rank: Callable[[int], str] = _rank) -> Emulator:
     """The emulation for one training session of this process, on the job's store.
 
     Every process builds its sessions in the same order, so the n-th session's keys are the same
@@ -398,4 +456,5 @@ def for_session(launch, rank: int) -> Emulator:
         eager_bytes=launch.emu_eager_bytes,
         strict=launch.emu_strict,
         audit=device_audit.install(),
+        name_rank=name_rank,
     )

@@ -54,3 +54,28 @@ def test_torchs_collectives_run_once_the_calls_ahead_end(emu):
     emu._p2p.post("quick", lambda call, deadline: time.sleep(0.1))
     with emu.exclusive(None, "PowerSGD's rounds"):
         pass
+
+
+def test_a_stalled_collective_names_the_ranks_that_never_started_it(monkeypatch):
+    """Ranks 0 and 1 reach the second collective on the world; rank 2 (stopped) reached only the
+    first: the report names rank 2, as the job names it, and only rank 2."""
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    store, release = dist.HashStore(), threading.Event()
+    emus = [
+        Emulator(store, r, timeout=0.5, name_rank=lambda r: f"rank {r} (stage {r})")
+        for r in range(3)
+    ]
+    try:
+        for e in emus:
+            assert e.collective("all_reduce", [], None, lambda: None).wait()
+        works = [e.collective("all_reduce", [], None, lambda: release.wait(5.0)) for e in emus[:2]]
+        time.sleep(0.1)  # both have started it
+        with pytest.raises(RuntimeError) as stalled:
+            works[0].wait()
+        assert str(stalled.value).endswith(
+            "stuck at call 1 (all_reduce on the world); no matching call running on rank 2 (stage 2)"
+        ), stalled.value
+    finally:
+        release.set()
+        for e in emus:
+            e.close()
