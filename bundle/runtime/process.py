@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -37,6 +38,8 @@ from bundle.session import build_session
 from bundle.topology import Topology
 from bundle.trainer import build_trainer
 
+BEAT_S = 0.25  # a worker's signs of life to its node supervisor (``beat``)
+
 
 def start_step_watchdog(
     store: dist.Store,
@@ -61,6 +64,19 @@ def start_step_watchdog(
     ).start()
 
 
+def beat(alive: Any, every: float = BEAT_S) -> None:
+    """A daemon thread that writes the monotonic clock into ``alive`` every ``every`` seconds:
+    the node supervisor tells a stopped or frozen process (no beats) from one that waits on its
+    peers (a collective or a transfer releases the interpreter, so the beats go on)."""
+
+    def run() -> None:
+        while True:
+            alive.value = time.monotonic()
+            time.sleep(every)
+
+    threading.Thread(target=run, name="bundle-alive", daemon=True).start()
+
+
 # -- one worker process --------------------------------------------------------------------------
 
 
@@ -77,14 +93,18 @@ def worker_main(
     resume: str | None = None,
     stop_shared: Any = None,
     host_store: bool = False,
+    alive: Any = None,
 ) -> int:
     """Body of every training process; returns its exit code (128 + signal when stopped by one).
 
     ``step_now`` (a shared integer) holds the step in progress, for the node supervisor, ``resume``
     is the checkpoint to start from, ``attempt`` counts restarts, ``stop_shared`` is the
     supervisor's stop flag (None under torchrun), and ``host_store``: this process serves the
-    job's store at host:port (torchrun's rank 0 when its agent serves none).
+    job's store at host:port (torchrun's rank 0 when its agent serves none), ``alive`` (a shared
+    float) the last sign of life, for the node supervisor (``beat``).
     """
+    if alive is not None:
+        beat(alive)
     c = topo.coord(rank)
     log.setup(f"[rank {rank} b{c.bundle} s{c.stage}]", verbose=rank == reporter_rank(topo))
     # A supervised worker leaves saying so to its supervisor; under torchrun each one says it.

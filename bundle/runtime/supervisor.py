@@ -54,6 +54,7 @@ from bundle.topology import Topology
 
 _POLL_S = 0.5
 _HEARTBEAT_STALE_S = 20.0
+_FROZEN_MIN_S = 3.0
 _KILL_GRACE_S = 5.0
 
 
@@ -145,11 +146,18 @@ def _attempt(
     node = lc.node_rank
     store = dist.PrefixStore(attempt_prefix(attempt), base)
     step_now = {rank: ctx.Value("q", -1, lock=False) for rank in topo.node_ranks(node)}
+    alive = {rank: ctx.Value("d", 0.0, lock=False) for rank in step_now}
     procs = {
         rank: ctx.Process(
             target=spawned,
             args=(cfg, topo, rank, topo.local_rank(rank), lc.master_addr, port),
-            kwargs=dict(step_now=step, attempt=attempt, resume=resume, stop_shared=stop.shared),
+            kwargs=dict(
+                step_now=step,
+                attempt=attempt,
+                resume=resume,
+                stop_shared=stop.shared,
+                alive=alive[rank],
+            ),
             name=f"bundle-rank{rank}",
         )
         for rank, step in step_now.items()
@@ -173,7 +181,17 @@ def _attempt(
             procs,
             step_of=lambda rank: int(step_now[rank].value),
             describe=topo.describe,
-            check=lambda: _heartbeat(base, store, node, topo.num_nodes, beats) or read_abort(store),
+            check=lambda: (
+                frozen(
+                    procs,
+                    lambda rank: float(alive[rank].value),
+                    topo.describe,
+                    frozen_limit(lc.timeout),
+                    lambda message: post_abort(store, message),
+                )
+                or _heartbeat(base, store, node, topo.num_nodes, beats)
+                or read_abort(store)
+            ),
             post=lambda message: post_abort(store, message),
         )
         if outcome.end is not End.FAILED:
@@ -199,6 +217,8 @@ class Worker(Protocol):
     def sentinel(self) -> int: ...
     @property
     def exitcode(self) -> int | None: ...
+    @property
+    def pid(self) -> int | None: ...
 
 
 def watch(
@@ -236,6 +256,51 @@ def watch(
         if failure is not None:
             return Outcome(End.FAILED, why=failure)
     return Outcome(End.STOPPED, signum=stopped) if stopped else Outcome(End.DONE)
+
+
+def frozen_limit(timeout: float) -> float:
+    """Seconds without a sign of life after which a worker is reported stopped responding: well
+    before its peers' ``--timeout`` fires (their report would blame whoever waited first), and
+    never under a few seconds (a busy machine delays a thread, briefly)."""
+    return max(_FROZEN_MIN_S, timeout / 2)
+
+
+def frozen(
+    procs: Mapping[int, Worker],
+    last_beat: Callable[[int], float],
+    describe: Callable[[int], str],
+    limit: float,
+    post: Callable[[str], str],
+    clock: Callable[[], float] = time.monotonic,
+) -> str | None:
+    """The job's failure once a running worker has given no sign of life (``process.beat``) for
+    ``limit`` seconds: stopped (SIGSTOP, Ctrl-Z, a debugger) or frozen. Its peers, waiting on it,
+    would each time out naming themselves; this names it. Not before its first beat (start-up)."""
+    now = clock()
+    for rank, p in procs.items():
+        last = last_beat(rank)
+        if last > 0 and p.exitcode is None and now - last > limit:
+            return post(
+                f"{describe(rank)} stopped responding: no sign of life for {now - last:.0f}s"
+                + _state(p.pid)
+            )
+    return None
+
+
+_STATES = {
+    "T": "its process is stopped (SIGSTOP or Ctrl-Z)",
+    "t": "its process is stopped by a debugger",
+    "D": "its process is in uninterruptible sleep (I/O, or a frozen cgroup)",
+}
+
+
+def _state(pid: int | None) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return f" ({_STATES.get(state, 'its threads do not run: the interpreter is blocked')})"
 
 
 def _stopped(cfg: RunConfig, signum: int) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
 from pathlib import Path
@@ -202,12 +201,9 @@ def test_a_dead_or_stalled_worker_ends_the_job_with_a_clear_error(sig, backend, 
     if sig == signal.SIGKILL:
         assert "SIGKILL" in err and "during step" in err, err
         assert "stopping rank 0" in err  # the survivors say why they stop
-    elif backend == "gloo":
-        assert "did not complete within 5s" in err, err
-    else:  # the stuck call: a transfer with rank 2 (waiting for rank 2's matching call, or moving
-        # data the stopped rank 2 never takes), or a collective rank 2 never started
-        assert "nccl-emu: no completion within 5s" in err, err
-        assert re.search(r"stuck at call \d+ [^\n]*rank 2\b", err), err
+    else:  # named by its supervisor before a peer's timeout blames whoever waited first
+        assert "stopped responding: no sign of life for" in err, err
+        assert "its process is stopped (SIGSTOP or Ctrl-Z)" in err, err
     assert not [w for w in workers if _alive(w)], "orphan worker processes"
 
 

@@ -3,16 +3,21 @@ and the job's store, with fake workers (no processes)."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import time
 
-from bundle.runtime.supervisor import End, Outcome, watch
+from bundle.runtime.process import beat
+from bundle.runtime.supervisor import End, Outcome, frozen, frozen_limit, watch
 
 
 class Worker:
     """Exits with ``code`` after ``polls`` looks (None: runs until the test ends)."""
 
-    def __init__(self, code: int | None, polls: int = 0) -> None:
-        self.code, self.polls, self.sentinel = code, polls, 0
+    def __init__(self, code: int | None, polls: int = 0, pid: int | None = None) -> None:
+        self.code, self.polls, self.sentinel, self.pid = code, polls, 0, pid
 
     @property
     def exitcode(self) -> int | None:
@@ -64,3 +69,42 @@ def test_a_failure_elsewhere_in_the_job_ends_the_attempt():
     outcome, posted = _watch({0: Worker(None)}, failure="node 1 stopped responding for 20s")
     assert outcome == Outcome(End.FAILED, why="node 1 stopped responding for 20s")
     assert posted == []
+
+
+def test_a_stopped_worker_is_named_before_its_peers_time_out():
+    """Rank 1's beats stopped 4 s ago (SIGSTOP): it is the failure, with its process state;
+    rank 0 beat just now, rank 2 has not beaten yet (start-up): neither is named."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        procs = {0: Worker(None, pid=os.getpid()), 1: Worker(None, pid=child.pid), 2: Worker(None)}
+        beats = {0: 99.5, 1: 96.0, 2: 0.0}
+        posted = []
+        post = lambda m: posted.append(m) or posted[0]  # noqa: E731
+        got = frozen(
+            procs, beats.__getitem__, lambda r: f"rank {r}", 3.0, post, clock=lambda: 100.0
+        )
+        assert got == (
+            "rank 1 stopped responding: no sign of life for 4s "
+            "(its process is stopped (SIGSTOP or Ctrl-Z))"
+        )
+        beats[1] = 98.0  # within the limit: nothing to say
+        assert frozen(procs, beats.__getitem__, str, 3.0, post, clock=lambda: 100.0) is None
+        procs[1].code = 0  # a worker that exited is watched by its exit code, not its beats
+        beats[1] = 50.0
+        assert frozen(procs, beats.__getitem__, str, 3.0, post, clock=lambda: 100.0) is None
+    finally:
+        child.kill()
+        child.wait()
+    assert frozen_limit(5.0) == 3.0 and frozen_limit(600.0) == 300.0
+
+
+def test_a_worker_beats_while_its_main_thread_waits():
+    class Shared:
+        value = 0.0
+
+    alive = Shared()
+    beat(alive, every=0.01)
+    time.sleep(0.2)  # the main thread blocks, as in a collective: the beats go on
+    assert time.monotonic() - alive.value < 0.1
