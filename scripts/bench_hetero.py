@@ -64,6 +64,7 @@ from pathlib import Path
 
 from bench_dp import Runner, _finite, _fmt, _ratio, _table
 
+from bundle.plan.conditions import spread
 from bundle.runtime import throttle
 
 REPO = Path(__file__).resolve().parent.parent
@@ -213,7 +214,8 @@ def make_plans(sizes: Sizes, work: Path, timeout: float) -> tuple[dict | None, s
     out = work / "plans.json"
     cmd = [sys.executable, str(REPO / "scripts" / "plan.py"), "--cluster", str(CLUSTER)]
     cmd += ["--model", MODEL, *DATA, "--batch-size", str(sizes.batch)]
-    cmd += ["--top", "40", "--json", str(out)]
+    # Profiles of its own, measured in this run: a cache from another time says nothing of now.
+    cmd += ["--top", "40", "--json", str(out), "--profile-cache", str(work / "profiles")]
     print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
     try:
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -302,6 +304,10 @@ def bench_planner(run: Runner, sizes: Sizes, work: Path, timeout: float, cpus: f
         "planner_median_abs_error": _median(errors),
         "planner_max_abs_error": max(errors) if errors else None,
         "planner_vs_uniform": _ratio(_median(best_sps), _median(uniform_sps)),
+        # (third quartile - first) / median of the repeated runs: the noise beside the errors
+        "best_spread": spread(best_sps),
+        "uniform_spread": spread(uniform_sps),
+        "profiles": planned.get("profiles", []),
         "predicted_vs_uniform": doc.get("speedup_over_uniform"),
     }
 
@@ -338,8 +344,11 @@ def render(report: dict) -> str:
             out.append(
                 f"abs error median {_fmt(p['planner_median_abs_error'])}, "
                 f"max {_fmt(p['planner_max_abs_error'])}; best / uniform measured "
-                f"{_fmt(p['planner_vs_uniform'])} (predicted {_fmt(p['predicted_vs_uniform'])})"
+                f"{_fmt(p['planner_vs_uniform'])} (predicted {_fmt(p['predicted_vs_uniform'])}); "
+                f"spread of repeated runs: best {_fmt(p.get('best_spread'))}, "
+                f"uniform {_fmt(p.get('uniform_spread'))}"
             )
+            out.extend(f"profile: {n}" for n in p.get("profiles", []))
     return "\n\n".join(out)
 
 

@@ -61,7 +61,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile-cache",
         default=str(prof.default_cache_dir()),
-        help="where measured profiles and calibrations are kept ('' : measure every time)",
+        help="where measured profiles and calibrations are kept ('off' or '': measure every time)",
+    )
+    p.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="measure the profiles afresh (and cache them) instead of reading the cache",
     )
     p.add_argument("--validate", action="store_true", help="predicted vs measured runs here")
     p.add_argument("--smoke", action="store_true", help="with --validate: two tiny configurations")
@@ -133,8 +138,11 @@ def plan(args: argparse.Namespace) -> dict:
     cluster = _cluster(args)
     request = _request(args, cluster)
     planner.check(request, cluster)
-    cache = prof.ProfileCache(args.profile_cache or None)
+    off = args.profile_cache in ("", "off")
+    cache = prof.ProfileCache(None if off else args.profile_cache, refresh=args.reprofile)
     cost = planner.cost_model(request, cluster=cluster, cache=cache)
+    for note in cache.notes:  # which cached profiles were used (age, conditions), which were not
+        print(f"plan.py: {note}", file=sys.stderr, flush=True)
     mixed = planner.plan_mixed(request, cost) if cost.cluster.mixed else None
     ranked = mixed.ranked if mixed else planner.plan(request, cost)
     extra = ["--dataset", "synthetic", "--image-size", str(args.image_size)]
@@ -170,6 +178,7 @@ def plan(args: argparse.Namespace) -> dict:
         "data_parallel": report.row(dp, job, cost),
         "speedup_over_data_parallel": round(best.samples_per_s / dp.samples_per_s, 3),
         "simulated": len(ranked),
+        "profiles": list(cache.notes),  # the cached entries used (age, conditions), or not used
     }
     if mixed:
         out.update(_mixed_keys(mixed, best, job, cost))

@@ -4,6 +4,7 @@ Modules, from the data up:
 
 - ``anatomy``: per-block parameters, boundary and saved bytes and FLOPs, counted on the meta device;
 - ``profile``: per-block timings measured on the local device, and the cache of profiles;
+- ``conditions``: what a profile was measured under (load, CPU share, spread) and whether to trust it;
 - ``cluster``: the devices and links a plan runs on (YAML cluster files, or this machine);
 - ``isolate``: a measurement run in a spawned child process (no CUDA left in the caller);
 - ``calibrate``: the engine's own overheads and this machine's loopback links, measured once;

@@ -99,6 +99,8 @@ def _cost(cfg: RunConfig, request: planner.Request) -> tuple[CostModel, str]:
     cost = planner.cost_model(
         request, cluster=None, cache=cache, repeats=3, device_type=_device_type(cfg)
     )
+    for note in cache.notes:  # which cached profiles were used, and which were not
+        print(f"main.py: {note}", file=sys.stderr, flush=True)
     return cost, f"a profile measured on this machine (cached in {cache.directory})"
 
 

@@ -33,6 +33,7 @@ from bundle.partition import split_model
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import Cluster, Link
+from bundle.plan.conditions import Watch
 from bundle.plan.cost import CostModel, Overheads
 from bundle.plan.simulate import Layout, simulate
 from bundle.runtime import localworld
@@ -317,11 +318,14 @@ def loopback(p2p: Link, collective: Link, *, devices: int, memory_bytes: float) 
 
 def _world(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    p2p, collective = measure_links(rank)
+    with Watch() as watch:
+        p2p, collective = measure_links(rank)
+        pipelines = Pipelines(rank).measure()
     return {
         "p2p": asdict(p2p),
         "collective": asdict(collective),
-        "pipelines": Pipelines(rank).measure(),
+        "pipelines": pipelines,
+        "cpu_share": watch.share(),
     }
 
 
@@ -335,11 +339,12 @@ def engine(cache: prof.ProfileCache) -> Overheads:
     doc = cache.get("engine", _key())
     if doc is not None:
         return Overheads(**doc)
-    measured = measure_engine()
+    with Watch() as watch:
+        measured = measure_engine()
     found = fit_engine(
         prof.Timings(**measured["tiny"]), measured["runner"], measured["copy_bandwidth"]
     )
-    cache.put("engine", _key(), asdict(found))
+    cache.put("engine", _key(), asdict(found), prof.watched(watch, torch.device("cpu")))
     return found
 
 
@@ -348,7 +353,13 @@ def calibrate(cache: prof.ProfileCache, *, start_method: str = "spawn") -> Calib
     overheads = engine(cache)
     doc = cache.get("links", _key())
     if doc is None:
-        world = localworld.run_world(2, _world, timeout=300.0, start_method=start_method)[0]
+        # The links are timed in two child processes: the least share of the CPU either got.
+        with Watch(sched=lambda: None) as watch:
+            worlds = localworld.run_world(2, _world, timeout=300.0, start_method=start_method)
+        world = worlds[0]
+        shares = [w["cpu_share"] for w in worlds if w["cpu_share"] is not None]
+        seen = prof.watched(watch, torch.device("cpu"))
+        seen = replace(seen, cpu_share=min(shares)) if shares else seen
         p2p, collective = Link(**world["p2p"]), Link(**world["collective"])
         fitted = fit_comm_action(overheads, p2p, collective, world["pipelines"])
         doc = {
@@ -356,7 +367,7 @@ def calibrate(cache: prof.ProfileCache, *, start_method: str = "spawn") -> Calib
             "collective": asdict(collective),
             "comm_action": fitted.comm_action,
         }
-        cache.put("links", _key(), doc)
+        cache.put("links", _key(), doc, seen)
     return Calibration(
         replace(overheads, comm_action=doc["comm_action"]),
         Link(**doc["p2p"]),

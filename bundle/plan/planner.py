@@ -116,6 +116,7 @@ class Measured:
     timings: prof.Timings
     overheads: Overheads
     cluster: Cluster
+    notes: tuple[str, ...] = ()  # the profile cache's (which entries were used, which were not)
 
 
 def measure(
@@ -155,9 +156,9 @@ def measure(
         # measured; the file's figures stand for nodes this machine does not have.
         cal = calibrate.calibrate(cache, start_method=start_method)
         links = replace(cluster, intra=cal.p2p, collective=cal.collective)
-        return Measured(timings, cal.overheads, links)
+        return Measured(timings, cal.overheads, links, tuple(cache.notes))
     if cluster is not None:
-        return Measured(timings, overheads, cluster)
+        return Measured(timings, overheads, cluster, tuple(cache.notes))
     if device.type == "cuda":
         _, intra, inter = NOMINAL["cuda"]
         name = prof.device_name(device)
@@ -171,7 +172,7 @@ def measure(
             intra=intra,
             inter=inter,
         )
-        return Measured(timings, overheads, cluster)
+        return Measured(timings, overheads, cluster, tuple(cache.notes))
     cal = calibrate.calibrate(cache, start_method=start_method)
     cluster = replace(
         calibrate.loopback(
@@ -182,7 +183,7 @@ def measure(
         ),
         nodes=request.nodes,
     )
-    return Measured(timings, cal.overheads, cluster)
+    return Measured(timings, cal.overheads, cluster, tuple(cache.notes))
 
 
 def cost_model(
@@ -227,6 +228,7 @@ def cost_model(
         what=f"profiling {request.model} on {device_type}",
         timeout=timeout,
     )
+    cache.notes.extend(n for n in measured.notes if n not in cache.notes)
     # Gloo on the CPU reduces on the cores the backward runs on: no overlap to count on.
     return common(
         cluster=measured.cluster,

@@ -31,6 +31,7 @@ from bundle import models
 from bundle.config import parse_model_args
 from bundle.engine.precision import Policy
 from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear, count_anatomy
+from bundle.plan.conditions import Conditions, Watch
 
 
 @dataclass(frozen=True)
@@ -128,10 +129,12 @@ def measure_timings(
     repeats: int = 5,
     progress: Progress | None = None,
     args: str | None = None,
+    watch: Watch | None = None,
 ) -> Timings:
     """Forward and backward seconds of every block at each row count (median of ``repeats``).
 
     A profile that takes more than a few seconds says how far it is on stderr (``Progress``).
+    ``watch`` is told the spread of each grid point's repetitions (``bundle.plan.conditions``).
     """
     device = device or torch.device("cpu")
     progress = progress or Progress(f"profiling {model_name} on {device.type}")
@@ -164,6 +167,8 @@ def measure_timings(
                 )  # fmt: skip
             )
         timed = runs[warmup:]
+        if watch is not None:
+            watch.repeats([sum(t[0]) + sum(t[1]) + t[2] for t in timed])
         fwd_grid.append(
             tuple(statistics.median(t[0][i] for t in timed) for i in range(len(blocks)))
         )
@@ -283,12 +288,20 @@ def default_cache_dir() -> Path:
 
 
 class ProfileCache:
-    """JSON files under one directory, named by a hash of what they depend on; ``None``: off."""
+    """JSON files under one directory, named by a hash of what they depend on; ``None``: off.
 
-    FORMAT = 1  # raised whenever what an entry holds changes: older entries are measured again
+    A measured entry carries the conditions it was measured under (``bundle.plan.conditions``).
+    ``get`` passes over one that cannot be trusted (so it is measured again), ``put`` keeps none,
+    and ``refresh`` (``plan.py --reprofile``) measures everything afresh. ``notes`` says, for the
+    plan's output, which entries were used (with their age and conditions) and which were not.
+    """
 
-    def __init__(self, directory: str | Path | None) -> None:
+    FORMAT = 2  # raised whenever what an entry holds changes: older entries are measured again
+
+    def __init__(self, directory: str | Path | None, *, refresh: bool = False) -> None:
         self.directory = Path(directory) if directory is not None else None
+        self.refresh = refresh
+        self.notes: list[str] = []
 
     def _path(self, kind: str, key: dict) -> Path | None:
         if self.directory is None:
@@ -297,23 +310,46 @@ class ProfileCache:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         return self.directory / f"{kind}-{key.get('model', 'engine')}-{digest}.json"
 
-    def get(self, kind: str, key: dict) -> dict | None:
+    def get(self, kind: str, key: dict, *, now: float | None = None) -> dict | None:
         path = self._path(kind, key)
         if path is None or not path.is_file():
+            return None
+        if self.refresh:
+            self.notes.append(f"{kind} profile measured afresh (--reprofile), not read from {path}")
             return None
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
             return None  # a damaged entry is measured again
-        return doc.get("value") if doc.get("key") == key else None
+        if doc.get("key") != key:
+            return None
+        if doc.get("conditions") is None:
+            return doc.get("value")  # counted, not timed (an anatomy): nothing to judge
+        seen = Conditions.from_json(doc["conditions"])
+        if (trouble := seen.trouble()) is not None:
+            self.notes.append(f"{kind} profile {path} not used: measured while {trouble}")
+            return None
+        self.notes.append(f"{kind} profile from the cache, {seen.describe(now)}: {path}")
+        return doc.get("value")
 
-    def put(self, kind: str, key: dict, value: dict) -> None:
+    def put(self, kind: str, key: dict, value: dict, conditions: Conditions | None = None) -> None:
+        """Keep ``value``, unless it was measured under ``conditions`` that cannot be trusted."""
+        trouble = conditions.trouble() if conditions is not None else None
+        if trouble is not None:
+            self.notes.append(
+                f"{kind} profile measured now while {trouble}: not cached, and plans made from "
+                "it may be off; plan on a quiet machine"
+            )
+            return
         path = self._path(kind, key)
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "value": value}))
+        doc = {"key": key, "value": value}
+        if conditions is not None:
+            doc["conditions"] = conditions.to_json()
+        tmp.write_text(json.dumps(doc))
         tmp.replace(path)
 
 
@@ -390,15 +426,22 @@ def timings(
             loss=tuple(doc["loss"]),
             optimizer_per_param=doc["optimizer_per_param"],
         )
-    found = measure_timings(
-        model,
-        tuple(input_shape),
-        num_classes,
-        rows=rows,
-        precision=precision,
-        device=device,
-        repeats=repeats,
-        args=args,
-    )
-    cache.put("timings", key, asdict(found))
+    with Watch() as watch:
+        found = measure_timings(
+            model,
+            tuple(input_shape),
+            num_classes,
+            rows=rows,
+            precision=precision,
+            device=device,
+            repeats=repeats,
+            args=args,
+            watch=watch,
+        )
+    cache.put("timings", key, asdict(found), watched(watch, device))
     return found
+
+
+def watched(watch: Watch, device: torch.device) -> Conditions:
+    """The conditions ``watch`` saw, for a measurement on ``device`` in this process."""
+    return watch.conditions(device_name(device), torch.get_num_threads(), torch.__version__)

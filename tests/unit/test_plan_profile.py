@@ -15,6 +15,7 @@ from bundle.engine.memory import SavedBytes
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import Cluster, Link, Speed
+from bundle.plan.conditions import Watch
 from bundle.plan.cost import CostModel
 
 SHAPE = (3, 8, 8)
@@ -83,7 +84,9 @@ def test_timings_interpolate_in_rows():
     assert prof.row_grid(12) == (2, 4, 8, 12) and prof.row_grid(1) == (1,)
 
 
-def test_measured_timings_are_cached_by_device_and_grid(tmp_path):
+def test_measured_timings_are_cached_by_device_and_grid(tmp_path, monkeypatch):
+    # A quiet machine, whatever runs beside the test (test_plan_conditions judges the readings).
+    monkeypatch.setattr(prof, "Watch", lambda: Watch(load=lambda: 0.0, sched=lambda: None))
     cache = prof.ProfileCache(tmp_path)
     args = ("mlp", (3, 2, 2), 10, cache)
     first = prof.timings(*args, rows=(1, 2), repeats=1)
