@@ -318,14 +318,11 @@ def loopback(p2p: Link, collective: Link, *, devices: int, memory_bytes: float) 
 
 def _world(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    with Watch() as watch:
-        p2p, collective = measure_links(rank)
-        pipelines = Pipelines(rank).measure()
+    p2p, collective = measure_links(rank)
     return {
         "p2p": asdict(p2p),
         "collective": asdict(collective),
-        "pipelines": pipelines,
-        "cpu_share": watch.share(),
+        "pipelines": Pipelines(rank).measure(),
     }
 
 
@@ -353,13 +350,11 @@ def calibrate(cache: prof.ProfileCache, *, start_method: str = "spawn") -> Calib
     overheads = engine(cache)
     doc = cache.get("links", _key())
     if doc is None:
-        # The links are timed in two child processes: the least share of the CPU either got.
+        # Timed in two child processes whose threads contend with each other by design (gloo's
+        # I/O threads beside the timing loops): the load as they start is what is judged.
         with Watch(sched=lambda: None) as watch:
-            worlds = localworld.run_world(2, _world, timeout=300.0, start_method=start_method)
-        world = worlds[0]
-        shares = [w["cpu_share"] for w in worlds if w["cpu_share"] is not None]
+            world = localworld.run_world(2, _world, timeout=300.0, start_method=start_method)[0]
         seen = prof.watched(watch, torch.device("cpu"))
-        seen = replace(seen, cpu_share=min(shares)) if shares else seen
         p2p, collective = Link(**world["p2p"]), Link(**world["collective"])
         fitted = fit_comm_action(overheads, p2p, collective, world["pipelines"])
         doc = {
