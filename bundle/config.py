@@ -205,6 +205,10 @@ class DataConfig:
     synthetic_size: int = 4096
     data_file: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset text
     seq_len: int = field(default=64, metadata=RECORDED)  # --dataset text: tokens per sample
+    # --dataset text: a tokenizer saved on disk (None: byte-level tokens); generation reads it back.
+    tokenizer: str | None = field(
+        default=None, metadata=MappingProxyType({"nodes": "local", "recorded": "tokenizer"})
+    )
     # A sample that cannot be read is replaced (bundle.samples.Guarded) instead of failing the run.
     skip_bad_samples: bool = False
 
@@ -218,6 +222,8 @@ class DataConfig:
         positive("--seq-len", self.seq_len)
         if self.dataset == "text" and not self.data_file:
             raise ConfigError("--dataset", "text", "needs --data-file FILE (any UTF-8 text)")
+        if self.tokenizer and self.dataset != "text":
+            raise ConfigError("--tokenizer", self.tokenizer, "tokenizes --dataset text only")
         positive("--workers", self.workers, 0)
         positive("--image-size", self.image_size)
         if self.num_classes is not None:

@@ -17,6 +17,7 @@ cannot be read fails as one line naming its split, index and path, or, with
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from bundle import tokenizer
 from bundle.config import DataConfig, is_reference
 from bundle.errors import ConfigError, DataError
 from bundle.samples import (
@@ -170,8 +172,8 @@ def train_size(cfg: DataConfig) -> int:
     return len(make_dataset(os.path.join(_root(cfg), "train"), extensions=IMG_EXTENSIONS))
 
 
-# --dataset text: byte-level tokens, so the vocabulary is every byte value.
-TEXT_VOCAB = 256
+# --dataset text without --tokenizer: byte-level tokens, so the vocabulary is every byte value.
+TEXT_VOCAB = tokenizer.BYTE_VOCAB
 SYNTHETIC_CLASSES = 10  # --dataset synthetic without --num-classes
 _TEXT_VAL_FRACTION = 0.1
 
@@ -183,14 +185,31 @@ def _text_bytes(cfg: DataConfig) -> bytes:
             raw = f.read()
     except OSError as exc:
         raise DataError(f"--data-file {path!r}: {exc.strerror or exc}") from None
-    # Two windows of seq_len + 1 bytes at least: one to train on, one to validate with.
-    need = 2 * (cfg.seq_len + 1) * 10
-    if len(raw) < need:
-        raise DataError(
-            f"--data-file {path!r} holds {len(raw)} bytes; --seq-len {cfg.seq_len} needs at "
-            f"least {need} (a tenth of it is the validation set, one window at least)"
-        )
+    if cfg.tokenizer is None:
+        _enough(cfg, len(raw), "bytes")
     return raw
+
+
+def _enough(cfg: DataConfig, tokens: int, unit: str) -> None:
+    """Two windows of seq_len + 1 tokens at least: one to train on, one to validate with."""
+    need = 2 * (cfg.seq_len + 1) * 10
+    if tokens < need:
+        by = f" with --tokenizer {cfg.tokenizer}" if cfg.tokenizer else ""
+        raise DataError(
+            f"--data-file {cfg.data_file!r} holds {tokens} {unit}{by}; --seq-len {cfg.seq_len} "
+            f"needs at least {need} (a tenth of it is the validation set, one window at least)"
+        )
+
+
+@functools.lru_cache(maxsize=2)
+def _text_tokens(cfg: DataConfig) -> torch.Tensor:
+    """The file's tokens: its bytes, or what ``--tokenizer`` makes of its text (once a process)."""
+    raw = _text_bytes(cfg)
+    if cfg.tokenizer is None:
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    ids = tokenizer.load(cfg.tokenizer).encode(raw.decode("utf-8", errors="replace"))
+    _enough(cfg, len(ids), "tokens")
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def _windows(tokens: torch.Tensor, seq_len: int) -> TensorDataset:
@@ -202,13 +221,14 @@ def _windows(tokens: torch.Tensor, seq_len: int) -> TensorDataset:
 
 
 def _text(cfg: DataConfig) -> DataSplits:
-    """Byte-level tokens of any file: the first nine tenths train, the rest validates."""
-    tokens = torch.frombuffer(bytearray(_text_bytes(cfg)), dtype=torch.uint8)
+    """Tokens of any text file (bytes, or ``--tokenizer``'s): the first nine tenths train, the
+    rest validates."""
+    tokens = _text_tokens(cfg)
     cut = int(len(tokens) * (1 - _TEXT_VAL_FRACTION))
     return DataSplits(
         _windows(tokens[:cut], cfg.seq_len),
         _windows(tokens[cut:], cfg.seq_len),
-        TEXT_VOCAB,
+        tokenizer.load(cfg.tokenizer).vocab,
         (cfg.seq_len,),
     )
 
@@ -351,8 +371,8 @@ def input_spec(cfg: DataConfig) -> tuple[int, tuple[int, ...]]:
     if cfg.dataset == "digits":
         return 10, (1, 8, 8)
     if cfg.dataset == "text":
-        _text_bytes(cfg)  # the file is there and long enough
-        return TEXT_VOCAB, (cfg.seq_len,)
+        _text_bytes(cfg)  # the file is there (and, byte-level, long enough)
+        return tokenizer.load(cfg.tokenizer).vocab, (cfg.seq_len,)
     if cfg.dataset not in ("synthetic", "imagefolder"):
         splits = _custom(cfg)
         return splits.num_classes, splits.input_shape

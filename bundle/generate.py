@@ -6,8 +6,9 @@
 
 CHECKPOINT is a ``--save-dir`` step directory (it records the model, its arguments, the
 vocabulary and the context length; it is verified before it is read) or a ``--checkpoint``
-weights file, with the ``--model`` and ``--model-args`` it was trained with. Text is byte-level,
-as ``--dataset text`` reads it (256 tokens). Sampling: ``--temperature`` (0: always the likeliest
+weights file, with the ``--model`` and ``--model-args`` it was trained with. Text is tokenized as
+``--dataset text`` read it: byte-level (256 tokens), or by the ``--tokenizer`` the step directory
+records (or given here). Sampling: ``--temperature`` (0: always the likeliest
 token), ``--top-k``; the same ``--seed`` gives the same text. The context is the last
 ``--seq-len`` tokens (the model's training context by default). Errors are one line on stderr,
 exit code 2 (as main.py's input errors).
@@ -24,9 +25,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from bundle import tokenizer
 from bundle.checkpoint import format as ckpt
 from bundle.config import parse_model_args
-from bundle.data import TEXT_VOCAB
 from bundle.errors import BundleError, ConfigError
 
 PROG = "python -m bundle.generate"
@@ -40,6 +41,7 @@ class Source:
     args: dict[str, Any]
     output: str | None
     vocab: int
+    tokenizer: str | None  # --tokenizer's directory; None: byte-level
     context: int
     state: dict[str, torch.Tensor]
 
@@ -57,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="a weights file's model (a step directory records it)")
     p.add_argument("--model-args", metavar="K=V,...")
     p.add_argument("--model-config", metavar="FILE|DIR", help="a transformers model's config")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="the tokenizer it was trained with (a step directory records it; "
+                        "default: byte-level)")  # fmt: skip
     return p
 
 
@@ -74,6 +79,7 @@ def source(args: argparse.Namespace) -> Source:
             args=parse_model_args(args.model_args or info.get("model_args")),
             output=info.get("model_output"),
             vocab=int(info["num_classes"]),
+            tokenizer=args.tokenizer or info.get("tokenizer"),
             context=int(info["input_shape"][0]),
             state=ckpt.weights(path),
         )
@@ -85,7 +91,8 @@ def source(args: argparse.Namespace) -> Source:
         model=args.model,
         args=parse_model_args(args.model_args),
         output=None,
-        vocab=TEXT_VOCAB,
+        vocab=tokenizer.load(args.tokenizer).vocab,
+        tokenizer=args.tokenizer,
         context=args.seq_len or 256,
         state=ckpt.load(path),
     )
@@ -151,7 +158,8 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--max-new-tokens/--top-k", argv, "must be >= 0 and >= 1")
         src = source(args)
         context = args.seq_len or src.context
-        prompt = list(args.prompt.encode("utf-8"))
+        words = tokenizer.load(src.tokenizer)
+        prompt = words.encode(args.prompt)
         if not prompt:
             raise ConfigError("--prompt", args.prompt, "give at least one character")
         model = build(src, context, args.model_config)
@@ -168,8 +176,7 @@ def main(argv: list[str]) -> int:
     except BundleError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    text = bytes(t if t < TEXT_VOCAB else ord("?") for t in tokens)
-    sys.stdout.write(text.decode("utf-8", errors="replace") + "\n")
+    sys.stdout.write(words.decode(tokens) + "\n")
     return 0
 
 

@@ -281,6 +281,9 @@ OPTIONS: tuple[Option, ...] = (
                 "tokens of --data-file; or a function of your own, f(split) -> Dataset"),
     Option(MODEL, "--data-file", "data.data_file", metavar="FILE",
            help="--dataset text: any UTF-8 text file (its last tenth is the validation set)"),
+    Option(MODEL, "--tokenizer", "data.tokenizer", metavar="DIR",
+           help="--dataset text: a tokenizer saved on disk (tokenizer.json, or what "
+                "transformers' save_pretrained writes); default: byte-level tokens"),
     Option(MODEL, "--seq-len", "data.seq_len", metavar="T",
            help="--dataset text: tokens per sample (the model's context)"),
     Option(MODEL, "--image-size", "data.image_size",

@@ -17,6 +17,8 @@ as ``block(*prev)``, and ``Stage.forward`` always returns a tuple.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -26,7 +28,7 @@ import torch
 import torch.nn as nn
 import yaml
 
-from bundle import models
+from bundle import log, models
 from bundle.config import ModelConfig
 from bundle.engine.memory import run_recomputed
 from bundle.errors import ConfigError, PartitionError
@@ -35,6 +37,7 @@ from bundle.models import Block, apply_blocks, is_known
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PARTITIONS_DIR = REPO_ROOT / "partitions"
 _KEYS = ("model", "stages")
+_SAY_AFTER_S = 5.0  # a cut that captures for longer says what it is doing
 
 
 @dataclass(frozen=True)
@@ -272,6 +275,17 @@ def cut(
         stages = [Stage(models.whole(model, cfg.output))]
         stages[0].input_dtype = models.input_dtype(model)
         return stages
+    started = time.monotonic()
+    # Capturing a large model's forward takes tens of seconds: say so once it runs long.
+    said = threading.Timer(
+        _SAY_AFTER_S,
+        lambda: log.get().info(
+            f"cutting {cfg.name} into {num_stages} stages: capturing its forward "
+            "(fx, or torch.export where fx cannot trace it)"
+        ),
+    )
+    said.daemon = True
+    said.start()
     try:
         blocks = models.blocks(model, input_shape, spec.starts if spec else (), cfg.output)
         stages = split_model(blocks, resolve(spec, blocks, num_stages, cfg.name))
@@ -279,6 +293,10 @@ def cut(
         if spec is None:
             raise
         raise PartitionError(f"--partition {cfg.partition}: {exc}") from None
+    finally:
+        said.cancel()
+    if time.monotonic() - started > _SAY_AFTER_S:
+        log.get().info(f"cut {cfg.name} in {time.monotonic() - started:.0f}s")
     for stage in stages:
         stage.input_dtype = models.input_dtype(model)
     return stages

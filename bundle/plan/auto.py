@@ -94,6 +94,15 @@ def _cost(cfg: RunConfig, request: planner.Request) -> tuple[CostModel, str]:
         )
         return cost, "FLOP and byte counts against nominal speeds, the same on every process"
     cache = prof.ProfileCache(prof.default_cache_dir())
+    # A fresh profile takes tens of seconds: say what is going on before it starts.
+    print(
+        f"main.py: planning {request.model} for {request.nodes * request.per_node} process(es): "
+        f"profiling it on this {_device_type(cfg)} (block timings, engine overheads"
+        + (", loopback links" if _device_type(cfg) == "cpu" else "")
+        + f"), or reading them from {cache.directory}",
+        file=sys.stderr,
+        flush=True,
+    )
     # Measured in a child process: CUDA, once initialised here, would hold memory on cuda:0
     # for as long as the job runs.
     cost = planner.cost_model(
