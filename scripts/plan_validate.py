@@ -307,6 +307,8 @@ def predict(spec: Spec, results: dict) -> dict:
                 "predicted_samples_per_s": round(pred, 1),
                 "measured_samples_per_s": round(meas, 1),
                 "error": round((pred - meas) / meas, 4),
+                # the rounds' (max - min) / median: the measurement's own noise, beside its error
+                "measured_spread": round((max(measured) - min(measured)) / meas, 4),
                 "round_predicted": [round(p, 1) for p in predicted],
                 "round_measured": [round(m, 1) for m in measured],
             }
@@ -323,11 +325,12 @@ def predict(spec: Spec, results: dict) -> dict:
 
 
 def render(report: dict) -> str:
-    lines = [f"{'configuration':<40} {'predicted':>10} {'measured':>10} {'error':>7}"]
+    lines = [f"{'configuration':<40} {'predicted':>10} {'measured':>10} {'error':>7} {'spread':>7}"]
     for row in report["configurations"]:
         lines.append(
             f"{row['name']:<40} {row['predicted_samples_per_s']:>10.1f} "
-            f"{row['measured_samples_per_s']:>10.1f} {row['error']:>+7.1%}"
+            f"{row['measured_samples_per_s']:>10.1f} {row['error']:>+7.1%} "
+            f"{row.get('measured_spread', 0.0):>7.1%}"
         )
     lines.append(
         f"median |error| {report['median_abs_error']:.1%} (target <= 10%), "

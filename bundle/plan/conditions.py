@@ -52,9 +52,10 @@ class Conditions:
             return f"its repetitions spread {self.spread:.0%} around their median"
         return None
 
-    def describe(self, now: float | None = None) -> str:
-        age = max((time.time() if now is None else now) - self.measured_at, 0.0)
-        parts = [f"measured {_age(age)} ago", f"load {self.load:.1f} on {self.cpus} CPU(s)"]
+    def describe(self, now: float | None = None, *, age: bool = True) -> str:
+        seconds = max((time.time() if now is None else now) - self.measured_at, 0.0)
+        parts = [f"measured {_age(seconds)} ago"] if age else []
+        parts.append(f"load {self.load:.1f} on {self.cpus} CPU(s)")
         if self.cpu_share is not None:
             parts.append(f"{self.cpu_share:.0%} of the CPU it was ready for")
         if self.spread is not None:

@@ -218,6 +218,13 @@ def test_plans_for_emulated_cpu_devices_carry_cpu_shares(tmp_path):
     fast = {w for w, c in zip(weights, shares, strict=True) if c == 0.5}
     slow = {w for w, c in zip(weights, shares, strict=True) if c == 0.2}
     assert min(fast) > max(slow)
+    # Planned again on the same cache: the plan names each cached profile it used, with its age
+    # and conditions, or says why one was measured again (this machine may be busy).
+    assert PLAN.main([*argv, "--json", str(out), "--profile-cache", str(tmp_path)]) == 0
+    notes = json.loads(out.read_text())["profiles"]
+    kinds = {n.split(" profile")[0] for n in notes}
+    assert kinds == {"timings", "engine", "links"}, notes
+    assert all("from the cache, measured" in n or "measured now" in n for n in notes), notes
 
 
 def test_auto_is_parsed_and_refused_beside_dp_only():
