@@ -29,7 +29,7 @@ from bundle.data import TEXT_VOCAB, input_spec
 from bundle.errors import BundleError
 from bundle.plan import planner, report
 from bundle.plan import profile as prof
-from bundle.plan.cluster import describe_nominal, load_cluster, nominal
+from bundle.plan.cluster import counted, describe_nominal, load_cluster, nominal
 from bundle.plan.search import data_parallel, evaluate
 
 
@@ -120,7 +120,10 @@ def _cluster(args: argparse.Namespace):
     """The cluster file's; nominal GPUs when GPU counts are given without one; else None (this
     machine, measured)."""
     if args.cluster:
-        return load_cluster(args.cluster)
+        cluster, note = counted(load_cluster(args.cluster), args.nodes, args.gpus_per_node)
+        if note:
+            print(f"plan.py: {note}", file=sys.stderr, flush=True)
+        return cluster
     if args.gpus_per_node is None and args.nodes in (None, 1):
         return None
     # Counts of GPUs say the plan is for GPUs, not for this machine: timing the model here

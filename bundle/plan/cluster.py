@@ -33,7 +33,7 @@ emulated slower device) and lists each node's devices in local-index order::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -305,16 +305,42 @@ def load_cluster(path: str) -> Cluster:
     if unknown:
         raise r.fail(unknown[0], doc[unknown[0]], f"is not a key; allowed: {sorted(_KEYS)}")
     device = r.section(doc, "device")
+    # The counts may be left out: the file describes the kind of node and its links, and
+    # plan.py's --nodes / --gpus-per-node ask how many (``counted``).
     return Cluster(
         name=r.text(doc, "name"),
-        nodes=r.count(doc, "nodes"),
-        devices_per_node=r.count(doc, "devices_per_node"),
+        nodes=r.count(doc, "nodes") if "nodes" in doc else 1,
+        devices_per_node=r.count(doc, "devices_per_node") if "devices_per_node" in doc else 0,
         device_name=r.text(device, "name", "device."),
         memory_bytes=r.number(device, "memory_gib", "device.") * 2**30,
         speed=r.speed(device),
         intra=r.link(doc, "intra_node"),
         inter=r.link(doc, "inter_node"),
     )
+
+
+def counted(cluster: Cluster, nodes: int | None, per_node: int | None) -> tuple[Cluster, str]:
+    """A uniform cluster widened to the asked-for counts where they exceed its file's, and a note
+    saying so ('' when nothing changed). A mixed cluster lists its nodes: returned as it is."""
+    if cluster.mixed:
+        return cluster, ""
+    if per_node is None and cluster.devices_per_node == 0:
+        raise ConfigError(
+            "--gpus-per-node", None, f"the cluster '{cluster.name}' gives no devices_per_node"
+        )
+    # Fewer than the file lists is a part of it, planned as today; more widens it, with a note.
+    nodes = max(cluster.nodes, nodes or 0)
+    per_node = max(cluster.devices_per_node, per_node or 0)
+    if (nodes, per_node) == (cluster.nodes, cluster.devices_per_node):
+        return cluster, ""
+    asked = [f"--nodes {nodes}"] if nodes != cluster.nodes else []
+    asked += [f"--gpus-per-node {per_node}"] if per_node != cluster.devices_per_node else []
+    was = f"{cluster.nodes} node(s) of {cluster.devices_per_node or '(not given)'}"
+    note = (
+        f"{' and '.join(asked)} in place of the cluster '{cluster.name}''s {was}: its "
+        f"{cluster.device_name} and links stand for every node"
+    )
+    return replace(cluster, nodes=nodes, devices_per_node=per_node), note
 
 
 def _load_mixed(r: _Reader, doc: Mapping[str, Any]) -> Cluster:

@@ -62,7 +62,6 @@ def _broken(tmp_path: Path, edit) -> str:
 
 
 BROKEN = {
-    "missing nodes": (lambda d: d.pop("nodes"), "key nodes"),
     "negative memory": (lambda d: d["device"].update(memory_gib=-1), "device.memory_gib"),
     "negative bandwidth": (
         lambda d: d["inter_node"].update(bandwidth_gbs=-1.25),
@@ -86,14 +85,6 @@ def test_a_broken_cluster_file_names_the_key(tmp_path, name):
 
 BAD = {
     "unknown model": (["--model", "resnet9000"], "--model"),
-    "more devices per node than the cluster": (
-        ["--model", "resnet50", "--gpus-per-node", "8", "--cluster", str(CLUSTERS[1])],
-        "--gpus-per-node",
-    ),
-    "more nodes than the cluster": (
-        ["--model", "resnet50", "--nodes", "5", "--cluster", str(CLUSTERS[1])],
-        "--nodes",
-    ),
     "batch too small for any plan": (
         ["--model", "resnet50", "--batch-size", "4", "--cluster", str(CLUSTERS[0])],
         "--batch-size",
@@ -117,7 +108,27 @@ def test_bad_input_is_one_line_and_exit_2(name, capsys, tmp_path):
 def test_broken_cluster_file_is_exit_2(tmp_path, capsys):
     path = _broken(tmp_path, lambda d: d.pop("devices_per_node"))
     assert PLAN.main(["--model", "vgg16", "--cluster", path]) == 2
-    assert "devices_per_node" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--gpus-per-node" in err and "gives no devices_per_node" in err
+
+
+def test_the_counts_asked_for_widen_a_cluster_file_with_a_note(tmp_path, capsys):
+    """The file describes the kind of node and its links; how many is the user's question. A file
+    may leave the counts out; more than it lists is planned, with one note."""
+    out = tmp_path / "plans.json"
+    path = _broken(tmp_path, lambda d: (d.pop("nodes"), d.pop("devices_per_node")))
+    assert load_cluster(path).nodes == 1
+    argv = ["--model", "resnet18", "--batch-size", "64", "--nodes", "3", "--gpus-per-node", "2"]
+    argv += ["--top", "1", "--json", str(out), "--profile-cache", str(tmp_path)]
+    assert PLAN.main([*argv, "--cluster", path]) == 0
+    assert json.loads(out.read_text())["devices"] == 6
+    err = capsys.readouterr().err
+    assert "plan.py: --nodes 3 and --gpus-per-node 2 in place of the cluster" in err, err
+    assert "1 node(s) of (not given)" in err and "stand for every node" in err
+    argv[5] = "5"  # --nodes 5 of the shipped file's 4 (of 4 devices; 2 asked for)
+    assert PLAN.main([*argv, "--cluster", str(CLUSTERS[1])]) == 0
+    assert json.loads(out.read_text())["devices"] == 10
+    assert "--nodes 5 in place of the cluster" in capsys.readouterr().err
 
 
 def test_plans_for_a_cluster_file(tmp_path, capsys):
