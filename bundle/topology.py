@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING
 
 from bundle.errors import TopologyError
@@ -118,6 +118,7 @@ def _stage_ranges(rows: int, width: int | tuple[Fraction, ...]) -> tuple[tuple[i
     return weighted_ranges(rows, width)
 
 
+@lru_cache(maxsize=4096)  # pure; the planner's simulator asks for the same plans many times
 def row_plan(
     rows: int, src_width: int | tuple[Fraction, ...], dst_width: int | tuple[Fraction, ...]
 ) -> tuple[Transfer, ...]:

@@ -219,6 +219,7 @@ def _best_estimates(
     splitter = Splitter(cost, link.bandwidth, link.latency)
     hop = HopCost(cost, dp)
     best: list[_Candidate] = []  # a heap of the ``keep`` best estimates
+    tails: dict[tuple[object, ...], float] = {}  # _estimate's memo
     for b in range(dp.min_bundles, devices + 1):
         bundle_rows = batch // b
         width, ppn = _bundle_layout(b, devices=devices, nodes=nodes, per_node=per_node, exact=exact)
@@ -231,7 +232,7 @@ def _best_estimates(
                 for m in micro_counts(bundle_rows, max(widths), max_micro):
                     starts, slowest = splitter.split(widths, -(-bundle_rows // m))
                     plan = Plan(widths, b, starts, m, ppn, dp=dp)
-                    item = _Candidate(-_estimate(hop, plan, batch, slowest), plan)
+                    item = _Candidate(-_estimate(hop, plan, batch, slowest, tails), plan)
                     if len(best) < keep:
                         heapq.heappush(best, item)
                     elif item > best[0]:
@@ -293,14 +294,31 @@ def rank(evaluated: list[Evaluated]) -> list[Evaluated]:
     return sorted(evaluated, key=key)
 
 
-def _estimate(hop: HopCost, plan: Plan, batch: int, slowest: float) -> float:
-    """A closed-form step time: the bubble-bound pipeline, then the slowest sync and step."""
+def _estimate(
+    hop: HopCost,
+    plan: Plan,
+    batch: int,
+    slowest: float,
+    memo: dict[tuple[object, ...], float] | None = None,
+) -> float:
+    """A closed-form step time: the bubble-bound pipeline, then the slowest sync and step.
+
+    ``memo`` keeps each stage's sync and step across the candidates of one search: they depend
+    on the layout of the ranks and the stage's blocks, not on the micro-batches or the rest of
+    the split (the search asks for the same ones tens of thousands of times)."""
     cost = hop.cost
-    topo = plan.layout(batch).topology()
+    memo = {} if memo is None else memo
+    topo: Topology | None = None
     ends = [*plan.starts[1:], cost.n]
+    layout: tuple[object, ...] = (plan.shape, plan.num_bundles, plan.procs_per_node)
+    layout += (plan.grad_sync, plan.placement, plan.row_weights, plan.dp)
     tail = 0.0
     for s, (a, b) in enumerate(zip(plan.starts, ends, strict=True)):
-        tail = max(tail, _sync_estimate(hop, plan, topo, s, a, b) + cost.optimizer(a, b))
+        key = (layout, s, a, b)
+        if key not in memo:
+            topo = topo or plan.layout(batch).topology()
+            memo[key] = _sync_estimate(hop, plan, topo, s, a, b) + cost.optimizer(a, b)
+        tail = max(tail, memo[key])
     stages = len(plan.shape)
     return (plan.micro_batches + stages - 1) * slowest + tail
 
