@@ -15,7 +15,8 @@ newest complete checkpoint. Each attempt's keys live under their own prefix of t
 Why not torch.distributed.elastic's agent (which torchrun runs, and which Bundle supports as is):
 the original flags promise static node ranks and one command per node with no rendezvous
 service; this supervisor reports a failure by rank, stage and step on every node, detects a
-stalled node by heartbeat in 20 s, and compares the nodes' settings field by field.
+stalled node by heartbeat in 20 s and a stopped or frozen worker by its own beats (before its
+peers' timeouts blame whoever waited first), and compares the nodes' settings field by field.
 """
 
 from __future__ import annotations
@@ -174,6 +175,16 @@ def _attempt(
         + (f", attempt {attempt + 1}" if attempt else "")
     )
     beats: dict[int, tuple[int, float]] = {}
+    stopped_workers = unless_paused(
+        lambda: frozen(
+            procs,
+            lambda rank: float(alive[rank].value),
+            topo.describe,
+            frozen_limit(lc.timeout),
+            lambda message: post_abort(store, message),
+        ),
+        _FROZEN_MIN_S / 2,
+    )
     outcome = Outcome(End.FAILED, why="the node supervisor lost its workers")
     try:
         quotas.admit({rank: p.pid for rank, p in procs.items()})
@@ -182,13 +193,7 @@ def _attempt(
             step_of=lambda rank: int(step_now[rank].value),
             describe=topo.describe,
             check=lambda: (
-                frozen(
-                    procs,
-                    lambda rank: float(alive[rank].value),
-                    topo.describe,
-                    frozen_limit(lc.timeout),
-                    lambda message: post_abort(store, message),
-                )
+                stopped_workers()
                 or _heartbeat(base, store, node, topo.num_nodes, beats)
                 or read_abort(store)
             ),
@@ -285,6 +290,22 @@ def frozen(
                 + _state(p.pid)
             )
     return None
+
+
+def unless_paused(
+    check: Callable[[], str | None], gap: float, clock: Callable[[], float] = time.monotonic
+) -> Callable[[], str | None]:
+    """``check``, skipped on a look that comes more than ``gap`` seconds after the previous one:
+    this supervisor did not run either (the whole job was stopped, Ctrl-Z, and continued), so its
+    workers' beats are stale for the same reason; they are read again on the next look."""
+    last = [clock()]
+
+    def look() -> str | None:
+        now = clock()
+        paused, last[0] = now - last[0] > gap, now
+        return None if paused else check()
+
+    return look
 
 
 _STATES = {

@@ -10,7 +10,7 @@ import sys
 import time
 
 from bundle.runtime.process import beat
-from bundle.runtime.supervisor import End, Outcome, frozen, frozen_limit, watch
+from bundle.runtime.supervisor import End, Outcome, frozen, frozen_limit, unless_paused, watch
 
 
 class Worker:
@@ -108,3 +108,14 @@ def test_a_worker_beats_while_its_main_thread_waits():
     beat(alive, every=0.01)
     time.sleep(0.2)  # the main thread blocks, as in a collective: the beats go on
     assert time.monotonic() - alive.value < 0.1
+
+
+def test_a_job_stopped_and_continued_as_a_whole_is_not_a_frozen_worker():
+    """Ctrl-Z stops the supervisor with its workers: the first look after they continue comes
+    long after the previous one and is skipped (the beats are stale for that reason alone)."""
+    now, calls = [0.0], []
+    look = unless_paused(lambda: calls.append(now[0]), 1.5, clock=lambda: now[0])
+    for t in (0.5, 1.0, 60.0, 60.5):
+        now[0] = t
+        look()
+    assert calls == [0.5, 1.0, 60.5]
