@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_sentinels
 from multiprocessing.context import SpawnContext, SpawnProcess
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -175,16 +175,7 @@ def _attempt(
         + (f", attempt {attempt + 1}" if attempt else "")
     )
     beats: dict[int, tuple[int, float]] = {}
-    stopped_workers = unless_paused(
-        lambda: frozen(
-            procs,
-            lambda rank: float(alive[rank].value),
-            topo.describe,
-            frozen_limit(lc.timeout),
-            lambda message: post_abort(store, message),
-        ),
-        _FROZEN_MIN_S / 2,
-    )
+    stopped_workers = _liveness(procs, alive, topo, lc.timeout, store)
     outcome = Outcome(End.FAILED, why="the node supervisor lost its workers")
     try:
         quotas.admit({rank: p.pid for rank, p in procs.items()})
@@ -290,6 +281,26 @@ def frozen(
                 + _state(p.pid)
             )
     return None
+
+
+def _liveness(
+    procs: Mapping[int, Worker],
+    alive: Mapping[int, Any],
+    topo: Topology,
+    timeout: float,
+    store: dist.Store,
+) -> Callable[[], str | None]:
+    """The look at this node's workers' beats that the supervisor takes every poll (``frozen``)."""
+    return unless_paused(
+        lambda: frozen(
+            procs,
+            lambda rank: float(alive[rank].value),
+            topo.describe,
+            frozen_limit(timeout),
+            lambda message: post_abort(store, message),
+        ),
+        _FROZEN_MIN_S / 2,
+    )
 
 
 def unless_paused(

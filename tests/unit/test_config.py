@@ -178,6 +178,7 @@ RECORDED_DEFAULT = {
     "loss": None,
     "model_output": None,
     "seq_len": 64,
+    "tokenizer": None,
 }
 
 
