@@ -159,8 +159,9 @@ class _Stream:
         future=False,
         absent: Callable[[_Call], list[int]] | None = None,
     ) -> Work:
-        call = _Call(next(self._numbers), what, run, list(ops), absent=absent)
-        call.name_rank = self.name_rank
+        call = _Call(
+            next(self._numbers), what, run, list(ops), absent=absent, name_rank=self.name_rank
+        )
         if future:
             call.future = torch.futures.Future()
         with self._lock:

@@ -345,9 +345,11 @@ def engine(cache: prof.ProfileCache) -> Overheads:
     return found
 
 
-def calibrate(cache: prof.ProfileCache, *, start_method: str = "spawn") -> Calibration:
-    """The engine's overheads and the loopback links: cached, or measured now (two processes)."""
-    overheads = engine(cache)
+def calibrate(
+    cache: prof.ProfileCache, overheads: Overheads, *, start_method: str = "spawn"
+) -> Calibration:
+    """The loopback links on top of the engine's ``overheads`` (``engine``): cached, or measured
+    now (two processes)."""
     doc = cache.get("links", _key())
     if doc is None:
         # Timed in two child processes whose threads contend with each other by design (gloo's

@@ -154,7 +154,7 @@ def measure(
     ):
         # CPU processes emulating devices (cpu shares): their links are this machine's loopback,
         # measured; the file's figures stand for nodes this machine does not have.
-        cal = calibrate.calibrate(cache, start_method=start_method)
+        cal = calibrate.calibrate(cache, overheads, start_method=start_method)
         links = replace(cluster, intra=cal.p2p, collective=cal.collective)
         return Measured(timings, cal.overheads, links, tuple(cache.notes))
     if cluster is not None:
@@ -173,7 +173,7 @@ def measure(
             inter=inter,
         )
         return Measured(timings, overheads, cluster, tuple(cache.notes))
-    cal = calibrate.calibrate(cache, start_method=start_method)
+    cal = calibrate.calibrate(cache, overheads, start_method=start_method)
     cluster = replace(
         calibrate.loopback(
             cal.p2p,

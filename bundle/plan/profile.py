@@ -310,16 +310,12 @@ class ProfileCache:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         return self.directory / f"{kind}-{key.get('model', 'engine')}-{digest}.json"
 
-    def _note(self, text: str) -> None:
-        if text not in self.notes:  # the engine's entry is asked for twice in one plan
-            self.notes.append(text)
-
     def get(self, kind: str, key: dict, *, now: float | None = None) -> dict | None:
         path = self._path(kind, key)
         if path is None or not path.is_file():
             return None
         if self.refresh:
-            self._note(f"{kind} profile measured afresh (--reprofile), not read from {path}")
+            self.notes.append(f"{kind} profile measured afresh (--reprofile), not read from {path}")
             return None
         try:
             doc = json.loads(path.read_text())
@@ -331,16 +327,16 @@ class ProfileCache:
             return doc.get("value")  # counted, not timed (an anatomy): nothing to judge
         seen = Conditions.from_json(doc["conditions"])
         if (trouble := seen.trouble()) is not None:
-            self._note(f"{kind} profile {path} not used: measured while {trouble}")
+            self.notes.append(f"{kind} profile {path} not used: measured while {trouble}")
             return None
-        self._note(f"{kind} profile from the cache, {seen.describe(now)}: {path}")
+        self.notes.append(f"{kind} profile from the cache, {seen.describe(now)}: {path}")
         return doc.get("value")
 
     def put(self, kind: str, key: dict, value: dict, conditions: Conditions | None = None) -> None:
         """Keep ``value``, unless it was measured under ``conditions`` that cannot be trusted."""
         trouble = conditions.trouble() if conditions is not None else None
         if trouble is not None:
-            self._note(
+            self.notes.append(
                 f"{kind} profile measured now while {trouble}: not cached, and plans made from "
                 "it may be off; plan on a quiet machine"
             )
@@ -349,7 +345,9 @@ class ProfileCache:
         if path is None:
             return
         if conditions is not None:
-            self._note(f"{kind} profile measured now, {conditions.describe(age=False)}: {path}")
+            self.notes.append(
+                f"{kind} profile measured now, {conditions.describe(age=False)}: {path}"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         doc = {"key": key, "value": value}
