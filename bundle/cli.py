@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         torchrun = process.torchrun_env() if plan.cfg.launch.torchrun else None
         lock = _lock_save_dir(plan.cfg, env)
         if torchrun is not None:
-            return process.run_torchrun(plan.cfg, plan.topo, torchrun, plan.resume)
-        return supervise(plan.cfg, plan.topo, plan.resume)
+            return process.run_torchrun(plan.cfg, plan.topo, torchrun, plan.resume, plan.capture)
+        return supervise(plan.cfg, plan.topo, plan.resume, plan.capture)
     except BundleError as exc:
         print(f"main.py: error: {exc}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from bundle import log, models
 from bundle.config import ModelConfig
 from bundle.engine.memory import run_recomputed
 from bundle.errors import ConfigError, PartitionError
-from bundle.models import Block, apply_blocks, is_known
+from bundle.models import Block, apply_blocks, graph, is_known
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PARTITIONS_DIR = REPO_ROOT / "partitions"
@@ -266,15 +266,71 @@ def build_model(cfg: ModelConfig, num_classes: int, input_shape: Sequence[int]) 
     return model
 
 
+@dataclass(frozen=True)
+class Capture:
+    """A model's graph split, made once by the launch's checks (on the meta device) and handed
+    to the job's processes, which load it instead of capturing the forward again; ``key`` names
+    what was cut (``capture_key``)."""
+
+    key: str
+    blocks: bytes
+
+
+def capture_key(cfg: ModelConfig, input_shape: Sequence[int]) -> str:
+    """What a capture depends on: the model as built, its cut points, its output and input."""
+    return repr(
+        (cfg.name, sorted(cfg.kwargs.items()), cfg.config_file, cfg.partition, cfg.output)
+        + (tuple(input_shape),)
+    )
+
+
+def capture_of(
+    stages: Sequence[Stage], cfg: ModelConfig, input_shape: Sequence[int]
+) -> Capture | None:
+    """The graph split behind ``cut``'s stages, for the job's other processes (None: the model
+    was not cut by its graph, or holds an operation that cannot be handed on)."""
+    blocks = [(n, m) for s in stages for n, m in zip(s.names, s.blocks, strict=True)]
+    dumped = graph.dump(blocks)
+    return Capture(capture_key(cfg, input_shape), dumped) if dumped is not None else None
+
+
 def cut(
-    model: nn.Module, cfg: ModelConfig, num_stages: int, input_shape: Sequence[int]
+    model: nn.Module,
+    cfg: ModelConfig,
+    num_stages: int,
+    input_shape: Sequence[int],
+    capture: Capture | None = None,
 ) -> list[Stage]:
-    """The model cut into ``num_stages`` stages at ``--partition`` (default: balanced)."""
+    """The model cut into ``num_stages`` stages at ``--partition`` (default: balanced); from
+    ``capture`` when it was made for the same model and input (``capture_of``)."""
     spec = load_spec(cfg.partition) if cfg.partition else None
     if num_stages == 1 and spec is None:  # nothing to cut: never traced
         stages = [Stage(models.whole(model, cfg.output))]
         stages[0].input_dtype = models.input_dtype(model)
         return stages
+    try:
+        if capture is not None and capture.key == capture_key(cfg, input_shape):
+            blocks = graph.load(model, capture.blocks)
+        else:
+            blocks = _captured(model, spec, cfg, num_stages, input_shape)
+        stages = split_model(blocks, resolve(spec, blocks, num_stages, cfg.name))
+    except PartitionError as exc:
+        if spec is None:
+            raise
+        raise PartitionError(f"--partition {cfg.partition}: {exc}") from None
+    for stage in stages:
+        stage.input_dtype = models.input_dtype(model)
+    return stages
+
+
+def _captured(
+    model: nn.Module,
+    spec: PartitionSpec | None,
+    cfg: ModelConfig,
+    num_stages: int,
+    input_shape: Sequence[int],
+) -> list[Block]:
+    """The model's blocks from a capture of its forward made here, saying so when it runs long."""
     started = time.monotonic()
     # Capturing a large model's forward takes tens of seconds: say so once it runs long.
     said = threading.Timer(
@@ -288,18 +344,11 @@ def cut(
     said.start()
     try:
         blocks = models.blocks(model, input_shape, spec.starts if spec else (), cfg.output)
-        stages = split_model(blocks, resolve(spec, blocks, num_stages, cfg.name))
-    except PartitionError as exc:
-        if spec is None:
-            raise
-        raise PartitionError(f"--partition {cfg.partition}: {exc}") from None
     finally:
         said.cancel()
     if time.monotonic() - started > _SAY_AFTER_S:
         log.get().info(f"cut {cfg.name} in {time.monotonic() - started:.0f}s")
-    for stage in stages:
-        stage.input_dtype = models.input_dtype(model)
-    return stages
+    return blocks
 
 
 def split_model(model: nn.Module | Sequence[Block], starts: Sequence[int]) -> list[Stage]:

@@ -29,12 +29,14 @@ from bundle.topology import Topology
 @dataclass(frozen=True)
 class LaunchPlan:
     """What passed every check: the config with the planner's choices in place of ``auto``, its
-    topology, the checkpoint to resume from (None: fresh) and the attempt (torchrun's restarts)."""
+    topology, the checkpoint to resume from (None: fresh), the attempt (torchrun's restarts) and
+    the model's graph split, made once here for every process (None: not cut by its graph)."""
 
     cfg: RunConfig
     topo: Topology
     resume: str | None
     attempt: int
+    capture: partition.Capture | None = None
 
 
 def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
@@ -45,7 +47,7 @@ def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
     topo = Topology.from_config(cfg)
     devices.check_devices(cfg, topo)
     check_cpu_shares(cfg, topo)
-    shapes = check_model(cfg, topo.num_stages)
+    shapes, capture = check_model(cfg, topo.num_stages)
     check_precision(cfg, devices.resolve_backend(cfg))
     check_lr_schedule(cfg)
     check_paths(cfg)
@@ -53,7 +55,7 @@ def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
     parse_fault(env)
     aggregate.parse_fault(env.get(aggregate.BYZANTINE_ENV), topo.num_bundles)
     attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if cfg.launch.torchrun else 0
-    return LaunchPlan(cfg, topo, check_resume(cfg, shapes, attempt), attempt)
+    return LaunchPlan(cfg, topo, check_resume(cfg, shapes, attempt), attempt, capture)
 
 
 def check_cpu_shares(cfg: RunConfig, topo: Topology) -> None:
@@ -68,10 +70,13 @@ def check_cpu_shares(cfg: RunConfig, topo: Topology) -> None:
     )
 
 
-def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
+def check_model(
+    cfg: RunConfig, num_stages: int
+) -> tuple[dict[str, tuple[int, ...]], partition.Capture | None]:
     """Unknown model or partition is an input error: resolve it on the meta device, no memory.
 
-    Returns the shape of every entry of the model's state dict."""
+    Returns the shape of every entry of the model's state dict, and the model's graph split for
+    the job's processes (None: not cut by its graph), which then need not capture it again."""
     if not models.is_known(cfg.model.name):
         raise ConfigError(
             "--model",
@@ -103,14 +108,15 @@ def check_model(cfg: RunConfig, num_stages: int) -> dict[str, tuple[int, ...]]:
             )
             if note:
                 print(f"main.py: note: {note}", file=sys.stderr)
-        partition.cut(model, cfg.model, num_stages, input_shape)
+        stages = partition.cut(model, cfg.model, num_stages, input_shape)
     if cfg.compute.channels_last and not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         raise ConfigError(
             "--channels-last with --model",
             cfg.model.name,
             "needs a CNN (a model with 2-d convolutions)",
         )
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return shapes, partition.capture_of(stages, cfg.model, input_shape)
 
 
 def _unbuildable(

@@ -30,7 +30,7 @@ from bundle.engine.stage_engine import (
 )
 from bundle.engine.transport import Transport, post_with_torch
 from bundle.observe import timing
-from bundle.partition import Stage
+from bundle.partition import Capture, Stage
 from bundle.runtime.devices import resolve_backend
 from bundle.runtime.groups import ProcessGroups
 from bundle.topology import Coord, Topology
@@ -69,12 +69,14 @@ def build_session(
     device: torch.device,
     *,
     arrive: Callable[[str], None] | None = None,
+    capture: Capture | None = None,
 ) -> Session:
     """Build this rank's stage, groups, gradient sync, transport, optimizer and engine.
 
     ``arrive(name)``, when given, waits (with the start-up timeout) until every process reaches
     the same point, so uneven start-up is never charged to the per-operation ``--timeout``.
     Under nccl-emu the rank's ``device`` is the emulated GPU (bundle.engine.device_audit).
+    ``capture``: the model's graph split made by the launch's checks (None: cut here).
     """
     arrive = arrive or (lambda name: None)
     backend = resolve_backend(cfg)
@@ -85,7 +87,7 @@ def build_session(
     coord = topo.coord(rank)
     S = topo.num_stages
     splits = data.load(cfg.data, cfg.train.seed, needs_val=cfg.train.eval)
-    stages = build_stages(cfg, S, splits.input_shape, splits.num_classes)
+    stages = build_stages(cfg, S, splits.input_shape, splits.num_classes, capture)
     tied = ties.find(stages)
     policy = Policy.of(cfg.compute, device)
     metas = boundary_metas(stages, splits.input_shape, policy)

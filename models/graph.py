@@ -19,11 +19,19 @@ A point can be cut only where every crossing value is a tensor whose first dimen
 (found by running the graph once on a few rows): a point that fails says so, naming what crosses.
 A forward that reads ``self.training`` outside ``torch.nn`` layers would be baked into the trace;
 the module doing so is kept whole instead (found by tracing in both modes and comparing).
+
+A split is made once per job (by the launch's checks, on the meta device): ``dump`` writes its
+segments' graphs, ``load`` rebuilds them over another instance of the model, and devices the
+capture wrote as constants read the segment's input instead, so a segment runs wherever it is put.
 """
 
 from __future__ import annotations
 
+import functools
+import io
+import pickle
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -380,4 +388,100 @@ def _segment(a: _Analysis, lo: int, hi: int) -> Segment:
     else:
         outs = [arg(n) for n in a.sent(hi)]
         graph.output(outs[0] if len(outs) == 1 else tuple(outs))
-    return Segment(a.model, graph, class_name="Segment")
+    return Segment(a.model, _on_input_device(graph, batch), class_name="Segment")
+
+
+def _on_input_device(graph: fx.Graph, batch: fx.Node) -> fx.Graph:
+    """Devices the capture wrote into the graph as constants (export records ``torch.arange(n,
+    device=x.device)`` with the device it was captured on) read from the segment's input
+    instead, so a segment captured on the CPU or the meta device runs wherever it is moved."""
+    device: fx.Node | None = None
+
+    def follow(value: Any) -> Any:
+        nonlocal device
+        if not isinstance(value, torch.device):
+            return value
+        if device is None:
+            last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+            with graph.inserting_after(last):
+                device = graph.call_function(getattr, (batch, "device"))
+        return device
+
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n is not device:
+            n.args = fx.node.map_aggregate(n.args, follow)
+            n.kwargs = fx.node.map_aggregate(n.kwargs, follow)
+    return graph
+
+
+# -- a split made once, loaded by the job's other processes ------------------------------------
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A node's use of an earlier node, by name, as written."""
+
+    name: str
+
+
+class _Pickler(pickle.Pickler):
+    """Writes an operator (``torch.ops.aten.add.Tensor``, not picklable itself) by its name."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return _operator, (str(obj),)
+        return NotImplemented
+
+
+def _operator(name: str) -> Any:
+    return functools.reduce(getattr, name.split("."), torch.ops)
+
+
+def dump(blocks: Sequence[Block]) -> bytes | None:
+    """A graph split's blocks as bytes that ``load`` turns into the same blocks of another
+    instance of the model, without capturing its forward again; None when the blocks are not a
+    graph split, or hold an operation that cannot be written by name."""
+    segments = [(name, m) for name, m in blocks if isinstance(m, Segment)]
+    if not segments or len(segments) < len(blocks):
+        return None
+
+    def ref(a: Any) -> Any:
+        return _Ref(a.name) if isinstance(a, fx.Node) else a
+
+    def row(n: fx.Node) -> tuple[Any, ...]:
+        return (
+            n.op,
+            n.name,
+            n.target,
+            fx.node.map_aggregate(n.args, ref),
+            fx.node.map_aggregate(n.kwargs, ref),
+        )
+
+    out = io.BytesIO()
+    try:
+        _Pickler(out).dump([(name, [row(n) for n in m.graph.nodes]) for name, m in segments])
+    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError):
+        return None  # an operation only this process can name: every process captures its own
+    return out.getvalue()
+
+
+def load(model: nn.Module, dumped: bytes) -> list[Block]:
+    """``dump``'s blocks, over ``model``'s own parameters and buffers."""
+    out: list[Block] = []
+    for name, rows in pickle.loads(dumped):  # noqa: S301 - written by this job's own launcher
+        graph = fx.Graph()
+        env: dict[str, fx.Node] = {}
+
+        def get(a: Any, env: dict[str, fx.Node] = env) -> Any:
+            return env[a.name] if isinstance(a, _Ref) else a
+
+        for op, node_name, target, args, kwargs in rows:
+            env[node_name] = graph.create_node(
+                op,
+                target,
+                fx.node.map_aggregate(args, get),
+                fx.node.map_aggregate(kwargs, get),
+                name=node_name,
+            )
+        out.append((name, Segment(model, graph, class_name="Segment")))
+    return out

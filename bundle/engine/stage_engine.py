@@ -21,17 +21,22 @@ from bundle.engine.schedule import Action, Op, peak_in_flight
 from bundle.engine.ties import TiedGrads
 from bundle.engine.transport import Part, Pending, TensorMeta, Transport
 from bundle.observe.timing import MARK_OF_OP, Mark, StepTimer
-from bundle.partition import Stage
+from bundle.partition import Capture, Stage
 from bundle.topology import Coord, Topology, split_sizes
 
 
 def build_stages(
-    cfg: RunConfig, num_stages: int, input_shape: tuple[int, ...], num_classes: int
+    cfg: RunConfig,
+    num_stages: int,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    capture: Capture | None = None,
 ) -> list[Stage]:
-    """The full model, seeded identically on every process (``--weights`` loaded), cut into stages."""
+    """The full model, seeded identically on every process (``--weights`` loaded), cut into
+    stages (from ``capture`` where the launch's checks made the model's graph split)."""
     torch.manual_seed(cfg.train.seed)
     model = partition.build_model(cfg.model, num_classes, input_shape)
-    return partition.cut(model, cfg.model, num_stages, input_shape)
+    return partition.cut(model, cfg.model, num_stages, input_shape, capture)
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from bundle import log
 from bundle.config import RunConfig
 from bundle.errors import ConfigError
 from bundle.observe.build import reporter_rank
+from bundle.partition import Capture
 from bundle.runtime.devices import device_for, prepare_backend_env, resolve_backend, torch_backend
 from bundle.runtime.phase import Phase
 from bundle.runtime.preemption import Stopped, StopRequest, exit_code, stop_line
@@ -91,6 +92,7 @@ def worker_main(
     *,
     attempt: int = 0,
     resume: str | None = None,
+    capture: Capture | None = None,
     stop_shared: Any = None,
     host_store: bool = False,
     alive: Any = None,
@@ -98,7 +100,8 @@ def worker_main(
     """Body of every training process; returns its exit code (128 + signal when stopped by one).
 
     ``step_now`` (a shared integer) holds the step in progress, for the node supervisor, ``resume``
-    is the checkpoint to start from, ``attempt`` counts restarts, ``stop_shared`` is the
+    is the checkpoint to start from, ``capture`` the model's graph split made by the launch's
+    checks (None: cut here), ``attempt`` counts restarts, ``stop_shared`` is the
     supervisor's stop flag (None under torchrun), and ``host_store``: this process serves the
     job's store at host:port (torchrun's rank 0 when its agent serves none), ``alive`` (a shared
     float) the last sign of life, for the node supervisor (``beat``).
@@ -121,7 +124,12 @@ def worker_main(
     try:
         device = _join(cfg, topo, rank, backend, store)
         session = build_session(
-            cfg, topo, rank, device, arrive=lambda name: _arrive(cfg, topo, store, name)
+            cfg,
+            topo,
+            rank,
+            device,
+            arrive=lambda name: _arrive(cfg, topo, store, name),
+            capture=capture,
         )
         phase.follow(session.engine)
         trainer = build_trainer(
@@ -256,7 +264,11 @@ def torchrun_env() -> dict[str, str] | None:
 
 
 def run_torchrun(
-    cfg: RunConfig, topo: Topology, env: dict[str, str], resume: str | None
+    cfg: RunConfig,
+    topo: Topology,
+    env: dict[str, str],
+    resume: str | None,
+    capture: Capture | None = None,
 ) -> NoReturn:
     """One worker of a torchrun job; torchrun's own restarts (``--max-restarts``) resume with
     ``--resume auto``, and ``TORCHELASTIC_RESTART_COUNT`` numbers the attempt. Under
@@ -280,6 +292,7 @@ def run_torchrun(
         int(env["MASTER_PORT"]),
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         resume=resume,
+        capture=capture,
         host_store=int(env["RANK"]) == 0 and env["TORCHELASTIC_USE_AGENT_STORE"] == "False",
     )
     quota.release()

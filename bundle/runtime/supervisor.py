@@ -39,6 +39,7 @@ from bundle import log
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig
 from bundle.errors import LaunchError, PeerFailure
+from bundle.partition import Capture
 from bundle.runtime.devices import resolve_backend, torch_backend
 from bundle.runtime.preemption import StopRequest, exit_code, stop_line
 from bundle.runtime.process import spawned
@@ -80,8 +81,11 @@ def _exit_text(code: int) -> str:
     return f"exited with code {code}"
 
 
-def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
-    """Self-spawn launch of this node's processes; returns the node's exit code."""
+def supervise(
+    cfg: RunConfig, topo: Topology, resume: str | None, capture: Capture | None = None
+) -> int:
+    """Self-spawn launch of this node's processes; returns the node's exit code. ``capture``:
+    the model's graph split made by the launch's checks, handed to every worker."""
     lc = cfg.launch
     node = lc.node_rank
     logger = log.setup(f"[node {node}]")
@@ -100,7 +104,9 @@ def supervise(cfg: RunConfig, topo: Topology, resume: str | None) -> int:
     stop.install(on_second=kill_now)
     try:
         for attempt in range(lc.max_restarts + 1):
-            outcome = _attempt(cfg, topo, store, port, ctx, attempt, resume, stop, running)
+            outcome = _attempt(
+                cfg, topo, store, port, ctx, attempt, (resume, capture), stop, running
+            )
             if outcome.end is End.DONE:
                 return 0
             if outcome.end is End.STOPPED or stop.value:
@@ -138,12 +144,14 @@ def _attempt(
     port: int,
     ctx: SpawnContext,
     attempt: int,
-    resume: str | None,
+    start: tuple[str | None, Capture | None],
     stop: StopRequest,
     running: dict[int, SpawnProcess],
 ) -> Outcome:
-    """Run one attempt of this node's workers until they are done, stopped, or one failed."""
+    """Run one attempt of this node's workers until they are done, stopped, or one failed;
+    ``start``: the checkpoint they resume from and the model's graph split (``supervise``)."""
     lc = cfg.launch
+    resume, capture = start
     node = lc.node_rank
     store = dist.PrefixStore(attempt_prefix(attempt), base)
     step_now = {rank: ctx.Value("q", -1, lock=False) for rank in topo.node_ranks(node)}
@@ -156,6 +164,7 @@ def _attempt(
                 step_now=step,
                 attempt=attempt,
                 resume=resume,
+                capture=capture,
                 stop_shared=stop.shared,
                 alive=alive[rank],
             ),

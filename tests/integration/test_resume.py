@@ -248,7 +248,7 @@ def test_incomplete_newest_is_skipped_and_another_model_is_refused(uninterrupted
     from bundle import preflight
 
     cfg = cli.parse([*RUN, "--save-dir", str(save_dir), "--resume", "auto"], env={})
-    shapes = preflight.check_model(cfg, 2)
+    shapes, _ = preflight.check_model(cfg, 2)
     assert preflight.check_resume(cfg, shapes, attempt=0) == str(newest)
     # Another precision resumes, and says so.
     bf16 = cli.parse([*RUN, "--save-dir", str(save_dir), "--precision", "bf16"], env={})

@@ -5,6 +5,7 @@ and transformer code (shape control flow, masks, rotary tables) cut by ``torch.e
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -121,3 +122,51 @@ def test_a_captured_dropout_follows_the_segments_mode():
     assert torch.equal(seg(x), seg(x))
     seg.train()
     assert not torch.equal(seg(x), seg(x))
+
+
+@pytest.mark.parametrize("factory", ["gpt2", "llama", "skip_net"])
+def test_a_split_made_once_on_the_meta_device_serves_every_process(factory, monkeypatch):
+    # The launch's checks cut the model on the meta device; each process loads that split into
+    # its own instance instead of capturing the forward again, and computes the same function.
+    make = getattr(user_models, factory)
+    cfg, shape = ModelConfig(name=f"tests.support.user_models:{factory}"), (8,)
+    with torch.device("meta"):
+        on_meta = make(64, shape)
+    capture = partition.capture_of(partition.cut(on_meta, cfg, 3, shape), cfg, shape)
+    assert capture is not None
+    torch.manual_seed(0)
+    model = make(64, shape)
+    x = torch.randint(0, 64, (5, 8)) if factory != "skip_net" else torch.randn(5, 8)
+    want = models.forward(model, x)
+    fresh = partition.cut(model, cfg, 3, shape)
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured again")
+
+    monkeypatch.setattr(models, "blocks", no_capture)
+    loaded = partition.cut(model, cfg, 3, shape, capture)
+    assert [s.names for s in loaded] == [s.names for s in fresh]
+    h: tuple[torch.Tensor, ...] = (x,)
+    for stage in loaded:
+        h = stage(*h)
+    assert torch.equal(h[0], want)
+    # Another model's split is not taken for this one: it is captured afresh.
+    other = partition.Capture(partition.capture_key(replace(cfg, partition="x"), shape), b"")
+    with pytest.raises(AssertionError, match="captured again"):
+        partition.cut(model, cfg, 3, shape, other)
+
+
+def test_devices_a_capture_recorded_follow_the_segments_input():
+    # export writes torch.arange(n, device=x.device) with the capture's device as a constant: a
+    # stage captured on the CPU must still run where it is moved (a GPU; here the meta device).
+    blocks = models.blocks(user_models.gpt2(64, (8,)), (8,))
+    h: tuple[torch.Tensor, ...] = (torch.zeros(2, 8, dtype=torch.long, device="meta"),)
+    for stage in partition.split_model(blocks, partition.auto_starts(blocks, 2)):
+        h = stage.to("meta")(*h)
+    assert h[0].device.type == "meta" and h[0].shape == (2, 8, 64)
+
+
+def test_a_split_that_is_not_a_graphs_is_not_handed_on():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    stages = partition.cut(model, ModelConfig(name="s"), 2, (4,))
+    assert partition.capture_of(stages, ModelConfig(name="s"), (4,)) is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from bundle import cli, preflight
+from bundle import cli, data, partition, preflight
 from bundle.errors import BundleError, ConfigError, DataError
 from bundle.topology import Topology
 
@@ -180,3 +180,11 @@ def test_no_torch_fx_proxy_reaches_the_message(model):
     with pytest.raises(BundleError) as err:
         preflight.check_model(cfg("--model", model), 2)
     assert "Proxy" not in str(err.value), str(err.value)
+
+
+def test_a_graph_split_is_made_once_and_handed_to_every_process():
+    c = cfg("--model", "tests.support.user_models:skip_net", "--bundle-shape", "2,1")
+    plan = preflight.check_all(c, {})
+    assert plan.capture is not None
+    assert plan.capture.key == partition.capture_key(c.model, data.input_spec(c.data)[1])
+    assert preflight.check_all(cfg("--bundle-shape", "2,1"), {}).capture is None  # its own chain
