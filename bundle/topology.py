@@ -112,6 +112,7 @@ def replica_rows(
     return b0 + m0 + r0, b0 + m0 + r1
 
 
+@lru_cache(maxsize=4096)  # pure; asked for per replica, its cost grows with the stage's width
 def _stage_ranges(rows: int, width: int | tuple[Fraction, ...]) -> tuple[tuple[int, int], ...]:
     if isinstance(width, int):
         return split_ranges(rows, width)
@@ -132,6 +133,22 @@ def row_plan(
             if lo < hi:
                 plan.append(Transfer(i, j, lo, hi))
     return tuple(plan)
+
+
+@lru_cache(maxsize=4096)
+def _row_plan_by(
+    rows: int,
+    src_width: int | tuple[Fraction, ...],
+    dst_width: int | tuple[Fraction, ...],
+    by_src: bool,
+) -> tuple[tuple[Transfer, ...], ...]:
+    """``row_plan``'s transfers per sending (``by_src``) or receiving replica: each replica's own
+    without scanning the whole plan (a stage may have a thousand replicas)."""
+    width = src_width if by_src else dst_width
+    out: list[list[Transfer]] = [[] for _ in _stage_ranges(rows, width)]
+    for t in row_plan(rows, src_width, dst_width):
+        out[t.src if by_src else t.dst].append(t)
+    return tuple(tuple(ts) for ts in out)
 
 
 @dataclass(frozen=True)
@@ -345,15 +362,14 @@ class Topology:
 
     def stage_group(self, stage: int) -> tuple[int, ...]:
         """All replicas of ``stage`` in all bundles: its data-parallel peers."""
-        return tuple(
-            self.rank(b, stage, r)
-            for b in range(self.num_bundles)
-            for r in range(self.shape[stage])
-        )
+        first = self.rank(0, stage, 0)  # ranks run on by bundle and replica (``rank``)
+        width, step = self.shape[stage], self.bundle_width
+        return tuple(first + b * step + r for b in range(self.num_bundles) for r in range(width))
 
     def bundle_stage_group(self, bundle: int, stage: int) -> tuple[int, ...]:
         """Replicas of ``stage`` inside one bundle."""
-        return tuple(self.rank(bundle, stage, r) for r in range(self.shape[stage]))
+        first = self.rank(bundle, stage, 0)
+        return tuple(range(first, first + self.shape[stage]))
 
     def stage_master(self, bundle: int, stage: int) -> int:
         return self.rank(bundle, stage, 0)
@@ -404,12 +420,14 @@ class Topology:
         """What ``replica`` of ``stage`` sends forward for a micro-batch of ``rows`` rows."""
         if stage + 1 >= self.num_stages:
             return ()
-        plan = row_plan(rows, self.stage_weights(stage), self.stage_weights(stage + 1))
-        return tuple(t for t in plan if t.src == replica)
+        return _row_plan_by(rows, self.stage_weights(stage), self.stage_weights(stage + 1), True)[
+            replica
+        ]
 
     def recvs(self, stage: int, replica: int, rows: int) -> tuple[Transfer, ...]:
         """What ``replica`` of ``stage`` receives from the previous stage for ``rows`` rows."""
         if stage == 0:
             return ()
-        plan = row_plan(rows, self.stage_weights(stage - 1), self.stage_weights(stage))
-        return tuple(t for t in plan if t.dst == replica)
+        return _row_plan_by(rows, self.stage_weights(stage - 1), self.stage_weights(stage), False)[
+            replica
+        ]

@@ -137,6 +137,10 @@ def _cluster(args: argparse.Namespace):
     return nominal("cuda", args.nodes or 1, args.gpus_per_node or 2)
 
 
+def _say(line: str) -> None:
+    print(f"plan.py: {line}", file=sys.stderr, flush=True)
+
+
 def plan(args: argparse.Namespace) -> dict:
     cluster = _cluster(args)
     request = _request(args, cluster)
@@ -147,7 +151,7 @@ def plan(args: argparse.Namespace) -> dict:
     for note in cache.notes:  # which cached profiles were used (age, conditions), which were not
         print(f"plan.py: {note}", file=sys.stderr, flush=True)
     mixed = planner.plan_mixed(request, cost) if cost.cluster.mixed else None
-    ranked = mixed.ranked if mixed else planner.plan(request, cost)
+    ranked = mixed.ranked if mixed else planner.plan(request, cost, progress=_say)
     extra = ["--dataset", "synthetic", "--image-size", str(args.image_size)]
     extra += ["--num-classes", str(args.num_classes)] if request.model != "digits_cnn" else []
     if request.model == "gpt":  # add --data-file FILE.txt

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -250,9 +250,11 @@ def _bounds(request: Request) -> dict[str, Any]:
     }
 
 
-def plan(request: Request, cost: CostModel) -> list[Evaluated]:
-    """Every plan the search simulated, best first."""
-    return search(cost, **_bounds(request))
+def plan(
+    request: Request, cost: CostModel, progress: Callable[[str], None] | None = None
+) -> list[Evaluated]:
+    """Every plan the search simulated, best first; ``progress`` is told what it is doing."""
+    return search(cost, **_bounds(request), progress=progress)
 
 
 def plan_mixed(request: Request, cost: CostModel) -> MixedResult:

@@ -1,10 +1,12 @@
 """Search plans: shapes, bundles, split points, micro-batches, schedules and sync strategies.
 
-For every bundle count ``b`` and stage count ``S`` (up to ``max_stages``), every composition of the
-``devices // b`` devices of a bundle into ``S`` stage widths, and every micro-batch count that
-divides a bundle's batch and gives every replica a row, a dynamic program picks the split points
-that minimise the slowest stage (its forward + backward at the rows one replica holds, or its
-boundary transfer where that is slower). A closed form ranks those candidates (``(M + S - 1)``
+For every bundle count ``b`` (all of them up to 64 devices; beyond, those dividing the devices
+or the batch: ``bundle_counts``) and stage count ``S`` (up to ``max_stages``), the compositions of
+the ``devices // b`` devices of a bundle into ``S`` stage widths (every one where there are at
+most ``EXHAUSTIVE``, else searched coarse to fine: ``search_widths``), and every micro-batch count
+that divides a bundle's batch and gives every replica a row, a dynamic program picks the split
+points that minimise the slowest stage (its forward + backward at the rows one replica holds, or
+its boundary transfer where that is slower). A closed form ranks those candidates (``(M + S - 1)``
 slowest stages, plus the largest gradient sync and optimizer step); the best ones are then
 simulated under both schedules and both sync strategies and ranked by simulated throughput,
 plans that do not fit in device memory last. The data-parallel options (``DataParallel``:
@@ -17,9 +19,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +35,9 @@ from bundle.plan.simulate import Layout, SimResult, simulate
 from bundle.topology import Place, Topology
 
 SYNCS = ("flat", "hierarchical")
+# Compositions of one bundle's devices scored one by one up to this many; beyond, coarse to fine.
+EXHAUSTIVE = 512
+_KEEP_COARSE = 6  # compositions refined from each level to the next
 
 
 @dataclass(frozen=True)
@@ -158,11 +164,21 @@ def search(
     syncs: tuple[str, ...] = SYNCS,
     exact: bool = False,
     dp: DataParallel = EXACT,
+    exhaustive: int = EXHAUSTIVE,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Evaluated]:
     """Plans for ``nodes x per_node`` devices, best first (those that fit in memory first);
     ``exact``: only plans that use every device (a job whose processes are given); each costed
-    under ``dp``."""
+    under ``dp``; ``exhaustive``: how many compositions of a bundle's devices into stage widths
+    are scored one by one before the widths are searched coarse to fine (``search_widths``);
+    ``progress``: told what the search is doing as it starts each part."""
     devices = nodes * per_node
+    say = progress or (lambda line: None)
+    counts = bundle_counts(devices, batch, dp.min_bundles)
+    say(
+        f"searching {len(counts)} bundle count(s) x stage widths x split points x micro-batches "
+        f"for {devices} devices"
+    )
     best = _best_estimates(
         cost,
         nodes=nodes,
@@ -173,6 +189,7 @@ def search(
         keep=simulate_top,
         exact=exact,
         dp=dp,
+        exhaustive=exhaustive,
     )
     if not best and dp.flags():
         flag, value = dp.flags()[:2]
@@ -187,7 +204,9 @@ def search(
     everywhere = replace(data_parallel(nodes, per_node), dp=dp)
     if batch >= devices and dp.accepts(everywhere.shape, everywhere.num_bundles):
         plans.add(everywhere)
-    return rank([evaluate(cost, v, batch) for v in _variants(plans, schedules, syncs)])
+    variants = _variants(plans, schedules, syncs)
+    say(f"simulating the {len(variants)} best plan(s) under each schedule and sync")
+    return rank([evaluate(cost, v, batch) for v in variants])
 
 
 def _bundle_layout(
@@ -212,6 +231,7 @@ def _best_estimates(
     keep: int,
     exact: bool,
     dp: DataParallel,
+    exhaustive: int = EXHAUSTIVE,
 ) -> list[_Candidate]:
     """The ``keep`` plans with the best estimates, over bundles, stage widths and micro-batches."""
     devices = nodes * per_node
@@ -219,25 +239,97 @@ def _best_estimates(
     splitter = Splitter(cost, link.bandwidth, link.latency)
     hop = HopCost(cost, dp)
     best: list[_Candidate] = []  # a heap of the ``keep`` best estimates
-    tails: dict[tuple[object, ...], float] = {}  # _estimate's memo
-    for b in range(dp.min_bundles, devices + 1):
+    tails: dict[tuple[object, ...], Any] = {}  # _estimate's memo
+    for b in bundle_counts(devices, batch, dp.min_bundles):
         bundle_rows = batch // b
         width, ppn = _bundle_layout(b, devices=devices, nodes=nodes, per_node=per_node, exact=exact)
         if bundle_rows < 1 or ppn is None:
             continue
+
+        def scored(
+            widths: tuple[int, ...], b: int = b, rows: int = bundle_rows, ppn: int = ppn
+        ) -> float:
+            """Every micro-batch count of these widths into the heap; the best estimate."""
+            if not dp.accepts(widths, b):
+                return math.inf
+            least = math.inf
+            for m in micro_counts(rows, max(widths), max_micro):
+                starts, slowest = splitter.split(widths, -(-rows // m))
+                plan = Plan(widths, b, starts, m, ppn, dp=dp)
+                estimate = _estimate(hop, plan, batch, slowest, tails)
+                least = min(least, estimate)
+                item = _Candidate(-estimate, plan)
+                if len(best) < keep:
+                    heapq.heappush(best, item)
+                elif item > best[0]:
+                    heapq.heapreplace(best, item)
+            return least
+
         for stages in range(1, min(max_stages, width, cost.n) + 1):
-            for widths in compositions(width, stages):
-                if not dp.accepts(widths, b):
-                    continue
-                for m in micro_counts(bundle_rows, max(widths), max_micro):
-                    starts, slowest = splitter.split(widths, -(-bundle_rows // m))
-                    plan = Plan(widths, b, starts, m, ppn, dp=dp)
-                    item = _Candidate(-_estimate(hop, plan, batch, slowest, tails), plan)
-                    if len(best) < keep:
-                        heapq.heappush(best, item)
-                    elif item > best[0]:
-                        heapq.heapreplace(best, item)
+            search_widths(width, stages, scored, exhaustive=exhaustive)
     return best
+
+
+def search_widths(
+    width: int,
+    stages: int,
+    scored: Callable[[tuple[int, ...]], float],
+    *,
+    exhaustive: int = EXHAUSTIVE,
+) -> None:
+    """Score stage widths summing to ``width``: every composition where there are at most
+    ``exhaustive`` of them, else coarse to fine. Widths in steps of ``g`` (the smallest power of
+    two leaving at most ``exhaustive`` compositions, the remainder on the widest stage) are all
+    scored; then, halving ``g`` down to 1, the best few are refined by moving ``g`` devices from
+    one stage to another until none of those moves improves them. The pipeline's time falls
+    smoothly with a stage's width (its rows per replica), which is what makes this find what the
+    exhaustive search finds (tests/unit/test_plan_search.py compares them)."""
+    if math.comb(width - 1, stages - 1) <= exhaustive:
+        for widths in compositions(width, stages):
+            scored(widths)
+        return
+    g = 1
+    while math.comb(width // g - 1, stages - 1) > exhaustive:
+        g *= 2
+    score: dict[tuple[int, ...], float] = {}
+
+    def rate(widths: tuple[int, ...]) -> None:
+        if widths not in score:
+            score[widths] = scored(widths)
+
+    for coarse in compositions(width // g, stages):
+        stepped = [w * g for w in coarse]
+        stepped[stepped.index(max(stepped))] += width - g * (width // g)
+        rate(tuple(stepped))
+    frontier = sorted(score, key=score.__getitem__)[:_KEEP_COARSE]
+    while g > 1:
+        g //= 2
+        while True:
+            for widths in frontier:
+                for moved in _moves(widths, g):
+                    rate(moved)
+            better = sorted(score, key=score.__getitem__)[:_KEEP_COARSE]
+            if better == frontier:
+                break
+            frontier = better
+
+
+def _moves(widths: tuple[int, ...], g: int) -> Iterator[tuple[int, ...]]:
+    """``widths`` with ``g`` devices moved from one stage to another (each keeping one)."""
+    for i, j in itertools.permutations(range(len(widths)), 2):
+        if widths[j] > g:
+            moved = list(widths)
+            moved[i], moved[j] = moved[i] + g, moved[j] - g
+            yield tuple(moved)
+
+
+def bundle_counts(devices: int, batch: int, least: int) -> list[int]:
+    """Bundle counts searched: every one up to 64 devices; beyond, those that divide the devices
+    or the batch (a count dividing neither leaves devices idle and rows unplaced)."""
+    counts = range(least, devices + 1)
+    if devices <= 64:
+        return list(counts)
+    return [b for b in counts if devices % b == 0 or batch % b == 0]
 
 
 def _variants(plans: set[Plan], schedules: tuple[str, ...], syncs: tuple[str, ...]) -> set[Plan]:
@@ -299,16 +391,16 @@ def _estimate(
     plan: Plan,
     batch: int,
     slowest: float,
-    memo: dict[tuple[object, ...], float] | None = None,
+    memo: dict[tuple[object, ...], Any] | None = None,
 ) -> float:
     """A closed-form step time: the bubble-bound pipeline, then the slowest sync and step.
 
     ``memo`` keeps each stage's sync and step across the candidates of one search: they depend
     on the layout of the ranks and the stage's blocks, not on the micro-batches or the rest of
-    the split (the search asks for the same ones tens of thousands of times)."""
+    the split (the search asks for the same ones tens of thousands of times); and the nodes of
+    each stage's groups, which depend on the layout alone."""
     cost = hop.cost
     memo = {} if memo is None else memo
-    topo: Topology | None = None
     ends = [*plan.starts[1:], cost.n]
     layout: tuple[object, ...] = (plan.shape, plan.num_bundles, plan.procs_per_node)
     layout += (plan.grad_sync, plan.placement, plan.row_weights, plan.dp)
@@ -316,25 +408,37 @@ def _estimate(
     for s, (a, b) in enumerate(zip(plan.starts, ends, strict=True)):
         key = (layout, s, a, b)
         if key not in memo:
-            topo = topo or plan.layout(batch).topology()
-            memo[key] = _sync_estimate(hop, plan, topo, s, a, b) + cost.optimizer(a, b)
+            if (layout, s) not in memo:
+                memo[layout, s] = _group_nodes(plan.layout(batch).topology(), s)
+            groups = memo[layout, s]
+            memo[key] = _sync_estimate(hop, plan, groups, a, b) + cost.optimizer(a, b)
         tail = max(tail, memo[key])
     stages = len(plan.shape)
     return (plan.micro_batches + stages - 1) * slowest + tail
 
 
-def _sync_estimate(hop: HopCost, plan: Plan, topo: Topology, s: int, a: int, b: int) -> float:
-    """Stage ``s``'s whole gradient as one bucket through the sync the plan runs."""
-    cost = hop.cost
-    nbytes = float(cost.params[a:b].sum()) * 4
+def _group_nodes(topo: Topology, s: int) -> tuple[list[int], list[int], list[int]]:
+    """The nodes of stage ``s``'s group, of its replicas in bundle 0 and of its masters."""
 
     def nodes(ranks: tuple[int, ...]) -> list[int]:
         return [topo.node_of(r) for r in ranks]
 
+    groups = (topo.stage_group(s), topo.bundle_stage_group(0, s), topo.masters_group(s))
+    flat, inner, masters = (nodes(g) for g in groups)
+    return flat, inner, masters
+
+
+def _sync_estimate(
+    hop: HopCost, plan: Plan, groups: tuple[list[int], list[int], list[int]], a: int, b: int
+) -> float:
+    """Stage ``s``'s whole gradient as one bucket through the sync the plan runs (``groups``:
+    its groups' nodes, ``_group_nodes``)."""
+    cost = hop.cost
+    nbytes = float(cost.params[a:b].sum()) * 4
+    flat, inner, masters = groups
     (wire,) = hop.wire_bytes([(a, nbytes)], b)
     if not plan.dp.two_hops(plan.grad_sync):
-        return hop.between(nbytes, wire, nodes(topo.stage_group(s)))
-    inner, masters = nodes(topo.bundle_stage_group(0, s)), nodes(topo.masters_group(s))
+        return hop.between(nbytes, wire, flat)
     step = hop.between(nbytes, wire, masters) if plan.dp.per_step else 0.0
     return 2 * cost.reduce(nbytes, inner) + step + hop.meeting(a, b, masters, inner)
 

@@ -130,9 +130,8 @@ class _Simulation:
         self.node = {p: topo.node_of(self.rank[p]) for p in procs}
         self.lists = {p: actions(layout.schedule, p[0], S, M) for p in procs}
         self.recomputed = {p: policy.recomputes(self.lists[p], M) for p in procs}
-        self.rows = {
-            p: [topo.stage_sizes(p[0], self.sizes[k])[p[1]] for k in range(M)] for p in procs
-        }
+        sizes = {(s, k): topo.stage_sizes(s, self.sizes[k]) for s in range(S) for k in range(M)}
+        self.rows = {p: [sizes[p[0], k][p[1]] for k in range(M)] for p in procs}
         place = topo.placement
         self.dev = {p: cost.on(place[self.rank[p]].kind if place else "") for p in procs}
         self.clock = dict.fromkeys(procs, 0.0)

@@ -356,7 +356,8 @@ def test_gpu_counts_without_a_cluster_plan_from_nominal_gpus(tmp_path, capsys, m
     assert time.monotonic() - start < 60
     captured = capsys.readouterr()
     err = [ln for ln in captured.err.splitlines() if ln.strip()]
-    assert len(err) == 1 and "nominal cuda device" in err[0] and "--cluster" in err[0], err
+    assert "nominal cuda device" in err[0] and "--cluster" in err[0], err
+    assert [ln.split()[1] for ln in err[1:]] == ["searching", "simulating"], err  # its progress
     assert "8 devices on nominal cuda" in captured.out
 
 
@@ -399,3 +400,17 @@ def test_auto_measures_in_a_child_process(monkeypatch, tmp_path):
     assert calls == [(planner.measure, "cpu", "profiling mlp on cpu")]
     assert resolved.parallel.world_size == 2 and resolved.predicted_samples_per_s > 0
     assert not torch.cuda.is_initialized()
+
+
+def test_plan_scale_writes_the_search_time_by_gpus(tmp_path):
+    out = tmp_path / "scale.json"
+    argv = [sys.executable, "scripts/plan_scale.py", "--gpus", "2,16", "--depths", ""]
+    done = subprocess.run(
+        [*argv, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert list(doc["seconds_by_gpus"]) == ["2", "16"] and doc["seconds_by_depth"] == {}
+    assert all(s > 0 for s in doc["seconds_by_gpus"].values())
+    assert doc["plans_by_gpus"]["16"]["best"]["samples_per_s"] > 0
+    assert doc["conditions"]["cpus"] >= 1 and "load" in doc["conditions"]

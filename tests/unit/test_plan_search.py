@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from bundle.errors import ConfigError
 from bundle.plan.cluster import Link
-from bundle.plan.search import Plan, Splitter, compositions, evaluate, micro_counts, search
+from bundle.plan.search import (
+    Plan,
+    Splitter,
+    bundle_counts,
+    compositions,
+    evaluate,
+    micro_counts,
+    search,
+    search_widths,
+)
 from tests.support.plan_fixtures import FREE, literal_cost
 
 
@@ -73,3 +84,58 @@ def test_a_batch_too_small_for_any_plan_is_an_input_error():
     cost = literal_cost([1.0], [1.0])
     with pytest.raises(ConfigError, match="--batch-size"):
         search(cost, nodes=1, per_node=4, batch=0)
+
+
+def _random_case(rng: random.Random):
+    n = rng.randint(4, 8)
+    fwd = [rng.uniform(0.2, 3.0) for _ in range(n)]
+    cost = literal_cost(
+        fwd,
+        [2 * f * rng.uniform(0.8, 1.2) for f in fwd],
+        params=[rng.randint(0, 2000) for _ in range(n)],
+        p2p=Link(rng.uniform(50, 500), 1e-3),
+        collective=Link(rng.uniform(100, 2000), 1e-3),
+    )
+    return cost, rng.choice([8, 12, 16]), rng.choice([48, 64, 96])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_coarse_to_fine_width_search_finds_what_the_exhaustive_one_finds(seed):
+    # Forced coarse to fine at 4 compositions (the default goes coarse beyond 512): the best plan
+    # is the exhaustive search's, or one predicted at least as fast.
+    cost, per_node, batch = _random_case(random.Random(seed))
+    every = search(cost, nodes=1, per_node=per_node, batch=batch, exhaustive=10**9)
+    coarse = search(cost, nodes=1, per_node=per_node, batch=batch, exhaustive=4)
+    assert coarse[0].plan == every[0].plan or coarse[0].samples_per_s >= every[0].samples_per_s
+
+
+def test_coarse_to_fine_scores_far_fewer_widths_and_reaches_single_devices():
+    seen: list[tuple[int, ...]] = []
+
+    def scored(widths):
+        seen.append(widths)
+        return abs(widths[0] - 37) + abs(widths[1] - 300)  # best: 37, 300, 687
+
+    search_widths(1024, 3, scored)
+    assert (37, 300, 687) in seen and all(sum(w) == 1024 and min(w) >= 1 for w in seen)
+    assert len(seen) < 2000  # of C(1023, 2) = 522,753
+    assert bundle_counts(1024, 4096, 1) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+    assert bundle_counts(24, 30, 1) == list(range(1, 25))  # every count up to 64 devices
+
+
+def test_a_thousand_devices_are_planned_in_seconds_within_memory():
+    cost = literal_cost(
+        [1.0, 2.0, 2.0, 3.0, 1.0, 0.5],
+        [2.0, 4.0, 4.0, 6.0, 2.0, 1.0],
+        params=[10, 100, 1000, 10_000, 1000, 100_000],
+        p2p=Link(1e4, 1e-4),
+        collective=Link(1e4, 1e-4),
+        saved_per_row=1e6,
+        memory_bytes=2e9,
+    )
+    lines: list[str] = []
+    ranked = search(cost, nodes=128, per_node=8, batch=4096, simulate_top=8, progress=lines.append)
+    assert ranked[0].fits and ranked[0].plan.processes <= 1024
+    assert all(m.total <= 2e9 for e in ranked if e.fits for m in e.memory)
+    assert lines[0].startswith("searching 11 bundle count(s)") and "1024 devices" in lines[0]
+    assert lines[1].startswith("simulating the")
