@@ -1,7 +1,7 @@
 """Benchmark mixed devices emulated on this machine's CPU: speed-weighted rows against even rows,
 and the planner's predicted samples/s against measured runs, every run one ``main.py --plan``.
 
-    python scripts/bench_hetero.py                          # both parts (~6 min on 2 cores)
+    python scripts/bench_hetero.py                          # both parts (~15 min on 2 cores)
     python scripts/bench_hetero.py --quick                  # smoke run (~1 min: 5 launches)
     python scripts/bench_hetero.py --only weighted --reps 5 --json hetero.json
 
@@ -21,8 +21,14 @@ the JSON summary ``main.py`` prints last (the steps after the first).
   alike, on the real devices) each run with ``main.py --plan FILE:i``. Reported:
   ``planner_median_abs_error`` and ``planner_max_abs_error`` of |predicted - measured| / measured,
   and ``planner_vs_uniform``, the measured samples/s of the best plan over the uniform plan's (the
-  two run interleaved ``--reps`` times, medians). Without the cluster file, or when plan.py
-  fails, the part is skipped and the report says why (``planner_skipped``).
+  two run interleaved ``--reps`` times, medians). Each plan runs at least 3 times and again, up
+  to 6, until the middle half of its runs lies within 5 % of their median (``STEADY``); its
+  median is the measurement and its spread is reported beside it. Without the cluster file, or
+  when plan.py fails, the part is skipped and the report says why (``planner_skipped``).
+
+A machine busier than its CPUs (1-minute load average above them) is refused before anything
+runs, one line, exit 2: its noise would be reported as the planner's error (``--allow-busy``
+measures anyway; ``--quick`` is a smoke run and does not ask); the report records the load.
 
 The CPUs promised must exist: shares adding up to more CPUs than the machine has would give a
 balanced plan (every process busy at once) less than its share, while a plan that leaves the fast
@@ -90,12 +96,38 @@ class Sizes:
     reps: int = 3  # weighted: interleaved pairs; planner: best/uniform pairs
     plans: int = 8  # planner: plans run (the best among them)
     plan_steps: int = 60
+    # planner: each plan runs at least the first, at most the second number of times, until
+    # the spread of its runs is at most STEADY
+    plan_runs: tuple[int, int] = (3, 6)
 
 
 PRESETS = {
     "full": Sizes(),
-    "quick": Sizes(batch=128, weighted_batch=128, steps=6, reps=1, plans=1, plan_steps=4),
+    "quick": Sizes(
+        batch=128, weighted_batch=128, steps=6, reps=1, plans=1, plan_steps=4, plan_runs=(1, 1)
+    ),
 }
+STEADY = 0.05  # (third quartile - first) / median of a plan's runs before its median is taken
+
+
+def busy() -> str | None:
+    """Why this machine is too busy for its timings to be the plans' own (its 1-minute load
+    average above its CPUs), or None."""
+    load, cpus = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    return f"load average {load:.1f} on {cpus} CPU(s)" if load > cpus else None
+
+
+def steady(run: Runner, args: list[str], runs: tuple[int, int]) -> list[float]:
+    """samples/s of ``args`` run again until their spread is at most STEADY (at least
+    ``runs[0]`` runs, at most ``runs[1]``)."""
+    got: list[float] = []
+    for i in range(runs[1]):
+        sps = _sps(run(args))
+        if sps is not None:
+            got.append(sps)
+        if i + 1 >= runs[0] and (len(got) < 3 or (spread(got) or 0.0) <= STEADY):
+            break
+    return got
 
 
 def _common(batch: int, steps: int) -> list[str]:
@@ -252,7 +284,9 @@ def fit_shares(doc: dict, cpus: float) -> tuple[dict, float]:
     return out, scale
 
 
-def _row(index: int | str, plan: dict, scale: float, measured: float | None) -> dict:
+def _row(
+    index: int | str, plan: dict, scale: float, measured: float | None, runs_spread: float | None
+) -> dict:
     predicted = plan.get("predicted_samples_per_s")
     here = predicted * scale if isinstance(predicted, (int, float)) else None
     return {
@@ -260,7 +294,8 @@ def _row(index: int | str, plan: dict, scale: float, measured: float | None) -> 
         "config": _describe(plan),
         "predicted_samples_per_s": predicted,
         "predicted_here": here,  # at the shares scaled to fit this machine's CPUs
-        "measured_samples_per_s": measured,
+        "measured_samples_per_s": measured,  # the median of its runs
+        "spread": runs_spread,  # of its runs (None: fewer than 3)
     }
 
 
@@ -279,10 +314,10 @@ def bench_planner(run: Runner, sizes: Sizes, work: Path, timeout: float, cpus: f
     best_sps: list[float] = []
     uniform_sps: list[float] = []
     for i in pick_plans(doc["plans"], sizes.plans):
-        got = _sps(run(["--plan", f"{plans_file}:{i}", *common]))
-        if i == 0 and got is not None:
-            best_sps.append(got)
-        rows.append(_row(i, doc["plans"][i], scale, got))
+        got = steady(run, ["--plan", f"{plans_file}:{i}", *common], sizes.plan_runs)
+        if i == 0:
+            best_sps.extend(got)
+        rows.append(_row(i, doc["plans"][i], scale, _median(got), spread(got)))
     # Interleaved with the best: its run above pairs with the first uniform run.
     for rep in range(sizes.reps):
         spec = [f"{plans_file}:0", str(uniform_file)] if rep else [str(uniform_file)]
@@ -290,7 +325,9 @@ def bench_planner(run: Runner, sizes: Sizes, work: Path, timeout: float, cpus: f
             got = _sps(run(["--plan", f, *common]))
             if got is not None:
                 (uniform_sps if f == str(uniform_file) else best_sps).append(got)
-    rows.append(_row("uniform", doc["uniform_plan"], scale, _median(uniform_sps)))
+    rows.append(
+        _row("uniform", doc["uniform_plan"], scale, _median(uniform_sps), spread(uniform_sps))
+    )
     errors = abs_errors(rows)
     return {
         "cluster": str(CLUSTER.relative_to(REPO)),
@@ -336,9 +373,10 @@ def render(report: dict) -> str:
             rows = [
                 [r["index"], r["config"], r["predicted_samples_per_s"]]
                 + [_fmt(r["predicted_here"], 1), r["measured_samples_per_s"]]
+                + [_fmt(r.get("spread"))]
                 for r in p["plans"]
             ]
-            header = ["plan", "configuration", "predicted", "x scale", "measured"]
+            header = ["plan", "configuration", "predicted", "x scale", "measured", "spread"]
             title = f"planner on {p['cluster']} (samples/s; CPU shares x {p['cpu_scale']:.3f})"
             out.append(_table(title, header, rows))
             out.append(
@@ -378,6 +416,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="planner: CPUs the plans' shares are scaled to fit in (default: this machine's)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per main.py run")
+    p.add_argument(
+        "--allow-busy",
+        action="store_true",
+        help="measure on a machine busier than its CPUs (refused otherwise, but for --quick)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the report here")
     return p.parse_args(argv)
 
@@ -389,6 +432,14 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"bench_hetero.py: cannot emulate slower devices here: {why}", file=sys.stderr)
         return 2
+    crowded = busy()
+    if crowded is not None and not (args.quick or args.allow_busy):
+        print(
+            f"bench_hetero.py: this machine is busy ({crowded}): its noise would be reported as "
+            "the planner's error; run it on a quiet machine (--allow-busy measures anyway)",
+            file=sys.stderr,
+        )
+        return 2
     mode = "quick" if args.quick else "full"
     sizes = PRESETS[mode]
     if args.reps:
@@ -398,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Runner(args.timeout)
     start = time.perf_counter()
     report: dict = {"mode": mode, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    report["busy_at_start"] = crowded  # None: the load average was within the CPUs
     with tempfile.TemporaryDirectory(prefix="bench_hetero.") as tmp:
         for part in [args.only] if args.only else PARTS:
             if part == "weighted":

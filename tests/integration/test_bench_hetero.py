@@ -72,8 +72,32 @@ def test_shares_are_scaled_to_fit_the_cpus():
     assert shares == pytest.approx([0.7143, 0.7143, 0.2857, 0.2857], abs=1e-4)
     assert doc["plans"][0]["placement"][0]["cpu"] == 1.0  # the planner's file is left as it was
     assert bench.fit_shares(doc, 4.0) == (doc, 1.0)
-    row = bench._row(0, {"predicted_samples_per_s": 280.0, "run": {}}, scale, 150.0)
-    assert row["predicted_here"] == pytest.approx(200.0)
+    row = bench._row(0, {"predicted_samples_per_s": 280.0, "run": {}}, scale, 150.0, 0.02)
+    assert row["predicted_here"] == pytest.approx(200.0) and row["spread"] == 0.02
+
+
+def test_a_plan_runs_again_until_its_runs_agree():
+    def runs(values):
+        it = iter(values)
+        return lambda args: {"samples_per_s": next(it)}
+
+    # Three runs that agree are enough; noisy ones run again up to the most allowed.
+    assert bench.steady(runs([100, 101, 100, 1, 1, 1]), [], (3, 6)) == [100, 101, 100]
+    got = bench.steady(runs([100, 150, 60, 100, 101, 99]), [], (3, 6))
+    assert got == [100, 150, 60, 100, 101]  # the middle half within 5 %: an outlier is kept out
+    got = bench.steady(runs([100, 150, 60, 130, 80, 99, 500]), [], (3, 6))
+    assert got == [100, 150, 60, 130, 80, 99]  # never steady: the most allowed
+    assert bench.steady(runs([7, 8]), [], (1, 1)) == [7]  # --quick: once
+
+
+def test_a_busy_machine_is_refused_before_anything_runs(monkeypatch, capsys):
+    monkeypatch.setattr(bench.throttle, "available", lambda: None)
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    monkeypatch.setattr(bench, "Runner", pytest.fail)
+    assert bench.main([]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench_hetero.py: this machine is busy (load average 9.0 on ")
+    assert "--allow-busy" in err and "\n" not in err
 
 
 def test_the_planner_part_says_why_it_was_skipped(monkeypatch, tmp_path):
