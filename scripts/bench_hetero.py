@@ -1,7 +1,7 @@
 """Benchmark mixed devices emulated on this machine's CPU: speed-weighted rows against even rows,
 and the planner's predicted samples/s against measured runs, every run one ``main.py --plan``.
 
-    python scripts/bench_hetero.py                          # both parts (~15 min on 2 cores)
+    python scripts/bench_hetero.py                          # both parts (~40 min on 2 cores)
     python scripts/bench_hetero.py --quick                  # smoke run (~1 min: 5 launches)
     python scripts/bench_hetero.py --only weighted --reps 5 --json hetero.json
 
