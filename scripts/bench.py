@@ -4,8 +4,9 @@ Every process runs one thread (``torch.set_num_threads(1)``) and talks gloo over
 worlds are started, one after the other:
 
 - ``pipeline`` (2 processes): shape 1,1 with Bundle 1F1B over a sweep of micro-batch counts for an
-  MLP and a small CNN, Bundle GPipe, and torch.distributed.pipelining (ScheduleGPipe,
-  Schedule1F1B) on the same split, global batch and micro-batches; then Bundle data-parallel only
+  MLP and a small CNN, Bundle GPipe and ZB-H1, and torch.distributed.pipelining (ScheduleGPipe,
+  Schedule1F1B, ScheduleInterleavedZeroBubble: ZB-H1 with one stage per rank) on the same split,
+  global batch and micro-batches; then Bundle data-parallel only
   (shape 2, flat sync, one micro-batch) against a plain DistributedDataParallel loop on the same
   model and global batch;
 - ``bundles`` (4 processes): two bundles of shape 1,1 with flat against hierarchical gradient sync,
@@ -298,7 +299,12 @@ class SingleOutput(nn.Module):
 
 def torch_pipeline_case(name: str, cfg: RunConfig, rank: int, schedule: str) -> Case:
     """torch.distributed.pipelining on the split, batch and micro-batches of ``cfg`` (shape 1,..,1)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+    )
 
     num_stages = len(cfg.parallel.shape)
     input_shape = (3, cfg.data.image_size, cfg.data.image_size)
@@ -312,10 +318,13 @@ def torch_pipeline_case(name: str, cfg: RunConfig, rank: int, schedule: str) -> 
         """Bundle's scaling: each micro-batch's summed loss over the global batch size."""
         return F.cross_entropy(out, y, reduction="sum") * inv_batch
 
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = cls(
-        stage, n_microbatches=cfg.parallel.micro_batches, loss_fn=loss_fn, scale_grads=False
-    )
+    # torch's zero-bubble schedule with one stage per rank is ZB-H1 (the same action lists).
+    cls, arg = {
+        "gpipe": (ScheduleGPipe, stage),
+        "1f1b": (Schedule1F1B, stage),
+        "zb-h1": (ScheduleInterleavedZeroBubble, [stage]),
+    }[schedule]
+    sched = cls(arg, n_microbatches=cfg.parallel.micro_batches, loss_fn=loss_fn, scale_grads=False)
     opt = torch.optim.SGD(module.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
     batches = global_batches(cfg)
     first, last = rank == 0, rank == num_stages - 1
@@ -373,6 +382,12 @@ def build_groups(job: str, rank: int, world: int, sizes: Sizes) -> list[list[Cas
                 rank,
             ),
             torch_pipeline_case(f"mlp torch gpipe M={cm}", ref, rank, "gpipe"),
+            bundle_case(
+                f"mlp bundle zb-h1 M={cm}",
+                make_cfg(sizes, sizes.mlp_model, micro=cm, schedule="zb-h1"),
+                rank,
+            ),
+            torch_pipeline_case(f"mlp torch zb-h1 M={cm}", ref, rank, "zb-h1"),
         ]
         sweep = [
             bundle_case(f"mlp bundle 1f1b M={m}", make_cfg(sizes, sizes.mlp_model, micro=m), rank)

@@ -2,7 +2,7 @@
 
 Modules, from the data up:
 
-- ``schedule``: GPipe and 1F1B as pure lists of actions per stage (tested as literal data);
+- ``schedule``: the schedules' registry (GPipe, 1F1B, ZB-H1): pure lists of actions per stage;
 - ``p2p``: the point-to-point calls those actions make in a step, and a model of NCCL's streams;
 - ``transport``: activations forward and gradients back between stages of any widths;
 - ``comm``: the collectives of training's NCCL groups behind one interface (torch's, emulated);
@@ -15,6 +15,7 @@ Modules, from the data up:
 - ``outer``: bundles that meet every H steps (local SGD, DiLoCo) and their outer optimizer;
 - ``precision``: the compute policy: dtypes, the boundary's wire form, loss scaling;
 - ``optim``: a stage's optimizer (SGD, AdamW, Adam), its parameter groups, ZeRO-1 sharding;
+- ``split_backward``: a backward in two halves, input and weight (zero-bubble schedules);
 - ``memory``: recompute of a stage's blocks, and a count of what backward keeps;
 - ``stage_engine``: ``StageEngine``, which runs a step's actions, calls and optimizer step.
 """

@@ -71,9 +71,20 @@ class GradSync:
         return contextlib.nullcontext()
 
     def backward(
-        self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None, *, last: bool
+        self,
+        outputs: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None,
+        *,
+        last: bool,
+        run: Callable[[], None] | None = None,
     ) -> None:
-        torch.autograd.backward(list(outputs), list(grads) if grads is not None else None)
+        """Micro-batch's backward from ``outputs`` seeded with ``grads`` (None: the loss), or
+        ``run``, the weight half of a split backward (bundle.engine.split_backward), which
+        accumulates the stage's gradients through the same hooks."""
+        if run is not None:
+            run()
+        else:
+            torch.autograd.backward(list(outputs), list(grads) if grads is not None else None)
 
     def finish(self) -> None:
         """Called after the step's last backward; gradients are synced when it returns."""
@@ -163,16 +174,15 @@ class FlatSync(GradSync):
         # so the reducer is armed explicitly right before the step's last backward instead.
         return self.module.no_sync()
 
-    def backward(
-        self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None, *, last: bool
-    ) -> None:
+    def backward(self, outputs, grads, *, last: bool, run=None) -> None:
         if last:
-            # Same arming torch.distributed.pipelining does for DDP-wrapped stages.
+            # Same arming torch.distributed.pipelining does for DDP-wrapped stages (the outputs
+            # only matter to find unused parameters, which this sync never asks for).
             self.module.reducer.prepare_for_backward(list(outputs))
-            super().backward(outputs, grads, last=True)
+            super().backward(outputs, grads, last=True, run=run)
         else:
             with self.module.no_sync():
-                super().backward(outputs, grads, last=False)
+                super().backward(outputs, grads, last=False, run=run)
 
 
 class HierarchicalSync(GradSync):
@@ -245,13 +255,13 @@ class HierarchicalSync(GradSync):
         self._launched = 0  # buckets whose reduce started this step: always 0..n-1 in order
         self._armed = False
 
-    def backward(self, outputs, grads, *, last: bool) -> None:
+    def backward(self, outputs, grads, *, last: bool, run=None) -> None:
         if last:
             self._armed = True
             self._left = list(self._sizes)
             self._works = [None] * len(self.buffers)
             self._launched = 0
-        super().backward(outputs, grads, last=last)
+        super().backward(outputs, grads, last=last, run=run)
 
     def _reduce(self, b: int):
         if self.bundle_group is None:

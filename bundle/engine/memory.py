@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -32,20 +32,29 @@ from torch.utils.checkpoint import checkpoint
 from bundle.models import Block, apply_blocks
 
 
-@contextlib.contextmanager
-def _statistics_frozen(norms: Sequence[_NormBase]) -> Iterator[None]:
+class _StatisticsFrozen:
     """Momentum 0 leaves the running statistics as they are; the step counter is put back.
 
     (Turning ``track_running_stats`` off instead would change which tensors the recomputation
-    saves, and checkpoint refuses a recomputation that saves differently.)"""
-    saved = [(m.momentum, m.num_batches_tracked) for m in norms]
-    counts = [n.clone() if n is not None else None for _, n in saved]
-    for m in norms:
-        m.momentum = 0.0
-    try:
-        yield
-    finally:
-        for m, (momentum, n), count in zip(norms, saved, counts, strict=True):
+    saves, and checkpoint refuses a recomputation that saves differently.) Entered once per
+    recomputation: twice for a backward split in two halves (zero-bubble schedules), whose
+    weight half recomputes again."""
+
+    def __init__(self, norms: Sequence[_NormBase]) -> None:
+        self.norms = norms
+        self.saved: list[tuple] = []
+
+    def __enter__(self) -> None:
+        self.saved = [
+            (m.momentum, n, n.clone() if n is not None else None)
+            for m in self.norms
+            for n in (m.num_batches_tracked,)
+        ]
+        for m in self.norms:
+            m.momentum = 0.0
+
+    def __exit__(self, *exc) -> None:
+        for m, (momentum, n, count) in zip(self.norms, self.saved, strict=True):
             m.momentum = momentum
             if n is not None and count is not None:
                 n.copy_(count)
@@ -59,7 +68,7 @@ def run_recomputed(blocks: Sequence[Block], *inputs: torch.Tensor) -> torch.Tens
         blocks,
         *inputs,
         use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), _statistics_frozen(norms)),
+        context_fn=lambda: (contextlib.nullcontext(), _StatisticsFrozen(norms)),
     )
 
 
@@ -85,7 +94,7 @@ class SavedBytes:
         inner = SavedBytes(stage)
         inner._params |= set(self._live)  # what is already counted (the stage's inputs) once
         norms = [m for m in stage.modules() if isinstance(m, _NormBase)]
-        with inner.tracking(), _statistics_frozen(norms):
+        with inner.tracking(), _StatisticsFrozen(norms):
             out = run()
         del out
         self._rebuilt[micro] = inner.peak

@@ -11,7 +11,9 @@ activation k+1 while stage 1 sends gradient k). The calls are built so that cann
    backward-receive upstream, backward-send with forward-receive downstream), share one call,
    provided the stage across the boundary has the mirror pair side by side too. Both sides of a
    boundary therefore post the same messages, grouped the same way, in the same order (Megatron's
-   ``send_forward_recv_backward`` / ``send_backward_recv_forward``; NVIDIA/nccl#783).
+   ``send_forward_recv_backward`` / ``send_backward_recv_forward``; NVIDIA/nccl#783). Weight-
+   gradient work (zero-bubble schedules) between the two does not part them: it posts and waits
+   for nothing, so it runs while the fused call is in flight.
 3. Every peer of a boundary (uneven widths) is inside the same call (bundle.engine.transport).
 
 1F1B, S=2, M=3 (``|`` separates calls; compute between them not drawn)::
@@ -30,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from bundle.engine.schedule import Action, Op, actions
+from bundle.engine.schedule import COMPUTE, Action, Op, actions, unknown
 from bundle.topology import Topology, Transfer
 
 SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
@@ -63,7 +65,9 @@ def _send_then_recv(a: Action, b: Action) -> bool:
 
 
 def _adjacent_pairs(acts: Sequence[Action]) -> set[tuple[Action, Action]]:
-    """(send, receive) pairs on one boundary with nothing between them in the schedule."""
+    """(send, receive) pairs on one boundary with nothing between them in the schedule but
+    weight-gradient work, which neither sends nor waits (its stream holds the same calls)."""
+    acts = [a for a in acts if a.op is not Op.BACKWARD_WEIGHT]
     return {(a, b) for a, b in zip(acts, acts[1:], strict=False) if _send_then_recv(a, b)}
 
 
@@ -73,6 +77,9 @@ def stage_calls(
     """The stage's action list and its calls, in the order they are posted."""
     acts = [actions(schedule, s, num_stages, micro_batches) for s in range(num_stages)]
     mine = acts[stage]
+    for a in mine:
+        if a.op not in COMM and a.op not in COMPUTE:
+            raise unknown(a, "the NCCL plan")
     pairs = {
         side: _adjacent_pairs(acts[stage + side])
         for side in (-1, 1)
@@ -86,13 +93,14 @@ def stage_calls(
         return (Action(MIRROR[recv.op], recv.micro), Action(MIRROR[send.op], send.micro)) in theirs
 
     calls: list[Call] = []
+    comm = [a for a in mine if a.op is not Op.BACKWARD_WEIGHT]
     i = 0
-    while i < len(mine):
-        a = mine[i]
+    while i < len(comm):
+        a = comm[i]
         if a.op not in COMM:
             i += 1
             continue
-        nxt = mine[i + 1] if i + 1 < len(mine) else None
+        nxt = comm[i + 1] if i + 1 < len(comm) else None
         if nxt is not None and _send_then_recv(a, nxt) and fused(a, nxt):
             calls.append(Call((a, nxt)))
             i += 2

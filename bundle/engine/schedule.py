@@ -13,11 +13,23 @@ GPipe, S=2, M=3 (F = forward, B = backward)::
 
     stage 0:  F0 F1 .  B0 F2 B1 .  B2
     stage 1:  .  F0 B0 F1 B1 F2 B2
+
+ZB-H1 (Zero Bubble, H1), S=2, M=3: 1F1B's order with each backward split into its input-gradient
+half (I, which the stage upstream waits for) and its weight-gradient half (W, which nobody waits
+for); stage s defers its first s W's, so they fill the waits of the cool-down (compute units
+F = I = W = 1, so a 1F1B backward is 2: 10 units against 1F1B's 12)::
+
+    stage 0:  F0 F1 .  I0 W0 F2 I1 W1 I2 W2
+    stage 1:  .  F0 I0 F1 I1 W0 F2 I2 W1 W2
+
+Schedules are a registry (``REGISTRY``: name -> ``Schedule``): the engine, the NCCL plan
+(bundle.engine.p2p), the planner's simulator and memory model, ``make gpu-check`` and the tests
+all read it, and every one of them raises on an operation it does not know.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -31,6 +43,17 @@ class Op(Enum):
     RECV_GRAD = "recv_grad"
     BACKWARD = "backward"
     SEND_GRAD = "send_grad"
+    # A backward split in two (zero-bubble schedules): the gradient of the stage's inputs, sent
+    # upstream at once, and later the gradient of its weights from what the first half kept.
+    BACKWARD_INPUT = "backward_input"
+    BACKWARD_WEIGHT = "backward_weight"
+
+
+# Compute operations; the others are communication (bundle.engine.p2p).
+COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+COMMUNICATION = (Op.RECV_ACT, Op.SEND_ACT, Op.RECV_GRAD, Op.SEND_GRAD)
+# The operation after which a micro-batch's activations are no longer held.
+RELEASES = (Op.BACKWARD, Op.BACKWARD_WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -40,9 +63,6 @@ class Action:
 
     def __repr__(self) -> str:
         return f"{self.op.value}{self.micro}"
-
-
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def _check(stage: int, num_stages: int, micro_batches: int) -> None:
@@ -62,10 +82,10 @@ def _forward(stage: int, num_stages: int, k: int) -> Iterator[Action]:
         yield Action(Op.SEND_ACT, k)
 
 
-def _backward(stage: int, num_stages: int, k: int) -> Iterator[Action]:
+def _backward(stage: int, num_stages: int, k: int, op: Op = Op.BACKWARD) -> Iterator[Action]:
     if stage < num_stages - 1:
         yield Action(Op.RECV_GRAD, k)
-    yield Action(Op.BACKWARD, k)
+    yield Action(op, k)
     if stage > 0:
         yield Action(Op.SEND_GRAD, k)
 
@@ -95,23 +115,80 @@ def one_f_one_b(stage: int, num_stages: int, micro_batches: int) -> Iterator[Act
         yield from _backward(stage, num_stages, k)
 
 
+def zb_h1(stage: int, num_stages: int, micro_batches: int) -> Iterator[Action]:
+    """Zero Bubble H1: 1F1B's forwards and input-gradient halves, the weight-gradient halves
+    deferred to fill the waits (as torch.distributed.pipelining's zero-bubble schedules place them).
+
+    Stage s runs its W's in micro-batch order, the first one after its (s+1)-th I, then one after
+    every I, and the rest at the end; a micro-batch's activations are held until its W, so every
+    stage holds at most S micro-batches (1F1B's peak, which only its first stage reaches). The first stage's inputs need no gradient: its I is empty and its W is the
+    whole backward (bundle.engine.split_backward).
+    """
+    _check(stage, num_stages, micro_batches)
+    warmup = min(num_stages - stage - 1, micro_batches)
+    weights = iter(range(micro_batches))
+    done = 0  # I's so far
+
+    def backward(k: int) -> Iterator[Action]:
+        nonlocal done
+        yield from _backward(stage, num_stages, k, Op.BACKWARD_INPUT)
+        done += 1
+        if done > stage:
+            yield Action(Op.BACKWARD_WEIGHT, next(weights))
+
+    for k in range(warmup):
+        yield from _forward(stage, num_stages, k)
+    for k in range(micro_batches - warmup):
+        yield from _forward(stage, num_stages, warmup + k)
+        yield from backward(k)
+    for k in range(micro_batches - warmup, micro_batches):
+        yield from backward(k)
+    for k in weights:
+        yield Action(Op.BACKWARD_WEIGHT, k)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A registered schedule: its generator of one stage's actions, and what it needs."""
+
+    name: str
+    generate: Callable[[int, int, int], Iterator[Action]]
+    # Its backwards are split into input- and weight-gradient halves (I and W).
+    split_backward: bool = False
+
+
+REGISTRY: dict[str, Schedule] = {
+    s.name: s
+    for s in (
+        Schedule("gpipe", gpipe),
+        Schedule("1f1b", one_f_one_b),
+        Schedule("zb-h1", zb_h1, split_backward=True),
+    )
+}
+SCHEDULES = tuple(REGISTRY)
+
+
 def actions(name: str, stage: int, num_stages: int, micro_batches: int) -> list[Action]:
     """The action list of one stage for the schedule called ``name``."""
-    if name == "gpipe":
-        return list(gpipe(stage, num_stages, micro_batches))
-    if name == "1f1b":
-        return list(one_f_one_b(stage, num_stages, micro_batches))
-    raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name not in REGISTRY:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return list(REGISTRY[name].generate(stage, num_stages, micro_batches))
+
+
+def unknown(a: Action, where: str) -> ScheduleError:
+    """The error of a dispatch that met an operation it does not run."""
+    return ScheduleError(f"{where} cannot run {a!r} (operation {a.op.value!r})")
 
 
 def peak_in_flight(acts: list[Action]) -> int:
-    """Most micro-batches whose forward ran and whose backward has not (activations held)."""
+    """Most micro-batches whose forward ran and whose backward (its weight half, when split) has
+    not: the activations held."""
     live = peak = 0
     for a in acts:
         if a.op is Op.FORWARD:
             live += 1
             peak = max(peak, live)
-        elif a.op is Op.BACKWARD:
+        elif a.op in RELEASES:
             live -= 1
     return peak
 
@@ -123,9 +200,16 @@ def backward_follows_forward(acts: list[Action]) -> set[int]:
     at the backward exactly what keeping them holds: ``--recompute except-last`` keeps these (every
     micro-batch of 1F1B's last stage; with one micro-batch, that one).
     """
-    computes = [a for a in acts if a.op in (Op.FORWARD, Op.BACKWARD)]
-    return {
-        a.micro
-        for a, b in zip(computes, computes[1:], strict=False)
-        if a.op is Op.FORWARD and b.op is Op.BACKWARD and b.micro == a.micro
-    }
+    computes = [a for a in acts if a.op in COMPUTE]
+    keep = set()
+    for i, a in enumerate(computes):
+        if a.op is not Op.FORWARD:
+            continue
+        # Every compute up to the one that frees this micro-batch is this micro-batch's own.
+        for b in computes[i + 1 :]:
+            if b.micro != a.micro:
+                break
+            if b.op in RELEASES:
+                keep.add(a.micro)
+                break
+    return keep

@@ -17,7 +17,8 @@ from bundle.engine.memory import SavedBytes
 from bundle.engine.outer import OuterSync
 from bundle.engine.p2p import step_plan
 from bundle.engine.precision import LossScaler, Policy
-from bundle.engine.schedule import Action, Op, peak_in_flight
+from bundle.engine.schedule import RELEASES, Action, Op, peak_in_flight, unknown
+from bundle.engine.split_backward import Held, input_half, weight_half
 from bundle.engine.ties import TiedGrads
 from bundle.engine.transport import Part, Pending, TensorMeta, Transport
 from bundle.observe.timing import MARK_OF_OP, Mark, StepTimer
@@ -77,6 +78,8 @@ class _StepState:
     inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     grads: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # What a backward's input half kept for its weight half (zero-bubble schedules).
+    held: dict[int, Held] = field(default_factory=dict)
     posted: dict[int, Pending] = field(
         default_factory=dict
     )  # this step's calls (bundle.engine.p2p)
@@ -131,7 +134,8 @@ class StageEngine:
         self.recompute = self.policy.recomputes(self.actions, topo.micro_batches)
         # Counts saved-for-backward bytes during steps when set (see bundle.engine.memory.SavedBytes).
         self.saved_bytes: SavedBytes | None = None
-        self.last_backward = max(i for i, a in enumerate(self.actions) if a.op is Op.BACKWARD)
+        # The step's last backward work on the weights: where the gradient sync is armed.
+        self.last_backward = max(i for i, a in enumerate(self.actions) if a.op in RELEASES)
         self.inv_batch = 1.0 / topo.global_batch
         self.max_in_flight = peak_in_flight(self.actions)
         # (step, what): formatted only when an error is reported, never in the hot path.
@@ -196,6 +200,12 @@ class StageEngine:
                 (st.grads[k],) = st.posted[plan.call_of[i]].wait()
             elif a.op is Op.BACKWARD:
                 self._backward(st, k, last=i == self.last_backward)
+            elif a.op is Op.BACKWARD_INPUT:
+                self._backward_input(st, k)
+            elif a.op is Op.BACKWARD_WEIGHT:
+                self._backward_weight(st, k, last=i == self.last_backward)
+            elif a.op not in (Op.SEND_ACT, Op.SEND_GRAD):  # sends go out with their calls
+                raise unknown(a, f"stage {self.coord.stage}'s engine")
             lap(self._marks[i], k)
         self._finish(step, st)
         return st.loss_sum
@@ -222,20 +232,41 @@ class StageEngine:
             st.outputs[k] = tuple(
                 m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True)
             )
-        self.peak_in_flight = max(self.peak_in_flight, len(st.outputs))
+        # Held until the backward, or until its weight half when the backward is split.
+        self.peak_in_flight = max(self.peak_in_flight, len(st.outputs) + len(st.held))
 
     def _backward(self, st: _StepState, k: int, *, last: bool) -> None:
-        out = st.outputs.pop(k)
         if self.saved_bytes is not None:
             self.saved_bytes.backward_starts(k)
+        outputs, grads = self._seeds(st, k)
+        self.sync.backward(outputs, grads, last=last)
+        if self.first:
+            st.inputs.pop(k)
+
+    def _seeds(
+        self, st: _StepState, k: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Where micro-batch k's backward starts: the loss (last stage), or the outputs that need a
+        gradient with the gradients received for them."""
+        out = st.outputs.pop(k)
         if self.last:
-            self.sync.backward(out, None, last=last)
-        else:
-            floats = (o for o in out if o.is_floating_point())
-            pairs = [
-                (o, g) for o, g in zip(floats, st.grads.pop(k), strict=True) if o.requires_grad
-            ]
-            self.sync.backward([o for o, _ in pairs], [g for _, g in pairs], last=last)
+            return list(out), None
+        floats = (o for o in out if o.is_floating_point())
+        pairs = [(o, g) for o, g in zip(floats, st.grads.pop(k), strict=True) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward_input(self, st: _StepState, k: int) -> None:
+        """The input half: the gradient the stage upstream waits for (its send comes next)."""
+        if self.saved_bytes is not None:
+            self.saved_bytes.backward_starts(k)
+        outputs, grads = self._seeds(st, k)
+        inputs = () if self.first else st.inputs[k]
+        st.held[k] = input_half(outputs, grads, inputs, list(self.stage.parameters()))
+
+    def _backward_weight(self, st: _StepState, k: int, *, last: bool) -> None:
+        """The weight half, through the gradient sync like a whole backward (its hooks fire)."""
+        held = st.held.pop(k)
+        self.sync.backward([], None, last=last, run=lambda: weight_half(held))
         if self.first:
             st.inputs.pop(k)
 

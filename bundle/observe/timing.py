@@ -33,6 +33,10 @@ class Mark(IntEnum):
     SYNC = 8
     OPTIMIZER = 9
     OTHER = 10  # the training loop's own work in a step: the stop vote, checkpoint polls
+    # A split backward's halves (zero-bubble schedules): slices of their own in a trace, counted
+    # as backward in the breakdown.
+    BACKWARD_INPUT = 11
+    BACKWARD_WEIGHT = 12
 
 
 MARK_OF_OP = {
@@ -42,6 +46,8 @@ MARK_OF_OP = {
     Op.RECV_GRAD: Mark.WAIT_GRAD,
     Op.BACKWARD: Mark.BACKWARD,
     Op.SEND_GRAD: Mark.SEND_GRAD,
+    Op.BACKWARD_INPUT: Mark.BACKWARD_INPUT,
+    Op.BACKWARD_WEIGHT: Mark.BACKWARD_WEIGHT,
 }
 LABELS = {m: m.name.lower().replace("_", " ") for m in Mark}
 
@@ -57,7 +63,14 @@ CATEGORIES = (
     "optimizer",
     "other",
 )
-CATEGORY_OF = {m: "send" if m.name.startswith("SEND") else m.name.lower() for m in Mark}
+CATEGORY_OF = {
+    m: "send"
+    if m.name.startswith("SEND")
+    else "backward"
+    if m.name.startswith("BACKWARD")
+    else m.name.lower()
+    for m in Mark
+}
 # Time a stage spends waiting on its neighbours: the measured bubble.
 WAITING = ("wait_act", "wait_grad", "send")
 

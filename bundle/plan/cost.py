@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from bundle.engine.schedule import Action, Op
+from bundle.engine.schedule import COMMUNICATION, Action, Op, unknown
 from bundle.plan.anatomy import Anatomy
 from bundle.plan.cluster import Cluster, DeviceType, Link, Speed
 from bundle.plan.profile import Timings
@@ -224,6 +224,31 @@ class CostModel:
         again = float(fwd[a:b].sum()) if recompute else 0.0
         return float(bwd[a:b].sum()) + again + self.host(self.overheads.compute_action)
 
+    # Of a block's backward, the share that computes its weights' gradients (dW beside dX: about
+    # half for matrix products and convolutions); a block without weights has none.
+    WEIGHT_SHARE = 0.5
+
+    def backward_input(self, a: int, b: int, rows: float, *, recompute: bool) -> float:
+        """A split backward's input half (bundle.engine.split_backward); nothing on the first
+        stage, whose inputs need no gradient."""
+        if a == 0:
+            return self.host(self.overheads.compute_action)
+        return self._half(a, b, rows, recompute, weights=False)
+
+    def backward_weight(self, a: int, b: int, rows: float, *, recompute: bool) -> float:
+        """A split backward's weight half; the whole backward on the first stage. A recomputed
+        stage recomputes its forward again for it."""
+        if a == 0:
+            return self.backward(a, b, rows, recompute=recompute)
+        return self._half(a, b, rows, recompute, weights=True)
+
+    def _half(self, a: int, b: int, rows: float, recompute: bool, *, weights: bool) -> float:
+        fwd, bwd, _ = self.block_times(rows)
+        share = np.where(self.params[a:b] > 0, self.WEIGHT_SHARE, 0.0)
+        part = bwd[a:b] * (share if weights else 1.0 - share)
+        again = float(fwd[a:b].sum()) if recompute else 0.0
+        return float(part.sum()) + again + self.host(self.overheads.compute_action)
+
     def backward_share(self, a: int, b: int, rows: float) -> np.ndarray:
         """Fraction of a stage's backward done when each block's gradients are complete
         (blocks ``a..b-1``, in block order; backward runs them in reverse); all 1 without overlap."""
@@ -352,11 +377,14 @@ class CostModel:
                 in_flight += 1
                 peak = max(peak, live)
                 peak_in_flight = max(peak_in_flight, in_flight)
-            elif act.op is Op.BACKWARD:
+            elif act.op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
                 if recomputed[k]:
                     peak = max(peak, live + full)
-                live -= kept
-                in_flight -= 1
+                if act.op is not Op.BACKWARD_INPUT:  # a split backward holds them until W
+                    live -= kept
+                    in_flight -= 1
+            elif act.op not in COMMUNICATION:
+                raise unknown(act, "the planner's memory model")
         top = max(rows)
         buffers = (peak_in_flight + 1) * (self.boundary_bytes(a, top) if a > 0 else 0.0)
         buffers += 2 * (self.boundary_bytes(b, top, grad=True) if b < self.n else 0.0)

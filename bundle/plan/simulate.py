@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import Action, Op, actions, peak_in_flight
+from bundle.engine.schedule import Action, Op, actions, peak_in_flight, unknown
 from bundle.errors import ScheduleError
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import DataParallel, HopCost
@@ -172,10 +172,12 @@ class _Simulation:
         if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
             if not self._receive(p, a):
                 return False
-        elif a.op in (Op.FORWARD, Op.BACKWARD):
+        elif a.op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
             self._compute(p, a)
-        else:
+        elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
             self._send(p, a)
+        else:
+            raise unknown(a, "the planner's simulator")
         self.pc[p] += 1
         return True
 
@@ -194,13 +196,18 @@ class _Simulation:
 
     def _compute(self, p: Replica, a: Action) -> None:
         k, (lo, hi) = a.micro, self.bounds[p[0]]
+        dev, rows, again = self.dev[p], self.rows[p][k], self.recomputed[p][k]
         if a.op is Op.FORWARD:
-            d = self.dev[p].forward(lo, hi, self.rows[p][k])
-            label = f"F{k}"
+            d, label = dev.forward(lo, hi, rows), f"F{k}"
+        elif a.op is Op.BACKWARD_INPUT:
+            d, label = dev.backward_input(lo, hi, rows, recompute=again), f"I{k}"
         else:
-            d = self.dev[p].backward(lo, hi, self.rows[p][k], recompute=self.recomputed[p][k])
+            if a.op is Op.BACKWARD:
+                d, label = dev.backward(lo, hi, rows, recompute=again), f"B{k}"
+            else:
+                d, label = dev.backward_weight(lo, hi, rows, recompute=again), f"W{k}"
+            # The gradients are complete with the last backward work on the weights.
             self.last_bwd[p] = (self.clock[p], self.clock[p] + d)
-            label = f"B{k}"
         self.span(p, COMPUTE, label, self.clock[p], self.clock[p] + d)
         self.clock[p] += d
         self.busy[p] += d

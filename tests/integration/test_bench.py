@@ -66,7 +66,9 @@ def test_bench_smoke_reports_every_key(tmp_path: Path) -> None:
     assert [r["micro_batches"] for r in report["sweep_mlp"]] == [1, 2, 4, 8, 16]
 
     detail = report["vs_torch_pipelining_detail"]
-    assert set(detail["torch_efficiency"]) == {"1f1b", "gpipe"}
+    assert set(detail["torch_efficiency"]) == {"1f1b", "gpipe", "zb-h1"}
+    assert report["schedule_best"] in detail["bundle_samples_per_s"]
+    assert _positive(report["best_vs_1f1b"]) and _positive(report["vs_torch_pipelining_best"])
     assert all(_positive(v) for v in detail["torch_efficiency"].values())
     assert detail["ceiling"] == pytest.approx(1 / max(detail["torch_efficiency"].values()))
 

@@ -1,6 +1,6 @@
 """Gradient equivalence: hybrid training == one process training the unsplit model on the same batches.
 
-For every shape x bundles x schedule x micro-batches x sync strategy, K steps of SGD with momentum
+For every shape x bundles x registered schedule x micro-batches x sync strategy, K steps of SGD with momentum
 and weight decay give the same parameters (1e-5) on every replica of every stage. Global batches
 are chosen so that bundle, micro-batch and replica row splits are uneven.
 
@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from bundle import data, models
 from bundle.engine.nccl_emu import Emulator
+from bundle.engine.schedule import SCHEDULES
 from bundle.row_weights import parse_row_weights
 from bundle.runtime.localworld import run_world
 from bundle.session import build_session, train_stream
@@ -36,12 +37,13 @@ SHAPES = [(1,), (2,), (1, 1), (2, 1), (1, 2), (2, 3), (1, 1, 1), (2, 2, 1)]
 VARIANTS = [
     *(
         (sch, m, sync, "fp32", "never")
-        for sch, m, sync in itertools.product(("gpipe", "1f1b"), (1, 3), ("flat", "hierarchical"))
+        for sch, m, sync in itertools.product(SCHEDULES, (1, 3), ("flat", "hierarchical"))
     ),
     ("1f1b", 3, "flat", "bf16", "never"),
     ("1f1b", 3, "hierarchical", "bf16", "except-last"),
     ("gpipe", 3, "flat", "fp16", "never"),
     ("1f1b", 3, "hierarchical", "fp32", "always"),
+    ("zb-h1", 3, "flat", "fp32", "always"),  # a split backward recomputes for each half
 ]
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 STRICT = "nccl-emu-strict"  # nccl-emu with --nccl-emu-strict

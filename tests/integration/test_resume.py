@@ -330,10 +330,12 @@ def everything(save_dir) -> dict[str, torch.Tensor]:
 
 LANGUAGE_MODELS = {
     "gpt": ["--model", "gpt", "--model-args", "layers=2,width=16,heads=2"],
-    # Hugging Face GPT-2 by reference: its embedding tied to its head across the two stages.
+    # Hugging Face GPT-2 by reference: its embedding tied to its head across the two stages;
+    # zero-bubble's split backward (the rear's two replicas synced through the weight halves).
     "hf-gpt2-tied": [
         "--model", "transformers:GPT2LMHeadModel", "--model-args",
         "n_layer=2,n_embd=16,n_head=2,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0",
+        "--schedule", "zb-h1",
     ],
 }  # fmt: skip
 

@@ -13,7 +13,7 @@ import pytest
 
 from bundle.engine import p2p
 from bundle.engine.p2p import MIRROR, SIDE, Call, calls, programs, replay, step_plan
-from bundle.engine.schedule import Action, actions
+from bundle.engine.schedule import SCHEDULES, Action, actions
 from bundle.topology import Topology
 
 
@@ -32,6 +32,26 @@ def test_1f1b_two_stages_fuses_each_send_with_the_mirror_receive():
     assert _text(calls("1f1b", 1, 2, 3)) == _c(
         "recv_act0 | send_grad0+recv_act1 | send_grad1+recv_act2 | send_grad2"
     )
+
+
+def test_zb_h1_fuses_across_the_weight_half_between_send_and_receive():
+    """Stage 1's send_grad1 and recv_act2 have backward_weight0 between them: still one call,
+    the same as stage 0's mirror pair, and the weight half runs while it is in flight."""
+    assert _text(calls("zb-h1", 0, 2, 3)) == _text(calls("1f1b", 0, 2, 3))
+    assert _text(calls("zb-h1", 1, 2, 3)) == _text(calls("1f1b", 1, 2, 3))
+    plan = step_plan("zb-h1", 1, 2, 3)
+    posts = _posts(plan)
+    assert ("send_grad1", ["send_grad1+recv_act2"]) in posts
+    at = [repr(a) for a in plan.actions]
+    assert at.index("send_grad1") < at.index("backward_weight0") < at.index("recv_act2")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_completes_for_every_depth_and_micro_batch_count(schedule):
+    """The registry's schedules on S = 2..5 one-wide stages, M = 1..8: NCCL's model finishes."""
+    for stages, micro in itertools.product(range(2, 6), range(1, 9)):
+        topo = _topo((1,) * stages, 1, micro)
+        assert replay(programs(topo, schedule)) == [], (stages, micro)
 
 
 def test_1f1b_three_stages_middle_fuses_on_both_boundaries():
@@ -78,7 +98,7 @@ def _boundary_view(cs: list[Call], side: int) -> list[tuple[Action, ...]]:
     return out
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_both_sides_of_every_boundary_post_the_same_calls_in_the_same_order(schedule):
     for stages, micro in itertools.product(range(2, 6), range(1, 8)):
         per_stage = [calls(schedule, s, stages, micro) for s in range(stages)]
@@ -87,7 +107,7 @@ def test_both_sides_of_every_boundary_post_the_same_calls_in_the_same_order(sche
             assert up == down, (schedule, stages, micro, s)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_action_is_in_exactly_one_call_in_schedule_order(schedule):
     for stages, micro, s in ((4, 5, 1), (3, 2, 2), (2, 7, 0)):
         comm = [a for a in actions(schedule, s, stages, micro) if a.op in p2p.COMM]
@@ -107,7 +127,7 @@ def _topo(shape, bundles, micro) -> Topology:
     )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_the_engines_calls_complete_under_nccls_ordering(schedule):
     for shape, bundles, micro in itertools.product(SHAPES, (1, 2), (1, 2, 3, 4, 7)):
         stuck = replay(programs(_topo(shape, bundles, micro), schedule))
@@ -156,7 +176,7 @@ def test_gloo_plan_posts_each_receive_one_ahead():
     ]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 1, 1)], ids=str)
 @pytest.mark.parametrize("micro", [1, 3, 4])
 def test_gloos_early_receives_deadlock_under_nccls_ordering(shape, micro, schedule):

@@ -40,6 +40,36 @@ def test_equal_stages_reproduce_the_bubble_formula(schedule, stages, micro):
     assert sim.busy == pytest.approx([micro * 3.0] * stages)
 
 
+def test_zb_h1_fills_1f1bs_cool_down_with_weight_work():
+    """F = 1 s, B = 2 s per block with weights, split I = W = 1 s (the first stage: I nothing, W
+    the whole backward). S=2, M=3 by hand (schedule.py's drawing): 10 s against 1F1B's 12 s."""
+    cost = literal_cost([1.0, 1.0], [2.0, 2.0], params=[1, 1])
+    zb = simulate(_layout([1, 1], 3, "zb-h1"), cost, timeline=True)
+    assert zb.step_time == pytest.approx(10.0)
+    assert simulate(_layout([1, 1], 3, "1f1b"), cost).step_time == pytest.approx(12.0)
+    rear = [x.label for x in sorted(zb.timeline, key=lambda x: x.start) if x.rank == 1]
+    assert [x for x in rear if x[0] in "FIW"] == [
+        "F0",
+        "I0",
+        "F1",
+        "I1",
+        "W0",
+        "F2",
+        "I2",
+        "W1",
+        "W2",
+    ]
+    assert zb.busy == pytest.approx([9.0, 9.0])
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 4), (3, 5), (4, 8), (4, 2)])
+def test_zb_h1_is_never_slower_than_1f1b_on_equal_stages(stages, micro):
+    cost = literal_cost([1.0] * stages, [2.0] * stages, params=[1] * stages)
+    zb = simulate(_layout([1] * stages, micro, "zb-h1"), cost).step_time
+    ofb = simulate(_layout([1] * stages, micro, "1f1b"), cost).step_time
+    assert zb < ofb
+
+
 def _in_flight(sim, rank: int) -> int:
     """Most micro-batches forwarded and not yet backwarded on ``rank``, read off the timeline."""
     spans = sorted(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bundle.engine.schedule import actions, peak_in_flight
+from bundle.engine.schedule import REGISTRY, SCHEDULES, actions, peak_in_flight
 from bundle.errors import ScheduleError
 
 
@@ -87,23 +87,66 @@ def test_1f1b_middle_stage_of_three():
     ]
 
 
+def _computes(name, stage, stages, micro) -> str:
+    short = {"forward": "F", "backward_input": "I", "backward_weight": "W", "backward": "B"}
+    return " ".join(
+        short[a.op.value] + str(a.micro)
+        for a in actions(name, stage, stages, micro)
+        if a.op.value in short
+    )
+
+
+def test_zb_h1_literal():
+    """Stage s defers its first s weight halves; the input half is sent upstream at once."""
+    assert ops("zb-h1", 1, 2, 3) == [
+        "recv_act0",
+        "forward0",
+        "backward_input0",
+        "send_grad0",
+        "recv_act1",
+        "forward1",
+        "backward_input1",
+        "send_grad1",
+        "backward_weight0",
+        "recv_act2",
+        "forward2",
+        "backward_input2",
+        "send_grad2",
+        "backward_weight1",
+        "backward_weight2",
+    ]
+    assert _computes("zb-h1", 0, 2, 3) == "F0 F1 I0 W0 F2 I1 W1 I2 W2"
+    assert _computes("zb-h1", 0, 4, 6) == "F0 F1 F2 F3 I0 W0 F4 I1 W1 F5 I2 W2 I3 W3 I4 W4 I5 W5"
+    assert _computes("zb-h1", 2, 4, 6) == "F0 F1 I0 F2 I1 F3 I2 W0 F4 I3 W1 F5 I4 W2 I5 W3 W4 W5"
+    assert _computes("zb-h1", 3, 4, 6) == "F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 W3 W4 W5"
+    # Fewer micro-batches than deferrals: every W at the end.
+    assert _computes("zb-h1", 3, 4, 2) == "F0 I0 F1 I1 W0 W1"
+    assert _computes("zb-h1", 0, 1, 2) == "F0 I0 W0 F1 I1 W1"
+
+
 def test_single_stage_has_no_communication():
     assert ops("1f1b", 0, 1, 2) == ["forward0", "backward0", "forward1", "backward1"]
     assert ops("gpipe", 0, 1, 2) == ["forward0", "forward1", "backward0", "backward1"]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("micro", [1, 2, 3, 8])
 def test_every_micro_batch_runs_once_forward_before_backward(name, stages, micro):
+    """Each micro-batch: one forward, then one backward or (split) its input half, then its weight
+    half; each communication once; nothing the registry's schedule does not declare."""
+    split = REGISTRY[name].split_backward
     for s in range(stages):
         acts = actions(name, s, stages, micro)
-        fwd = [a.micro for a in acts if a.op.value == "forward"]
-        bwd = [a.micro for a in acts if a.op.value == "backward"]
-        assert sorted(fwd) == sorted(bwd) == list(range(micro))
         names = [repr(a) for a in acts]
+        assert len(set(names)) == len(names)
+        halves = ("backward_input", "backward_weight") if split else ("backward",)
         for k in range(micro):
-            assert names.index(f"forward{k}") < names.index(f"backward{k}")
+            at = [names.index(f"{op}{k}") for op in ("forward", *halves)]
+            assert at == sorted(at), (s, k, names)
+        assert len(acts) == micro * (1 + len(halves)) + sum(
+            a.op.value.startswith(("send", "recv")) for a in acts
+        )
 
 
 @pytest.mark.parametrize("stages, micro", [(2, 8), (3, 8), (4, 4), (3, 1)])
@@ -111,6 +154,8 @@ def test_peak_activations(stages, micro):
     for s in range(stages):
         assert peak_in_flight(actions("gpipe", s, stages, micro)) == micro
         assert peak_in_flight(actions("1f1b", s, stages, micro)) == min(stages - s, micro)
+        # Activations are held until the weight half: 1F1B's first-stage peak on every stage.
+        assert peak_in_flight(actions("zb-h1", s, stages, micro)) == min(stages, micro)
 
 
 @pytest.mark.parametrize(
@@ -119,3 +164,31 @@ def test_peak_activations(stages, micro):
 def test_bad_parameters_raise(args):
     with pytest.raises(ScheduleError):
         actions(*args)
+
+
+def test_an_operation_nobody_runs_raises_wherever_it_is_dispatched(monkeypatch):
+    """A schedule is registered alone; an operation the engine's consumers do not know is refused
+    by each of them, in one line naming it, instead of being skipped or taken for another."""
+    from dataclasses import dataclass
+
+    from bundle.engine import p2p, schedule
+    from bundle.plan.simulate import Layout, simulate
+    from tests.support.plan_fixtures import literal_cost
+
+    @dataclass(frozen=True)
+    class Odd:
+        value: str = "teleport"
+
+    def odd(stage, num_stages, micro):
+        yield from schedule.one_f_one_b(stage, num_stages, micro)
+        yield schedule.Action(Odd(), 0)
+
+    monkeypatch.setitem(schedule.REGISTRY, "odd", schedule.Schedule("odd", odd))
+    with pytest.raises(ScheduleError, match="the NCCL plan cannot run .*'teleport'"):
+        p2p.calls("odd", 0, 2, 2)
+    cost = literal_cost([1.0, 1.0], [2.0, 2.0])
+    with pytest.raises(ScheduleError, match="simulator cannot run .*'teleport'"):
+        simulate(Layout((1, 1), 1, (0, 1), 2, "odd", "flat", 2, 2), cost)
+    with pytest.raises(ScheduleError, match="memory model cannot run .*'teleport'"):
+        cost.memory(0, 1, acts=actions("odd", 0, 2, 2), rows=[1, 1], recomputed=[False] * 2,
+                    synced=False, ddp=False)  # fmt: skip
