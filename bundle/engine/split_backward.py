@@ -33,7 +33,7 @@ try:  # the graph walk of torch's zero-bubble schedules (torch >= 2.5)
         get_param_groups,
     )
 except ImportError:  # pragma: no cover - older torch: W is the whole backward over the weights
-    get_param_groups = None
+    get_param_groups = None  # type: ignore[assignment]
 
 
 @dataclass

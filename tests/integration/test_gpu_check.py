@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -14,6 +15,10 @@ from pathlib import Path
 import pytest
 
 from bundle import cli
+from bundle.config import GRAD_SYNCS, SCHEDULES
+
+# The NCCL tests, a training run per schedule and sync, the benchmark.
+CHECKS = 2 + len(SCHEDULES) * len(GRAD_SYNCS)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
@@ -67,16 +72,15 @@ def test_without_cuda_it_exits_2_with_one_line_before_anything_else(tmp_path):
 @pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
 def test_plan_covers_every_schedule_and_sync_and_shares_gpus_only_when_too_few(tmp_path, gpus):
     checks = _plan(gpus, tmp_path)
-    assert [c.kind for c in checks] == ["pytest"] + ["train"] * 4 + ["bench"]
+    runs = len(SCHEDULES) * len(GRAD_SYNCS)
+    assert [c.kind for c in checks] == ["pytest"] + ["train"] * runs + ["bench"]
     assert checks[0].argv == ("-m", "pytest", "-q", "-ra", "tests/integration/test_nccl.py")
     assert checks[-1].argv[0] == "scripts/bench_gpu.py" and "--json" in checks[-1].argv
     train = checks[1:-1]
-    assert {(c.schedule, c.grad_sync) for c in train} == {
-        ("gpipe", "flat"),
-        ("gpipe", "hierarchical"),
-        ("1f1b", "flat"),
-        ("1f1b", "hierarchical"),
-    }
+    assert {(c.schedule, c.grad_sync) for c in train} == set(
+        itertools.product(SCHEDULES, GRAD_SYNCS)
+    )
+    assert {"gpipe", "1f1b", "zb-h1"} <= set(SCHEDULES)
     for c in train:
         argv = list(c.argv)
         bundles = int(argv[argv.index("--num-bundle") + 1])
@@ -158,11 +162,13 @@ def test_report_table_json_and_exit_0_when_every_check_passes(monkeypatch, tmp_p
     code, md, js = _run_main(monkeypatch, tmp_path, fake_runner())
     assert code == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-2].startswith(f"report: {md}") and out[-1] == "gpu-check: all 6 checks passed"
+    assert (
+        out[-2].startswith(f"report: {md}") and out[-1] == f"gpu-check: all {CHECKS} checks passed"
+    )
     text = md.read_text()
     assert "NVIDIA H100 80GB HBM3 x 1" in text and "NCCL 2.30.7" in text
     rows = [ln for ln in text.splitlines() if ln.startswith("| ") and "`python" in ln]
-    assert len(rows) == 6
+    assert len(rows) == CHECKS
     assert rows[0] == (
         "| nccl tests | `python -m pytest -q -ra tests/integration/test_nccl.py` | pass | - | - | 30.0 |"
     )
@@ -173,13 +179,15 @@ def test_report_table_json_and_exit_0_when_every_check_passes(monkeypatch, tmp_p
     assert "ratio 0.986 (target 0.97: met)" in text and "6 passed in 29.50s" in text
     data = json.loads(js.read_text())
     assert data["passed"] is True and data["machine"] == INFO
-    assert data["verdict"] == "gpu-check: all 6 checks passed"
+    assert data["verdict"] == f"gpu-check: all {CHECKS} checks passed"
     assert [c["name"] for c in data["checks"]] == [
         "nccl tests",
         "train gpipe flat",
         "train gpipe hierarchical",
         "train 1f1b flat",
         "train 1f1b hierarchical",
+        "train zb-h1 flat",
+        "train zb-h1 hierarchical",
         "bench_gpu",
     ]
     first_train = data["checks"][1]
@@ -194,7 +202,9 @@ def test_a_failed_and_a_hung_run_fail_the_check_with_exit_1(monkeypatch, tmp_pat
     code, md, js = _run_main(monkeypatch, tmp_path, runner)
     assert code == 1
     verdict = capsys.readouterr().out.strip().splitlines()[-1]
-    assert verdict == ("gpu-check: 2 of 6 checks FAILED: train gpipe hierarchical, train 1f1b flat")
+    assert verdict == (
+        f"gpu-check: 2 of {CHECKS} checks FAILED: train gpipe hierarchical, train 1f1b flat"
+    )
     text = md.read_text()
     assert "| train gpipe hierarchical | `python main.py" in text
     assert text.count("| **FAIL** |") == 2
