@@ -49,9 +49,8 @@ class Op(Enum):
     BACKWARD_WEIGHT = "backward_weight"
 
 
-# Compute operations; the others are communication (bundle.engine.p2p).
+# Compute operations; the others are communication (bundle.engine.p2p.COMM).
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
-COMMUNICATION = (Op.RECV_ACT, Op.SEND_ACT, Op.RECV_GRAD, Op.SEND_GRAD)
 # The operation after which a micro-batch's activations are no longer held.
 RELEASES = (Op.BACKWARD, Op.BACKWARD_WEIGHT)
 

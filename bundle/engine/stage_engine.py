@@ -137,6 +137,8 @@ class StageEngine:
         # The step's last backward work on the weights: where the gradient sync is armed.
         self.last_backward = max(i for i, a in enumerate(self.actions) if a.op in RELEASES)
         self.inv_batch = 1.0 / topo.global_batch
+        # What a split backward's weight half accumulates into (listed once, not per micro-batch).
+        self._weights = [p for p in stage.parameters() if p.requires_grad]
         self.max_in_flight = peak_in_flight(self.actions)
         # (step, what): formatted only when an error is reported, never in the hot path.
         self._at: tuple[int, object] = (-1, "set-up")
@@ -236,8 +238,6 @@ class StageEngine:
         self.peak_in_flight = max(self.peak_in_flight, len(st.outputs) + len(st.held))
 
     def _backward(self, st: _StepState, k: int, *, last: bool) -> None:
-        if self.saved_bytes is not None:
-            self.saved_bytes.backward_starts(k)
         outputs, grads = self._seeds(st, k)
         self.sync.backward(outputs, grads, last=last)
         if self.first:
@@ -248,6 +248,8 @@ class StageEngine:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Where micro-batch k's backward starts: the loss (last stage), or the outputs that need a
         gradient with the gradients received for them."""
+        if self.saved_bytes is not None:
+            self.saved_bytes.backward_starts(k)
         out = st.outputs.pop(k)
         if self.last:
             return list(out), None
@@ -257,11 +259,9 @@ class StageEngine:
 
     def _backward_input(self, st: _StepState, k: int) -> None:
         """The input half: the gradient the stage upstream waits for (its send comes next)."""
-        if self.saved_bytes is not None:
-            self.saved_bytes.backward_starts(k)
         outputs, grads = self._seeds(st, k)
         inputs = () if self.first else st.inputs[k]
-        st.held[k] = input_half(outputs, grads, inputs, list(self.stage.parameters()))
+        st.held[k] = input_half(outputs, grads, inputs, self._weights)
 
     def _backward_weight(self, st: _StepState, k: int, *, last: bool) -> None:
         """The weight half, through the gradient sync like a whole backward (its hooks fire)."""

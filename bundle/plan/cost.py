@@ -29,7 +29,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from bundle.engine.schedule import COMMUNICATION, Action, Op, unknown
+from bundle.engine.p2p import COMM
+from bundle.engine.schedule import Action, Op, unknown
 from bundle.plan.anatomy import Anatomy
 from bundle.plan.cluster import Cluster, DeviceType, Link, Speed
 from bundle.plan.profile import Timings
@@ -383,7 +384,7 @@ class CostModel:
                 if act.op is not Op.BACKWARD_INPUT:  # a split backward holds them until W
                     live -= kept
                     in_flight -= 1
-            elif act.op not in COMMUNICATION:
+            elif act.op not in COMM:
                 raise unknown(act, "the planner's memory model")
         top = max(rows)
         buffers = (peak_in_flight + 1) * (self.boundary_bytes(a, top) if a > 0 else 0.0)
