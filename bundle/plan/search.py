@@ -8,8 +8,9 @@ that divides a bundle's batch and gives every replica a row, a dynamic program p
 points that minimise the slowest stage (its forward + backward at the rows one replica holds, or
 its boundary transfer where that is slower). A closed form ranks those candidates (``(M + S - 1)``
 slowest stages, plus the largest gradient sync and optimizer step); the best ones are then
-simulated under both schedules and both sync strategies and ranked by simulated throughput,
-plans that do not fit in device memory last. The data-parallel options (``DataParallel``:
+simulated under 1F1B and each sync strategy, the ``SCHEDULE_LEADERS`` best of those under every
+other schedule too, and ranked by simulated throughput, plans that do not fit in device memory
+last. The data-parallel options (``DataParallel``:
 compression, bundle sync, aggregation) are the user's: every plan is costed under them, never
 under others, and only bundle counts they accept are planned.
 """
@@ -38,6 +39,7 @@ SYNCS = ("flat", "hierarchical")
 # Compositions of one bundle's devices scored one by one up to this many; beyond, coarse to fine.
 EXHAUSTIVE = 512
 _KEEP_COARSE = 6  # compositions refined from each level to the next
+SCHEDULE_LEADERS = 8  # plans simulated under every schedule, after all under 1F1B
 
 
 @dataclass(frozen=True)
@@ -204,9 +206,23 @@ def search(
     everywhere = replace(data_parallel(nodes, per_node), dp=dp)
     if batch >= devices and dp.accepts(everywhere.shape, everywhere.num_bundles):
         plans.add(everywhere)
-    variants = _variants(plans, schedules, syncs)
-    say(f"simulating the {len(variants)} best plan(s) under each schedule and sync")
-    return rank([evaluate(cost, v, batch) for v in variants])
+    # Every plan under the first schedule (1F1B where searched: its memory is the least), then
+    # the leaders under the others: another schedule reorders the same work, so it moves a plan
+    # by at most its bubble, and simulating each under all of them would cost their number.
+    first = "1f1b" if "1f1b" in schedules else schedules[0]
+    variants = _variants(plans, (first,), syncs)
+    say(f"simulating the {len(variants)} best plan(s) under {first} and each sync")
+    evaluated = [evaluate(cost, v, batch) for v in variants]
+    others = [
+        replace(e.plan, schedule=name)
+        for e in rank(evaluated)[:SCHEDULE_LEADERS]
+        if e.plan.micro_batches > 1
+        for name in schedules
+        if name != first
+    ]
+    if others:
+        say(f"simulating the {len(others) // (len(schedules) - 1)} best under the other schedules")
+    return rank(evaluated + [evaluate(cost, v, batch) for v in others])
 
 
 def _bundle_layout(
@@ -339,7 +355,7 @@ def _variants(plans: set[Plan], schedules: tuple[str, ...], syncs: tuple[str, ..
     for plan in plans:
         for schedule, sync in itertools.product(schedules, syncs):
             if plan.micro_batches == 1 and schedule != single:
-                continue  # one micro-batch: both schedules are the same action list
+                continue  # one micro-batch: every schedule is the same action list
             if sync != syncs[0] and (not _has_hierarchy(plan) or plan.dp.two_hops(syncs[0])):
                 continue  # the same sync under either name
             variants.add(_canonical(replace(plan, schedule=schedule, grad_sync=sync)))

@@ -128,8 +128,12 @@ class _Simulation:
         self.procs = procs
         self.rank = {p: topo.rank(bundle, *p) for p in procs}
         self.node = {p: topo.node_of(self.rank[p]) for p in procs}
-        self.lists = {p: actions(layout.schedule, p[0], S, M) for p in procs}
-        self.recomputed = {p: policy.recomputes(self.lists[p], M) for p in procs}
+        # A stage's replicas share one action list and recompute plan (read, never changed).
+        lists = [actions(layout.schedule, s, S, M) for s in range(S)]
+        again = [policy.recomputes(acts, M) for acts in lists]
+        self.stage_lists = lists
+        self.lists = {p: lists[p[0]] for p in procs}
+        self.recomputed = {p: again[p[0]] for p in procs}
         sizes = {(s, k): topo.stage_sizes(s, self.sizes[k]) for s in range(S) for k in range(M)}
         self.rows = {p: [sizes[p[0], k][p[1]] for k in range(M)] for p in procs}
         place = topo.placement
@@ -261,13 +265,14 @@ def _finish(sims: list[_Simulation]) -> SimResult:
             sim.span(p, OPTIMIZER, "optimizer", ready, ready + opt)
             finish[m] = ready + opt + sim.dev[p].host(sim.cost.overheads.step)
     order = list(done)
+    peaks = [peak_in_flight(acts) for acts in sims[0].stage_lists]
     return SimResult(
         step_time=max(finish.values()),
         ranks=[sims[j].rank[p] for j, p in order],
         stage_of=[p[0] for _, p in order],
         busy=[sims[j].busy[p] for j, p in order],
         sync=[sync_wait[m] for m in order],
-        peak_in_flight=[peak_in_flight(sims[j].lists[p]) for j, p in order],
+        peak_in_flight=[peaks[p[0]] for _, p in order],
         timeline=[span for sim in sims for span in sim.spans],
     )
 

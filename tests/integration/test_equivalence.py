@@ -125,7 +125,7 @@ def test_hybrid_equals_single_process(shape, bundles):
 
 
 # Under NCCL's ordering (bundle.engine.nccl_emu): uneven widths, three stages and several bundles, with
-# every variant above (both schedules and syncs, skip connections, bf16 and fp16 on the wire); two
+# every variant above (every registered schedule, both syncs, skip connections, bf16 and fp16 on the wire); two
 # of the cases with each process's communicators one call at a time (--nccl-emu-strict), as NCCL
 # may run them.
 EMU_CASES = [((1, 1), 2, "nccl-emu"), ((2, 3), 1, STRICT), ((1, 1, 1), 1, "nccl-emu")]
@@ -145,7 +145,7 @@ def test_hybrid_equals_single_process_under_nccl_emu(shape, bundles, backend):
 
 # Rows by speed (--row-weights): each replica's share of a micro-batch follows its weight, so the
 # row ranges differ from the even split on every boundary (4 rows at 3:1 -> 3/1, at 1:1:2 -> 1/1/2,
-# 4 rows at 1:2 -> 1/3), through both schedules and syncs with three micro-batches of 4/4/3 rows
+# 4 rows at 1:2 -> 1/3), through every registered schedule and both syncs with three micro-batches of 4/4/3 rows
 # (two row plans per boundary); the wider case under NCCL's ordering, communicators one at a time.
 WEIGHTED_CASES = [((2, 1), "3:1,1", "auto"), ((3, 2), "1:1:2,1:2", STRICT)]
 WEIGHTED_VARIANTS = [v for v in VARIANTS if v[1] == 3 and v[3] == "fp32" and v[4] == "never"]

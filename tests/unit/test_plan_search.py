@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
+from bundle.engine.schedule import SCHEDULES
 from bundle.errors import ConfigError
 from bundle.plan.cluster import Link
 from bundle.plan.search import (
+    SCHEDULE_LEADERS,
     Plan,
     Splitter,
     bundle_counts,
@@ -143,4 +146,12 @@ def test_a_thousand_devices_are_planned_in_seconds_within_memory():
     assert ranked[0].fits and ranked[0].plan.processes <= 1024
     assert all(m.total <= 2e9 for e in ranked if e.fits for m in e.memory)
     assert lines[0].startswith("searching 11 bundle count(s)") and "1024 devices" in lines[0]
-    assert lines[1].startswith("simulating the")
+    assert lines[1].startswith("simulating the") and "under 1f1b" in lines[1]
+    # The leaders under 1F1B, and only they, are simulated under the other schedules too.
+    first = [e for e in ranked if e.plan.schedule == "1f1b"]
+    others = [e.plan for e in ranked if e.plan.schedule != "1f1b"]
+    leaders = {e.plan for e in first[:SCHEDULE_LEADERS] if e.plan.micro_batches > 1}
+    assert others and lines[2].startswith(f"simulating the {len(leaders)} best under the other")
+    assert {replace(p, schedule="1f1b") for p in others} == leaders
+    assert len(others) == len(leaders) * (len(SCHEDULES) - 1)
+    assert ranked[0].samples_per_s >= first[0].samples_per_s
