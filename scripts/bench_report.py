@@ -138,9 +138,9 @@ def render(report: dict, cases: dict[str, dict]) -> str:
 
     pipeline = [
         *(f"mlp bundle 1f1b M={k}" for k in s["mlp_micro"]),
-        f"mlp bundle gpipe M={cm}",
-        f"mlp torch 1f1b M={cm}",
-        f"mlp torch gpipe M={cm}",
+        *(f"mlp bundle {k} M={cm}" for k in SCHEDULES if k != "1f1b"),
+        f"mlp bundle zb-h1 M={s['few_micro']}",
+        *(f"mlp torch {k} M={cm}" for k in SCHEDULES),
         *(f"cnn bundle 1f1b M={k}" for k in s["cnn_micro"]),
     ]
     cnn_first = f"cnn bundle 1f1b M={s['cnn_micro'][0]}"
@@ -181,6 +181,7 @@ def render(report: dict, cases: dict[str, dict]) -> str:
         + ", ".join(f"{k} {v:.3f}" for k, v in detail["torch_efficiency"].items())
         + f" (a step at the ideal would lead it {detail['ceiling']:.2f}x)",
         f"  best_vs_1f1b          {r['best_vs_1f1b']:.3f}  (bundle {r['schedule_best']} / bundle 1f1b)",
+        f"  zb_h1_vs_1f1b_few_micro  {r['zb_h1_vs_1f1b_few_micro']:.3f}  (M={s['few_micro']})",
         f"  dp_vs_ddp             {r['dp_vs_ddp']:.3f}",
         f"  hierarchical_vs_flat  {r['hierarchical_vs_flat']:.3f}",
         f"  flat_send_first_vs_waited  {r['flat_send_first_vs_waited']:.3f}",
@@ -238,7 +239,7 @@ def build_report(
     load_start: tuple[float, ...],
 ) -> dict:
     """The JSON document: headline ratios, sweeps, and every raw number behind them."""
-    cm = sizes.compare_micro
+    cm, fm = sizes.compare_micro, sizes.few_micro
     tput = {name: e["samples_per_s"] for name, e in cases.items()}
     ours = {s: tput[f"mlp bundle {s} M={cm}"] for s in SCHEDULES}
     theirs = {s: tput[f"mlp torch {s} M={cm}"] for s in SCHEDULES}
@@ -267,6 +268,10 @@ def build_report(
         "vs_torch_pipelining_best": vs(ours_best, theirs_best),
         "schedule_best": ours_best,
         "best_vs_1f1b": paired(cases, f"mlp bundle {ours_best} M={cm}", f"mlp bundle 1f1b M={cm}"),
+        # ZB-H1 / 1F1B where the bubble is larger (paired in the sweep's rounds).
+        "zb_h1_vs_1f1b_few_micro": paired(
+            cases, f"mlp bundle zb-h1 M={fm}", f"mlp bundle 1f1b M={fm}"
+        ),
         "vs_torch_pipelining_detail": {
             "bundle_samples_per_s": ours,
             "torch_samples_per_s": theirs,

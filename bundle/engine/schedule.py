@@ -154,6 +154,15 @@ class Schedule:
     generate: Callable[[int, int, int], Iterator[Action]]
     # Its backwards are split into input- and weight-gradient halves (I and W).
     split_backward: bool = False
+    # The share of a step a stage waits with equal stages (S, M), and its formula: 1F1B's
+    # (S-1)/(M+S-1); a split backward's with F = I = W, the B = 2F of most layers.
+    bubble_formula: str = "(S-1)/(M+S-1)"
+
+    def bubble(self, num_stages: int, micro_batches: int) -> float:
+        S, M = num_stages, micro_batches
+        if self.split_backward:  # (S-1)(F+I-W) over M(F+B) + (S-1)(F+I-W)
+            return (S - 1) / (3 * M + S - 1)
+        return (S - 1) / (M + S - 1)
 
 
 REGISTRY: dict[str, Schedule] = {
@@ -161,7 +170,7 @@ REGISTRY: dict[str, Schedule] = {
     for s in (
         Schedule("gpipe", gpipe),
         Schedule("1f1b", one_f_one_b),
-        Schedule("zb-h1", zb_h1, split_backward=True),
+        Schedule("zb-h1", zb_h1, split_backward=True, bubble_formula="(S-1)/(3M+S-1)"),
     )
 }
 SCHEDULES = tuple(REGISTRY)

@@ -8,7 +8,7 @@ event files never disagree. Tags:
     val/top1  val/top5                                   a validation record
     stage{s}/{category}_s                                mean seconds per step in a category
     stage{s}/step_s  stage{s}/bubble  stage{s}/bubble_max
-    pipeline/ideal_bubble                                (S - 1) / (M + S - 1)
+    pipeline/ideal_bubble                                the schedule's, e.g. (S - 1) / (M + S - 1)
 
 The run summary adds nothing: its figures are the run's totals (they have no step of their own),
 and its final validation already came as a validation record at its step.

@@ -16,7 +16,7 @@ from time import perf_counter_ns
 import torch
 import torch.distributed as dist
 
-from bundle.engine.schedule import Op
+from bundle.engine.schedule import REGISTRY, Op
 
 
 class Mark(IntEnum):
@@ -202,15 +202,23 @@ def make_timer(device: torch.device, trace: tuple[int, int] | None = None) -> St
     return CudaStepTimer(device, trace=trace) if device.type == "cuda" else StepTimer(trace=trace)
 
 
-def ideal_bubble(num_stages: int, micro_batches: int) -> float:
-    """The fill-and-drain share of a step with equal stages: (S - 1) / (M + S - 1)."""
-    return (num_stages - 1) / (micro_batches + num_stages - 1)
+def ideal_bubble(num_stages: int, micro_batches: int, schedule: str = "1f1b") -> tuple[float, str]:
+    """The fill-and-drain share of a step with equal stages under ``schedule``, and its formula:
+    (S - 1) / (M + S - 1) for GPipe and 1F1B."""
+    sched = REGISTRY[schedule]
+    return sched.bubble(num_stages, micro_batches), sched.bubble_formula
 
 
-def breakdown(rows: list[list[float]], stage_of: list[int], ideal: float) -> dict | None:
+def breakdown(
+    rows: list[list[float]],
+    stage_of: list[int],
+    ideal: float,
+    formula: str = REGISTRY["1f1b"].bubble_formula,
+) -> dict | None:
     """Per stage, seconds per step in each category (mean and max over the stage's processes).
 
-    ``rows[rank]`` is that process's window row; None when the window holds no step.
+    ``rows[rank]`` is that process's window row; None when the window holds no step; ``ideal``
+    the schedule's bubble with equal stages, by ``formula``.
     """
     if not rows or any(r[0] == 0 for r in rows):
         return None
@@ -236,7 +244,7 @@ def breakdown(rows: list[list[float]], stage_of: list[int], ideal: float) -> dic
                 "seconds": seconds,
             }
         )
-    return {"ideal_bubble": ideal, "stages": stages}
+    return {"ideal_bubble": ideal, "ideal_formula": formula, "stages": stages}
 
 
 def table(report: dict) -> list[str]:
@@ -248,7 +256,8 @@ def table(report: dict) -> list[str]:
         cells += [f"{st['seconds'][c]['mean'] * 1e3:.2f}" for c in CATEGORIES]
         cells.append(f"{st['bubble']['mean']:.3f}")
         lines.append("  ".join(f"{c:>9}" for c in cells))
-    lines.append(f"ideal bubble (S-1)/(M+S-1) = {report['ideal_bubble']:.3f}")
+    formula = report.get("ideal_formula", REGISTRY["1f1b"].bubble_formula)
+    lines.append(f"ideal bubble {formula} = {report['ideal_bubble']:.3f}")
     return lines
 
 
@@ -267,7 +276,7 @@ class Breakdown:
         rank: int,
         reporter: int,
         stage_of: list[int],
-        ideal: float,
+        ideal: tuple[float, str],
     ) -> None:
         self.timer, self.group, self.rank, self.reporter = timer, group, rank, reporter
         self.stage_of, self.ideal = stage_of, ideal
@@ -280,7 +289,7 @@ class Breakdown:
         dist.gather(mine, rows, dst=self.reporter, group=self.group)
         if rows is None:
             return None
-        return breakdown([r.tolist() for r in rows], self.stage_of, self.ideal)
+        return breakdown([r.tolist() for r in rows], self.stage_of, *self.ideal)
 
     def window(self) -> dict | None:
         """Since the last window."""

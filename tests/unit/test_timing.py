@@ -128,6 +128,17 @@ def test_breakdown_is_per_stage_mean_and_max_with_the_bubble():
     assert len(lines) == 4 and "wait_grad" in lines[0] and "150.00" in lines[1]
 
 
+def test_the_ideal_bubble_is_the_schedules():
+    # GPipe and 1F1B: (S-1)/(M+S-1). ZB-H1 with F = I = W: (S-1)(F+I-W) / (M(F+B) + (S-1)F),
+    # e.g. S=2, M=3: 1 s of a 10 s step (the planner's simulated case).
+    assert timing.ideal_bubble(2, 4) == (pytest.approx(0.2), "(S-1)/(M+S-1)")
+    assert timing.ideal_bubble(4, 8, "gpipe")[0] == pytest.approx(3 / 11)
+    assert timing.ideal_bubble(2, 3, "zb-h1") == (pytest.approx(0.1), "(S-1)/(3M+S-1)")
+    rows = [[1, 0.3, 0.2, *[0.0] * (len(CATEGORIES) - 1)]] * 2
+    report = breakdown(rows, [0, 1], *timing.ideal_bubble(2, 3, "zb-h1"))
+    assert timing.table(report)[-1] == "ideal bubble (S-1)/(3M+S-1) = 0.100"
+
+
 def test_top_k_counts_a_hand_built_case():
     logits = torch.tensor(
         [
