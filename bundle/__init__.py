@@ -21,7 +21,10 @@ From the data up:
 - ``session``: one rank's stage, groups, engine and data, built once;
 - ``evaluate``, ``trainer``: the validation pass, and the ``Trainer`` whose loop drives it all;
 - ``checkpoint/``, ``observe/``: what is saved and resumed; what a run reports of itself;
-- ``runtime/``: the processes of a job: devices, the job's store, groups, supervisor, restarts;
+- ``runtime/``: below the trainer: devices, the job's store, groups, phase, stop signals,
+  watchdogs;
+- ``launch/``: above the trainer: a job's processes started, supervised and restarted, Slurm,
+  CPU quotas for emulated devices;
 - ``plan/``: the planner behind ``--bundle-shape auto``;
 - ``api``: ``train(model, dataset=, loss=, **options)``: what main.py runs, from Python;
 - ``generate``: ``python -m bundle.generate CHECKPOINT --prompt TEXT``: sampling after training.

@@ -125,8 +125,8 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
     The table fills every field; what follows are the rules between options that no one entry
     can state.
     """
+    from bundle.launch import slurm
     from bundle.partition import split_model_name
-    from bundle.runtime import slurm
 
     values = options.field_values(args)
     parallel, data, launch, model = (values[k] for k in ("parallel", "data", "launch", "model"))
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     """main.py: parse, check everything before any process starts, then launch; the exit code."""
     # Imported here: parsing needs none of the engine (tests and tools parse without it).
     from bundle import preflight
-    from bundle.runtime import process
-    from bundle.runtime.supervisor import supervise
+    from bundle.launch import process
+    from bundle.launch.supervisor import supervise
 
     env = dict(os.environ)
     lock = None

@@ -19,9 +19,10 @@ from bundle.data import input_spec
 from bundle.engine import aggregate
 from bundle.engine.precision import DTYPES
 from bundle.errors import BundleError, ConfigError, DataError
+from bundle.launch import throttle
 from bundle.lr_schedule import LRSchedule, needs_epoch_length, past_the_run, spell
 from bundle.plan import auto
-from bundle.runtime import devices, throttle
+from bundle.runtime import devices
 from bundle.runtime.preemption import parse_fault
 from bundle.topology import Topology
 

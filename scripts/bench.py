@@ -72,8 +72,8 @@ from bundle.config import (
 )
 from bundle.engine.stage_engine import build_stages
 from bundle.engine.transport import TensorMeta
+from bundle.launch import localworld
 from bundle.observe.timing import Mark, StepTimer
-from bundle.runtime import localworld
 from bundle.session import Session, build_session, train_stream
 from bundle.topology import (
     Topology,

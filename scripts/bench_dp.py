@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bundle.runtime.localworld import free_port
+from bundle.launch.localworld import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MAIN = REPO / "main.py"

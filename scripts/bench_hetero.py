@@ -6,7 +6,7 @@ and the planner's predicted samples/s against measured runs, every run one ``mai
     python scripts/bench_hetero.py --only weighted --reps 5 --json hetero.json
 
 A slower device is a process held to a fraction of one CPU by a cgroup quota (a plan's placement
-``cpu`` share; bundle/runtime/throttle.py), running one thread. Every run is one ``main.py``
+``cpu`` share; bundle/launch/throttle.py), running one thread. Every run is one ``main.py``
 process tree (gloo on CPU, a free port each), one at a time, ``--no-eval``; samples/s is read from
 the JSON summary ``main.py`` prints last (the steps after the first).
 
@@ -37,7 +37,7 @@ cluster file's shares add up to 1.4 CPUs (room on two cores for the supervisor a
 on a machine with fewer than ``--cpus`` the planner part scales every share down to fit
 (``cpu_scale``; the speed ratios stay those of the file) and compares measurements with the
 prediction times that scale (``predicted_here``). Every process runs one thread, and quota
-processes are weighted above other work on the machine (bundle/runtime/throttle.py), so a busy
+processes are weighted above other work on the machine (bundle/launch/throttle.py), so a busy
 neighbour slows them less.
 
 What the emulation can show: the effect of unequal speeds on a synchronous step (the step waits
@@ -70,8 +70,8 @@ from pathlib import Path
 
 from bench_dp import Runner, _finite, _fmt, _ratio, _table
 
+from bundle.launch import throttle
 from bundle.plan.conditions import spread
-from bundle.runtime import throttle
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ("weighted", "planner")

@@ -33,7 +33,7 @@ import torch
 from bundle import data, models, partition
 from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from bundle.engine.optim import make_optimizer
-from bundle.runtime.localworld import run_world
+from bundle.launch.localworld import run_world
 from bundle.session import build_session, make_loss, train_stream
 from bundle.topology import Topology
 

@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             f"gpu-check: cannot write {bad}: its directory is missing or read-only", file=sys.stderr
         )
         return 2
-    from bundle.runtime.localworld import free_port
+    from bundle.launch.localworld import free_port
 
     info = machine()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torchvision
 
+from bundle.launch.localworld import free_port
 from bundle.models.vision import size_rule
-from bundle.runtime.localworld import free_port
 
 MAIN = Path(__file__).resolve().parent.parent / "main.py"
 

@@ -29,6 +29,7 @@ from bundle.engine.precision import Policy
 from bundle.engine.schedule import SCHEDULES
 from bundle.engine.stage_engine import StageEngine
 from bundle.engine.transport import Transport
+from bundle.launch import localworld
 from bundle.partition import split_model
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
@@ -36,7 +37,6 @@ from bundle.plan.cluster import Cluster, Link
 from bundle.plan.conditions import Watch
 from bundle.plan.cost import CostModel, Overheads
 from bundle.plan.simulate import Layout, simulate
-from bundle.runtime import localworld
 from bundle.topology import Coord, Topology
 
 

@@ -1,4 +1,6 @@
-"""The runtime: the processes of a job, how they find each other, fail, stop and restart.
+"""The runtime below the trainer: what a training process stands on to find its peers, fail,
+stop and restart. The launching side (processes started, supervised, restarted) is
+``bundle.launch``, a floor above the trainer; nothing here imports it.
 
 Modules, from the data up:
 
@@ -7,10 +9,5 @@ Modules, from the data up:
 - ``groups``: ``ProcessGroups``, every process group of a rank, built once, collectively;
 - ``phase``: what a process is doing now, for its watchdog and its error reports;
 - ``preemption``: stop signals (SIGTERM/SIGINT), the stop vote and the ``BUNDLE_FAULT`` hook;
-- ``watchdog``: the step watchdog and the groups' timeouts;
-- ``process``: one training process around its session and trainer (self-spawned or torchrun);
-- ``supervisor``: a node's workers started, watched, restarted and stopped;
-- ``throttle``: CPU quotas (cgroups) that emulate slower devices for a plan's ``cpu`` shares;
-- ``slurm``: a Slurm job step as the node layout;
-- ``localworld``: N loopback processes for tests and benchmarks.
+- ``watchdog``: the step watchdog and the groups' timeouts.
 """

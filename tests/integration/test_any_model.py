@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bundle.runtime.localworld import run_world
+from bundle.launch.localworld import run_world
 from bundle.session import build_session, train_stream
 from bundle.topology import Topology
 from tests.support.reference import STEPS, TOL, equivalence_config, reference

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from bundle.runtime.localworld import free_port
+from bundle.launch.localworld import free_port
 from tests.integration.test_resume import assert_identical, losses
 from tests.support.processes import finish, start
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bundle.runtime import throttle
+from bundle.launch import throttle
 
 REPO = Path(__file__).resolve().parents[2]
 WHY_NOT = throttle.available()

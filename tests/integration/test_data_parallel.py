@@ -23,7 +23,7 @@ import torch
 from bundle.config import CheckpointConfig, RunConfig
 from bundle.engine import aggregate
 from bundle.engine.optim import holder, state_bytes
-from bundle.runtime.localworld import run_world
+from bundle.launch.localworld import run_world
 from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology
 from tests.support.processes import finish, start

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from bundle.checkpoint import manager
 from bundle.config import CheckpointConfig, RunConfig
-from bundle.runtime.localworld import run_world
+from bundle.launch.localworld import run_world
 from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology
 from tests.support.reference import equivalence_config

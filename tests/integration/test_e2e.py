@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bundle import models, partition
-from bundle.runtime.localworld import free_port
+from bundle.launch.localworld import free_port
 from tests.support.processes import SMALL, finish, image_folder, start, start_logged
 
 pytestmark = pytest.mark.slow

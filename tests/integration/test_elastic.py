@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from bundle.runtime.localworld import free_port
+from bundle.launch.localworld import free_port
 from bundle.runtime.store import generation_prefix, open_generation
 from tests.integration.test_resume import assert_identical
 from tests.support.processes import SMALL, finish, start

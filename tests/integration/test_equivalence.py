@@ -26,8 +26,8 @@ import torch.distributed as dist
 from bundle import data, models
 from bundle.engine.nccl_emu import Emulator
 from bundle.engine.schedule import SCHEDULES
+from bundle.launch.localworld import run_world
 from bundle.row_weights import parse_row_weights
-from bundle.runtime.localworld import run_world
 from bundle.session import build_session, train_stream
 from bundle.topology import Topology, split_sizes
 from tests.support.reference import STEPS, TOL, equivalence_config, reference

@@ -14,7 +14,7 @@ import pytest
 
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.lock import NAME
-from bundle.runtime.localworld import free_port
+from bundle.launch.localworld import free_port
 from tests.integration.test_resume import assert_identical
 from tests.support.processes import SMALL, finish, start
 

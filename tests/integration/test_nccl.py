@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from bundle.config import CheckpointConfig, ComputeConfig, RunConfig
-from bundle.runtime import devices, localworld
+from bundle.launch import localworld
+from bundle.runtime import devices
 from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology
 from tests.support.reference import STEPS, TOL, equivalence_config, reference

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from bundle.engine import nccl_emu
-from bundle.runtime.localworld import run_world
+from bundle.launch.localworld import run_world
 
 TIMEOUT = 4.0  # long enough that a loaded 2-core machine posts both sides in time
 N = 64  # elements per message: 256 bytes

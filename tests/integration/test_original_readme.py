@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from bundle import cli, preflight
-from bundle.runtime.localworld import free_port
+from bundle.launch.localworld import free_port
 from tests.support.docker import ENTRYPOINT, FakeDocker, clean_env
 from tests.support.processes import finish, image_folder
 

@@ -17,10 +17,10 @@ import yaml
 from bundle import cli, models
 from bundle.config import AUTO_SHAPE
 from bundle.errors import ConfigError
+from bundle.launch.localworld import free_port
 from bundle.plan import auto
 from bundle.plan.cluster import load_cluster
 from bundle.row_weights import parse_row_weights
-from bundle.runtime.localworld import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS = [ROOT / "clusters" / name for name in ("h100_2x8_ib.yaml", "v100_4x4_eth.yaml")]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bundle.config import CheckpointConfig, RunConfig
-from bundle.runtime.localworld import run_world
+from bundle.launch.localworld import run_world
 from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology
 from tests.support.reference import TOL, equivalence_config, reference

@@ -20,8 +20,8 @@ import torch
 
 from bundle import cli, generate
 from bundle.checkpoint import format as ckpt
+from bundle.launch.localworld import free_port
 from bundle.lr_schedule import LRSchedule
-from bundle.runtime.localworld import free_port
 from tests.support.processes import SMALL, finish, image_folder, start, start_logged
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ import pytest
 
 from bundle import cli
 from bundle.errors import ConfigError
-from bundle.runtime import slurm
-from bundle.runtime.localworld import free_port
+from bundle.launch import slurm
+from bundle.launch.localworld import free_port
 from tests.support.processes import SMALL
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,6 @@
-"""The house rules the code keeps: no function in bundle/ over 80 lines, and each package's
-``__init__`` a module map naming every module of its package."""
+"""The house rules the code keeps: no function in bundle/ over 80 lines, each package's
+``__init__`` a module map naming every module of its package, and floors that run one way (the
+launching side above the trainer, the runtime below it)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,47 @@ def test_every_package_map_names_its_modules():
             if f"``{sub}/``" not in doc and f"``{sub}``" not in doc:
                 missing.append(f"{init.relative_to(ROOT.parent)}: {sub}/")
     assert missing == []
+
+
+# What the launching side stands on: none of it may import bundle.launch, at the top or inside a
+# function.
+BELOW_LAUNCH = ("runtime", "engine", "checkpoint", "observe", "models", "session.py", "trainer.py")
+
+
+def launch_imports(root: Path = ROOT) -> list[str]:
+    """``path:line`` of every import of bundle.launch in the floors below it."""
+    found = []
+    for below in BELOW_LAUNCH:
+        top = root / below
+        for path in sorted(top.rglob("*.py") if top.is_dir() else [top] if top.exists() else []):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                if any(n == "bundle.launch" or n.startswith("bundle.launch.") for n in names):
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+def test_the_floors_below_the_launch_never_import_it():
+    assert launch_imports() == []
+
+
+def test_the_floor_check_sees_an_import_inside_a_function(tmp_path):
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "late.py").write_text(
+        "import os\n\n\ndef f():\n    from bundle import launch\n"
+        "    from bundle.launch.process import x\n"
+    )
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "up.py").write_text("import bundle.launch.supervisor\n")
+    (tmp_path / "launch.py").write_text("from bundle import launch\n")  # not a floor below
+    got = launch_imports(tmp_path)
+    name = tmp_path.name
+    assert got == [
+        f"{name}/runtime/late.py:5",
+        f"{name}/runtime/late.py:6",
+        f"{name}/engine/up.py:1",
+    ]

@@ -1,4 +1,4 @@
-"""bundle/runtime/supervisor.py: how an attempt of a node's workers ends, from their exit codes
+"""bundle/launch/supervisor.py: how an attempt of a node's workers ends, from their exit codes
 and the job's store, with fake workers (no processes)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from bundle.runtime.process import beat
-from bundle.runtime.supervisor import End, Outcome, frozen, frozen_limit, unless_paused, watch
+from bundle.launch.process import beat
+from bundle.launch.supervisor import End, Outcome, frozen, frozen_limit, unless_paused, watch
 
 
 class Worker:

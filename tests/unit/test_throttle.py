@@ -1,4 +1,4 @@
-"""CPU quotas of bundle/runtime/throttle.py: the arithmetic and names as data, the hierarchy found
+"""CPU quotas of bundle/launch/throttle.py: the arithmetic and names as data, the hierarchy found
 from /proc texts, and real cgroups (created, limiting, removed) where this machine allows them."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 
 from bundle import preflight
 from bundle.errors import ConfigError
-from bundle.runtime import devices, throttle
+from bundle.launch import throttle
+from bundle.runtime import devices
 from bundle.topology import Place, Topology
 from tests.support.config import make_config
 
@@ -208,7 +209,7 @@ def test_available_leaves_nothing_behind():
 def test_a_process_of_its_own_throttles_itself_and_cleans_up():
     """The torchrun path: the process takes its quota, and on release leaves it and removes it."""
     code = (
-        "from bundle.runtime import throttle\n"
+        "from bundle.launch import throttle\n"
         "from bundle.topology import Place, Topology\n"
         "topo = Topology(shape=(2,), num_bundles=1, procs_per_node=2, global_batch=8,\n"
         "                micro_batches=1, placement=(Place(0, cpu=0.5), Place(0)))\n"

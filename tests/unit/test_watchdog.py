@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from bundle.runtime import process
+from bundle.launch import process
 from bundle.runtime import store as job_store
 from bundle.runtime.groups import ProcessGroups
 from bundle.runtime.phase import Phase

@@ -71,7 +71,7 @@ def _entry(
             "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=120)
         )
         # Naming the device forms NCCL's world communicator with every rank now, as a job's
-        # workers do (bundle.runtime.process.worker_main): point-to-point between two ranks may come first.
+        # workers do (bundle.launch.process.worker_main): point-to-point between two ranks may come first.
         dist.init_process_group(
             "gloo" if backend == "nccl-emu" else backend,
             store=store,

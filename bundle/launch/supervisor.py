@@ -39,10 +39,11 @@ from bundle import log
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig
 from bundle.errors import LaunchError, PeerFailure
+from bundle.launch.process import spawned
+from bundle.launch.throttle import NodeQuotas, ThrottleError, cpu_shares
 from bundle.partition import Capture
 from bundle.runtime.devices import resolve_backend, torch_backend
 from bundle.runtime.preemption import StopRequest, exit_code, stop_line
-from bundle.runtime.process import spawned
 from bundle.runtime.store import (
     attempt_prefix,
     exchange_config,
@@ -51,7 +52,6 @@ from bundle.runtime.store import (
     read_abort,
     store_barrier,
 )
-from bundle.runtime.throttle import NodeQuotas, ThrottleError, cpu_shares
 from bundle.topology import Topology
 
 _POLL_S = 0.5
@@ -172,7 +172,7 @@ def _attempt(
         )
         for rank, step in step_now.items()
     }
-    # Emulated slower devices: the supervisor owns its workers' CPU quotas (runtime/throttle.py).
+    # Emulated slower devices: the supervisor owns its workers' CPU quotas (launch/throttle.py).
     backend = torch_backend(resolve_backend(cfg))
     quotas = NodeQuotas(cpu_shares(topo, procs, backend), f"{port}.{os.getpid()}")
     for p in procs.values():

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from bundle import log
 from bundle.config import RunConfig
 from bundle.errors import ConfigError
+from bundle.launch.throttle import own_quota
 from bundle.observe.build import reporter_rank
 from bundle.partition import Capture
 from bundle.runtime.devices import device_for, prepare_backend_env, resolve_backend, torch_backend
@@ -33,7 +34,6 @@ from bundle.runtime.store import (
     start_abort_watch,
     store_barrier,
 )
-from bundle.runtime.throttle import own_quota
 from bundle.runtime.watchdog import StepWatchdog, group_timeout, watch_limit
 from bundle.session import build_session
 from bundle.topology import Topology

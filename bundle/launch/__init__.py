@@ -1,0 +1,11 @@
+"""Launching: the floor above the trainer that starts, watches and restarts a job's processes.
+
+It builds on ``bundle.runtime`` (devices, the job store, groups, stop signals, watchdogs) and on
+the session and trainer; nothing below it (runtime, engine, session, trainer) imports it.
+
+- ``process``: one training process around its session and trainer (self-spawned or torchrun);
+- ``supervisor``: a node's workers started, watched, restarted and stopped;
+- ``throttle``: CPU quotas (cgroups) that emulate slower devices for a plan's ``cpu`` shares;
+- ``slurm``: a Slurm job step as the node layout;
+- ``localworld``: N loopback processes for tests, benchmarks and the planner's calibration.
+"""
