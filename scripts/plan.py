@@ -24,7 +24,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bundle.config import PRECISIONS, RECOMPUTES, DataConfig
+import torch
+
+from bundle import models
+from bundle.config import PRECISIONS, RECOMPUTES, DataConfig, parse_model_args
 from bundle.data import TEXT_VOCAB, input_spec
 from bundle.errors import BundleError
 from bundle.plan import planner, report
@@ -76,10 +79,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _takes_tokens(args: argparse.Namespace) -> bool:
+    """Whether the model reads token ids (``gpt``, a Hugging Face language model, a factory whose
+    first layer is an embedding): built on the meta device for text to find out."""
+    if args.model == "gpt":
+        return True
+    if args.model == "digits_cnn" or args.model in models.zoo_names():
+        return False
+    try:
+        model = models.build_on_meta(
+            args.model,
+            num_classes=TEXT_VOCAB,
+            input_shape=(args.seq_len,),
+            args=parse_model_args(args.model_args),
+        )
+    except Exception:  # noqa: BLE001 - a model that cannot take text is planned on images
+        return False
+    return models.input_dtype(model) == torch.long
+
+
 def _data(args: argparse.Namespace) -> dict[str, Any]:
     """The data the plans are made for: main.py's data options (what ``main.py --plan`` runs on
     unless given other data), with the input shape and classes they give."""
-    if args.model == "gpt":  # byte-level text: no file is read to plan (main.py needs --data-file)
+    if _takes_tokens(args):  # byte-level text: no file is read to plan (main.py needs --data-file)
         options: dict[str, Any] = {"dataset": "text", "seq_len": args.seq_len}
         classes, shape = TEXT_VOCAB, (args.seq_len,)
     else:
@@ -152,9 +174,10 @@ def plan(args: argparse.Namespace) -> dict:
         print(f"plan.py: {note}", file=sys.stderr, flush=True)
     mixed = planner.plan_mixed(request, cost) if cost.cluster.mixed else None
     ranked = mixed.ranked if mixed else planner.plan(request, cost, progress=_say)
+    data = _data(args)
     extra = ["--dataset", "synthetic", "--image-size", str(args.image_size)]
     extra += ["--num-classes", str(args.num_classes)] if request.model != "digits_cnn" else []
-    if request.model == "gpt":  # add --data-file FILE.txt
+    if data["dataset"] == "text":  # add --data-file FILE.txt
         extra = ["--dataset", "text", "--seq-len", str(args.seq_len)]
     extra += ["--model-args", args.model_args] if args.model_args else []
     job = report.Job(
@@ -164,7 +187,7 @@ def plan(args: argparse.Namespace) -> dict:
         precision=request.precision,
         recompute=request.recompute,
         extra=tuple(extra) if request.model != "digits_cnn" else (),
-        data=_data(args),
+        data=data,
     )
     top = ranked[: args.top]
     rows = [report.row(e, job, cost) for e in top]

@@ -131,6 +131,36 @@ def test_the_counts_asked_for_widen_a_cluster_file_with_a_note(tmp_path, capsys)
     assert "--nodes 5 in place of the cluster" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "model,args,dataset",
+    [
+        ("gpt", "", "text"),
+        ("transformers:GPT2LMHeadModel", "n_layer=1,n_embd=32,n_head=2", "text"),
+        (
+            "transformers:LlamaForCausalLM",
+            "num_hidden_layers=1,hidden_size=32,"
+            "intermediate_size=64,num_attention_heads=2,num_key_value_heads=1",
+            "text",
+        ),
+        (
+            "transformers:ViTForImageClassification",
+            "num_hidden_layers=1,hidden_size=32,"
+            "num_attention_heads=2,intermediate_size=64,patch_size=8",
+            "synthetic",
+        ),
+        ("resnet18", "", "synthetic"),
+        ("digits_cnn", "", "digits"),
+    ],
+)
+def test_a_model_that_reads_tokens_is_planned_on_text(model, args, dataset):
+    # A language model of any origin gets token windows (and main.py's text flags), not images.
+    argv = ["--model", model, "--seq-len", "32", "--batch-size", "8"]
+    data = PLAN._data(PLAN.parse_args(argv + (["--model-args", args] if args else [])))
+    assert data["dataset"] == dataset
+    if dataset == "text":
+        assert data["input_shape"] == [32] and data["num_classes"] == 256
+
+
 def test_plans_for_a_cluster_file(tmp_path, capsys):
     out, png = tmp_path / "plans.json", tmp_path / "plans.png"
     argv = [
