@@ -387,7 +387,9 @@ def test_gpu_counts_without_a_cluster_plan_from_nominal_gpus(tmp_path, capsys, m
     captured = capsys.readouterr()
     err = [ln for ln in captured.err.splitlines() if ln.strip()]
     assert "nominal cuda device" in err[0] and "--cluster" in err[0], err
-    assert [ln.split()[1] for ln in err[1:]] == ["searching", "simulating"], err  # its progress
+    # Its progress: the search, the plans simulated under 1F1B, the leaders under the others.
+    assert [ln.split()[1] for ln in err[1:]] == ["searching", "simulating", "simulating"], err
+    assert "under 1f1b" in err[2] and "under the other schedules" in err[3], err
     assert "8 devices on nominal cuda" in captured.out
 
 
