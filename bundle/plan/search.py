@@ -209,7 +209,7 @@ def search(
     # Every plan under the first schedule (1F1B where searched: its memory is the least), then
     # the leaders under the others: another schedule reorders the same work, so it moves a plan
     # by at most its bubble, and simulating each under all of them would cost their number.
-    first = "1f1b" if "1f1b" in schedules else schedules[0]
+    first = _first(schedules)
     variants = _variants(plans, (first,), syncs)
     say(f"simulating the {len(variants)} best plan(s) under {first} and each sync")
     evaluated = [evaluate(cost, v, batch) for v in variants]
@@ -351,7 +351,7 @@ def bundle_counts(devices: int, batch: int, least: int) -> list[int]:
 def _variants(plans: set[Plan], schedules: tuple[str, ...], syncs: tuple[str, ...]) -> set[Plan]:
     """Each plan under every schedule and sync that makes a difference to it."""
     variants = set()
-    single = "1f1b" if "1f1b" in schedules else schedules[0]
+    single = _first(schedules)
     for plan in plans:
         for schedule, sync in itertools.product(schedules, syncs):
             if plan.micro_batches == 1 and schedule != single:
@@ -360,6 +360,11 @@ def _variants(plans: set[Plan], schedules: tuple[str, ...], syncs: tuple[str, ..
                 continue  # the same sync under either name
             variants.add(_canonical(replace(plan, schedule=schedule, grad_sync=sync)))
     return variants
+
+
+def _first(schedules: tuple[str, ...]) -> str:
+    """The schedule every plan is simulated under: 1F1B where searched (the least memory)."""
+    return "1f1b" if "1f1b" in schedules else schedules[0]
 
 
 def _canonical(plan: Plan) -> Plan:
