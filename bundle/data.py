@@ -18,10 +18,13 @@ cannot be read fails as one line naming its split, index and path, or, with
 from __future__ import annotations
 
 import functools
+import gzip
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -61,12 +64,32 @@ class DataSplits:
     input_shape: tuple[int, ...]
 
 
-def _digits() -> DataSplits:
-    from sklearn.datasets import load_digits
+def digits_arrays() -> tuple[Any, Any]:
+    """scikit-learn's digits as (images 1797x8x8, labels), as ``load_digits`` gives them.
 
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(digits.target, dtype=torch.long)
+    Read from the file scikit-learn ships, located without importing scikit-learn: importing
+    it is over a second of every process's start-up, and the digits are the default data.
+    ``load_digits`` itself where the file is not where it has always been.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    origin = spec.origin if spec is not None else None
+    shipped = Path(origin).parent / "datasets" / "data" / "digits.csv.gz" if origin else None
+    if shipped is None or not shipped.is_file():
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        return digits.images, digits.target
+    import numpy as np
+
+    with gzip.open(shipped, "rt") as f:
+        table = np.loadtxt(f, delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int, copy=False)
+
+
+def _digits() -> DataSplits:
+    pixels, target = digits_arrays()
+    images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(target, dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(_DIGITS_SPLIT_SEED))
     n_val = int(len(labels) * _DIGITS_VAL_FRACTION)
     val, train = order[:n_val], order[n_val:]

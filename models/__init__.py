@@ -30,16 +30,22 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torchvision.models import ResNet
-from torchvision.models.vgg import VGG
 
 from bundle.config import is_reference
 from bundle.errors import ConfigError, PartitionError
 from bundle.models import graph, hf
 from bundle.models.gpt import GPT
 from bundle.models.outputs import Whole, call_kwargs, check_forward, select
-from bundle.models.small import MLP, Block, Chain, DigitsCNN, SkipMLP, SmallResNet, apply_blocks
-from bundle.models.vision import build_zoo, no_inplace, resnet_blocks, vgg_blocks, zoo_names
+from bundle.models.small import (
+    MLP,
+    Block,
+    Chain,
+    DigitsCNN,
+    SkipMLP,
+    SmallResNet,
+    apply_blocks,
+    no_inplace,
+)
 
 __all__ = [
     "Block",
@@ -77,6 +83,32 @@ _SHOWN_ZOO = ("resnet18", "resnet50", "resnet101", "vgg16")
 def available() -> list[str]:
     """Model names shipped here and the best-known torchvision ones, sorted."""
     return sorted([*_REGISTRY, *_SHOWN_ZOO])
+
+
+def zoo_names() -> frozenset[str]:
+    """Every torchvision classification model name. torchvision is imported here, when a name
+    is asked about, not with this package: a run of another model starts without it."""
+    from bundle.models import vision
+
+    return vision.zoo_names()
+
+
+def build_zoo(
+    name: str, num_classes: int, input_shape: tuple[int, ...], kwargs: dict[str, Any]
+) -> nn.Module:
+    from bundle.models import vision
+
+    return vision.build_zoo(name, num_classes, input_shape, kwargs)
+
+
+def _zoo_chain(model: nn.Module) -> list[Block] | None:
+    """A torchvision ResNet's or VGG's own chain of blocks; None for any other model. A model
+    built from torchvision has imported it already, so nothing is imported for the others."""
+    if "torchvision" not in sys.modules:
+        return None
+    from bundle.models import vision
+
+    return vision.chain_blocks(model)
 
 
 def is_known(name: str) -> bool:
@@ -315,10 +347,9 @@ def blocks(
     """
     if isinstance(model, Chain):
         return model.blocks()
-    if isinstance(model, ResNet):
-        return resnet_blocks(model)
-    if isinstance(model, VGG):
-        return vgg_blocks(model)
+    own = _zoo_chain(model)
+    if own is not None:
+        return own
     no_inplace(model)
     if isinstance(model, nn.Sequential):
         return sequential_blocks(model)
@@ -335,7 +366,7 @@ def forward(model: nn.Module, x: torch.Tensor, output: str | None = None) -> tor
 def whole(model: nn.Module, output: str | None = None) -> list[Block]:
     """The model as one block, never traced (a one-stage shape): a model's own chain where it
     has one, else the model itself, its output taken by ``--model-output``'s rule."""
-    if isinstance(model, (Chain, ResNet, VGG, nn.Sequential)):
+    if isinstance(model, (Chain, nn.Sequential)) or _zoo_chain(model) is not None:
         return blocks(model)
     check_forward(model)
     return [(type(model).__name__, Whole(model, output))]

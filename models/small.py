@@ -186,3 +186,11 @@ class SmallResNet(Chain):
             "flatten",
             "fc",
         )
+
+
+def no_inplace(model: nn.Module) -> None:
+    """In-place activations off: a stage's first layer gets a received tensor that autograd
+    tracks as a leaf, and an in-place op on it raises. Output values are unchanged."""
+    for module in model.modules():
+        if getattr(module, "inplace", False) is True:
+            setattr(module, "inplace", False)  # noqa: B010 - nn.Module's own attribute

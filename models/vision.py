@@ -13,6 +13,7 @@ from torchvision.models import ResNet
 from torchvision.models.vgg import VGG
 
 from bundle.errors import ConfigError
+from bundle.models.small import no_inplace
 
 Block = tuple[str, nn.Module]
 
@@ -66,14 +67,6 @@ def build_zoo(
     return model
 
 
-def no_inplace(model: nn.Module) -> None:
-    """In-place activations off: a stage's first layer gets a received tensor that autograd
-    tracks as a leaf, and an in-place op on it raises. Output values are unchanged."""
-    for module in model.modules():
-        if getattr(module, "inplace", False) is True:
-            setattr(module, "inplace", False)  # noqa: B010 - nn.Module's own attribute
-
-
 def resnet_blocks(model: ResNet) -> list[Block]:
     """conv1, bn1, relu, maxpool, layer1.0 ... layer4.N, avgpool, flatten, fc."""
     out: list[Block] = [(n, getattr(model, n)) for n in ("conv1", "bn1", "relu", "maxpool")]
@@ -90,3 +83,12 @@ def vgg_blocks(model: VGG) -> list[Block]:
     out += [("avgpool", model.avgpool), ("flatten", nn.Flatten(1))]
     out += [(f"classifier.{i}", m) for i, m in enumerate(model.classifier)]
     return out
+
+
+def chain_blocks(model: nn.Module) -> list[Block] | None:
+    """A ResNet's or VGG's hand-written chain of blocks; None for any other model."""
+    if isinstance(model, ResNet):
+        return resnet_blocks(model)
+    if isinstance(model, VGG):
+        return vgg_blocks(model)
+    return None

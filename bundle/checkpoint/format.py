@@ -27,6 +27,7 @@ its stage asks for, from whichever files hold them):
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -40,7 +41,6 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from bundle.config import RunConfig
@@ -310,28 +310,44 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
 
 
-class SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            try:
-                meta = _MetadataUnpickler(f).load()
-            except Exception as exc:  # noqa: BLE001 - whatever a damaged pickle raises
-                raise CheckpointError(
-                    f"{self.path}/.metadata: {type(exc).__name__}: {exc}"
-                ) from exc
-        if getattr(meta, "storage_meta", None) is None:
-            meta.storage_meta = dcp.metadata.StorageMeta()
-        meta.storage_meta.load_id = self.load_id
-        return meta
+def safe_reader(path: str) -> Any:
+    """DCP's file reader of checkpoint ``path``, its index read by an unpickler that admits
+    only what an index holds (``_MetadataUnpickler``)."""
+    return _safe_reader_class()(path)
+
+
+@functools.cache
+def _safe_reader_class() -> type:
+    # torch.distributed.checkpoint is imported when a checkpoint is first read or written:
+    # with DTensor it is a second of every process's start-up.
+    import torch.distributed.checkpoint as dcp
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(os.path.join(self.path, ".metadata"), "rb") as f:
+                try:
+                    meta = _MetadataUnpickler(f).load()
+                except Exception as exc:  # noqa: BLE001 - whatever a damaged pickle raises
+                    raise CheckpointError(
+                        f"{self.path}/.metadata: {type(exc).__name__}: {exc}"
+                    ) from exc
+            if getattr(meta, "storage_meta", None) is None:
+                meta.storage_meta = dcp.metadata.StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return SafeReader
 
 
 def entries(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor entry of a checkpoint: key -> (shape, dtype)."""
-    meta = SafeReader(path).read_metadata()
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = safe_reader(path).read_metadata()
     return {
         k: (tuple(m.size), m.properties.dtype)
         for k, m in meta.state_dict_metadata.items()
-        if isinstance(m, dcp.metadata.TensorStorageMetadata)
+        if isinstance(m, TensorStorageMetadata)
     }
 
 
@@ -377,9 +393,11 @@ def weights(path: str) -> dict[str, torch.Tensor]:
         for k, (shape, dtype) in entries(path).items()
         if k.startswith("model.")
     }
+    import torch.distributed.checkpoint as dcp
+
     with warnings.catch_warnings():  # one process on purpose: no "assuming single process" note
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(want, storage_reader=SafeReader(path), no_dist=True)
+        dcp.load(want, storage_reader=safe_reader(path), no_dist=True)
     return {k.removeprefix("model."): v for k, v in want.items()}
 
 

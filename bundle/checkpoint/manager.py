@@ -33,8 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from bundle import log
 from bundle.checkpoint import format as ckpt
@@ -52,8 +50,14 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MARGIN = 1.05
 _MARGIN_BYTES = 64 << 10
 _MIB = 1 << 20
-# What a failed save raises: DCP's own exception is a BaseException.
-_SAVE_ERRORS = (Exception, CheckpointException)
+
+
+def _save_errors() -> tuple[type[BaseException], ...]:
+    """What a failed save or load raises: DCP's own exception is a BaseException. (Read where
+    it is caught, by which time DCP is imported: it is not at start-up, see ckpt.safe_reader.)"""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:
@@ -239,12 +243,14 @@ class Checkpointer:
             except OSError as exc:
                 failure = exc
         self._all_or_none(failure, tmp, final)
+        import torch.distributed.checkpoint as dcp
+
         writer = dcp.FileSystemWriter(tmp)
         if self.async_group is None:
             try:  # DCP raises on every rank when one rank's writes failed
                 dcp.save(state, storage_writer=writer, process_group=self.group)
                 self._publish(tmp, final, step)
-            except _SAVE_ERRORS as exc:
+            except _save_errors() as exc:
                 failure = exc
             self._all_or_none(failure, tmp, final)
         else:
@@ -329,7 +335,7 @@ class Checkpointer:
         try:
             files = future.result()  # raises what the writer raised (on every rank: DCP gathers)
             self._publish(tmp, final, step, files)
-        except _SAVE_ERRORS as exc:
+        except _save_errors() as exc:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(
@@ -380,8 +386,10 @@ class Checkpointer:
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} entries, e.g. {missing[:3]}")
         try:  # verified before start; a file changed since then is still one line, not a traceback
-            dcp.load(want, storage_reader=ckpt.SafeReader(path), process_group=self.group)
-        except _SAVE_ERRORS as exc:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.load(want, storage_reader=ckpt.safe_reader(path), process_group=self.group)
+        except _save_errors() as exc:
             raise CheckpointError(f"cannot load {path}: {ckpt.cause_of(exc)}") from exc
         for p, slots in optim_state.items():
             self.optimizer.state[p].update(slots)

@@ -11,13 +11,14 @@ state (a checkpoint saves from it)."""
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from bundle.config import TrainConfig
 from bundle.engine.comm import Collectives, Comm
@@ -35,17 +36,23 @@ def param_groups(cfg: TrainConfig, stage: nn.Module) -> list[dict[str, Any]]:
     return groups + [{"params": plain, "weight_decay": 0.0}] if plain else groups
 
 
-class _ZeRO(ZeroRedundancyOptimizer):
+@functools.cache
+def _zero_class() -> type:
     """ZeRO-1 whose broadcasts after each step run as one call of the group's communicator
-    (bundle.engine.comm: in order under nccl-emu)."""
+    (bundle.engine.comm: in order under nccl-emu). torch.distributed.optim is imported only
+    for --zero 1: it pulls in FSDP and DTensor, a second of every other process's start-up."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    def __init__(self, *args: Any, comm: Comm, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._comm = comm
+    class ZeRO(ZeroRedundancyOptimizer):
+        def __init__(self, *args: Any, comm: Comm, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._comm = comm
 
-    def step(self, closure: Any = None, **kwargs: Any) -> Any:
-        with self._comm.exclusive(self.process_group, "ZeRO-1's parameter broadcasts"):
-            return super().step(closure, **kwargs)
+        def step(self, closure: Any = None, **kwargs: Any) -> Any:
+            with self._comm.exclusive(self.process_group, "ZeRO-1's parameter broadcasts"):
+                return super().step(closure, **kwargs)
+
+    return ZeRO
 
 
 def _adam_options(cfg: TrainConfig) -> dict[str, Any]:
@@ -79,7 +86,7 @@ def make_optimizer(
     options["lr"] = cfg.lr
     if shard_over is None:
         return kind(groups, **options)
-    return _ZeRO(
+    return _zero_class()(
         groups,
         optimizer_class=kind,
         process_group=shard_over,
@@ -90,7 +97,10 @@ def make_optimizer(
 
 def holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer holding this process's state: ZeRO's local one, else ``optimizer``."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    zero = sys.modules.get("torch.distributed.optim")  # not imported: no ZeRO optimizer exists
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return optimizer.optim
+    return optimizer
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -19,6 +19,7 @@ gradient (if any) and W is the whole backward over the weights.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,14 +27,17 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-try:  # the graph walk of torch's zero-bubble schedules (torch >= 2.5)
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc,
-        construct_reverse_graph,
-        get_param_groups,
-    )
-except ImportError:  # pragma: no cover - older torch: W is the whole backward over the weights
-    get_param_groups = None  # type: ignore[assignment]
+
+@functools.cache
+def _walk() -> Any:
+    """torch.distributed.pipelining's graph walk (torch >= 2.5), or None. Imported when a split
+    backward first runs: the package pulls in DTensor, a second of start-up that a run of any
+    other schedule does without."""
+    try:
+        from torch.distributed.pipelining import _backward
+    except ImportError:  # pragma: no cover - older torch: W is the whole backward over the weights
+        return None
+    return _backward
 
 
 @dataclass
@@ -51,7 +55,7 @@ class Held:
 
 
 def _grad_node(t: torch.Tensor) -> Any:
-    return _get_grad_fn_or_grad_acc(t)
+    return _walk()._get_grad_fn_or_grad_acc(t)
 
 
 def input_half(
@@ -67,15 +71,16 @@ def input_half(
     ws = [w for w in weights if w.requires_grad]
     if not outs:
         return Held([], [])
-    if not xs or get_param_groups is None:
+    walk = _walk() if xs else None
+    if walk is None:
         if xs:
             _accumulate(xs, torch.autograd.grad(outs, xs, gs, retain_graph=True))
         return Held(ws, None, outs, gs)
     roots = [n for n in map(_grad_node, outs) if n is not None]
-    reverse = construct_reverse_graph(roots)
+    reverse = walk.construct_reverse_graph(roots)
     node_of = {_grad_node(w): w for w in ws}
     reached = [w for n, w in node_of.items() if n in reverse or n in roots]
-    groups = get_param_groups(
+    groups = walk.get_param_groups(
         [n for n in map(_grad_node, xs) if n is not None], list(node_of), reverse
     )
     covered = {n for g in groups for n in g["params"]}

@@ -324,7 +324,7 @@ def everything(save_dir) -> dict[str, torch.Tensor]:
     state = {k: torch.empty(s, dtype=d) for k, (s, d) in ckpt.entries(newest).items()}
     with warnings.catch_warnings():  # read in this one process on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=ckpt.SafeReader(newest), no_dist=True)
+        dcp.load(state, storage_reader=ckpt.safe_reader(newest), no_dist=True)
     return state
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -47,6 +48,19 @@ def test_digits_split_is_real_and_disjoint():
     assert splits.input_shape == (1, 8, 8) and splits.num_classes == 10
     assert len(splits.train) + len(splits.val) == 1797
     assert splits.train.tensors[0].shape[1:] == (1, 8, 8)
+
+
+def test_the_digits_read_from_scikit_learns_file_are_load_digits_own(monkeypatch):
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images, labels = data.digits_arrays()
+    assert images.dtype == digits.images.dtype and labels.dtype == digits.target.dtype
+    assert np.array_equal(images, digits.images) and np.array_equal(labels, digits.target)
+    # Where the file is not found, load_digits itself.
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    images, labels = data.digits_arrays()
+    assert np.array_equal(images, digits.images) and np.array_equal(labels, digits.target)
 
 
 def test_micro_batches_fetch_in_order_with_and_without_workers():

@@ -1,10 +1,13 @@
 """The house rules the code keeps: no function in bundle/ over 80 lines, each package's
 ``__init__`` a module map naming every module of its package, and floors that run one way (the
-launching side above the trainer, the runtime below it)."""
+launching side above the trainer, the runtime below it), and a worker that starts without the
+heavy packages it does not use."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import bundle
@@ -93,3 +96,34 @@ def test_the_floor_check_sees_an_import_inside_a_function(tmp_path):
         f"{name}/runtime/late.py:6",
         f"{name}/engine/up.py:1",
     ]
+
+
+# What a process of a run that does not use them must start without: each is a second or more of
+# every worker's start-up (torchvision: the zoo, DCP: checkpoints, DTensor via pipelining or
+# ZeRO, scikit-learn: the digits, read from its file). Imported where they are used.
+HEAVY = (
+    "torchvision",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "torch.distributed.pipelining",
+    "torch.distributed.optim",
+    "sklearn",
+    "transformers",
+    "timm",
+)
+
+
+def test_a_worker_starts_without_the_heavy_packages_it_does_not_use():
+    probe = (
+        "import sys\n"
+        "import bundle.cli, bundle.preflight, bundle.session, bundle.trainer\n"
+        "import bundle.launch.process, bundle.launch.supervisor\n"
+        "from bundle import data\n"
+        "from bundle.config import DataConfig\n"
+        "data.load(DataConfig(dataset='digits'), seed=0)\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
