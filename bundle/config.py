@@ -439,6 +439,11 @@ class RunConfig:
             raise ConfigError("--eval-only", True, "evaluates: leave --no-eval out")
 
     @property
+    def planned(self) -> bool:
+        """Whether the planner chooses the shape or the split (``auto``; bundle.plan.auto)."""
+        return self.parallel.shape == AUTO_SHAPE or self.model.partition == "auto"
+
+    @property
     def procs_per_node(self) -> int:
         if self.launch.nproc_per_node:
             return self.launch.nproc_per_node

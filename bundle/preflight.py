@@ -21,7 +21,6 @@ from bundle.engine.precision import DTYPES
 from bundle.errors import BundleError, ConfigError, DataError
 from bundle.launch import throttle
 from bundle.lr_schedule import LRSchedule, needs_epoch_length, past_the_run, spell
-from bundle.plan import auto
 from bundle.runtime import devices
 from bundle.runtime.preemption import parse_fault
 from bundle.topology import Topology
@@ -44,7 +43,10 @@ def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
     """Every pre-launch check, once each, in order; the first that fails raises."""
     # Before the planner, which reads the data's sample shape; val/ only for a run that evaluates.
     data.check_data(cfg.data, needs_val=cfg.train.eval)
-    cfg = auto.resolve(cfg)
+    if cfg.planned:  # the planner is imported only then: a third of a second of every launch
+        from bundle.plan import auto
+
+        cfg = auto.resolve(cfg)
     topo = Topology.from_config(cfg)
     devices.check_devices(cfg, topo)
     check_cpu_shares(cfg, topo)

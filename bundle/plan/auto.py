@@ -39,7 +39,7 @@ AUTO = "auto"
 
 
 def wanted(cfg: RunConfig) -> bool:
-    return cfg.parallel.shape == AUTO_SHAPE or cfg.model.partition == AUTO
+    return cfg.planned
 
 
 def _processes(cfg: RunConfig) -> tuple[int, int]:

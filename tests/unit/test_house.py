@@ -98,9 +98,10 @@ def test_the_floor_check_sees_an_import_inside_a_function(tmp_path):
     ]
 
 
-# What a process of a run that does not use them must start without: each is a second or more of
-# every worker's start-up (torchvision: the zoo, DCP: checkpoints, DTensor via pipelining or
-# ZeRO, scikit-learn: the digits, read from its file). Imported where they are used.
+# What a process of a run that does not use them must start without, each imported where it is
+# used: torchvision (the zoo), DCP (checkpoints), DTensor (via pipelining or ZeRO) and scikit-learn
+# (the digits, read from its file) cost a second or more of every process's start-up; the planner
+# (auto) a third of one.
 HEAVY = (
     "torchvision",
     "torch.distributed.checkpoint",
@@ -110,6 +111,7 @@ HEAVY = (
     "sklearn",
     "transformers",
     "timm",
+    "bundle.plan.planner",  # the planner: only for --bundle-shape/--partition auto
 )
 
 
