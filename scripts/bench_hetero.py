@@ -50,8 +50,11 @@ unlike on a slower accelerator; memory sizes and bandwidths of real devices are 
 v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``, usually root): without one the script exits 2 with the
 reason, one line.
 
-It prints one table per part, then the report as one JSON line; a run that fails is printed
-(command and stderr tail) to stderr and listed under ``failures``, and the exit status is 1.
+While the planner part runs, each plan's figures go to stderr as its runs end, and ``--json``
+is rewritten after each plan with the part so far (``partial``), so a run stopped early still
+says what it measured. At the end it prints one table per part, then the report as one JSON
+line; a run that fails is printed (command and stderr tail) to stderr and listed under
+``failures``, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -299,8 +303,18 @@ def _row(
     }
 
 
-def bench_planner(run: Runner, sizes: Sizes, work: Path, timeout: float, cpus: float) -> dict:
-    """Predicted against measured samples/s of the planner's plans; the best against uniform."""
+def bench_planner(
+    run: Runner,
+    sizes: Sizes,
+    work: Path,
+    timeout: float,
+    cpus: float,
+    on_plan: Callable[[dict], None] | None = None,
+) -> dict:
+    """Predicted against measured samples/s of the planner's plans; the best against uniform.
+
+    Each plan's figures are printed to stderr as its runs end, and ``on_plan`` is given the part
+    so far (``partial``: true), so a run stopped early still says what it measured."""
     planned, why = make_plans(sizes, work, timeout)
     if planned is None:
         print(f"planner part skipped: {why}", file=sys.stderr, flush=True)
@@ -318,6 +332,7 @@ def bench_planner(run: Runner, sizes: Sizes, work: Path, timeout: float, cpus: f
         if i == 0:
             best_sps.extend(got)
         rows.append(_row(i, doc["plans"][i], scale, _median(got), spread(got)))
+        _measured(rows[-1], got, on_plan, {"partial": True, "cpu_scale": scale, "plans": rows})
     # Interleaved with the best: its run above pairs with the first uniform run.
     for rep in range(sizes.reps):
         spec = [f"{plans_file}:0", str(uniform_file)] if rep else [str(uniform_file)]
@@ -328,6 +343,7 @@ def bench_planner(run: Runner, sizes: Sizes, work: Path, timeout: float, cpus: f
     rows.append(
         _row("uniform", doc["uniform_plan"], scale, _median(uniform_sps), spread(uniform_sps))
     )
+    _measured(rows[-1], uniform_sps, None, {})
     errors = abs_errors(rows)
     return {
         "cluster": str(CLUSTER.relative_to(REPO)),
@@ -347,6 +363,22 @@ def bench_planner(run: Runner, sizes: Sizes, work: Path, timeout: float, cpus: f
         "profiles": planned.get("profiles", []),
         "predicted_vs_uniform": doc.get("speedup_over_uniform"),
     }
+
+
+def _measured(
+    row: dict, runs: list[float], on_plan: Callable[[dict], None] | None, part: dict
+) -> None:
+    """One plan's figures on stderr as soon as its runs end; the part so far to ``on_plan``."""
+    pred, meas = row["predicted_here"], row["measured_samples_per_s"]
+    error = f", error {(pred - meas) / meas:+.1%}" if abs_errors([row]) else ""
+    print(
+        f"plan {row['index']} ({row['config']}): predicted {_fmt(pred, 1)}, measured "
+        f"{_fmt(meas, 1)} samples/s over {len(runs)} run(s){error}",
+        file=sys.stderr,
+        flush=True,
+    )
+    if on_plan is not None:
+        on_plan(part)
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -425,6 +457,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _saver(path: str | None, report: dict) -> Callable[[dict], None] | None:
+    """Writes the report with the planner part so far to ``path`` (--json) after each plan."""
+    if not path:
+        return None
+    return lambda part: Path(path).write_text(
+        json.dumps(_finite({**report, "planner": part}), indent=2) + "\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the parts asked for, print their tables and the report as one JSON line."""
     args = parse_args(argv)
@@ -455,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
             if part == "weighted":
                 report[part] = bench_weighted(run, sizes, Path(tmp))
             else:
-                report[part] = bench_planner(run, sizes, Path(tmp), args.timeout, args.cpus)
+                report[part] = bench_planner(
+                    run, sizes, Path(tmp), args.timeout, args.cpus, _saver(args.json, report)
+                )
     report = {**headline(report), **report}
     report["failures"] = run.failures
     report["wall_s"] = round(time.perf_counter() - start, 1)

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,40 @@ def test_the_planner_part_says_why_it_was_skipped(monkeypatch, tmp_path):
     assert got == {"skipped": "clusters/no_such_cluster.yaml does not exist"}
     assert bench.headline({"planner": got})["planner_skipped"] == got["skipped"]
     assert bench.headline({"planner": got})["planner_vs_uniform"] is None
+
+
+def test_each_plan_is_reported_as_its_runs_end(monkeypatch, tmp_path, capsys):
+    """A long run stopped early still says what it measured: each plan's line on stderr, and the
+    part so far handed on (main writes it to --json) after every plan."""
+    plans = [
+        {"run": {"bundle_shape": "2,2", "micro_batches": 2}, "predicted_samples_per_s": 300.0},
+        {"run": {"bundle_shape": "4"}, "predicted_samples_per_s": 200.0},
+    ]
+    doc = {"plans": plans, "uniform_plan": plans[1]}
+    monkeypatch.setattr(bench, "make_plans", lambda *a: (doc, None))
+    speeds = iter([250.0, 200.0, 260.0])  # plan 0, plan 1, then the uniform plan (one rep)
+    parts = []
+    got = bench.bench_planner(
+        lambda args: {"samples_per_s": next(speeds)},
+        replace(bench.PRESETS["quick"], plans=2),
+        tmp_path,
+        10.0,
+        2.0,
+        lambda part: parts.append([r["index"] for r in part["plans"]]),
+    )
+    assert parts == [[0], [0, 1]]  # after each plan, the plans so far
+    save = bench._saver(str(tmp_path / "report.json"), {"mode": "full"})
+    save({"partial": True, "plans": got["plans"][:1]})  # what main hands bench_planner (--json)
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert written["mode"] == "full" and written["planner"]["partial"] is True
+    assert bench._saver(None, {}) is None
+    assert [r["index"] for r in got["plans"]] == [0, 1, "uniform"]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == (
+        "plan 0 (2,2 x1 M=2): predicted 300.0, measured 250.0 samples/s over 1 run(s), error +20.0%"
+    )
+    assert lines[1].startswith("plan 1 (4 x1 M=1): predicted 200.0, measured 200.0 ")
+    assert lines[-1].endswith("measured 260.0 samples/s over 1 run(s), error -23.1%")
 
 
 def test_without_cgroups_it_exits_2_with_the_reason(monkeypatch, capsys):
