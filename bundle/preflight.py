@@ -39,14 +39,21 @@ class LaunchPlan:
     capture: partition.Capture | None = None
 
 
+def resolve(cfg: RunConfig) -> RunConfig:
+    """The planner's choices for ``--bundle-shape auto`` / ``--partition auto`` (bundle.plan.auto),
+    else ``cfg``. The planner is imported only then: a third of a second of every other launch."""
+    if not cfg.planned:
+        return cfg
+    from bundle.plan import auto
+
+    return auto.resolve(cfg)
+
+
 def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
     """Every pre-launch check, once each, in order; the first that fails raises."""
     # Before the planner, which reads the data's sample shape; val/ only for a run that evaluates.
     data.check_data(cfg.data, needs_val=cfg.train.eval)
-    if cfg.planned:  # the planner is imported only then: a third of a second of every launch
-        from bundle.plan import auto
-
-        cfg = auto.resolve(cfg)
+    cfg = resolve(cfg)
     topo = Topology.from_config(cfg)
     devices.check_devices(cfg, topo)
     check_cpu_shares(cfg, topo)

@@ -38,7 +38,6 @@ def calls(monkeypatch):
     seen: list[str] = []
     owners = {
         "check_data": preflight.data,
-        "resolve": preflight.auto,
         "check_devices": preflight.devices,
         "parse_fault": preflight,
     }
@@ -64,7 +63,7 @@ def test_a_plain_run_passes_every_check_once_in_order(calls):
 def test_the_planners_choice_is_checked_once_and_handed_on(calls, monkeypatch):
     # The planner reads the data before it chooses; the data are not checked again after.
     resolved = cfg("--bundle-shape", "2,1")
-    monkeypatch.setattr(preflight.auto, "resolve", lambda c: calls.append("resolve") or resolved)
+    monkeypatch.setattr(preflight, "resolve", lambda c: calls.append("resolve") or resolved)
     plan = preflight.check_all(cfg("--bundle-shape", "auto"), {})
     assert calls == list(CHECKS)
     assert (plan.cfg, plan.topo) == (resolved, Topology.from_config(resolved))
