@@ -332,7 +332,9 @@ def bench_planner(
         if i == 0:
             best_sps.extend(got)
         rows.append(_row(i, doc["plans"][i], scale, _median(got), spread(got)))
-        _measured(rows[-1], got, on_plan, {"partial": True, "cpu_scale": scale, "plans": rows})
+        _say(rows[-1], got)
+        if on_plan is not None:
+            on_plan({"partial": True, "cpu_scale": scale, "plans": rows})
     # Interleaved with the best: its run above pairs with the first uniform run.
     for rep in range(sizes.reps):
         spec = [f"{plans_file}:0", str(uniform_file)] if rep else [str(uniform_file)]
@@ -343,7 +345,7 @@ def bench_planner(
     rows.append(
         _row("uniform", doc["uniform_plan"], scale, _median(uniform_sps), spread(uniform_sps))
     )
-    _measured(rows[-1], uniform_sps, None, {})
+    _say(rows[-1], uniform_sps)
     errors = abs_errors(rows)
     return {
         "cluster": str(CLUSTER.relative_to(REPO)),
@@ -365,10 +367,8 @@ def bench_planner(
     }
 
 
-def _measured(
-    row: dict, runs: list[float], on_plan: Callable[[dict], None] | None, part: dict
-) -> None:
-    """One plan's figures on stderr as soon as its runs end; the part so far to ``on_plan``."""
+def _say(row: dict, runs: list[float]) -> None:
+    """One plan's figures on stderr, as soon as its runs end."""
     pred, meas = row["predicted_here"], row["measured_samples_per_s"]
     error = f", error {(pred - meas) / meas:+.1%}" if abs_errors([row]) else ""
     print(
@@ -377,8 +377,6 @@ def _measured(
         file=sys.stderr,
         flush=True,
     )
-    if on_plan is not None:
-        on_plan(part)
 
 
 # -- output -----------------------------------------------------------------------------------

@@ -38,10 +38,6 @@ from bundle.plan.search import Evaluated, Plan, Splitter, evaluate, search
 AUTO = "auto"
 
 
-def wanted(cfg: RunConfig) -> bool:
-    return cfg.planned
-
-
 def _processes(cfg: RunConfig) -> tuple[int, int]:
     """(nodes, processes per node) of this job, as the launcher will start them."""
     lc = cfg.launch
@@ -152,7 +148,7 @@ def _plan_split(cfg: RunConfig, request: planner.Request, cost: CostModel) -> Ev
 
 def resolve(cfg: RunConfig) -> RunConfig:
     """The configuration with the planner's choices in place of ``auto``; logs the plan."""
-    if not wanted(cfg):
+    if not cfg.planned:
         return cfg
     shape_auto = cfg.parallel.shape == AUTO_SHAPE
     if shape_auto:

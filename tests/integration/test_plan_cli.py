@@ -270,9 +270,9 @@ def test_plans_for_emulated_cpu_devices_carry_cpu_shares(tmp_path):
 
 def test_auto_is_parsed_and_refused_beside_dp_only():
     cfg = cli.parse(["--bundle-shape", "auto"], {})
-    assert cfg.parallel.shape == AUTO_SHAPE and auto.wanted(cfg)
-    assert auto.wanted(cli.parse(["--partition", "auto"], {}))
-    assert not auto.wanted(cli.parse([], {}))
+    assert cfg.parallel.shape == AUTO_SHAPE and cfg.planned
+    assert cli.parse(["--partition", "auto"], {}).planned
+    assert not cli.parse([], {}).planned
     with pytest.raises(ConfigError, match="--DP-ONLY"):
         cli.parse(["--bundle-shape", "auto", "--DP-ONLY"], {})
 
