@@ -9,8 +9,9 @@ from dataclasses import Field, dataclass, field, fields, is_dataclass
 from types import MappingProxyType
 from typing import Any
 
+from bundle.engine.schedule import REGISTRY, actions
 from bundle.engine.schedule import SCHEDULES as SCHEDULES
-from bundle.errors import ConfigError, positive
+from bundle.errors import ConfigError, ScheduleError, positive
 from bundle.lr_schedule import LR_SCHEDULES, Milestone, spell
 from bundle.sync_options import COMPRESSIONS as COMPRESSIONS
 from bundle.sync_options import check as check_sync_options
@@ -77,6 +78,8 @@ class ParallelConfig:
     num_bundles: int = 1
     micro_batches: int = field(default=1, metadata=RECORDED)
     schedule: str = "1f1b"
+    # Model chunks per stage (interleaved schedules): the model is cut into stages x V pieces.
+    virtual_stages: int = 1
     grad_sync: str = "flat"
     bucket_mb: float = 25.0  # gradient bucket size of either sync strategy (DDP's default)
     # The data-parallel side (docs/data-parallel.md): all opt-in, the defaults are exact.
@@ -100,11 +103,32 @@ class ParallelConfig:
         positive("--micro-batches", self.micro_batches)
         if self.schedule not in SCHEDULES:
             raise ConfigError("--schedule", self.schedule, f"choose one of: {', '.join(SCHEDULES)}")
+        self._check_chunks()
         if self.grad_sync not in GRAD_SYNCS:
             raise ConfigError(
                 "--grad-sync", self.grad_sync, f"choose one of: {', '.join(GRAD_SYNCS)}"
             )
         check_sync_options(self)
+
+    def _check_chunks(self) -> None:
+        """What --virtual-stages needs: a schedule that interleaves, stages to interleave over,
+        micro-batches in whole rounds, and one gradient state per chunk that a checkpoint holds."""
+        V = self.virtual_stages
+        positive("--virtual-stages", V)
+        try:
+            REGISTRY[self.schedule].check_chunks(V)
+            if V > 1 and len(self.shape) > 1:
+                actions(self.schedule, 0, len(self.shape), self.micro_batches, V)
+        except ScheduleError as exc:
+            raise ConfigError("--virtual-stages", V, str(exc)) from None
+        if V == 1:
+            return
+        if self.shape != AUTO_SHAPE and len(self.shape) < 2:
+            raise ConfigError(
+                "--virtual-stages", V, "interleaving needs a pipeline of 2 or more stages"
+            )
+        if self.grad_compression != "none":
+            raise ConfigError("--virtual-stages", V, "is not yet combined with --grad-compression")
 
     @property
     def world_size(self) -> int:

@@ -62,8 +62,9 @@ class Evaluator:
 
     def run(self, label: str) -> Validation:
         """Accuracy, loss and perplexity over the validation set (collective)."""
-        stage = self.engine.sync.module
-        stage.eval()
+        modules = [c.sync.module for c in self.engine.chunks]
+        for m in modules:
+            m.eval()
         usable = self._batches()
         stream = self._stream([ix for ix, _ in usable])
         counts = torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)
@@ -73,7 +74,8 @@ class Evaluator:
             batch = next(stream) if stream else None
             self.phase.enter(where)
             counts += self.engine.eval_batch(rows, batch)
-        stage.train()
+        for m in modules:
+            m.train()
         if self.group is None:
             return Validation(None, None, None, None, 0)
         self.comm.all_reduce(counts, self.group).wait()

@@ -252,6 +252,12 @@ class Stage(nn.Module):
         self.load_state_dict({k: state[full] for k, full in own.items()}, strict=True)
 
 
+def joined(pieces: Sequence[Stage]) -> Stage:
+    """The blocks of several pieces as one stage, for what holds a rank's whole state (the
+    optimizer, checkpoints) when it runs several model chunks; it is never run forward."""
+    return Stage([(n, m) for p in pieces for n, m in zip(p.names, p.blocks, strict=True)])
+
+
 def build_model(cfg: ModelConfig, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
     """``--model`` built for the data (``--model-args`` passed), ``--weights`` loaded."""
     model = models.build(

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from bundle import data, loader
+from bundle import data, loader, partition
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig, parse_bundle_sync
@@ -21,6 +21,7 @@ from bundle.engine.optim import make_optimizer
 from bundle.engine.outer import OuterSync
 from bundle.engine.precision import Policy
 from bundle.engine.stage_engine import (
+    Chunk,
     Loss,
     MicroBatch,
     StageEngine,
@@ -85,14 +86,18 @@ def build_session(
         device = device_audit.MARK
     comm: Comm = emu if emu is not None else Collectives()
     coord = topo.coord(rank)
-    S = topo.num_stages
+    S, V = topo.num_stages, cfg.parallel.virtual_stages
     splits = data.load(cfg.data, cfg.train.seed, needs_val=cfg.train.eval)
-    stages = build_stages(cfg, S, splits.input_shape, splits.num_classes, capture)
-    tied = ties.find(stages)
+    # The model in S x V pieces; this rank runs pieces stage, stage + S, ... (its chunks).
+    stages = build_stages(cfg, S * V, splits.input_shape, splits.num_classes, capture)
+    tied = ties.find(stages) if V == 1 else ties.by_stage(ties.find(stages), S)
     policy = Policy.of(cfg.compute, device)
     metas = boundary_metas(stages, splits.input_shape, policy)
     layout = Layout(list(topo.shape), topo.num_bundles, [s.names[0] for s in stages])
-    stage = policy.prepare_stage(stages[coord.stage].to(device))
+    mine = [policy.prepare_stage(stages[c * S + coord.stage].to(device)) for c in range(V)]
+    # What the checkpoint and the optimizer see: every chunk's blocks (one of them, without
+    # interleaving).
+    stage = mine[0] if V == 1 else partition.joined(mine)
     del stages
     if device.type == "cuda":
         precision.set_tf32(cfg.compute.tf32)
@@ -104,18 +109,7 @@ def build_session(
         async_save=cfg.checkpoint.async_save,
         timeout=cfg.launch.timeout,
     )
-    transport = Transport(
-        topo=topo,
-        bundle=coord.bundle,
-        stage=coord.stage,
-        replica=coord.replica,
-        in_meta=metas[coord.stage - 1] if coord.stage > 0 else (),
-        out_meta=metas[coord.stage] if coord.stage < S - 1 else (),
-        device=device,
-        timeout=cfg.launch.timeout,
-        post=emu.batch_isend_irecv if emu is not None else post_with_torch,
-    )
-    sync = _make_sync(cfg, topo, coord, stage, groups, device, comm)
+    chunks = _chunks(cfg, topo, coord, mine, metas, groups, device, comm, emu)
     sharded = cfg.parallel.zero and len(topo.stage_group(coord.stage)) > 1
     optimizer = make_optimizer(
         cfg.train, stage, shard_over=groups.stage if sharded else None, comm=comm
@@ -123,13 +117,13 @@ def build_session(
     engine = StageEngine(
         topo=topo,
         coord=coord,
-        sync=sync,
-        outer=_make_outer(cfg, topo, coord, stage, groups, sync.wire, comm),
-        transport=transport,
+        sync=chunks[0].sync,
+        outer=_make_outer(cfg, topo, coord, stage, groups, chunks[0].sync.wire, comm),
+        transport=chunks[0].transport,
         optimizer=optimizer,
         schedule=cfg.parallel.schedule,
         device=device,
-        stage=stage,
+        stage=chunks[0].stage,
         policy=policy,
         # The skip decision spans the job: the default group holds every rank.
         scaler=policy.make_scaler(device, comm=comm),
@@ -138,9 +132,45 @@ def build_session(
         # gloo alone lets a receive progress on its own: there it is posted ahead (bundle.engine.p2p).
         early_receives=backend == "gloo",
         ties=_make_ties(cfg, topo, coord, stage, comm, tied),
+        chunks=chunks[1:],
     )
     arrive("ready to train")
     return Session(engine, stage, splits, coord, groups, optimizer, layout, comm)
+
+
+def _chunks(
+    cfg: RunConfig,
+    topo: Topology,
+    coord: Coord,
+    pieces: list[Stage],
+    metas: list,
+    groups: ProcessGroups,
+    device: torch.device,
+    comm: Comm,
+    emu: nccl_emu.Emulator | None,
+) -> list[Chunk]:
+    """This rank's model chunks (one without interleaving): chunk c is piece c x S + stage, with
+    its own gradient sync (built in chunk order on every replica: collective) and transport."""
+    S, V = topo.num_stages, len(pieces)
+    out = []
+    for c, piece in enumerate(pieces):
+        j = c * S + coord.stage
+        transport = Transport(
+            topo=topo,
+            bundle=coord.bundle,
+            stage=coord.stage,
+            replica=coord.replica,
+            in_meta=metas[j - 1] if j > 0 else (),
+            out_meta=metas[j] if j < S * V - 1 else (),
+            device=device,
+            timeout=cfg.launch.timeout,
+            post=emu.batch_isend_irecv if emu is not None else post_with_torch,
+            chunk=c,
+            chunks=V,
+        )
+        sync = _make_sync(cfg, topo, coord, piece, groups, device, comm)
+        out.append(Chunk(piece, sync, transport))
+    return out
 
 
 def make_loss(cfg: RunConfig) -> Loss:
@@ -179,8 +209,10 @@ def _make_sync(
     comm: Comm,
 ) -> GradSync:
     par = cfg.parallel
-    if len(topo.stage_group(coord.stage)) == 1:
-        return GradSync(stage)
+    if len(topo.stage_group(coord.stage)) == 1 or not any(
+        p.requires_grad for p in stage.parameters()
+    ):
+        return GradSync(stage)  # nothing to sum (a piece of only a reshape has no weights)
     per_step = par.bundle_sync == "step"
 
     def hop(group: dist.ProcessGroup) -> Hop:

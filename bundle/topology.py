@@ -416,18 +416,22 @@ class Topology:
             replica,
         )
 
+    def transfers(
+        self, src: int, dst: int, rows: int, *, by_src: bool
+    ) -> tuple[tuple[Transfer, ...], ...]:
+        """The row plan of a micro-batch of ``rows`` rows from stage ``src`` to stage ``dst`` (any
+        two stages: interleaved chunks also cross from the last stage to the first), listed per
+        replica of ``src`` (``by_src``) or of ``dst``."""
+        return _row_plan_by(rows, self.stage_weights(src), self.stage_weights(dst), by_src)
+
     def sends(self, stage: int, replica: int, rows: int) -> tuple[Transfer, ...]:
         """What ``replica`` of ``stage`` sends forward for a micro-batch of ``rows`` rows."""
         if stage + 1 >= self.num_stages:
             return ()
-        return _row_plan_by(rows, self.stage_weights(stage), self.stage_weights(stage + 1), True)[
-            replica
-        ]
+        return self.transfers(stage, stage + 1, rows, by_src=True)[replica]
 
     def recvs(self, stage: int, replica: int, rows: int) -> tuple[Transfer, ...]:
         """What ``replica`` of ``stage`` receives from the previous stage for ``rows`` rows."""
         if stage == 0:
             return ()
-        return _row_plan_by(rows, self.stage_weights(stage - 1), self.stage_weights(stage), False)[
-            replica
-        ]
+        return self.transfers(stage - 1, stage, rows, by_src=False)[replica]

@@ -44,6 +44,7 @@ import torch
 import torch.distributed
 
 from bundle.config import GRAD_SYNCS, SCHEDULES
+from bundle.engine.schedule import REGISTRY
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,6 +118,8 @@ def train_argv(gpus: int, schedule: str, grad_sync: str, port: int) -> tuple[str
         "--batch-size", str(BATCH_PER_BUNDLE * bundles),
         "--schedule", schedule, "--grad-sync", grad_sync, "--portNum", str(port),
     ]  # fmt: skip
+    if REGISTRY[schedule].chunks:
+        argv += ["--virtual-stages", "2"]
     if 2 * bundles > gpus:
         argv.append("--share-gpus")
     return tuple(argv)

@@ -2,7 +2,9 @@
 
 Modules, from the data up:
 
-- ``schedule``: the schedules' registry (GPipe, 1F1B, ZB-H1): pure lists of actions per stage;
+- ``schedule``: the schedules' registry (GPipe, 1F1B, ZB-H1, interleaved 1F1B): pure lists of
+  actions per stage, each naming its micro-batch and model chunk;
+- ``rounds``: the calls of stages with several model chunks, posted in lockstep rounds;
 - ``p2p``: the point-to-point calls those actions make in a step, and a model of NCCL's streams;
 - ``transport``: activations forward and gradients back between stages of any widths;
 - ``comm``: the collectives of training's NCCL groups behind one interface (torch's, emulated);
@@ -17,5 +19,6 @@ Modules, from the data up:
 - ``optim``: a stage's optimizer (SGD, AdamW, Adam), its parameter groups, ZeRO-1 sharding;
 - ``split_backward``: a backward in two halves, input and weight (zero-bubble schedules);
 - ``memory``: recompute of a stage's blocks, and a count of what backward keeps;
-- ``stage_engine``: ``StageEngine``, which runs a step's actions, calls and optimizer step.
+- ``stage_engine``: ``StageEngine``, which runs a step's actions (over its model chunks), calls
+  and optimizer step.
 """

@@ -90,7 +90,9 @@ class GradSync:
         """Called after the step's last backward; gradients are synced when it returns."""
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
+        """Clear the gradients of this sync's module (a rank with several model chunks has one
+        sync per chunk, each clearing its own: the hierarchical sync's are bucket views)."""
+        self.module.zero_grad(set_to_none=True)
 
 
 class FlatSync(GradSync):

@@ -29,9 +29,10 @@ model that ``--backend nccl-emu`` enforces at run time (bundle.engine.nccl_emu).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
+from bundle.engine.rounds import lockstep
 from bundle.engine.schedule import COMPUTE, Action, Op, actions, unknown
 from bundle.topology import Topology, Transfer
 
@@ -59,38 +60,59 @@ class Call:
         return "+".join(map(repr, self.ops))
 
 
-def _send_then_recv(a: Action, b: Action) -> bool:
-    """A send followed by a receive on the same boundary."""
-    return a.op in SENDS and b.op in RECVS and SIDE[a.op] == SIDE[b.op]
+def peer(a: Action, stage: int, num_stages: int) -> tuple[int, int]:
+    """(stage, chunk) across the boundary a communication action uses: the next piece's or the
+    previous one's (piece = chunk x S + stage; interleaving wraps from the last stage to the first)."""
+    piece = a.chunk * num_stages + stage + SIDE[a.op]
+    return piece % num_stages, piece // num_stages
 
 
-def _adjacent_pairs(acts: Sequence[Action]) -> set[tuple[Action, Action]]:
-    """(send, receive) pairs on one boundary with nothing between them in the schedule but
+def _send_then_recv(a: Action, b: Action, stage: int, num_stages: int) -> bool:
+    """A send followed by a receive with the same peer stage (NCCL matches per pair of ranks)."""
+    return (
+        a.op in SENDS
+        and b.op in RECVS
+        and peer(a, stage, num_stages)[0] == peer(b, stage, num_stages)[0]
+    )
+
+
+def _adjacent_pairs(
+    acts: Sequence[Action], stage: int, num_stages: int
+) -> set[tuple[Action, Action]]:
+    """(send, receive) pairs with one peer stage and nothing between them in the schedule but
     weight-gradient work, which neither sends nor waits (its stream holds the same calls)."""
     acts = [a for a in acts if a.op is not Op.BACKWARD_WEIGHT]
-    return {(a, b) for a, b in zip(acts, acts[1:], strict=False) if _send_then_recv(a, b)}
+    return {
+        (a, b)
+        for a, b in zip(acts, acts[1:], strict=False)
+        if _send_then_recv(a, b, stage, num_stages)
+    }
 
 
 def stage_calls(
-    schedule: str, stage: int, num_stages: int, micro_batches: int
+    schedule: str, stage: int, num_stages: int, micro_batches: int, chunks: int = 1
 ) -> tuple[list[Action], list[Call]]:
     """The stage's action list and its calls, in the order they are posted."""
-    acts = [actions(schedule, s, num_stages, micro_batches) for s in range(num_stages)]
+    S = num_stages
+    acts = [actions(schedule, s, S, micro_batches, chunks) for s in range(S)]
     mine = acts[stage]
     for a in mine:
         if a.op not in COMM and a.op not in COMPUTE:
             raise unknown(a, "the NCCL plan")
-    pairs = {
-        side: _adjacent_pairs(acts[stage + side])
-        for side in (-1, 1)
-        if 0 <= stage + side < num_stages
-    }
+    pairs: dict[int, set[tuple[Action, Action]]] = {}
 
     def fused(send: Action, recv: Action) -> bool:
         # Across the boundary the same two messages are recv' and send'; fused only if that
         # stage has send' right before recv' too, so both sides group them alike.
-        theirs = pairs.get(SIDE[send.op], set())
-        return (Action(MIRROR[recv.op], recv.micro), Action(MIRROR[send.op], send.micro)) in theirs
+        other, send_chunk = peer(send, stage, S)
+        recv_chunk = peer(recv, stage, S)[1]
+        if other not in pairs:
+            pairs[other] = _adjacent_pairs(acts[other], other, S)
+        theirs = (
+            Action(MIRROR[recv.op], recv.micro, recv_chunk),
+            Action(MIRROR[send.op], send.micro, send_chunk),
+        )
+        return theirs in pairs[other]
 
     calls: list[Call] = []
     comm = [a for a in mine if a.op is not Op.BACKWARD_WEIGHT]
@@ -101,7 +123,7 @@ def stage_calls(
             i += 1
             continue
         nxt = comm[i + 1] if i + 1 < len(comm) else None
-        if nxt is not None and _send_then_recv(a, nxt) and fused(a, nxt):
+        if nxt is not None and _send_then_recv(a, nxt, stage, S) and fused(a, nxt):
             calls.append(Call((a, nxt)))
             i += 2
         else:
@@ -110,9 +132,11 @@ def stage_calls(
     return mine, calls
 
 
-def calls(schedule: str, stage: int, num_stages: int, micro_batches: int) -> list[Call]:
+def calls(
+    schedule: str, stage: int, num_stages: int, micro_batches: int, chunks: int = 1
+) -> list[Call]:
     """The calls one stage posts in a step, in order."""
-    return stage_calls(schedule, stage, num_stages, micro_batches)[1]
+    return stage_calls(schedule, stage, num_stages, micro_batches, chunks)[1]
 
 
 @dataclass(frozen=True)
@@ -127,18 +151,39 @@ class StepPlan:
     calls: tuple[Call, ...]
     post_at: tuple[tuple[int, ...], ...]
     call_of: tuple[int, ...]
+    # Each receive's buffer slot where the plan chooses them (several chunks: bundle.engine.rounds);
+    # empty: the engine rotates buffers by micro-batch.
+    slots: dict[Action, int] = field(default_factory=dict)
 
 
 def step_plan(
-    schedule: str, stage: int, num_stages: int, micro_batches: int, *, early_receives: bool = False
+    schedule: str,
+    stage: int,
+    num_stages: int,
+    micro_batches: int,
+    *,
+    chunks: int = 1,
+    early_receives: bool = False,
 ) -> StepPlan:
     """The stage's step: NCCL's calls (``stage_calls``, each posted where its first action stands),
     or with ``early_receives`` gloo's: every action its own call, a receive posted as the step
     begins (the first of its kind) or as soon as the one before it arrived, so its data moves
     while the stage computes. gloo progresses each operation on its own, so that order is safe
     there and saves a round trip per message; under NCCL's ordering it deadlocks (``replay``).
+    With several chunks per stage, the calls are posted in lockstep rounds on every backend
+    (bundle.engine.rounds).
     """
-    acts, cs = stage_calls(schedule, stage, num_stages, micro_batches)
+    if chunks > 1:
+        mine, ops, posts, slots = lockstep(schedule, stage, num_stages, micro_batches, chunks)
+        where = {a: n for n, c in enumerate(ops) for a in c}
+        return StepPlan(
+            tuple(mine),
+            tuple(Call(c) for c in ops),
+            tuple(tuple(p) for p in posts),
+            tuple(where.get(a, -1) for a in mine),
+            slots,
+        )
+    acts, cs = stage_calls(schedule, stage, num_stages, micro_batches, chunks)
     if early_receives:
         cs = [Call((a,)) for a in acts if a.op in COMM]
     index = {a: n for n, c in enumerate(cs) for a in c.ops}
@@ -162,15 +207,29 @@ def step_plan(
 
 
 def boundary_peers(
-    topo: Topology, bundle: int, stage: int, replica: int, side: int, rows: int
+    topo: Topology,
+    bundle: int,
+    stage: int,
+    replica: int,
+    side: int,
+    rows: int,
+    *,
+    chunk: int = 0,
+    chunks: int = 1,
 ) -> tuple[tuple[Transfer, int], ...]:
     """(rows to move, peer rank) for every peer of one replica across one boundary of a micro-batch
-    of ``rows`` rows; ``side`` is +1 for the next stage, -1 for the previous one."""
+    of ``rows`` rows; ``side`` is +1 for the next piece, -1 for the previous one (the replica runs
+    piece ``chunk x S + stage`` of ``S x chunks``)."""
+    S = topo.num_stages
+    there = chunk * S + stage + side
+    if not 0 <= there < S * chunks:
+        return ()
+    other = there % S
     if side > 0:
-        return tuple(
-            (t, topo.rank(bundle, stage + 1, t.dst)) for t in topo.sends(stage, replica, rows)
-        )
-    return tuple((t, topo.rank(bundle, stage - 1, t.src)) for t in topo.recvs(stage, replica, rows))
+        plan = topo.transfers(stage, other, rows, by_src=True)[replica]
+        return tuple((t, topo.rank(bundle, other, t.dst)) for t in plan)
+    plan = topo.transfers(other, stage, rows, by_src=False)[replica]
+    return tuple((t, topo.rank(bundle, other, t.src)) for t in plan)
 
 
 # -- the model of NCCL's streams ------------------------------------------------------------------
@@ -283,7 +342,12 @@ class _Streams:
 
 
 def programs(
-    topo: Topology, schedule: str, *, early_receives: bool = False, row_bytes: int = 1
+    topo: Topology,
+    schedule: str,
+    *,
+    chunks: int = 1,
+    early_receives: bool = False,
+    row_bytes: int = 1,
 ) -> dict[int, list[Step]]:
     """Every rank's calls and waits in one training step, as the engine posts them.
 
@@ -294,7 +358,12 @@ def programs(
     for rank in range(topo.world_size):
         c = topo.coord(rank)
         plan = step_plan(
-            schedule, c.stage, topo.num_stages, topo.micro_batches, early_receives=early_receives
+            schedule,
+            c.stage,
+            topo.num_stages,
+            topo.micro_batches,
+            chunks=chunks,
+            early_receives=early_receives,
         )
         sizes = topo.micro_sizes(c.bundle)
         prog: list[Step] = []
@@ -303,10 +372,17 @@ def programs(
             for n in plan.post_at[i]:
                 order[n] = len(order)
                 msgs: list[Msg] = [
-                    ("send" if op.op in SENDS else "recv", peer, (t.stop - t.start) * row_bytes)
+                    ("send" if op.op in SENDS else "recv", other, (t.stop - t.start) * row_bytes)
                     for op in plan.calls[n].ops
-                    for t, peer in boundary_peers(
-                        topo, c.bundle, c.stage, c.replica, SIDE[op.op], sizes[op.micro]
+                    for t, other in boundary_peers(
+                        topo,
+                        c.bundle,
+                        c.stage,
+                        c.replica,
+                        SIDE[op.op],
+                        sizes[op.micro],
+                        chunk=op.chunk,
+                        chunks=chunks,
                     )
                 ]
                 prog.append(("post", msgs))

@@ -65,15 +65,15 @@ class Policy:
         dtype = self.compute_dtype if meta.dtype == torch.float32 else meta.dtype
         return TensorMeta(meta.tail, dtype, self.channels_last and len(meta.tail) == 3)
 
-    def recomputes(self, acts: list[Action], micro_batches: int) -> list[bool]:
-        """Per micro-batch, whether its forward keeps only the stage's inputs.
+    def recomputes(self, acts: list[Action], micro_batches: int, chunk: int = 0) -> list[bool]:
+        """Per micro-batch, whether its forward (in ``chunk``) keeps only the chunk's inputs.
 
         ``except-last`` keeps the micro-batches whose backward comes right after their forward
         (torchgpipe's "except last", for its schedule): recomputing those lowers no peak.
         """
         if self.recompute == "never":
             return [False] * micro_batches
-        keep = backward_follows_forward(acts) if self.recompute == "except-last" else set()
+        keep = backward_follows_forward(acts, chunk) if self.recompute == "except-last" else set()
         return [k not in keep for k in range(micro_batches)]
 
     def prepare_stage(self, stage: M) -> M:

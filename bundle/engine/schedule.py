@@ -22,6 +22,16 @@ F = I = W = 1, so a 1F1B backward is 2: 10 units against 1F1B's 12)::
     stage 0:  F0 F1 .  I0 W0 F2 I1 W1 I2 W2
     stage 1:  .  F0 I0 F1 I1 W0 F2 I2 W1 W2
 
+Interleaved 1F1B (Megatron's, torch's ``ScheduleInterleaved1F1B``) with V model chunks per stage:
+the model is cut into S x V pieces and piece j runs on stage j mod S as its chunk j // S (the
+looped placement), so each stage's bubble shrinks V-fold. S=2, V=2, M=2 (``F0'`` is micro-batch
+0 in chunk 1; pieces 0, 1, 2, 3 on stages 0, 1, 0, 1; F = B = 1 here)::
+
+    stage 0:  F0 F1 F0' F1' .   B0' .   B1' B0 B1
+    stage 1:  .  F0 F1  F0' B0' F1' B1' B0  B1
+
+An action names its chunk; with V = 1 every chunk is 0 and nothing else changes.
+
 Schedules are a registry (``REGISTRY``: name -> ``Schedule``): the engine, the NCCL plan
 (bundle.engine.p2p), the planner's simulator and memory model, ``make gpu-check`` and the tests
 all read it, and every one of them raises on an operation it does not know.
@@ -59,9 +69,10 @@ RELEASES = (Op.BACKWARD, Op.BACKWARD_WEIGHT)
 class Action:
     op: Op
     micro: int
+    chunk: int = 0  # the stage's model chunk (its piece chunk x S + stage); 0 without interleaving
 
     def __repr__(self) -> str:
-        return f"{self.op.value}{self.micro}"
+        return f"{self.op.value}{self.micro}" + (f"c{self.chunk}" if self.chunk else "")
 
 
 def _check(stage: int, num_stages: int, micro_batches: int) -> None:
@@ -73,20 +84,27 @@ def _check(stage: int, num_stages: int, micro_batches: int) -> None:
         raise ScheduleError(f"micro-batches must be >= 1 (got {micro_batches})")
 
 
-def _forward(stage: int, num_stages: int, k: int) -> Iterator[Action]:
-    if stage > 0:
-        yield Action(Op.RECV_ACT, k)
-    yield Action(Op.FORWARD, k)
-    if stage < num_stages - 1:
-        yield Action(Op.SEND_ACT, k)
+def _forward(
+    stage: int, num_stages: int, k: int, chunk: int = 0, chunks: int = 1
+) -> Iterator[Action]:
+    """Micro-batch k's forward through piece ``chunk x S + stage`` of ``S x chunks`` pieces."""
+    piece, pieces = chunk * num_stages + stage, chunks * num_stages
+    if piece > 0:
+        yield Action(Op.RECV_ACT, k, chunk)
+    yield Action(Op.FORWARD, k, chunk)
+    if piece < pieces - 1:
+        yield Action(Op.SEND_ACT, k, chunk)
 
 
-def _backward(stage: int, num_stages: int, k: int, op: Op = Op.BACKWARD) -> Iterator[Action]:
-    if stage < num_stages - 1:
-        yield Action(Op.RECV_GRAD, k)
-    yield Action(op, k)
-    if stage > 0:
-        yield Action(Op.SEND_GRAD, k)
+def _backward(
+    stage: int, num_stages: int, k: int, op: Op = Op.BACKWARD, chunk: int = 0, chunks: int = 1
+) -> Iterator[Action]:
+    piece, pieces = chunk * num_stages + stage, chunks * num_stages
+    if piece < pieces - 1:
+        yield Action(Op.RECV_GRAD, k, chunk)
+    yield Action(op, k, chunk)
+    if piece > 0:
+        yield Action(Op.SEND_GRAD, k, chunk)
 
 
 def gpipe(stage: int, num_stages: int, micro_batches: int) -> Iterator[Action]:
@@ -146,23 +164,85 @@ def zb_h1(stage: int, num_stages: int, micro_batches: int) -> Iterator[Action]:
         yield Action(Op.BACKWARD_WEIGHT, k)
 
 
+def interleaved_1f1b(
+    stage: int, num_stages: int, micro_batches: int, chunks: int
+) -> Iterator[Action]:
+    """Interleaved 1F1B over ``chunks`` pieces per stage, placed looped (piece j on stage j mod S).
+
+    torch.distributed.pipelining's order (``ScheduleInterleaved1F1B``, Megatron's with its
+    ``M % S`` rule relaxed): micro-batches go through the chunks in rounds of R = M / max(1, M // S)
+    (depth first: R forwards in chunk 0, R in chunk 1, ...; backwards from the last chunk);
+    stage s warms up with ``(V-1) R + 2 (S-1-s)`` forwards, then alternates one forward and one
+    backward. Each chunk's forwards and backwards run its micro-batches in order.
+    """
+    _check(stage, num_stages, micro_batches)
+    if chunks < 2:
+        raise ScheduleError(f"interleaving needs at least 2 chunks per stage (got {chunks})")
+    S, M, V = num_stages, micro_batches, chunks
+    rounds = max(1, M // S)
+    if M % rounds:
+        raise ScheduleError(
+            f"interleaved 1F1B runs micro-batches in rounds: {M} micro-batches on {S} stages "
+            f"need a multiple of {rounds} (e.g. {M - M % rounds} or {M + rounds - M % rounds})"
+        )
+    per_round, total = M // rounds, M * V
+    warmup = min((V - 1) * per_round + 2 * (S - 1 - stage), total)
+    forwards, backwards = [0] * V, [0] * V
+
+    def forward(i: int) -> Iterator[Action]:
+        c = (i // per_round) % V
+        forwards[c] += 1
+        yield from _forward(stage, S, forwards[c] - 1, c, V)
+
+    def backward(i: int) -> Iterator[Action]:
+        c = V - 1 - (i // per_round) % V
+        backwards[c] += 1
+        yield from _backward(stage, S, backwards[c] - 1, Op.BACKWARD, c, V)
+
+    for i in range(warmup):
+        yield from forward(i)
+    for i in range(total - warmup):
+        yield from forward(warmup + i)
+        yield from backward(i)
+    for i in range(total - warmup, total):
+        yield from backward(i)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """A registered schedule: its generator of one stage's actions, and what it needs."""
 
     name: str
-    generate: Callable[[int, int, int], Iterator[Action]]
+    # (stage, S, M) -> actions; with ``chunks``, (stage, S, M, V).
+    generate: Callable[..., Iterator[Action]]
     # Its backwards are split into input- and weight-gradient halves (I and W).
     split_backward: bool = False
+    # It runs V >= 2 model chunks per stage (--virtual-stages); the others run one.
+    chunks: bool = False
     # The share of a step a stage waits with equal stages (S, M), and its formula: 1F1B's
     # (S-1)/(M+S-1); a split backward's with F = I = W, the B = 2F of most layers.
     bubble_formula: str = "(S-1)/(M+S-1)"
 
-    def bubble(self, num_stages: int, micro_batches: int) -> float:
-        S, M = num_stages, micro_batches
+    def bubble(self, num_stages: int, micro_batches: int, chunks: int = 1) -> float:
+        S, M, V = num_stages, micro_batches, chunks
         if self.split_backward:  # (S-1)(F+I-W) over M(F+B) + (S-1)(F+I-W)
             return (S - 1) / (3 * M + S - 1)
-        return (S - 1) / (M + S - 1)
+        # Interleaving: each of the S-1 waits is one chunk's work, 1/V of a stage's.
+        return (S - 1) / (V * M + S - 1)
+
+    def check_chunks(self, chunks: int) -> None:
+        """Refuse a number of chunks per stage this schedule cannot run, in one line."""
+        if self.chunks and chunks < 2:
+            raise ScheduleError(
+                f"--schedule {self.name} runs several model chunks per stage: "
+                f"give --virtual-stages 2 or more (got {chunks})"
+            )
+        if not self.chunks and chunks != 1:
+            with_chunks = ", ".join(n for n, s in REGISTRY.items() if s.chunks)
+            raise ScheduleError(
+                f"--schedule {self.name} runs one model chunk per stage (--virtual-stages 1, "
+                f"got {chunks}); {with_chunks} run several"
+            )
 
 
 REGISTRY: dict[str, Schedule] = {
@@ -171,16 +251,29 @@ REGISTRY: dict[str, Schedule] = {
         Schedule("gpipe", gpipe),
         Schedule("1f1b", one_f_one_b),
         Schedule("zb-h1", zb_h1, split_backward=True, bubble_formula="(S-1)/(3M+S-1)"),
+        Schedule(
+            "interleaved-1f1b", interleaved_1f1b, chunks=True, bubble_formula="(S-1)/(VM+S-1)"
+        ),
     )
 }
 SCHEDULES = tuple(REGISTRY)
+# What the planner searches and the benchmarks pair with torch's: one chunk per stage (the
+# planner does not model interleaving yet: docs/planner.md).
+ONE_CHUNK = tuple(n for n, s in REGISTRY.items() if not s.chunks)
 
 
-def actions(name: str, stage: int, num_stages: int, micro_batches: int) -> list[Action]:
-    """The action list of one stage for the schedule called ``name``."""
+def actions(
+    name: str, stage: int, num_stages: int, micro_batches: int, chunks: int = 1
+) -> list[Action]:
+    """The action list of one stage for the schedule called ``name``, with ``chunks`` model
+    chunks per stage (``--virtual-stages``)."""
     if name not in REGISTRY:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    return list(REGISTRY[name].generate(stage, num_stages, micro_batches))
+    sched = REGISTRY[name]
+    sched.check_chunks(chunks)
+    if sched.chunks:
+        return list(sched.generate(stage, num_stages, micro_batches, chunks))
+    return list(sched.generate(stage, num_stages, micro_batches))
 
 
 def unknown(a: Action, where: str) -> ScheduleError:
@@ -189,8 +282,8 @@ def unknown(a: Action, where: str) -> ScheduleError:
 
 
 def peak_in_flight(acts: list[Action]) -> int:
-    """Most micro-batches whose forward ran and whose backward (its weight half, when split) has
-    not: the activations held."""
+    """Most micro-batches (of any chunk) whose forward ran and whose backward (its weight half,
+    when split) has not: the activations held."""
     live = peak = 0
     for a in acts:
         if a.op is Op.FORWARD:
@@ -201,8 +294,8 @@ def peak_in_flight(acts: list[Action]) -> int:
     return peak
 
 
-def backward_follows_forward(acts: list[Action]) -> set[int]:
-    """Micro-batches whose backward is the stage's next compute after their forward.
+def backward_follows_forward(acts: list[Action], chunk: int = 0) -> set[int]:
+    """Micro-batches of ``chunk`` whose backward is the stage's next compute after their forward.
 
     Their activations never coexist with another micro-batch's, so recomputing them would rebuild
     at the backward exactly what keeping them holds: ``--recompute except-last`` keeps these (every
@@ -211,11 +304,11 @@ def backward_follows_forward(acts: list[Action]) -> set[int]:
     computes = [a for a in acts if a.op in COMPUTE]
     keep = set()
     for i, a in enumerate(computes):
-        if a.op is not Op.FORWARD:
+        if a.op is not Op.FORWARD or a.chunk != chunk:
             continue
         # Every compute up to the one that frees this micro-batch is this micro-batch's own.
         for b in computes[i + 1 :]:
-            if b.micro != a.micro:
+            if (b.micro, b.chunk) != (a.micro, a.chunk):
                 break
             if b.op in RELEASES:
                 keep.add(a.micro)

@@ -15,12 +15,12 @@ from bundle.config import RunConfig
 from bundle.engine.grad_sync import GradSync
 from bundle.engine.memory import SavedBytes
 from bundle.engine.outer import OuterSync
-from bundle.engine.p2p import step_plan
+from bundle.engine.p2p import RECVS, step_plan
 from bundle.engine.precision import LossScaler, Policy
 from bundle.engine.schedule import RELEASES, Action, Op, peak_in_flight, unknown
 from bundle.engine.split_backward import Held, input_half, weight_half
 from bundle.engine.ties import TiedGrads
-from bundle.engine.transport import Part, Pending, TensorMeta, Transport
+from bundle.engine.transport import Part, Pending, TensorMeta, Transport, post_call
 from bundle.observe.timing import MARK_OF_OP, Mark, StepTimer
 from bundle.partition import Capture, Stage
 from bundle.topology import Coord, Topology, split_sizes
@@ -71,8 +71,18 @@ def _given(t: torch.Tensor | None) -> torch.Tensor:
 
 
 @dataclass
+class Chunk:
+    """One model chunk a replica runs (interleaving runs several per stage): its piece of the
+    model, the gradient sync of that piece across the stage's replicas, and its transport."""
+
+    stage: Stage
+    sync: GradSync
+    transport: Transport
+
+
+@dataclass
 class _StepState:
-    """What one training step keeps between its actions, per micro-batch."""
+    """What one training step keeps between its actions, per micro-batch (of one chunk)."""
 
     loss_sum: torch.Tensor
     inputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
@@ -80,9 +90,6 @@ class _StepState:
     grads: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     # What a backward's input half kept for its weight half (zero-bubble schedules).
     held: dict[int, Held] = field(default_factory=dict)
-    posted: dict[int, Pending] = field(
-        default_factory=dict
-    )  # this step's calls (bundle.engine.p2p)
 
 
 class StageEngine:
@@ -106,7 +113,10 @@ class StageEngine:
         early_receives: bool = False,
         outer: OuterSync | None = None,
         ties: TiedGrads | None = None,
+        chunks: Sequence[Chunk] = (),
     ) -> None:
+        """``stage``, ``sync`` and ``transport`` are the replica's (first) model chunk;
+        ``chunks``, under interleaving, its further ones (chunk c is piece ``c x S + stage``)."""
         self.topo, self.coord, self.sync, self.transport = topo, coord, sync, transport
         # Bundles that meet every H steps (--bundle-sync local/diloco) meet after the step.
         self.outer = outer
@@ -116,30 +126,46 @@ class StageEngine:
         self.policy, self.scaler = policy or Policy(device_type=device.type), scaler
         # The micro-batch's mean, scaled by rows / global batch below: the global mean, shared out.
         self.loss = loss or cross_entropy()
-        self.first = coord.stage == 0
-        self.last = coord.stage == topo.num_stages - 1
+        self.chunks = [Chunk(stage, sync, transport), *chunks]
+        V, S = len(self.chunks), topo.num_stages
+        # Piece 0 reads the inputs; the last piece computes the loss.
+        self.first = [coord.stage == 0 and c == 0 for c in range(V)]
+        self.last = [coord.stage == S - 1 and c == V - 1 for c in range(V)]
         self.sizes = topo.micro_sizes(coord.bundle)
         # The calls of a step and where each is posted (bundle.engine.p2p).
         self.plan = step_plan(
             schedule,
             coord.stage,
-            topo.num_stages,
+            S,
             topo.micro_batches,
+            chunks=V,
             early_receives=early_receives,
         )
         self.actions = list(self.plan.actions)
+        # Which of its call's receives a receive is (a call may hold several: bundle.engine.rounds).
+        self._nth = [
+            [o for o in self.plan.calls[n].ops if o.op in RECVS].index(a) if a.op in RECVS else -1
+            for a, n in zip(self.actions, self.plan.call_of, strict=True)
+        ]
         # Each action ends with a lap of the step timer (see bundle.observe.timing).
         self.timer = timer or StepTimer()
         self._marks = [MARK_OF_OP[a.op] for a in self.actions]
-        self.recompute = self.policy.recomputes(self.actions, topo.micro_batches)
+        self.recompute = [
+            self.policy.recomputes(self.actions, topo.micro_batches, chunk=c) for c in range(V)
+        ]
         # Counts saved-for-backward bytes during steps when set (see bundle.engine.memory.SavedBytes).
         self.saved_bytes: SavedBytes | None = None
-        # The step's last backward work on the weights: where the gradient sync is armed.
-        self.last_backward = max(i for i, a in enumerate(self.actions) if a.op in RELEASES)
+        # Each chunk's last backward work on the weights: where its gradient sync is armed.
+        self.last_backward = {
+            max(i for i, a in enumerate(self.actions) if a.op in RELEASES and a.chunk == c)
+            for c in range(V)
+        }
         self.inv_batch = 1.0 / topo.global_batch
         # What a split backward's weight half accumulates into (listed once, not per micro-batch).
-        self._weights = [p for p in stage.parameters() if p.requires_grad]
-        self.max_in_flight = peak_in_flight(self.actions)
+        self._weights = [[p for p in c.stage.parameters() if p.requires_grad] for c in self.chunks]
+        self.max_in_flight = [
+            peak_in_flight([a for a in self.actions if a.chunk == c]) for c in range(V)
+        ]
         # (step, what): formatted only when an error is reported, never in the hot path.
         self._at: tuple[int, object] = (-1, "set-up")
         self.peak_in_flight = 0
@@ -168,63 +194,71 @@ class StageEngine:
             if mine:
                 self.timer.end()
 
-    def _part(self, a: Action, outputs: dict, inputs: dict) -> Part:
+    def _part(self, a: Action, st: _StepState) -> tuple[Transport, Part]:
         """One action of a call: the tensors a send carries, or the buffer slot a receive fills."""
         k, rows = a.micro, self.sizes[a.micro]
+        transport = self.chunks[a.chunk].transport
         if a.op is Op.SEND_ACT:
-            return (a.op, rows, outputs[k], k)
+            return transport, (a.op, rows, st.outputs[k], k)
         if a.op is Op.SEND_GRAD:
-            xs = [x for x in inputs.pop(k) if x.is_floating_point()]
+            xs = [x for x in st.inputs.pop(k) if x.is_floating_point()]
             grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in xs)
-            return (a.op, rows, grads, k)
+            return transport, (a.op, rows, grads, k)
+        if self.plan.slots:
+            return transport, (a.op, rows, self.plan.slots[a], k)
         # A received activation stays alive until its backward, so activation buffers rotate over
         # one slot more than the schedule keeps in flight; gradients are used at once: two slots.
-        return (a.op, rows, k % (self.max_in_flight + 1 if a.op is Op.RECV_ACT else 2), k)
+        slots = self.max_in_flight[a.chunk] + 1 if a.op is Op.RECV_ACT else 2
+        return transport, (a.op, rows, k % slots, k)
 
     def _train_step(self, step: int, micro_data: list[MicroBatch] | None) -> torch.Tensor:
         plan, lap = self.plan, self.timer.lap
-        self.sync.step = step
-        st = _StepState(loss_sum=torch.zeros((), device=self.device))
+        loss_sum = torch.zeros((), device=self.device)  # the last piece's, added in place
+        sts = [_StepState(loss_sum=loss_sum) for _ in self.chunks]
+        posted: dict[int, Pending] = {}  # this step's calls (bundle.engine.p2p)
+        for c in self.chunks:
+            c.sync.step = step
         for i, a in enumerate(self.actions):
-            k = a.micro
+            k, st = a.micro, sts[a.chunk]
             self._at = (step, a)
-            for c in plan.post_at[i]:  # the calls posted here, each with every op in it
-                parts = [self._part(op, st.outputs, st.inputs) for op in plan.calls[c].ops]
-                st.posted[c] = self.transport.call(parts)
+            for n in plan.post_at[i]:  # the calls posted here, each with every op in it
+                posted[n] = post_call([self._part(op, sts[op.chunk]) for op in plan.calls[n].ops])
             if a.op is Op.RECV_ACT:
-                (xs,) = st.posted[plan.call_of[i]].wait()
+                xs = posted[plan.call_of[i]].wait()[self._nth[i]]
                 # A fresh autograd leaf over the reused buffer (in its wire form, so its gradient
                 # is too), so gradients never accumulate across micro-batches or steps.
                 st.inputs[k] = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
             elif a.op is Op.FORWARD:
-                self._forward(st, k, micro_data[k] if micro_data is not None else (None, None))
+                micro = micro_data[k] if micro_data is not None else (None, None)
+                self._forward(sts, a.chunk, k, micro)
             elif a.op is Op.RECV_GRAD:
-                (st.grads[k],) = st.posted[plan.call_of[i]].wait()
+                st.grads[k] = posted[plan.call_of[i]].wait()[self._nth[i]]
             elif a.op is Op.BACKWARD:
-                self._backward(st, k, last=i == self.last_backward)
+                self._backward(st, a.chunk, k, last=i in self.last_backward)
             elif a.op is Op.BACKWARD_INPUT:
-                self._backward_input(st, k)
+                self._backward_input(st, a.chunk, k)
             elif a.op is Op.BACKWARD_WEIGHT:
-                self._backward_weight(st, k, last=i == self.last_backward)
+                self._backward_weight(st, a.chunk, k, last=i in self.last_backward)
             elif a.op not in (Op.SEND_ACT, Op.SEND_GRAD):  # sends go out with their calls
                 raise unknown(a, f"stage {self.coord.stage}'s engine")
             lap(self._marks[i], k)
-        self._finish(step, st)
-        return st.loss_sum
+        self._finish(step, posted)
+        return loss_sum
 
-    def _forward(self, st: _StepState, k: int, micro: MicroBatch) -> None:
-        transport, policy = self.transport, self.policy
-        if self.first:
+    def _forward(self, sts: list[_StepState], c: int, k: int, micro: MicroBatch) -> None:
+        chunk, st, policy = self.chunks[c], sts[c], self.policy
+        transport = chunk.transport
+        if self.first[c]:
             xs: tuple[torch.Tensor, ...] = (policy.prepare_input(_given(micro[0]), self.device),)
             st.inputs[k] = xs
         else:
             xs = tuple(m.from_wire(x) for m, x in zip(transport.in_meta, st.inputs[k], strict=True))
-        self.stage.recompute = self.recompute[k]
-        with self.sync.no_sync(), policy.autocast():
-            out = self.sync.module(*xs)
-        if self.saved_bytes is not None and self.recompute[k]:
-            self._measure_recompute(self.saved_bytes, k, xs)
-        if self.last:
+        chunk.stage.recompute = self.recompute[c][k]
+        with chunk.sync.no_sync(), policy.autocast():
+            out = chunk.sync.module(*xs)
+        if self.saved_bytes is not None and self.recompute[c][k]:
+            self._measure_recompute(self.saved_bytes, chunk.stage, k, xs)
+        if self.last[c]:
             labels = _given(micro[1]).to(self.device, non_blocking=True)
             # The loss in fp32, outside autocast.
             loss = self.loss(_as_float(out), labels) * (len(labels) * self.inv_batch)
@@ -235,70 +269,76 @@ class StageEngine:
                 m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True)
             )
         # Held until the backward, or until its weight half when the backward is split.
-        self.peak_in_flight = max(self.peak_in_flight, len(st.outputs) + len(st.held))
+        held = sum(len(s.outputs) + len(s.held) for s in sts)
+        self.peak_in_flight = max(self.peak_in_flight, held)
 
-    def _backward(self, st: _StepState, k: int, *, last: bool) -> None:
-        outputs, grads = self._seeds(st, k)
-        self.sync.backward(outputs, grads, last=last)
-        if self.first:
+    def _backward(self, st: _StepState, c: int, k: int, *, last: bool) -> None:
+        outputs, grads = self._seeds(st, c, k)
+        self.chunks[c].sync.backward(outputs, grads, last=last)
+        if self.first[c]:
             st.inputs.pop(k)
 
     def _seeds(
-        self, st: _StepState, k: int
+        self, st: _StepState, c: int, k: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Where micro-batch k's backward starts: the loss (last stage), or the outputs that need a
-        gradient with the gradients received for them."""
+        """Where micro-batch k's backward starts: the loss (last piece), or the outputs that need
+        a gradient with the gradients received for them."""
         if self.saved_bytes is not None:
             self.saved_bytes.backward_starts(k)
         out = st.outputs.pop(k)
-        if self.last:
+        if self.last[c]:
             return list(out), None
         floats = (o for o in out if o.is_floating_point())
         pairs = [(o, g) for o, g in zip(floats, st.grads.pop(k), strict=True) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
-    def _backward_input(self, st: _StepState, k: int) -> None:
+    def _backward_input(self, st: _StepState, c: int, k: int) -> None:
         """The input half: the gradient the stage upstream waits for (its send comes next)."""
-        outputs, grads = self._seeds(st, k)
-        inputs = () if self.first else st.inputs[k]
-        st.held[k] = input_half(outputs, grads, inputs, self._weights)
+        outputs, grads = self._seeds(st, c, k)
+        inputs = () if self.first[c] else st.inputs[k]
+        st.held[k] = input_half(outputs, grads, inputs, self._weights[c])
 
-    def _backward_weight(self, st: _StepState, k: int, *, last: bool) -> None:
+    def _backward_weight(self, st: _StepState, c: int, k: int, *, last: bool) -> None:
         """The weight half, through the gradient sync like a whole backward (its hooks fire)."""
         held = st.held.pop(k)
-        self.sync.backward([], None, last=last, run=lambda: weight_half(held))
-        if self.first:
+        self.chunks[c].sync.backward([], None, last=last, run=lambda: weight_half(held))
+        if self.first[c]:
             st.inputs.pop(k)
 
-    def _finish(self, step: int, st: _StepState) -> None:
+    def _finish(self, step: int, posted: dict[int, Pending]) -> None:
         """The step's sends complete, the gradients are summed, the optimizer steps."""
         lap = self.timer.lap
         self._at = (step, "gradient sync")
-        for p in st.posted.values():  # the sends' calls; those with a receive were waited for
+        for p in posted.values():  # the sends' calls; those with a receive were waited for
             p.wait()
         lap(Mark.SEND_WAIT)
-        self.sync.finish()
+        for c in self.chunks:
+            c.sync.finish()
         if self.ties:
             self._at = (step, "tied weights' gradient sum")
             self.ties.sum()
         lap(Mark.SYNC)
         self._at = (step, "optimizer")
-        if self.scaler is None or self.scaler.unscale_and_agree(self.stage.parameters()):
+        params = [p for c in self.chunks for p in c.stage.parameters()]
+        if self.scaler is None or self.scaler.unscale_and_agree(params):
             self.optimizer.step()
-        self.sync.zero_grad(self.optimizer)
+        for c in self.chunks:
+            c.sync.zero_grad(self.optimizer)
         lap(Mark.OPTIMIZER)
         if self.outer is not None:
             self._at = (step, "sync between bundles")
             self.outer.after_step(step)
             lap(Mark.SYNC)
 
-    def _measure_recompute(self, saved: SavedBytes, k: int, xs: tuple[torch.Tensor, ...]) -> None:
+    def _measure_recompute(
+        self, saved: SavedBytes, stage: Stage, k: int, xs: tuple[torch.Tensor, ...]
+    ) -> None:
         def plain() -> tuple[torch.Tensor, ...]:
-            self.stage.recompute = False
+            stage.recompute = False
             with self.policy.autocast():
-                return self.stage(*xs)
+                return stage(*xs)
 
-        saved.recomputed_forward(k, self.stage, plain)
+        saved.recomputed_forward(k, stage, plain)
 
     @torch.no_grad()
     def eval_batch(self, rows: int, micro: MicroBatch | None) -> torch.Tensor:
@@ -306,24 +346,36 @@ class StageEngine:
 
         Returns the last stage's ``EvalCounts`` of the batch, zeros elsewhere.
         """
-        transport, policy = self.transport, self.policy
         micro = micro or (None, None)
+        counts = torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)
+        for c, chunk in enumerate(self.chunks):  # the pieces in model order
+            out = self._eval_piece(c, chunk, rows, micro)
+            if self.last[c]:
+                counts = self._eval_counts(out, micro)
+        return counts
+
+    def _eval_piece(
+        self, c: int, chunk: Chunk, rows: int, micro: MicroBatch
+    ) -> tuple[torch.Tensor, ...]:
+        transport, policy = chunk.transport, self.policy
         xs: tuple[torch.Tensor, ...]
-        if self.first:
+        if self.first[c]:
             xs = (policy.prepare_input(_given(micro[0]), self.device),)
         else:
             xs = tuple(
                 m.from_wire(x)
                 for m, x in zip(transport.in_meta, transport.recv_act(rows).wait()[0], strict=True)
             )
-        self.stage.recompute = False
+        chunk.stage.recompute = False
         with policy.autocast():
-            out = self.sync.module(*xs)
-        if not self.last:
+            out = chunk.sync.module(*xs)
+        if not self.last[c]:
             transport.send_act(
                 rows, tuple(m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True))
             ).wait()
-            return torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)
+        return out
+
+    def _eval_counts(self, out: tuple[torch.Tensor, ...], micro: MicroBatch) -> torch.Tensor:
         labels = _given(micro[1]).to(self.device)
         out_f = _as_float(out)
         counts = torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)

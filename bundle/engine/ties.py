@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bundle.engine.comm import Comm
+from bundle.errors import PartitionError
 from bundle.partition import Stage
 from bundle.topology import Coord, Topology
 
@@ -43,6 +44,23 @@ def find(stages: Sequence[Stage]) -> list[Tie]:
         for name, p in stage.named_parameters():
             holders.setdefault(id(p), []).append((i, stage.full_name(name)))
     return [Tie(tuple(h)) for h in holders.values() if len(h) > 1]
+
+
+def by_stage(ties: Sequence[Tie], num_stages: int) -> list[Tie]:
+    """Ties found among the pieces of an interleaved model (piece j on stage j mod S), as ties
+    between the stages that hold them; one stage holding a tied weight twice is refused (its
+    chunks would sync the same parameter in two gradient syncs)."""
+    out = []
+    for t in ties:
+        holders = sorted((j % num_stages, name) for j, name in t.holders)
+        stages = [s for s, _ in holders]
+        if len(set(stages)) < len(stages):
+            raise PartitionError(
+                f"weights tied across two model chunks of one stage ({t.describe()}, pieces): "
+                "choose another --virtual-stages or number of stages"
+            )
+        out.append(Tie(tuple(holders)))
+    return out
 
 
 class TiedGrads:

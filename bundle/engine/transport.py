@@ -145,8 +145,12 @@ class Transport:
         device: torch.device,
         timeout: float,
         post: PostCall = post_with_torch,
+        chunk: int = 0,
+        chunks: int = 1,
     ) -> None:
         self.topo, self.bundle, self.stage, self.replica = topo, bundle, stage, replica
+        # The model chunk it carries for: piece ``chunk x S + stage`` of ``S x chunks``.
+        self.chunk, self.chunks = chunk, chunks
         self.in_meta, self.out_meta = in_meta, out_meta
         in_grad = tuple(m for m in in_meta if m.has_grad)
         out_grad = tuple(m for m in out_meta if m.has_grad)
@@ -167,7 +171,9 @@ class Transport:
         key = (side, rows)
         if key not in self._plans:
             topo, s = self.topo, self.stage
-            peers = boundary_peers(topo, self.bundle, s, self.replica, side, rows)
+            peers = boundary_peers(
+                topo, self.bundle, s, self.replica, side, rows, chunk=self.chunk, chunks=self.chunks
+            )
             text = ", ".join(topo.describe(rank) for _, rank in peers)
             self._plans[key] = _Plan(topo.stage_ranges(s, rows)[self.replica], peers, text)
         return self._plans[key]
@@ -189,40 +195,25 @@ class Transport:
 
     def call(self, parts: Sequence[Part]) -> Pending:
         """Post the actions of one call as one ``batch_isend_irecv``: every peer, both directions."""
-        ops: list = []
-        received: list[tuple[torch.Tensor, ...]] = []
-        named: list[tuple[Op, int, _Plan]] = []  # for the names, built only if asked for
-        for op, rows, payload, micro in parts:
-            plan = self._plan(SIDE[op], rows)
-            lo, hi = plan.rows
-            if isinstance(payload, int):
-                bufs = self._recv_buffers(op, rows, payload)
-                received.append(bufs)
-                for t, peer in plan.peers:
-                    ops += [
-                        dist.P2POp(dist.irecv, b[t.start - lo : t.stop - lo], peer) for b in bufs
-                    ]
-            else:
-                _check_wire(payload, self._meta[op], hi - lo, plan.peer_text)
-                for t, peer in plan.peers:
-                    ops += [
-                        dist.P2POp(dist.isend, x[t.start - lo : t.stop - lo], peer) for x in payload
-                    ]
-            named.append((op, micro, plan))
+        return post_call([(self, p) for p in parts])
 
-        def labels() -> list[str]:  # one per operation, in the order of ``ops``
-            return [
-                f"{op.value}{micro} {_TO[op]} rank {peer}"
-                for op, micro, plan in named
-                for _, peer in plan.peers
-                for _ in self._meta[op]
-            ]
-
-        def what() -> str:
-            return " + ".join(f"{op.value}{k} {_TO[op]} {plan.peer_text}" for op, k, plan in named)
-
-        works = self._post_call(ops, labels) if ops else []
-        return Pending(works, received, self.timeout, what)
+    def _ops(self, part: Part, ops: list, received: list) -> _Plan:
+        """Add one action's point-to-point operations (every peer, every tensor) to ``ops``."""
+        op, rows, payload, _ = part
+        plan = self._plan(SIDE[op], rows)
+        lo, hi = plan.rows
+        if isinstance(payload, int):
+            bufs = self._recv_buffers(op, rows, payload)
+            received.append(bufs)
+            for t, peer in plan.peers:
+                ops += [dist.P2POp(dist.irecv, b[t.start - lo : t.stop - lo], peer) for b in bufs]
+        else:
+            _check_wire(payload, self._meta[op], hi - lo, plan.peer_text)
+            for t, peer in plan.peers:
+                ops += [
+                    dist.P2POp(dist.isend, x[t.start - lo : t.stop - lo], peer) for x in payload
+                ]
+        return plan
 
     # -- single actions (evaluation, calibration) --------------------------------------------------
 
@@ -237,3 +228,28 @@ class Transport:
 
     def send_grad(self, rows: int, grads: tuple[torch.Tensor, ...]) -> Pending:
         return self.call([(Op.SEND_GRAD, rows, grads, 0)])
+
+
+def post_call(items: Sequence[tuple[Transport, Part]]) -> Pending:
+    """Post one call whose actions may belong to several model chunks of one replica (each with
+    its own transport), in the order given: both sides of a call list its messages alike."""
+    ops: list = []
+    received: list[tuple[torch.Tensor, ...]] = []
+    named: list[tuple[Transport, Op, int, _Plan]] = []  # for the names, built only if asked for
+    for tr, part in items:
+        named.append((tr, part[0], part[3], tr._ops(part, ops, received)))
+
+    def labels() -> list[str]:  # one per operation, in the order of ``ops``
+        return [
+            f"{op.value}{micro} {_TO[op]} rank {peer}"
+            for tr, op, micro, plan in named
+            for _, peer in plan.peers
+            for _ in tr._meta[op]
+        ]
+
+    def what() -> str:
+        return " + ".join(f"{op.value}{k} {_TO[op]} {plan.peer_text}" for _, op, k, plan in named)
+
+    first = items[0][0]
+    works = first._post_call(ops, labels) if ops else []
+    return Pending(works, received, first.timeout, what)

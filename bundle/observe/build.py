@@ -54,7 +54,12 @@ def make_reporter(
             rank=rank,
             reporter=reporter_rank(topo),
             stage_of=[topo.coord(r).stage for r in range(topo.world_size)],
-            ideal=timing.ideal_bubble(topo.num_stages, topo.micro_batches, cfg.parallel.schedule),
+            ideal=timing.ideal_bubble(
+                topo.num_stages,
+                topo.micro_batches,
+                cfg.parallel.schedule,
+                cfg.parallel.virtual_stages,
+            ),
         ),
         board=Board(cfg.observe.tensorboard if reporting else None, start=start),
         console=Console(

@@ -202,11 +202,13 @@ def make_timer(device: torch.device, trace: tuple[int, int] | None = None) -> St
     return CudaStepTimer(device, trace=trace) if device.type == "cuda" else StepTimer(trace=trace)
 
 
-def ideal_bubble(num_stages: int, micro_batches: int, schedule: str = "1f1b") -> tuple[float, str]:
-    """The fill-and-drain share of a step with equal stages under ``schedule``, and its formula:
-    (S - 1) / (M + S - 1) for GPipe and 1F1B."""
+def ideal_bubble(
+    num_stages: int, micro_batches: int, schedule: str = "1f1b", chunks: int = 1
+) -> tuple[float, str]:
+    """The fill-and-drain share of a step with equal stages under ``schedule`` (``chunks`` model
+    chunks per stage), and its formula: (S - 1) / (M + S - 1) for GPipe and 1F1B."""
     sched = REGISTRY[schedule]
-    return sched.bubble(num_stages, micro_batches), sched.bubble_formula
+    return sched.bubble(num_stages, micro_batches, chunks), sched.bubble_formula
 
 
 def breakdown(

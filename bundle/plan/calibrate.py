@@ -26,7 +26,7 @@ from bundle import models
 from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from bundle.engine.grad_sync import GradSync
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import SCHEDULES
+from bundle.engine.schedule import ONE_CHUNK
 from bundle.engine.stage_engine import StageEngine
 from bundle.engine.transport import Transport
 from bundle.launch import localworld
@@ -240,7 +240,7 @@ class Pipelines:
 
         probe, (m,) = BUSY, BUSY.micro
         self.steps = {}
-        for schedule in SCHEDULES:
+        for schedule in ONE_CHUNK:
             cfg = RunConfig(
                 parallel=ParallelConfig(shape=(1, 1), micro_batches=m, schedule=schedule),
                 model=ModelConfig(name=probe.model),

@@ -26,7 +26,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from bundle.engine.schedule import SCHEDULES
+from bundle.engine.schedule import ONE_CHUNK
 from bundle.errors import BundleError, ConfigError
 from bundle.plan.cluster import Cluster, Speed
 from bundle.plan.cost import CostModel
@@ -300,7 +300,7 @@ def mixed_search(
     max_stages: int = 4,
     max_micro: int = 64,
     simulate_top: int = 48,
-    schedules: tuple[str, ...] = SCHEDULES,
+    schedules: tuple[str, ...] = ONE_CHUNK,
     syncs: tuple[str, ...] = SYNCS,
     dp: DataParallel = EXACT,
 ) -> MixedResult:

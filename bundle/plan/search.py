@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import SCHEDULES, actions
+from bundle.engine.schedule import ONE_CHUNK, actions
 from bundle.errors import ConfigError
 from bundle.plan.cost import CostModel, Memory
 from bundle.plan.dataparallel import EXACT, DataParallel, HopCost
@@ -162,7 +162,7 @@ def search(
     max_stages: int = 4,
     max_micro: int = 64,
     simulate_top: int = 48,
-    schedules: tuple[str, ...] = SCHEDULES,
+    schedules: tuple[str, ...] = ONE_CHUNK,
     syncs: tuple[str, ...] = SYNCS,
     exact: bool = False,
     dp: DataParallel = EXACT,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from bundle import data, models
 from bundle.engine.nccl_emu import Emulator
-from bundle.engine.schedule import SCHEDULES
+from bundle.engine.schedule import REGISTRY, SCHEDULES
 from bundle.launch.localworld import run_world
 from bundle.row_weights import parse_row_weights
 from bundle.session import build_session, train_stream
@@ -45,6 +45,8 @@ VARIANTS = [
     ("1f1b", 3, "hierarchical", "fp32", "always"),
     ("zb-h1", 3, "flat", "fp32", "always"),  # a split backward recomputes for each half
 ]
+# Model chunks per stage of the schedules that interleave (--virtual-stages).
+CHUNKS = 2
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 STRICT = "nccl-emu-strict"  # nccl-emu with --nccl-emu-strict
 
@@ -61,8 +63,15 @@ def _hybrid(
     """Runs every variant in one world of processes; rank 0 returns the mismatches found."""
     failures, refs = [], {}
     for schedule, micro, sync, precision, recompute in variants:
-        model = "skip_mlp" if len(shape) > 1 and micro == 3 else "mlp"
-        cfg = equivalence_config(shape, bundles, schedule, micro, sync, model, precision, recompute)
+        chunks = CHUNKS if REGISTRY[schedule].chunks else 1
+        if chunks > 1 and len(shape) < 2:
+            continue  # interleaving needs stages to interleave over
+        # skip_mlp's 5 blocks carry two tensors across boundaries; mlp has 6 for 6 pieces.
+        skips = len(shape) > 1 and micro == 3 and len(shape) * chunks <= 5
+        model = "skip_mlp" if skips else "mlp"
+        cfg = equivalence_config(
+            shape, bundles, schedule, micro, sync, model, precision, recompute, chunks=chunks
+        )
         strict = backend == STRICT  # nccl-emu, its communicators one call at a time
         cfg = replace(
             cfg,
@@ -71,7 +80,7 @@ def _hybrid(
             ),
             parallel=replace(cfg.parallel, row_weights=row_weights),
         )
-        name = f"{schedule} M={micro} {sync} {precision} recompute {recompute} {model}"
+        name = f"{schedule} V={chunks} M={micro} {sync} {precision} recompute {recompute} {model}"
         name += f" rows {row_weights}" if row_weights else ""
         topo = Topology.from_config(cfg)
         session = build_session(cfg, topo, rank, torch.device("cpu"))

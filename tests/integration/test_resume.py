@@ -337,6 +337,12 @@ LANGUAGE_MODELS = {
         "n_layer=2,n_embd=16,n_head=2,resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0",
         "--schedule", "zb-h1",
     ],
+    # Interleaved: each stage runs two model chunks (4 pieces), the rear's two replicas synced
+    # per chunk; the checkpoint holds each rank's chunks under the full model's names.
+    "gpt-interleaved": [
+        "--model", "gpt", "--model-args", "layers=2,width=16,heads=2",
+        "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
+    ],
 }  # fmt: skip
 
 

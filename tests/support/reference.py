@@ -29,16 +29,18 @@ def equivalence_config(
     precision="fp32",
     recompute="never",
     sections: dict | None = None,
+    chunks: int = 1,
 ) -> RunConfig:
     """Synthetic 4x4 images in 5 classes; 23 rows a batch: bundles of 12/11, micro-batches of
     4/4/3 (or 4/4/4), replicas of 2/1/1 ... all uneven. ``sections`` change fields of theirs
-    (``{"data": {"image_size": 8}}``), as ``make_config`` does."""
+    (``{"data": {"image_size": 8}}``), as ``make_config`` does; ``chunks``: --virtual-stages."""
     cfg = make_config(
         parallel={
             "shape": shape,
             "num_bundles": bundles,
             "micro_batches": micro,
             "schedule": schedule,
+            "virtual_stages": chunks,
             "grad_sync": sync,
             # tiny buckets with 3 micro-batches: every parameter syncs in its own bucket
             "bucket_mb": 0.001 if micro == 3 else 25.0,

@@ -73,6 +73,7 @@ def shared(**sections):
             "num_bundles": 1,
             "micro_batches": 1,
             "schedule": "1f1b",
+            "virtual_stages": 1,
             "grad_sync": "flat",
             "bucket_mb": 25.0,
             **DATA_PARALLEL_DEFAULTS,

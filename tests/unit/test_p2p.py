@@ -13,7 +13,8 @@ import pytest
 
 from bundle.engine import p2p
 from bundle.engine.p2p import MIRROR, SIDE, Call, calls, programs, replay, step_plan
-from bundle.engine.schedule import SCHEDULES, Action, actions
+from bundle.engine.schedule import ONE_CHUNK, REGISTRY, SCHEDULES, Action, actions
+from bundle.errors import ScheduleError
 from bundle.topology import Topology
 
 
@@ -46,12 +47,27 @@ def test_zb_h1_fuses_across_the_weight_half_between_send_and_receive():
     assert at.index("send_grad1") < at.index("backward_weight0") < at.index("recv_act2")
 
 
+def _chunks(schedule: str) -> tuple[int, ...]:
+    """The chunks per stage a schedule is proven with (--virtual-stages)."""
+    return (2, 3) if REGISTRY[schedule].chunks else (1,)
+
+
+def _valid(schedule: str, stages: int, micro: int, chunks: int) -> bool:
+    try:
+        actions(schedule, 0, stages, micro, chunks)
+    except ScheduleError:
+        return False  # refused by the config in one line (interleaving's rounds)
+    return True
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_completes_for_every_depth_and_micro_batch_count(schedule):
-    """The registry's schedules on S = 2..5 one-wide stages, M = 1..8: NCCL's model finishes."""
-    for stages, micro in itertools.product(range(2, 6), range(1, 9)):
-        topo = _topo((1,) * stages, 1, micro)
-        assert replay(programs(topo, schedule)) == [], (stages, micro)
+    """The registry's schedules on S = 2..5 one-wide stages, M = 1..8, V = 1..3 where the
+    schedule runs it: NCCL's model finishes."""
+    for stages, micro, v in itertools.product(range(2, 6), range(1, 9), _chunks(schedule)):
+        if _valid(schedule, stages, micro, v):
+            topo = _topo((1,) * stages, 1, micro)
+            assert replay(programs(topo, schedule, chunks=v)) == [], (stages, micro, v)
 
 
 def test_1f1b_three_stages_middle_fuses_on_both_boundaries():
@@ -98,7 +114,7 @@ def _boundary_view(cs: list[Call], side: int) -> list[tuple[Action, ...]]:
     return out
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ONE_CHUNK)
 def test_both_sides_of_every_boundary_post_the_same_calls_in_the_same_order(schedule):
     for stages, micro in itertools.product(range(2, 6), range(1, 8)):
         per_stage = [calls(schedule, s, stages, micro) for s in range(stages)]
@@ -107,7 +123,7 @@ def test_both_sides_of_every_boundary_post_the_same_calls_in_the_same_order(sche
             assert up == down, (schedule, stages, micro, s)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ONE_CHUNK)
 def test_every_action_is_in_exactly_one_call_in_schedule_order(schedule):
     for stages, micro, s in ((4, 5, 1), (3, 2, 2), (2, 7, 0)):
         comm = [a for a in actions(schedule, s, stages, micro) if a.op in p2p.COMM]
@@ -129,9 +145,13 @@ def _topo(shape, bundles, micro) -> Topology:
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_the_engines_calls_complete_under_nccls_ordering(schedule):
+    """Every shape (uneven widths: several peers per boundary, and across the wrap from the last
+    stage to the first under interleaving), bundles and micro-batches."""
     for shape, bundles, micro in itertools.product(SHAPES, (1, 2), (1, 2, 3, 4, 7)):
-        stuck = replay(programs(_topo(shape, bundles, micro), schedule))
-        assert stuck == [], (shape, bundles, micro, stuck)
+        for v in _chunks(schedule):
+            if _valid(schedule, len(shape), micro, v):
+                stuck = replay(programs(_topo(shape, bundles, micro), schedule, chunks=v))
+                assert stuck == [], (shape, bundles, micro, v, stuck)
 
 
 def _posts(plan) -> list[tuple[str, list[str]]]:
@@ -176,7 +196,7 @@ def test_gloo_plan_posts_each_receive_one_ahead():
     ]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ONE_CHUNK)  # several chunks post in rounds on every backend
 @pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 1, 1)], ids=str)
 @pytest.mark.parametrize("micro", [1, 3, 4])
 def test_gloos_early_receives_deadlock_under_nccls_ordering(shape, micro, schedule):
@@ -192,8 +212,8 @@ def test_unfused_1f1b_crosses_and_deadlocks_unless_sends_are_eager(monkeypatch):
     and stage 1's send_grad0 each head their stream, each waiting for a receive queued behind the
     other's), unless messages are small enough for NCCL to send eagerly."""
 
-    def unfused(schedule, stage, num_stages, micro):
-        acts = actions(schedule, stage, num_stages, micro)
+    def unfused(schedule, stage, num_stages, micro, chunks=1):
+        acts = actions(schedule, stage, num_stages, micro, chunks)
         return acts, [Call((a,)) for a in acts if a.op in p2p.COMM]
 
     topo = _topo((1, 1), 1, 3)

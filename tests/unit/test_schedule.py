@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from bundle.engine.schedule import REGISTRY, SCHEDULES, actions, peak_in_flight
 from bundle.errors import ScheduleError
 
 
-def ops(name, stage, stages, micro) -> list[str]:
-    return [repr(a) for a in actions(name, stage, stages, micro)]
+def ops(name, stage, stages, micro, chunks=1) -> list[str]:
+    return [repr(a) for a in actions(name, stage, stages, micro, chunks)]
 
 
 def test_gpipe_two_stages_literal():
@@ -133,20 +135,66 @@ def test_single_stage_has_no_communication():
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("micro", [1, 2, 3, 8])
 def test_every_micro_batch_runs_once_forward_before_backward(name, stages, micro):
-    """Each micro-batch: one forward, then one backward or (split) its input half, then its weight
-    half; each communication once; nothing the registry's schedule does not declare."""
-    split = REGISTRY[name].split_backward
-    for s in range(stages):
-        acts = actions(name, s, stages, micro)
-        names = [repr(a) for a in acts]
-        assert len(set(names)) == len(names)
-        halves = ("backward_input", "backward_weight") if split else ("backward",)
-        for k in range(micro):
-            at = [names.index(f"{op}{k}") for op in ("forward", *halves)]
-            assert at == sorted(at), (s, k, names)
-        assert len(acts) == micro * (1 + len(halves)) + sum(
-            a.op.value.startswith(("send", "recv")) for a in acts
-        )
+    """Each micro-batch in each chunk: one forward, then one backward or (split) its input half,
+    then its weight half; each communication once; nothing the registry's schedule does not
+    declare."""
+    sched = REGISTRY[name]
+    if sched.chunks and stages == 1:
+        return  # interleaving needs stages to interleave over (refused by the config)
+    split = sched.split_backward
+    for chunks in (2, 3) if sched.chunks else (1,):
+        for s in range(stages):
+            acts = actions(name, s, stages, micro, chunks)
+            names = [repr(a) for a in acts]
+            assert len(set(names)) == len(names)
+            halves = ("backward_input", "backward_weight") if split else ("backward",)
+            for c, k in itertools.product(range(chunks), range(micro)):
+                tail = f"c{c}" if c else ""
+                at = [names.index(f"{op}{k}{tail}") for op in ("forward", *halves)]
+                assert at == sorted(at), (s, k, c, names)
+            assert len(acts) == chunks * micro * (1 + len(halves)) + sum(
+                a.op.value.startswith(("send", "recv")) for a in acts
+            )
+
+
+def test_interleaved_1f1b_two_stages_two_chunks():
+    """S=2, V=2, M=2 (the module's drawing): pieces 0..3 on stages 0, 1, 0, 1; stage 0 warms up
+    with (V-1) R + 2 (S-1) = 4 forwards, stage 1 with 2; backwards from the last chunk."""
+    assert ops("interleaved-1f1b", 0, 2, 2, 2) == [
+        "forward0", "send_act0", "forward1", "send_act1",
+        "recv_act0c1", "forward0c1", "send_act0c1", "recv_act1c1", "forward1c1", "send_act1c1",
+        "recv_grad0c1", "backward0c1", "send_grad0c1", "recv_grad1c1", "backward1c1",
+        "send_grad1c1", "recv_grad0", "backward0", "recv_grad1", "backward1",
+    ]  # fmt: skip
+    assert ops("interleaved-1f1b", 1, 2, 2, 2) == [
+        "recv_act0", "forward0", "send_act0", "recv_act1", "forward1", "send_act1",
+        "recv_act0c1", "forward0c1", "backward0c1", "send_grad0c1",
+        "recv_act1c1", "forward1c1", "backward1c1", "send_grad1c1",
+        "recv_grad0", "backward0", "send_grad0", "recv_grad1", "backward1", "send_grad1",
+    ]  # fmt: skip
+
+
+def test_interleaved_1f1b_runs_micro_batches_in_rounds():
+    """Rounds of R = M / max(1, M // S) micro-batches per chunk (torch's rule): M=4 on S=2 is
+    two rounds of 2; M=5 on S=2 cannot be split in rounds and is refused, naming what can."""
+    computes = [a for a in actions("interleaved-1f1b", 1, 2, 4, 2) if a.op.value == "forward"]
+    assert [repr(a) for a in computes][:6] == [
+        "forward0",
+        "forward1",
+        "forward0c1",
+        "forward1c1",
+        "forward2",
+        "forward3",
+    ]
+    with pytest.raises(ScheduleError, match="need a multiple of 2 .e.g. 4 or 6."):
+        actions("interleaved-1f1b", 0, 2, 5, 2)
+
+
+def test_a_schedule_refuses_a_number_of_chunks_it_cannot_run():
+    with pytest.raises(ScheduleError, match="give --virtual-stages 2 or more"):
+        actions("interleaved-1f1b", 0, 2, 4)
+    with pytest.raises(ScheduleError, match="runs one model chunk per stage"):
+        actions("1f1b", 0, 2, 4, 2)
 
 
 @pytest.mark.parametrize("stages, micro", [(2, 8), (3, 8), (4, 4), (3, 1)])
