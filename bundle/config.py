@@ -110,6 +110,11 @@ class ParallelConfig:
             )
         check_sync_options(self)
 
+    @property
+    def loss_on_first(self) -> bool:
+        """Whether the model's last piece runs on the first stage (a V placement of chunks)."""
+        return REGISTRY[self.schedule].placement == "v"
+
     def _check_chunks(self) -> None:
         """What --virtual-stages needs: a schedule that interleaves, stages to interleave over,
         micro-batches in whole rounds, and one gradient state per chunk that a checkpoint holds."""

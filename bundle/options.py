@@ -161,8 +161,9 @@ OPTIONS: tuple[Option, ...] = (
            help="micro-batches per bundle batch"),
     Option(PAR, "--schedule", "parallel.schedule", choices=C.SCHEDULES, help="pipeline schedule"),
     Option(PAR, "--virtual-stages", "parallel.virtual_stages", metavar="V",
-           help="model chunks per stage for interleaved-1f1b (2 or more): the model is cut into "
-                "stages x V pieces, piece j on stage j mod S; 1 for the other schedules"),
+           help="model chunks per stage: 2 or more for interleaved-1f1b (the model is cut into "
+                "stages x V pieces, piece j on stage j mod S), exactly 2 for zbv (placed as a V); "
+                "1 for the other schedules"),
     Option(PAR, "--grad-sync", "parallel.grad_sync", choices=C.GRAD_SYNCS,
            help="flat: DDP allreduce per stage; "
                 "hierarchical: reduce in bundle, allreduce masters, broadcast"),

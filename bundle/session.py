@@ -20,6 +20,7 @@ from bundle.engine.hops import Hop, Wire, make_hop
 from bundle.engine.optim import make_optimizer
 from bundle.engine.outer import OuterSync
 from bundle.engine.precision import Policy
+from bundle.engine.schedule import REGISTRY, Pipe
 from bundle.engine.stage_engine import (
     Chunk,
     Loss,
@@ -90,11 +91,13 @@ def build_session(
     splits = data.load(cfg.data, cfg.train.seed, needs_val=cfg.train.eval)
     # The model in S x V pieces; this rank runs pieces stage, stage + S, ... (its chunks).
     stages = build_stages(cfg, S * V, splits.input_shape, splits.num_classes, capture)
-    tied = ties.find(stages) if V == 1 else ties.by_stage(ties.find(stages), S)
+    pipe = REGISTRY[cfg.parallel.schedule].pipe(S, V)
+    tied = ties.find(stages)
+    tied = tied if V == 1 else ties.by_stage(tied, lambda j: pipe.place(j)[0])
     policy = Policy.of(cfg.compute, device)
     metas = boundary_metas(stages, splits.input_shape, policy)
     layout = Layout(list(topo.shape), topo.num_bundles, [s.names[0] for s in stages])
-    mine = [policy.prepare_stage(stages[c * S + coord.stage].to(device)) for c in range(V)]
+    mine = [policy.prepare_stage(stages[pipe.piece(coord.stage, c)].to(device)) for c in range(V)]
     # What the checkpoint and the optimizer see: every chunk's blocks (one of them, without
     # interleaving).
     stage = mine[0] if V == 1 else partition.joined(mine)
@@ -109,7 +112,7 @@ def build_session(
         async_save=cfg.checkpoint.async_save,
         timeout=cfg.launch.timeout,
     )
-    chunks = _chunks(cfg, topo, coord, mine, metas, groups, device, comm, emu)
+    chunks = _chunks(cfg, topo, coord, pipe, mine, metas, groups, device, comm, emu)
     sharded = cfg.parallel.zero and len(topo.stage_group(coord.stage)) > 1
     optimizer = make_optimizer(
         cfg.train, stage, shard_over=groups.stage if sharded else None, comm=comm
@@ -142,6 +145,7 @@ def _chunks(
     cfg: RunConfig,
     topo: Topology,
     coord: Coord,
+    pipe: Pipe,
     pieces: list[Stage],
     metas: list,
     groups: ProcessGroups,
@@ -149,24 +153,23 @@ def _chunks(
     comm: Comm,
     emu: nccl_emu.Emulator | None,
 ) -> list[Chunk]:
-    """This rank's model chunks (one without interleaving): chunk c is piece c x S + stage, with
-    its own gradient sync (built in chunk order on every replica: collective) and transport."""
-    S, V = topo.num_stages, len(pieces)
+    """This rank's model chunks (one without interleaving), each a piece of ``pipe`` with its own
+    gradient sync (built in chunk order on every replica: collective) and transport."""
     out = []
     for c, piece in enumerate(pieces):
-        j = c * S + coord.stage
+        j = pipe.piece(coord.stage, c)
         transport = Transport(
             topo=topo,
             bundle=coord.bundle,
             stage=coord.stage,
             replica=coord.replica,
             in_meta=metas[j - 1] if j > 0 else (),
-            out_meta=metas[j] if j < S * V - 1 else (),
+            out_meta=metas[j] if j < pipe.pieces - 1 else (),
             device=device,
             timeout=cfg.launch.timeout,
             post=emu.batch_isend_irecv if emu is not None else post_with_torch,
             chunk=c,
-            chunks=V,
+            pipe=pipe,
         )
         sync = _make_sync(cfg, topo, coord, piece, groups, device, comm)
         out.append(Chunk(piece, sync, transport))
@@ -309,8 +312,8 @@ def pins(device: torch.device | None) -> bool:
 
 
 def reads_data(topo: Topology, coord: Coord) -> bool:
-    """Stage 0 reads inputs, the last stage labels; middle stages read nothing."""
-    return coord.stage in (0, topo.num_stages - 1)
+    """Stage 0 reads inputs (and labels), the loss's stage labels; the others read nothing."""
+    return coord.stage in (0, topo.loss_stage)
 
 
 def train_stream(

@@ -176,6 +176,14 @@ class Topology:
     row_weights: tuple[tuple[Fraction, ...], ...] = ()
     # Per rank, where it runs (a plan's placement); () : ranks fill the nodes in order.
     placement: tuple[Place, ...] = field(default=(), compare=False)
+    # The model's last piece, which computes the loss, runs on the first stage (a V placement of
+    # model chunks, --schedule zbv) instead of the last.
+    loss_on_first: bool = False
+
+    @property
+    def loss_stage(self) -> int:
+        """The stage whose replicas compute the loss (and read the labels)."""
+        return 0 if self.loss_on_first else self.num_stages - 1
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Topology:
@@ -192,6 +200,7 @@ class Topology:
                 else ()
             ),
             placement=tuple(Place(*p) for p in cfg.parallel.placement),
+            loss_on_first=cfg.parallel.loss_on_first,
         )
 
     def __post_init__(self) -> None:

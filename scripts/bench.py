@@ -208,14 +208,14 @@ def stage_probe(session: Session) -> Callable[[], tuple[float, float]]:
     topo, tp = runner.topo, runner.transport
     module = copy.deepcopy(session.stage)
     rows = split_sizes(runner.sizes[0], topo.shape[coord.stage])[coord.replica]
-    if runner.first:
+    first, last = runner.first[0], runner.last[0]  # the benchmark's stages run one chunk each
+    if first:
         xs: tuple[torch.Tensor, ...] = (torch.randn(rows, *session.splits.input_shape),)
     else:
         xs = tuple(_fake(rows, m) for m in tp.in_meta)
     labels = torch.randint(0, session.splits.num_classes, (rows,))
     out_grads = tuple(_fake(rows, m) for m in tp.out_meta if m.has_grad)
     inv_batch = 1.0 / topo.global_batch
-    first, last = runner.first, runner.last
 
     def once() -> tuple[float, float]:
         """One timed forward+backward, without p2p or gradient sync."""

@@ -2,7 +2,7 @@
 
 Modules, from the data up:
 
-- ``schedule``: the schedules' registry (GPipe, 1F1B, ZB-H1, interleaved 1F1B): pure lists of
+- ``schedule``: the schedules' registry (GPipe, 1F1B, ZB-H1, interleaved 1F1B, ZBV): pure lists of
   actions per stage, each naming its micro-batch and model chunk;
 - ``rounds``: the calls of stages with several model chunks, posted in lockstep rounds;
 - ``p2p``: the point-to-point calls those actions make in a step, and a model of NCCL's streams;

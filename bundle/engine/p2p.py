@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from bundle.engine.rounds import lockstep
-from bundle.engine.schedule import COMPUTE, Action, Op, actions, unknown
+from bundle.engine.schedule import COMPUTE, REGISTRY, Action, Op, Pipe, actions, unknown
 from bundle.topology import Topology, Transfer
 
 SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
@@ -60,11 +60,11 @@ class Call:
         return "+".join(map(repr, self.ops))
 
 
-def peer(a: Action, stage: int, num_stages: int) -> tuple[int, int]:
+def peer(a: Action, stage: int, pipe: Pipe | int) -> tuple[int, int]:
     """(stage, chunk) across the boundary a communication action uses: the next piece's or the
-    previous one's (piece = chunk x S + stage; interleaving wraps from the last stage to the first)."""
-    piece = a.chunk * num_stages + stage + SIDE[a.op]
-    return piece % num_stages, piece // num_stages
+    previous one's (``pipe``: where the pieces run; a number of stages: one chunk each)."""
+    pipe = pipe if isinstance(pipe, Pipe) else Pipe(pipe)
+    return pipe.place(pipe.piece(stage, a.chunk) + SIDE[a.op])
 
 
 def _send_then_recv(a: Action, b: Action, stage: int, num_stages: int) -> bool:
@@ -215,16 +215,16 @@ def boundary_peers(
     rows: int,
     *,
     chunk: int = 0,
-    chunks: int = 1,
+    pipe: Pipe | None = None,
 ) -> tuple[tuple[Transfer, int], ...]:
     """(rows to move, peer rank) for every peer of one replica across one boundary of a micro-batch
     of ``rows`` rows; ``side`` is +1 for the next piece, -1 for the previous one (the replica runs
-    piece ``chunk x S + stage`` of ``S x chunks``)."""
-    S = topo.num_stages
-    there = chunk * S + stage + side
-    if not 0 <= there < S * chunks:
+    its ``chunk``: a piece of ``pipe``, by default one chunk per stage)."""
+    pipe = pipe or Pipe(topo.num_stages)
+    piece = pipe.piece(stage, chunk)
+    if not pipe.crosses(piece, side):
         return ()
-    other = there % S
+    other = pipe.place(piece + side)[0]
     if side > 0:
         plan = topo.transfers(stage, other, rows, by_src=True)[replica]
         return tuple((t, topo.rank(bundle, other, t.dst)) for t in plan)
@@ -355,6 +355,7 @@ def programs(
     step (the engine waits for its sends before the gradient sync).
     """
     progs: dict[int, list[Step]] = {}
+    pipe = REGISTRY[schedule].pipe(topo.num_stages, chunks)
     for rank in range(topo.world_size):
         c = topo.coord(rank)
         plan = step_plan(
@@ -382,7 +383,7 @@ def programs(
                         SIDE[op.op],
                         sizes[op.micro],
                         chunk=op.chunk,
-                        chunks=chunks,
+                        pipe=pipe,
                     )
                 ]
                 prog.append(("post", msgs))

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import groupby
 
-from bundle.engine.schedule import COMPUTE, Action, Op, actions, unknown
+from bundle.engine.schedule import COMPUTE, REGISTRY, Action, Op, Pipe, actions, unknown
 from bundle.errors import ScheduleError
 
 # The compute whose result a message carries (its sender's) and the one that consumes it.
@@ -34,28 +34,28 @@ _MADE_BY = {Op.SEND_ACT: Op.FORWARD, Op.SEND_GRAD: Op.BACKWARD}
 _KIND = {Op.SEND_ACT: 0, Op.RECV_ACT: 0, Op.SEND_GRAD: 1, Op.RECV_GRAD: 1}
 
 
-def _key(a: Action, stage: int, num_stages: int) -> tuple[str, int, int]:
+def _key(a: Action, stage: int, pipe: Pipe) -> tuple[str, int, int]:
     """A compute as the global clock knows it: (F or B, piece, micro-batch)."""
     kind = "F" if a.op is Op.FORWARD else "B" if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT) else "W"
-    return kind, a.chunk * num_stages + stage, a.micro
+    return kind, pipe.piece(stage, a.chunk), a.micro
 
 
-def _needs(a: Action, stage: int, num_stages: int, pieces: int) -> list[tuple[str, int, int]]:
-    """What a compute waits for from other stages (its own earlier computes run before it)."""
-    kind, j, k = _key(a, stage, num_stages)
+def _needs(a: Action, stage: int, pipe: Pipe) -> list[tuple[str, int, int]]:
+    """What a compute waits for: the piece before's forward, the piece after's backward."""
+    kind, j, k = _key(a, stage, pipe)
     if kind == "F":
         return [("F", j - 1, k)] if j > 0 else []
     if kind == "B":
-        return [("B", j + 1, k)] if j < pieces - 1 else []
+        return [("B", j + 1, k)] if j < pipe.pieces - 1 else []
     return []
 
 
 Clock = dict[tuple[str, int, int], int]  # (F|B|W, piece, micro-batch) -> round
 
 
-def clock(lists: Sequence[Sequence[Action]], num_stages: int, chunks: int) -> Clock:
+def clock(lists: Sequence[Sequence[Action]], pipe: Pipe) -> Clock:
     """The round of every compute of every stage."""
-    pieces = num_stages * chunks
+    num_stages = pipe.stages
     computes = [[a for a in acts if a.op in COMPUTE] for acts in lists]
     done: Clock = {}
     pc, t = [0] * num_stages, 0
@@ -64,8 +64,8 @@ def clock(lists: Sequence[Sequence[Action]], num_stages: int, chunks: int) -> Cl
         for s in range(num_stages):
             if pc[s] < len(computes[s]):
                 a = computes[s][pc[s]]
-                if all(done.get(n, t) < t for n in _needs(a, s, num_stages, pieces)):
-                    ran.append(_key(a, s, num_stages))
+                if all(done.get(n, t) < t for n in _needs(a, s, pipe)):
+                    ran.append(_key(a, s, pipe))
                     pc[s] += 1
         if not ran:
             raise ScheduleError(f"the schedule deadlocks at round {t}: stages wait on each other")
@@ -74,9 +74,9 @@ def clock(lists: Sequence[Sequence[Action]], num_stages: int, chunks: int) -> Cl
     return done
 
 
-def _sent_in(a: Action, stage: int, num_stages: int, rounds: Clock) -> int:
+def _sent_in(a: Action, stage: int, pipe: Pipe, rounds: Clock) -> int:
     """The round in which the message of a communication action is computed by its sender."""
-    j = a.chunk * num_stages + stage
+    j = pipe.piece(stage, a.chunk)
     if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
         return rounds["F" if _MADE_BY[a.op] is Op.FORWARD else "B", j, a.micro]
     if a.op is Op.RECV_ACT:
@@ -84,9 +84,9 @@ def _sent_in(a: Action, stage: int, num_stages: int, rounds: Clock) -> int:
     return rounds["B", j + 1, a.micro]
 
 
-def _canonical(a: Action, stage: int, num_stages: int) -> tuple[int, int, int]:
+def _canonical(a: Action, stage: int, pipe: Pipe) -> tuple[int, int, int]:
     """The same key on both sides of a message: (activation or gradient, boundary, micro-batch)."""
-    j = a.chunk * num_stages + stage
+    j = pipe.piece(stage, a.chunk)
     boundary = j if a.op in (Op.SEND_ACT, Op.RECV_GRAD) else j - 1
     return _KIND[a.op], boundary, a.micro
 
@@ -96,9 +96,9 @@ def lockstep(
 ) -> tuple[list[Action], list[tuple[Action, ...]], list[list[int]], dict[Action, int]]:
     """One stage's actions, its calls, where each call is posted (per action: the calls posted as
     it begins) and each receive's buffer slot."""
-    S = num_stages
+    S, pipe = num_stages, REGISTRY[schedule].pipe(num_stages, chunks)
     lists = [actions(schedule, s, S, micro_batches, chunks) for s in range(S)]
-    rounds = clock(lists, S, chunks)
+    rounds = clock(lists, pipe)
     mine = lists[stage]
     comm = []
     for a in mine:
@@ -106,12 +106,13 @@ def lockstep(
             comm.append(a)
         elif a.op not in COMPUTE:
             raise unknown(a, "the NCCL plan")
-    comm.sort(key=lambda a: (_sent_in(a, stage, S, rounds), *_canonical(a, stage, S)))
+    comm.sort(key=lambda a: (_sent_in(a, stage, pipe, rounds), *_canonical(a, stage, pipe)))
     calls = [
-        (t, tuple(group)) for t, group in groupby(comm, key=lambda a: _sent_in(a, stage, S, rounds))
+        (t, tuple(group))
+        for t, group in groupby(comm, key=lambda a: _sent_in(a, stage, pipe, rounds))
     ]
     # A round's call is posted right after the stage's last compute of that round or before.
-    ran = [(i, rounds[_key(a, stage, S)]) for i, a in enumerate(mine) if a.op in COMPUTE]
+    ran = [(i, rounds[_key(a, stage, pipe)]) for i, a in enumerate(mine) if a.op in COMPUTE]
     post: list[list[int]] = [[] for _ in mine]
     for n, (t, _) in enumerate(calls):
         at = max((i + 1 for i, r in ran if r <= t), default=0)

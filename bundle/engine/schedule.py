@@ -84,26 +84,71 @@ def _check(stage: int, num_stages: int, micro_batches: int) -> None:
         raise ScheduleError(f"micro-batches must be >= 1 (got {micro_batches})")
 
 
+@dataclass(frozen=True)
+class Pipe:
+    """Where the model's S x V pieces run: piece j as chunk c of stage s.
+
+    ``looped`` (interleaved 1F1B): piece j on stage j mod S, chunk j // S; every boundary crosses
+    stages. ``v`` (ZBV, V = 2): down the stages, then back up: chunk 0 of stage s is piece s,
+    chunk 1 is piece 2S - 1 - s, so the turn (pieces S - 1 and S) stays on the last stage.
+    """
+
+    stages: int
+    chunks: int = 1
+    shape: str = "looped"
+
+    @property
+    def pieces(self) -> int:
+        return self.stages * self.chunks
+
+    def piece(self, stage: int, chunk: int) -> int:
+        if self.shape == "v" and chunk % 2:
+            return (chunk + 1) * self.stages - 1 - stage
+        return chunk * self.stages + stage
+
+    def place(self, piece: int) -> tuple[int, int]:
+        """(stage, chunk) of a piece."""
+        chunk, at = divmod(piece, self.stages)
+        if self.shape == "v" and chunk % 2:
+            return self.stages - 1 - at, chunk
+        return at, chunk
+
+    def crosses(self, piece: int, side: int) -> bool:
+        """Whether the boundary on ``side`` of a piece is a message to another stage (not the
+        first piece's input, the last one's output, or a turn that stays on one stage)."""
+        there = piece + side
+        if not 0 <= there < self.pieces:
+            return False
+        return self.place(there)[0] != self.place(piece)[0]
+
+
 def _forward(
-    stage: int, num_stages: int, k: int, chunk: int = 0, chunks: int = 1
+    stage: int, num_stages: int, k: int, chunk: int = 0, pipe: Pipe | None = None
 ) -> Iterator[Action]:
-    """Micro-batch k's forward through piece ``chunk x S + stage`` of ``S x chunks`` pieces."""
-    piece, pieces = chunk * num_stages + stage, chunks * num_stages
-    if piece > 0:
+    """Micro-batch k's forward through the stage's ``chunk`` (its piece of ``pipe``)."""
+    pipe = pipe or Pipe(num_stages)
+    piece = pipe.piece(stage, chunk)
+    if pipe.crosses(piece, -1):
         yield Action(Op.RECV_ACT, k, chunk)
     yield Action(Op.FORWARD, k, chunk)
-    if piece < pieces - 1:
+    if pipe.crosses(piece, 1):
         yield Action(Op.SEND_ACT, k, chunk)
 
 
 def _backward(
-    stage: int, num_stages: int, k: int, op: Op = Op.BACKWARD, chunk: int = 0, chunks: int = 1
+    stage: int,
+    num_stages: int,
+    k: int,
+    op: Op = Op.BACKWARD,
+    chunk: int = 0,
+    pipe: Pipe | None = None,
 ) -> Iterator[Action]:
-    piece, pieces = chunk * num_stages + stage, chunks * num_stages
-    if piece < pieces - 1:
+    pipe = pipe or Pipe(num_stages)
+    piece = pipe.piece(stage, chunk)
+    if pipe.crosses(piece, 1):
         yield Action(Op.RECV_GRAD, k, chunk)
     yield Action(op, k, chunk)
-    if piece > 0:
+    if pipe.crosses(piece, -1):
         yield Action(Op.SEND_GRAD, k, chunk)
 
 
@@ -185,19 +230,19 @@ def interleaved_1f1b(
             f"interleaved 1F1B runs micro-batches in rounds: {M} micro-batches on {S} stages "
             f"need a multiple of {rounds} (e.g. {M - M % rounds} or {M + rounds - M % rounds})"
         )
-    per_round, total = M // rounds, M * V
+    per_round, total, pipe = M // rounds, M * V, Pipe(S, V)
     warmup = min((V - 1) * per_round + 2 * (S - 1 - stage), total)
     forwards, backwards = [0] * V, [0] * V
 
     def forward(i: int) -> Iterator[Action]:
         c = (i // per_round) % V
         forwards[c] += 1
-        yield from _forward(stage, S, forwards[c] - 1, c, V)
+        yield from _forward(stage, S, forwards[c] - 1, c, pipe)
 
     def backward(i: int) -> Iterator[Action]:
         c = V - 1 - (i // per_round) % V
         backwards[c] += 1
-        yield from _backward(stage, S, backwards[c] - 1, Op.BACKWARD, c, V)
+        yield from _backward(stage, S, backwards[c] - 1, Op.BACKWARD, c, pipe)
 
     for i in range(warmup):
         yield from forward(i)
@@ -206,6 +251,56 @@ def interleaved_1f1b(
         yield from backward(i)
     for i in range(total - warmup, total):
         yield from backward(i)
+
+
+_F, _I, _W = Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+
+
+def _zbv_order(stage: int, num_stages: int, micro_batches: int) -> list[tuple[Op, int]]:
+    """ZBV's computes on one stage, as (operation, chunk), in torch's order."""
+    S, M = num_stages, micro_batches
+    order: list[tuple[Op, int]] = [(_F, 0)] * (2 * (S - stage) - 1)
+    order += [(_F, 1), (_F, 0)] * stage
+    order += [(_F, 1), (_I, 1), (_W, 1)] * (S - stage)
+    forwards = [order.count((_F, 0)), order.count((_F, 1))]
+    while forwards[1] < forwards[0] or forwards[0] < M:
+        if forwards[0] < M:
+            order.append((_F, 0))
+            forwards[0] += 1
+        order += [(_I, 0), (_W, 0), (_F, 1), (_I, 1), (_W, 1)]
+        forwards[1] += 1
+    order += [(_I, 0), (_I, 1)] * stage
+    order += [(_I, 0), (_W, 0)] * (S - stage)
+    for c in (1, 0):  # the weight halves left, chunk 1's first
+        order += [(_W, c)] * (order.count((_I, c)) - order.count((_W, c)))
+    return order
+
+
+def zbv(stage: int, num_stages: int, micro_batches: int, chunks: int) -> Iterator[Action]:
+    """ZBV (Zero Bubble, V placement; torch's ``ScheduleZBVZeroBubble``): two chunks per stage
+    placed as a V, every backward split into I and W.
+
+    Stage s warms up with 2(S-s)-1 forwards of chunk 0, then s pairs of chunk-1 and chunk-0
+    forwards, then S-s rounds of chunk 1's F, I, W; in the steady state each chunk runs F, I, W
+    in turn; the cool-down runs the remaining I's and fills with the W's. It needs M >= 2S - 1.
+    """
+    _check(stage, num_stages, micro_batches)
+    S, M = num_stages, micro_batches
+    if chunks != 2:
+        raise ScheduleError(f"ZBV runs exactly 2 chunks per stage (got {chunks})")
+    if M < 2 * S - 1:
+        raise ScheduleError(f"ZBV on {S} stages needs at least {2 * S - 1} micro-batches (got {M})")
+    pipe = Pipe(S, 2, "v")
+    count = dict.fromkeys(((op, c) for op in (_F, _I, _W) for c in (0, 1)), 0)
+    for op, c in _zbv_order(stage, S, M):
+        k = count[op, c]
+        count[op, c] += 1
+        if op is _F:
+            yield from _forward(stage, S, k, c, pipe)
+        elif op is _I:
+            yield from _backward(stage, S, k, op, c, pipe)
+        else:
+            yield Action(op, k, c)
 
 
 @dataclass(frozen=True)
@@ -219,14 +314,21 @@ class Schedule:
     split_backward: bool = False
     # It runs V >= 2 model chunks per stage (--virtual-stages); the others run one.
     chunks: bool = False
+    # Where its pieces run (``Pipe.shape``), and the one number of chunks it runs (0: any >= 2).
+    placement: str = "looped"
+    fixed_chunks: int = 0
+
+    def pipe(self, num_stages: int, chunks: int = 1) -> Pipe:
+        return Pipe(num_stages, chunks, self.placement)
+
     # The share of a step a stage waits with equal stages (S, M), and its formula: 1F1B's
     # (S-1)/(M+S-1); a split backward's with F = I = W, the B = 2F of most layers.
     bubble_formula: str = "(S-1)/(M+S-1)"
 
     def bubble(self, num_stages: int, micro_batches: int, chunks: int = 1) -> float:
         S, M, V = num_stages, micro_batches, chunks
-        if self.split_backward:  # (S-1)(F+I-W) over M(F+B) + (S-1)(F+I-W)
-            return (S - 1) / (3 * M + S - 1)
+        if self.split_backward:  # (S-1)(F+I-W) over M(F+B) + (S-1)(F+I-W), per chunk
+            return (S - 1) / (3 * V * M + S - 1)
         # Interleaving: each of the S-1 waits is one chunk's work, 1/V of a stage's.
         return (S - 1) / (V * M + S - 1)
 
@@ -236,6 +338,11 @@ class Schedule:
             raise ScheduleError(
                 f"--schedule {self.name} runs several model chunks per stage: "
                 f"give --virtual-stages 2 or more (got {chunks})"
+            )
+        if self.fixed_chunks and chunks != self.fixed_chunks:
+            raise ScheduleError(
+                f"--schedule {self.name} runs exactly {self.fixed_chunks} model chunks per stage "
+                f"(--virtual-stages {self.fixed_chunks}, got {chunks})"
             )
         if not self.chunks and chunks != 1:
             with_chunks = ", ".join(n for n, s in REGISTRY.items() if s.chunks)
@@ -253,6 +360,15 @@ REGISTRY: dict[str, Schedule] = {
         Schedule("zb-h1", zb_h1, split_backward=True, bubble_formula="(S-1)/(3M+S-1)"),
         Schedule(
             "interleaved-1f1b", interleaved_1f1b, chunks=True, bubble_formula="(S-1)/(VM+S-1)"
+        ),
+        Schedule(
+            "zbv",
+            zbv,
+            split_backward=True,
+            chunks=True,
+            placement="v",
+            fixed_chunks=2,
+            bubble_formula="(S-1)/(6M+S-1)",
         ),
     )
 }

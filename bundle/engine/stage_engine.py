@@ -17,7 +17,15 @@ from bundle.engine.memory import SavedBytes
 from bundle.engine.outer import OuterSync
 from bundle.engine.p2p import RECVS, step_plan
 from bundle.engine.precision import LossScaler, Policy
-from bundle.engine.schedule import RELEASES, Action, Op, peak_in_flight, unknown
+from bundle.engine.schedule import (
+    REGISTRY,
+    RELEASES,
+    Action,
+    Op,
+    Pipe,
+    peak_in_flight,
+    unknown,
+)
 from bundle.engine.split_backward import Held, input_half, weight_half
 from bundle.engine.ties import TiedGrads
 from bundle.engine.transport import Part, Pending, TensorMeta, Transport, post_call
@@ -128,9 +136,7 @@ class StageEngine:
         self.loss = loss or cross_entropy()
         self.chunks = [Chunk(stage, sync, transport), *chunks]
         V, S = len(self.chunks), topo.num_stages
-        # Piece 0 reads the inputs; the last piece computes the loss.
-        self.first = [coord.stage == 0 and c == 0 for c in range(V)]
-        self.last = [coord.stage == S - 1 and c == V - 1 for c in range(V)]
+        self._place(REGISTRY[schedule].pipe(S, V), coord.stage)
         self.sizes = topo.micro_sizes(coord.bundle)
         # The calls of a step and where each is posted (bundle.engine.p2p).
         self.plan = step_plan(
@@ -169,6 +175,19 @@ class StageEngine:
         # (step, what): formatted only when an error is reported, never in the hot path.
         self._at: tuple[int, object] = (-1, "set-up")
         self.peak_in_flight = 0
+
+    def _place(self, pipe: Pipe, stage: int) -> None:
+        """What each of the replica's chunks does at the edges of its piece of ``pipe``."""
+        pieces = [pipe.piece(stage, c) for c in range(len(self.chunks))]
+        # Piece 0 reads the inputs; the last piece computes the loss.
+        self.first = [j == 0 for j in pieces]
+        self.last = [j == pipe.pieces - 1 for j in pieces]
+        # The chunk whose piece comes right before, where it runs on this stage too (the turn of
+        # a V placement): its output is this chunk's input, and the gradient goes back in place.
+        self.local_prev = [
+            pipe.place(j - 1)[1] if j > 0 and not pipe.crosses(j, -1) else None for j in pieces
+        ]
+        self._sends = [pipe.crosses(j, 1) for j in pieces]  # its output goes to another stage
 
     @property
     def position(self) -> str:
@@ -234,9 +253,9 @@ class StageEngine:
             elif a.op is Op.RECV_GRAD:
                 st.grads[k] = posted[plan.call_of[i]].wait()[self._nth[i]]
             elif a.op is Op.BACKWARD:
-                self._backward(st, a.chunk, k, last=i in self.last_backward)
+                self._backward(sts, a.chunk, k, last=i in self.last_backward)
             elif a.op is Op.BACKWARD_INPUT:
-                self._backward_input(st, a.chunk, k)
+                self._backward_input(sts, a.chunk, k)
             elif a.op is Op.BACKWARD_WEIGHT:
                 self._backward_weight(st, a.chunk, k, last=i in self.last_backward)
             elif a.op not in (Op.SEND_ACT, Op.SEND_GRAD):  # sends go out with their calls
@@ -252,6 +271,14 @@ class StageEngine:
             xs: tuple[torch.Tensor, ...] = (policy.prepare_input(_given(micro[0]), self.device),)
             st.inputs[k] = xs
         else:
+            prev = self.local_prev[c]
+            if prev is not None:  # handed over in place, as a receive would (a fresh leaf)
+                # Copied: an output passed through untouched is a view of the chunk before's
+                # receive buffer, whose slot is free again once that chunk's backward ran.
+                st.inputs[k] = tuple(
+                    x.detach().clone().requires_grad_(x.is_floating_point())
+                    for x in sts[prev].outputs[k]
+                )
             xs = tuple(m.from_wire(x) for m, x in zip(transport.in_meta, st.inputs[k], strict=True))
         chunk.stage.recompute = self.recompute[c][k]
         with chunk.sync.no_sync(), policy.autocast():
@@ -272,11 +299,25 @@ class StageEngine:
         held = sum(len(s.outputs) + len(s.held) for s in sts)
         self.peak_in_flight = max(self.peak_in_flight, held)
 
-    def _backward(self, st: _StepState, c: int, k: int, *, last: bool) -> None:
+    def _backward(self, sts: list[_StepState], c: int, k: int, *, last: bool) -> None:
+        st = sts[c]
         outputs, grads = self._seeds(st, c, k)
         self.chunks[c].sync.backward(outputs, grads, last=last)
         if self.first[c]:
             st.inputs.pop(k)
+        self._hand_back(sts, c, k)
+
+    def _hand_back(self, sts: list[_StepState], c: int, k: int) -> None:
+        """The gradient of a chunk's inputs to the chunk before it on this stage (a V's turn),
+        where another stage would have been sent it."""
+        prev = self.local_prev[c]
+        if prev is not None:
+            xs = [x for x in sts[c].inputs.pop(k) if x.is_floating_point()]
+            # Copied: a gradient passed through untouched is a view of a receive buffer, which
+            # the next receive into its slot overwrites before the chunk before runs its W.
+            sts[prev].grads[k] = tuple(
+                x.grad.clone() if x.grad is not None else torch.zeros_like(x) for x in xs
+            )
 
     def _seeds(
         self, st: _StepState, c: int, k: int
@@ -292,11 +333,13 @@ class StageEngine:
         pairs = [(o, g) for o, g in zip(floats, st.grads.pop(k), strict=True) if o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
-    def _backward_input(self, st: _StepState, c: int, k: int) -> None:
+    def _backward_input(self, sts: list[_StepState], c: int, k: int) -> None:
         """The input half: the gradient the stage upstream waits for (its send comes next)."""
+        st = sts[c]
         outputs, grads = self._seeds(st, c, k)
         inputs = () if self.first[c] else st.inputs[k]
         st.held[k] = input_half(outputs, grads, inputs, self._weights[c])
+        self._hand_back(sts, c, k)
 
     def _backward_weight(self, st: _StepState, c: int, k: int, *, last: bool) -> None:
         """The weight half, through the gradient sync like a whole backward (its hooks fire)."""
@@ -348,19 +391,31 @@ class StageEngine:
         """
         micro = micro or (None, None)
         counts = torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)
+        outs: list[tuple[torch.Tensor, ...]] = []
         for c, chunk in enumerate(self.chunks):  # the pieces in model order
-            out = self._eval_piece(c, chunk, rows, micro)
+            outs.append(self._eval_piece(c, chunk, rows, micro, outs))
             if self.last[c]:
-                counts = self._eval_counts(out, micro)
+                counts = self._eval_counts(outs[c], micro)
         return counts
 
     def _eval_piece(
-        self, c: int, chunk: Chunk, rows: int, micro: MicroBatch
+        self,
+        c: int,
+        chunk: Chunk,
+        rows: int,
+        micro: MicroBatch,
+        outs: list[tuple[torch.Tensor, ...]],
     ) -> tuple[torch.Tensor, ...]:
         transport, policy = chunk.transport, self.policy
         xs: tuple[torch.Tensor, ...]
+        prev = self.local_prev[c]
         if self.first[c]:
             xs = (policy.prepare_input(_given(micro[0]), self.device),)
+        elif prev is not None:  # through the wire form, as a message would be
+            xs = tuple(
+                m.from_wire(m.to_wire(o))
+                for m, o in zip(transport.in_meta, outs[prev], strict=True)
+            )
         else:
             xs = tuple(
                 m.from_wire(x)
@@ -369,7 +424,7 @@ class StageEngine:
         chunk.stage.recompute = False
         with policy.autocast():
             out = chunk.sync.module(*xs)
-        if not self.last[c]:
+        if self._sends[c]:
             transport.send_act(
                 rows, tuple(m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True))
             ).wait()

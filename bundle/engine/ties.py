@@ -10,7 +10,7 @@ tie's group is exact, whatever the stages' widths. Bundles that meet only every 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,13 +46,13 @@ def find(stages: Sequence[Stage]) -> list[Tie]:
     return [Tie(tuple(h)) for h in holders.values() if len(h) > 1]
 
 
-def by_stage(ties: Sequence[Tie], num_stages: int) -> list[Tie]:
-    """Ties found among the pieces of an interleaved model (piece j on stage j mod S), as ties
-    between the stages that hold them; one stage holding a tied weight twice is refused (its
-    chunks would sync the same parameter in two gradient syncs)."""
+def by_stage(ties: Sequence[Tie], stage_of: Callable[[int], int]) -> list[Tie]:
+    """Ties found among the pieces of a model cut for several chunks per stage (piece j on stage
+    ``stage_of(j)``), as ties between the stages that hold them; one stage holding a tied weight
+    twice is refused (its chunks would sync the same parameter in two gradient syncs)."""
     out = []
     for t in ties:
-        holders = sorted((j % num_stages, name) for j, name in t.holders)
+        holders = sorted((stage_of(j), name) for j, name in t.holders)
         stages = [s for s, _ in holders]
         if len(set(stages)) < len(stages):
             raise PartitionError(

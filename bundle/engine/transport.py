@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from bundle.engine.p2p import SIDE, boundary_peers
-from bundle.engine.schedule import Op
+from bundle.engine.schedule import Op, Pipe
 from bundle.errors import PeerFailure
 from bundle.topology import Topology, Transfer
 
@@ -146,11 +146,12 @@ class Transport:
         timeout: float,
         post: PostCall = post_with_torch,
         chunk: int = 0,
-        chunks: int = 1,
+        pipe: Pipe | None = None,
     ) -> None:
         self.topo, self.bundle, self.stage, self.replica = topo, bundle, stage, replica
-        # The model chunk it carries for: piece ``chunk x S + stage`` of ``S x chunks``.
-        self.chunk, self.chunks = chunk, chunks
+        # The model chunk it carries for, and where the model's pieces run (one chunk per stage
+        # by default).
+        self.chunk, self.pipe = chunk, pipe
         self.in_meta, self.out_meta = in_meta, out_meta
         in_grad = tuple(m for m in in_meta if m.has_grad)
         out_grad = tuple(m for m in out_meta if m.has_grad)
@@ -172,7 +173,7 @@ class Transport:
         if key not in self._plans:
             topo, s = self.topo, self.stage
             peers = boundary_peers(
-                topo, self.bundle, s, self.replica, side, rows, chunk=self.chunk, chunks=self.chunks
+                topo, self.bundle, s, self.replica, side, rows, chunk=self.chunk, pipe=self.pipe
             )
             text = ", ".join(topo.describe(rank) for _, rank in peers)
             self._plans[key] = _Plan(topo.stage_ranges(s, rows)[self.replica], peers, text)

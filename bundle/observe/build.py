@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 
 def reporter_rank(topo: Topology) -> int:
-    """The process that reports: replica 0 of the last stage of bundle 0 (it sees the loss)."""
-    return topo.rank(0, topo.num_stages - 1, 0)
+    """The process that reports: replica 0 of the loss's stage of bundle 0 (it sees the loss)."""
+    return topo.rank(0, topo.loss_stage, 0)
 
 
 def make_reporter(

@@ -72,7 +72,7 @@ class ProcessGroups:
             bundle=mine.get("bundle"),
             masters=mine.get("masters"),
             async_save=saving,
-            is_last_stage=coord.stage == topo.num_stages - 1,
+            is_last_stage=coord.stage == topo.loss_stage,
         )
 
 

@@ -30,7 +30,7 @@ from bundle.launch.localworld import run_world
 from bundle.row_weights import parse_row_weights
 from bundle.session import build_session, train_stream
 from bundle.topology import Topology, split_sizes
-from tests.support.reference import STEPS, TOL, equivalence_config, reference
+from tests.support.reference import STEPS, TOL, equivalence_config, reference, runnable_micro
 
 SHAPES = [(1,), (2,), (1, 1), (2, 1), (1, 2), (2, 3), (1, 1, 1), (2, 2, 1)]
 # (schedule, micro-batches, sync, precision, recompute)
@@ -66,6 +66,7 @@ def _hybrid(
         chunks = CHUNKS if REGISTRY[schedule].chunks else 1
         if chunks > 1 and len(shape) < 2:
             continue  # interleaving needs stages to interleave over
+        micro = runnable_micro(schedule, len(shape), micro, chunks)
         # skip_mlp's 5 blocks carry two tensors across boundaries; mlp has 6 for 6 pieces.
         skips = len(shape) > 1 and micro == 3 and len(shape) * chunks <= 5
         model = "skip_mlp" if skips else "mlp"

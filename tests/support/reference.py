@@ -100,3 +100,18 @@ def reference(
         scaler.update()
     # Tied weights under each of their names: every stage holding one is compared.
     return {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+
+
+def runnable_micro(schedule: str, stages: int, micro: int, chunks: int = 1) -> int:
+    """The fewest micro-batches from ``micro`` up that ``schedule`` runs on ``stages`` stages
+    (ZBV needs 2S - 1; interleaving, whole rounds): each schedule is proven where it runs."""
+    from bundle.engine.schedule import actions
+    from bundle.errors import ScheduleError
+
+    for m in range(micro, micro + 4 * stages):
+        try:
+            actions(schedule, 0, stages, m, chunks)
+            return m
+        except ScheduleError:
+            continue
+    raise ValueError(f"{schedule} runs no micro-batch count from {micro} on {stages} stages")

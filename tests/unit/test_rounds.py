@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 from bundle.engine import p2p
-from bundle.engine.p2p import MIRROR, programs, replay, step_plan
+from bundle.engine.p2p import programs, replay, step_plan
 from bundle.engine.rounds import clock, lockstep
-from bundle.engine.schedule import Action, Op, actions
+from bundle.engine.schedule import REGISTRY, Action, Op, Pipe, actions
 from bundle.errors import ScheduleError
 from bundle.topology import Topology
 
@@ -20,7 +20,7 @@ def test_each_round_holds_the_messages_its_senders_computed_in_it():
     micro-batch: in round 1, stage 1 receives activation 1 from piece 0 and sends its own
     activation 0 (piece 1) on to piece 2; in round 2 piece 2's output comes back to it."""
     lists = [actions("interleaved-1f1b", s, 2, 2, 2) for s in range(2)]
-    rounds = clock(lists, 2, 2)
+    rounds = clock(lists, Pipe(2, 2))
     assert [rounds["F", 0, k] for k in (0, 1)] == [0, 1]
     assert [rounds["F", 1, k] for k in (0, 1)] == [1, 2]
     assert rounds["F", 2, 0] == 2 and rounds["B", 3, 0] == 4 and rounds["B", 0, 1] == 9
@@ -34,28 +34,35 @@ def test_each_round_holds_the_messages_its_senders_computed_in_it():
 
 
 def _pair_view(stage: int, chunks: int, schedule: str, stages: int, micro: int):
-    """The messages of one stage's calls, named as the upstream side names them, per peer stage,
-    in the order they are posted."""
+    """The messages of one stage's calls, per peer stage, in the order they are posted, each
+    named alike on both sides: (activation or gradient, the boundary's upstream piece, micro)."""
     plan = step_plan(schedule, stage, stages, micro, chunks=chunks)
+    pipe = REGISTRY[schedule].pipe(stages, chunks)
     out: dict[int, list[tuple[str, int, int]]] = {}
     for c in plan.calls:
         for a in c.ops:
-            other, their_chunk = p2p.peer(a, stage, stages)
-            up = (
-                a
-                if a.op in (Op.SEND_ACT, Op.RECV_GRAD)
-                else Action(MIRROR[a.op], a.micro, their_chunk)
-            )
-            piece = (up.chunk if up is a else their_chunk) * stages + (stage if up is a else other)
-            out.setdefault(other, []).append((up.op.value.split("_")[1], piece, up.micro))
+            piece = pipe.piece(stage, a.chunk)
+            upstream = piece if a.op in (Op.SEND_ACT, Op.RECV_GRAD) else piece - 1
+            kind = "act" if a.op in (Op.SEND_ACT, Op.RECV_ACT) else "grad"
+            out.setdefault(p2p.peer(a, stage, pipe)[0], []).append((kind, upstream, a.micro))
     return out
 
 
-@pytest.mark.parametrize("stages,micro,chunks", [(2, 4, 2), (3, 3, 2), (4, 8, 3), (2, 6, 3)])
+@pytest.mark.parametrize(
+    "schedule,stages,micro,chunks",
+    [
+        ("interleaved-1f1b", 2, 4, 2),
+        ("interleaved-1f1b", 3, 3, 2),
+        ("interleaved-1f1b", 4, 8, 3),
+        ("interleaved-1f1b", 2, 6, 3),
+        ("zbv", 2, 3, 2),
+        ("zbv", 4, 8, 2),
+    ],
+)
 def test_both_sides_of_every_pair_of_stages_post_the_same_messages_in_the_same_order(
-    stages, micro, chunks
+    schedule, stages, micro, chunks
 ):
-    views = [_pair_view(s, chunks, "interleaved-1f1b", stages, micro) for s in range(stages)]
+    views = [_pair_view(s, chunks, schedule, stages, micro) for s in range(stages)]
     for s, t in itertools.permutations(range(stages), 2):
         assert views[s].get(t, []) == views[t].get(s, []), (s, t)
 
@@ -95,4 +102,4 @@ def test_a_schedule_whose_stages_wait_on_each_other_is_refused():
     runs: refused, never a plan that hangs."""
     lists = [[Action(Op.BACKWARD, 0)], [Action(Op.FORWARD, 0), Action(Op.BACKWARD, 0)]]
     with pytest.raises(ScheduleError, match="deadlocks at round 0"):
-        clock(lists, 2, 1)
+        clock(lists, Pipe(2))

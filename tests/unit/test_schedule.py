@@ -143,6 +143,10 @@ def test_every_micro_batch_runs_once_forward_before_backward(name, stages, micro
         return  # interleaving needs stages to interleave over (refused by the config)
     split = sched.split_backward
     for chunks in (2, 3) if sched.chunks else (1,):
+        try:
+            actions(name, 0, stages, micro, chunks)
+        except ScheduleError:
+            continue  # refused in one line (ZBV's 2 chunks and 2S - 1 micro-batches, rounds)
         for s in range(stages):
             acts = actions(name, s, stages, micro, chunks)
             names = [repr(a) for a in acts]
@@ -190,7 +194,44 @@ def test_interleaved_1f1b_runs_micro_batches_in_rounds():
         actions("interleaved-1f1b", 0, 2, 5, 2)
 
 
+def test_zbv_two_stages_literal():
+    """ZBV, S=2, M=3 (torch's ScheduleZBVZeroBubble order): chunk 0 of stage s is piece s, chunk 1
+    piece 3 - s, so the turn (pieces 1 and 2) stays on stage 1 with no message, and stage 0 runs
+    both the first piece and the last (the loss)."""
+    assert ops("zbv", 0, 2, 3, 2) == [
+        "forward0", "send_act0", "forward1", "send_act1", "forward2", "send_act2",
+        "recv_act0c1", "forward0c1", "backward_input0c1", "send_grad0c1", "backward_weight0c1",
+        "recv_act1c1", "forward1c1", "backward_input1c1", "send_grad1c1", "backward_weight1c1",
+        "recv_grad0", "backward_input0", "backward_weight0",
+        "recv_act2c1", "forward2c1", "backward_input2c1", "send_grad2c1", "backward_weight2c1",
+        "recv_grad1", "backward_input1", "backward_weight1",
+        "recv_grad2", "backward_input2", "backward_weight2",
+    ]  # fmt: skip
+    assert ops("zbv", 1, 2, 3, 2) == [
+        "recv_act0", "forward0", "forward0c1", "send_act0c1",
+        "recv_act1", "forward1", "forward1c1", "send_act1c1",
+        "recv_grad0c1", "backward_input0c1", "backward_weight0c1",
+        "recv_act2", "forward2", "backward_input0", "send_grad0", "backward_weight0",
+        "forward2c1", "send_act2c1", "recv_grad1c1", "backward_input1c1", "backward_weight1c1",
+        "backward_input1", "send_grad1", "recv_grad2c1", "backward_input2c1",
+        "backward_input2", "send_grad2", "backward_weight1", "backward_weight2c1",
+        "backward_weight2",
+    ]  # fmt: skip
+
+
+def test_the_v_placement_turns_on_the_last_stage():
+    pipe = REGISTRY["zbv"].pipe(3, 2)
+    assert [pipe.place(j) for j in range(6)] == [(0, 0), (1, 0), (2, 0), (2, 1), (1, 1), (0, 1)]
+    assert [pipe.crosses(j, 1) for j in range(6)] == [True, True, False, True, True, False]
+    looped = REGISTRY["interleaved-1f1b"].pipe(3, 2)
+    assert [looped.place(j) for j in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+
+
 def test_a_schedule_refuses_a_number_of_chunks_it_cannot_run():
+    with pytest.raises(ScheduleError, match="runs exactly 2 model chunks"):
+        actions("zbv", 0, 2, 4, 3)
+    with pytest.raises(ScheduleError, match="needs at least 5 micro-batches"):
+        actions("zbv", 0, 3, 4, 2)
     with pytest.raises(ScheduleError, match="give --virtual-stages 2 or more"):
         actions("interleaved-1f1b", 0, 2, 4)
     with pytest.raises(ScheduleError, match="runs one model chunk per stage"):
