@@ -26,6 +26,7 @@ import torch
 
 from bundle import data
 from bundle.config import AUTO_SHAPE, RunConfig
+from bundle.engine.schedule import REGISTRY
 from bundle.errors import ConfigError
 from bundle.plan import planner
 from bundle.plan import profile as prof
@@ -140,8 +141,23 @@ def _plan_split(cfg: RunConfig, request: planner.Request, cost: CostModel) -> Ev
         p.shape, -(-bundle_rows // p.micro_batches)
     )
     ppn = cfg.procs_per_node
+    sched = REGISTRY[p.schedule]
+    pipe = sched.pipe(len(p.shape), p.virtual_stages)
+    if pipe.chunks > 1:  # the pieces of every chunk, each at its stage's width
+        widths = tuple(p.shape[pipe.place(j)[0]] for j in range(pipe.pieces))
+        starts, _ = Splitter(cost, cost.cluster.intra.bandwidth, cost.cluster.intra.latency).split(
+            widths, -(-bundle_rows // p.micro_batches)
+        )
     plan = Plan(
-        p.shape, p.num_bundles, starts, p.micro_batches, ppn, p.schedule, p.grad_sync, request.dp
+        p.shape,
+        p.num_bundles,
+        starts,
+        p.micro_batches,
+        ppn,
+        p.schedule,
+        p.grad_sync,
+        request.dp,
+        chunks=p.virtual_stages,
     )
     return evaluate(cost, plan, request.batch)
 
@@ -171,6 +187,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
             num_bundles=p.num_bundles,
             micro_batches=p.micro_batches,
             schedule=p.schedule,
+            virtual_stages=p.chunks,
             grad_sync=p.grad_sync,
         ),
         model=replace(cfg.model, partition=split),
@@ -180,6 +197,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     print(
         f"main.py: plan: --bundle-shape {','.join(map(str, p.shape))} --num-bundle {p.num_bundles} "
         f"--micro-batches {p.micro_batches} --schedule {p.schedule} --grad-sync {p.grad_sync}"
+        + (f" --virtual-stages {p.chunks}" if p.chunks > 1 else "")
         + (f" --partition {split}" if split else "")
         + (f" (costed with {costed})" if costed else "")
         + f"; predicted {best.samples_per_s:.1f} samples/s from {how}",

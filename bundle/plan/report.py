@@ -74,6 +74,8 @@ def run_options(plan: Plan, job: Job, cost: CostModel) -> dict[str, Any]:
     given = dict(zip(job.extra[::2], job.extra[1::2], strict=True))
     if "--model-args" in given:
         run["model_args"] = given["--model-args"]
+    if plan.chunks > 1:
+        run["virtual_stages"] = plan.chunks
     if len(plan.shape) > 1:
         run["partition"] = ",".join(split_names(plan, cost))
     flags = plan.dp.flags()
@@ -101,6 +103,8 @@ def command(plan: Plan, job: Job, cost: CostModel) -> str:
     if plan.row_weights:
         args += ["--row-weights", weights(plan)]
     args += ["--micro-batches", str(plan.micro_batches), "--schedule", plan.schedule]
+    if plan.chunks > 1:
+        args += ["--virtual-stages", str(plan.chunks)]
     args += ["--grad-sync", plan.grad_sync, *plan.dp.flags()]
     if job.nodes > 1:
         args += ["--world-size", str(job.nodes), "--nproc-per-node", str(plan.procs_per_node)]
@@ -121,6 +125,7 @@ def row(e: Evaluated, job: Job, cost: CostModel) -> dict[str, Any]:
         "split": split_names(p, cost),
         "micro_batches": p.micro_batches,
         "schedule": p.schedule,
+        "virtual_stages": p.chunks,
         "grad_sync": p.grad_sync,
         "predicted_samples_per_s": round(e.samples_per_s, 2),
         "step_s": e.sim.step_time,
@@ -170,11 +175,18 @@ def _ms(values: Iterable[float]) -> str:
     return "/".join(f"{v * 1e3:.1f}" for v in values)
 
 
+def _schedule(r: dict[str, Any]) -> str:
+    """A row's schedule, with its model chunks per stage where it runs several (``x2``)."""
+    chunks = r.get("virtual_stages", 1)
+    return r["schedule"] + (f" x{chunks}" if chunks > 1 else "")
+
+
 def table(rows: list[dict[str, Any]], device_memory: float, *, mixed: bool = False) -> str:
     """The ranked plans as text, one line each, then each plan's command; ``mixed``: under each
     plan its row weights (where not even) and which device types serve which stage."""
+    sw = max([5, *(len(_schedule(r)) for r in rows)])
     head = (
-        f"{'#':>2} {'shape':<12} {'b':>2} {'M':>3} {'sched':<5} {'sync':<5} {'samples/s':>10} "
+        f"{'#':>2} {'shape':<12} {'b':>2} {'M':>3} {'sched':<{sw}} {'sync':<5} {'samples/s':>10} "
         f"{'stage ms':<16} {'bubble':>6} {'sync ms':>7} {'GiB/dev':>8}  split"
     )
     lines = [head]
@@ -183,7 +195,7 @@ def table(rows: list[dict[str, Any]], device_memory: float, *, mixed: bool = Fal
         fit = "" if r["fits"] else " (does not fit)"
         lines.append(
             f"{i:>2} {','.join(map(str, r['shape'])):<12} {r['num_bundles']:>2} "
-            f"{r['micro_batches']:>3} {r['schedule']:<5} {r['grad_sync'][:5]:<5} "
+            f"{r['micro_batches']:>3} {_schedule(r):<{sw}} {r['grad_sync'][:5]:<5} "
             f"{r['predicted_samples_per_s']:>10.1f} {_ms(r['stage_compute_s']):<16} "
             f"{r['bubble']:>6.1%} {r['grad_sync_s'] * 1e3:>7.1f} {mem:>8.2f}  "
             f"{','.join(r['split'])}{fit}"

@@ -21,15 +21,15 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import ONE_CHUNK, actions
-from bundle.errors import ConfigError
+from bundle.engine.schedule import REGISTRY, SCHEDULES, Action, actions
+from bundle.errors import ConfigError, ScheduleError
 from bundle.plan.cost import CostModel, Memory
 from bundle.plan.dataparallel import EXACT, DataParallel, HopCost
 from bundle.plan.simulate import Layout, SimResult, simulate
@@ -54,6 +54,7 @@ class Plan:
     dp: DataParallel = DataParallel()
     row_weights: tuple[tuple[Fraction, ...], ...] = ()  # () : even rows (bundle.plan.mixed)
     placement: tuple[Place, ...] = ()  # () : ranks fill the nodes in order
+    chunks: int = 1  # model chunks per stage; ``starts`` then holds stages x chunks pieces
 
     @property
     def processes(self) -> int:
@@ -72,6 +73,7 @@ class Plan:
             dp=self.dp,
             row_weights=self.row_weights,
             placement=self.placement,
+            chunks=self.chunks,
         )
 
 
@@ -162,7 +164,7 @@ def search(
     max_stages: int = 4,
     max_micro: int = 64,
     simulate_top: int = 48,
-    schedules: tuple[str, ...] = ONE_CHUNK,
+    schedules: tuple[str, ...] = SCHEDULES,
     syncs: tuple[str, ...] = SYNCS,
     exact: bool = False,
     dp: DataParallel = EXACT,
@@ -213,16 +215,44 @@ def search(
     variants = _variants(plans, (first,), syncs)
     say(f"simulating the {len(variants)} best plan(s) under {first} and each sync")
     evaluated = [evaluate(cost, v, batch) for v in variants]
+    leaders = [e.plan for e in rank(evaluated)[:SCHEDULE_LEADERS] if e.plan.micro_batches > 1]
+    link = cost.cluster.intra if nodes == 1 else cost.cluster.inter
+    splitter = Splitter(cost, link.bandwidth, link.latency)
     others = [
-        replace(e.plan, schedule=name)
-        for e in rank(evaluated)[:SCHEDULE_LEADERS]
-        if e.plan.micro_batches > 1
+        o
+        for plan in leaders
         for name in schedules
         if name != first
+        for o in _under(plan, name, splitter, batch)
     ]
     if others:
-        say(f"simulating the {len(others) // (len(schedules) - 1)} best under the other schedules")
+        say(f"simulating the {len(leaders)} best under the other schedules")
     return rank(evaluated + [evaluate(cost, v, batch) for v in others])
+
+
+# Model chunks per stage a schedule that interleaves is planned with (--virtual-stages).
+PLANNED_CHUNKS = 2
+
+
+def _under(plan: Plan, schedule: str, splitter: Splitter, batch: int) -> list[Plan]:
+    """``plan`` under another schedule: the same split, or with model chunks, the model cut into
+    stages x chunks pieces balanced for the same widths (piece j on its stage's width); none
+    where the schedule cannot run it (too few stages, micro-batches or blocks)."""
+    sched = REGISTRY[schedule]
+    if not sched.chunks:
+        return [replace(plan, schedule=schedule)]
+    S, V = len(plan.shape), PLANNED_CHUNKS
+    try:
+        actions(schedule, 0, S, plan.micro_batches, V)
+    except ScheduleError:
+        return []
+    if S < 2 or splitter.n < S * V:
+        return []
+    pipe = sched.pipe(S, V)
+    widths = tuple(plan.shape[pipe.place(j)[0]] for j in range(pipe.pieces))
+    rows = -(-(batch // plan.num_bundles) // plan.micro_batches)
+    starts, _ = splitter.split(widths, rows)
+    return [replace(plan, schedule=schedule, chunks=V, starts=starts)]
 
 
 def _bundle_layout(
@@ -469,33 +499,29 @@ def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False)
     layout = plan.layout(batch)
     sim = simulate(layout, cost, timeline=timeline)
     topo = layout.topology()
-    S, M = len(plan.shape), plan.micro_batches
+    S, M, V = len(plan.shape), plan.micro_batches, plan.chunks
     ends = [*plan.starts[1:], cost.n]
+    bounds = list(zip(plan.starts, ends, strict=True))
+    pipe = layout.pipe
     policy = Policy(recompute=cost.recompute)
     hop = HopCost(cost, plan.dp)
     ddp = not plan.dp.two_hops(plan.grad_sync)
     memory, compute, fits = [], [], True
-    for s, (a, b) in enumerate(zip(plan.starts, ends, strict=True)):
-        acts = actions(plan.schedule, s, S, M)
+    for s in range(S):
+        acts = actions(plan.schedule, s, S, M, V)
+        pieces = [bounds[pipe.piece(s, c)] for c in range(V)]
         synced = len(topo.stage_group(s)) > 1
         state = 0.0
         if synced:
-            largest = max((n for _, n in cost.buckets(a, b, ddp=ddp)), default=0.0)
-            state = hop.state_bytes(a, b, largest_bucket=largest, bundles=plan.num_bundles)
+            for a, b in pieces:
+                largest = max((n for _, n in cost.buckets(a, b, ddp=ddp)), default=0.0)
+                state += hop.state_bytes(a, b, largest_bucket=largest, bundles=plan.num_bundles)
         # Each replica against its own device's memory (rows differ under row weights); the
         # stage's figure is its replica with the most rows.
         per_replica = []
         for i in _distinct_replicas(plan, topo, s):
             rows = [topo.stage_sizes(s, m)[i] for m in topo.micro_sizes(0)]
-            mem = cost.memory(
-                a,
-                b,
-                acts=acts,
-                rows=rows,
-                recomputed=policy.recomputes(acts, M),
-                synced=synced,
-                ddp=ddp,
-            )
+            mem = _chunks_memory(cost, pieces, acts, rows, policy, synced=synced, ddp=ddp)
             mem = replace(mem, data_parallel=state) if synced else mem
             per_replica.append((rows[0], mem))
             fits &= all(
@@ -505,6 +531,35 @@ def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False)
         memory.append(max(per_replica, key=lambda x: x[0])[1])
         compute.append(max(t for t, st in zip(sim.busy, sim.stage_of, strict=True) if st == s))
     return Evaluated(plan, sim, batch / sim.step_time, memory, fits, compute)
+
+
+def _chunks_memory(
+    cost: CostModel,
+    pieces: list[tuple[int, int]],
+    acts: list[Action],
+    rows: list[int],
+    policy: Policy,
+    *,
+    synced: bool,
+    ddp: bool,
+) -> Memory:
+    """A replica's memory over its chunks: each chunk's pieces through that chunk's actions,
+    added up (their peaks taken as coinciding: an upper bound with several chunks)."""
+    parts = [
+        cost.memory(
+            a,
+            b,
+            acts=[x for x in acts if x.chunk == c],
+            rows=rows,
+            recomputed=policy.recomputes(acts, len(rows), c),
+            synced=synced,
+            ddp=ddp,
+        )
+        for c, (a, b) in enumerate(pieces)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    return Memory(*(sum(getattr(m, f.name) for m in parts) for f in fields(Memory)))
 
 
 def _distinct_replicas(plan: Plan, topo: Topology, s: int) -> list[int]:

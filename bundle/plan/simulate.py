@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import Action, Op, actions, peak_in_flight, unknown
+from bundle.engine.schedule import REGISTRY, Action, Op, Pipe, actions, peak_in_flight, unknown
 from bundle.errors import ScheduleError
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import DataParallel, HopCost
@@ -50,7 +50,7 @@ class Layout:
 
     shape: tuple[int, ...]
     num_bundles: int
-    starts: tuple[int, ...]  # block where each stage begins
+    starts: tuple[int, ...]  # block where each piece begins (stages x chunks pieces)
     micro_batches: int
     schedule: str
     grad_sync: str
@@ -59,6 +59,11 @@ class Layout:
     dp: DataParallel = DataParallel()  # the user's options, costed as given
     row_weights: tuple[tuple[Fraction, ...], ...] = ()  # () : even rows
     placement: tuple[Place, ...] = ()  # () : ranks fill the nodes in order, on one device type
+    chunks: int = 1  # model chunks per stage (--virtual-stages)
+
+    @property
+    def pipe(self) -> Pipe:
+        return REGISTRY[self.schedule].pipe(len(self.shape), self.chunks)
 
     def topology(self) -> Topology:
         return Topology(
@@ -95,6 +100,7 @@ class SimResult:
 
 
 def _stage_bounds(layout: Layout, n_blocks: int) -> list[tuple[int, int]]:
+    """Each piece's blocks ``[start, end)`` (a stage's, with one chunk per stage)."""
     ends = [*layout.starts[1:], n_blocks]
     return list(zip(layout.starts, ends, strict=True))
 
@@ -116,9 +122,10 @@ class _Simulation:
 
     def __init__(self, layout: Layout, cost: CostModel, *, timeline: bool, bundle: int = 0) -> None:
         topo = layout.topology()
-        S, M = topo.num_stages, topo.micro_batches
-        if len(layout.starts) != S:
-            raise ScheduleError(f"{len(layout.starts)} split points for {S} stages")
+        S, M, V = topo.num_stages, topo.micro_batches, layout.chunks
+        self.pipe = layout.pipe
+        if len(layout.starts) != self.pipe.pieces:
+            raise ScheduleError(f"{len(layout.starts)} split points for {self.pipe.pieces} pieces")
         self.layout, self.cost, self.topo, self.timeline = layout, cost, topo, timeline
         self.bounds = _stage_bounds(layout, cost.n)
         self.hop = HopCost(cost, layout.dp)
@@ -129,8 +136,8 @@ class _Simulation:
         self.rank = {p: topo.rank(bundle, *p) for p in procs}
         self.node = {p: topo.node_of(self.rank[p]) for p in procs}
         # A stage's replicas share one action list and recompute plan (read, never changed).
-        lists = [actions(layout.schedule, s, S, M) for s in range(S)]
-        again = [policy.recomputes(acts, M) for acts in lists]
+        lists = [actions(layout.schedule, s, S, M, V) for s in range(S)]
+        again = [[policy.recomputes(acts, M, c) for c in range(V)] for acts in lists]
         self.stage_lists = lists
         self.lists = {p: lists[p[0]] for p in procs}
         self.recomputed = {p: again[p[0]] for p in procs}
@@ -142,12 +149,17 @@ class _Simulation:
         self.pc = dict.fromkeys(procs, 0)
         self.busy = dict.fromkeys(procs, 0.0)
         self.sent = dict.fromkeys(procs, 0.0)  # when this replica's last send has left
-        self.last_bwd: dict[Replica, tuple[float, float]] = {}
-        # (direction, stage, replica, micro) -> arrival times
+        # (replica, chunk) -> its last backward work on the chunk's weights (start, end)
+        self.last_bwd: dict[tuple[Replica, int], tuple[float, float]] = {}
+        # (direction, piece, replica, micro) -> arrival times
         self.arrived: dict[tuple[str, int, int, int], list[float]] = defaultdict(list)
         # (src rank, dst rank) -> when the pair's link is free
         self.channel: dict[tuple[int, int], float] = defaultdict(float)
         self.spans: list[Span] = []
+
+    def pieces_of(self, s: int) -> list[int]:
+        """The pieces stage ``s`` runs, chunk by chunk."""
+        return [self.pipe.piece(s, c) for c in range(self.pipe.chunks)]
 
     def span(self, p: Replica, kind: str, label: str, start: float, end: float) -> None:
         if self.timeline and end > start:
@@ -165,10 +177,13 @@ class _Simulation:
         self.sent[p] = max(self.sent[p], done)
         self.span(p, SEND, label, start, done)
 
-    def peers(self, s: int, i: int, k: int, *, forward: bool) -> list[Transfer]:
-        """The row plan of micro-batch k at stage s's outgoing (forward) or incoming boundary."""
-        sizes = self.sizes[k]
-        return list(self.topo.sends(s, i, sizes) if forward else self.topo.recvs(s, i, sizes))
+    def peers(self, piece: int, i: int, k: int, *, forward: bool) -> tuple[int, list[Transfer]]:
+        """The stage across a piece's outgoing (forward) or incoming boundary, and the row plan of
+        micro-batch k there for replica i."""
+        s = self.pipe.place(piece)[0]
+        other = self.pipe.place(piece + (1 if forward else -1))[0]
+        src, dst = (s, other) if forward else (other, s)
+        return other, list(self.topo.transfers(src, dst, self.sizes[k], by_src=forward)[i])
 
     def step(self, p: Replica) -> bool:
         """Run p's next action if it can start; False when it waits on a transfer."""
@@ -187,8 +202,9 @@ class _Simulation:
 
     def _receive(self, p: Replica, a: Action) -> bool:
         (s, i), fwd = p, a.op is Op.RECV_ACT
-        want = len(self.peers(s, i, a.micro, forward=not fwd))
-        got = self.arrived[("act" if fwd else "grad", s, i, a.micro)]
+        piece = self.pipe.piece(s, a.chunk)
+        want = len(self.peers(piece, i, a.micro, forward=not fwd)[1])
+        got = self.arrived[("act" if fwd else "grad", piece, i, a.micro)]
         if len(got) < want:
             return False
         ready = max(got, default=self.clock[p])
@@ -199,8 +215,8 @@ class _Simulation:
         return True
 
     def _compute(self, p: Replica, a: Action) -> None:
-        k, (lo, hi) = a.micro, self.bounds[p[0]]
-        dev, rows, again = self.dev[p], self.rows[p][k], self.recomputed[p][k]
+        k, (lo, hi) = a.micro, self.bounds[self.pipe.piece(p[0], a.chunk)]
+        dev, rows, again = self.dev[p], self.rows[p][k], self.recomputed[p][a.chunk][k]
         if a.op is Op.FORWARD:
             d, label = dev.forward(lo, hi, rows), f"F{k}"
         elif a.op is Op.BACKWARD_INPUT:
@@ -211,21 +227,27 @@ class _Simulation:
             else:
                 d, label = dev.backward_weight(lo, hi, rows, recompute=again), f"W{k}"
             # The gradients are complete with the last backward work on the weights.
-            self.last_bwd[p] = (self.clock[p], self.clock[p] + d)
+            self.last_bwd[p, a.chunk] = (self.clock[p], self.clock[p] + d)
         self.span(p, COMPUTE, label, self.clock[p], self.clock[p] + d)
         self.clock[p] += d
         self.busy[p] += d
 
     def _send(self, p: Replica, a: Action) -> None:
-        (s, i), k, (lo, hi) = p, a.micro, self.bounds[p[0]]
+        (s, i), k = p, a.micro
+        piece = self.pipe.piece(s, a.chunk)
+        lo, hi = self.bounds[piece]
         if a.op is Op.SEND_ACT:
-            for t in self.peers(s, i, k, forward=True):
+            other, plan = self.peers(piece, i, k, forward=True)
+            for t in plan:
                 nbytes = self.cost.boundary_bytes(hi, t.stop - t.start)
-                self.transfer(p, (s + 1, t.dst), nbytes, ("act", s + 1, t.dst, k), f"A{k}")
+                key = ("act", piece + 1, t.dst, k)
+                self.transfer(p, (other, t.dst), nbytes, key, f"A{k}")
         else:
-            for t in self.peers(s, i, k, forward=False):
+            other, plan = self.peers(piece, i, k, forward=False)
+            for t in plan:
                 nbytes = self.cost.boundary_bytes(lo, t.stop - t.start, grad=True)
-                self.transfer(p, (s - 1, t.src), nbytes, ("grad", s - 1, t.src, k), f"G{k}")
+                key = ("grad", piece - 1, t.src, k)
+                self.transfer(p, (other, t.src), nbytes, key, f"G{k}")
         self.clock[p] += self.dev[p].host(self.cost.overheads.comm_action)
 
     def run_actions(self) -> None:
@@ -261,7 +283,7 @@ def _finish(sims: list[_Simulation]) -> SimResult:
             ready = max(done[m], synced)
             sync_wait[m] = ready - done[m]
             sim.span(p, SYNC, "sync", done[m], ready)
-            opt = sim.dev[p].optimizer(*sim.bounds[s])
+            opt = sum(sim.dev[p].optimizer(*sim.bounds[j]) for j in sim.pieces_of(s))
             sim.span(p, OPTIMIZER, "optimizer", ready, ready + opt)
             finish[m] = ready + opt + sim.dev[p].host(sim.cost.overheads.step)
     order = list(done)
@@ -305,14 +327,38 @@ def _sync(
     """When stage ``s``'s gradients are summed over its stage group (bundles simulated once per
     distinct set of devices; without a placement bundle 0 stands for all)."""
     sim = sims[0]
+    if len(sim.topo.stage_group(s)) == 1:
+        return 0.0
+    # Each chunk's gradient sync starts with its own last backward, one after another on the
+    # stage group (one chunk per stage: the stage's).
+    chunks = sorted(
+        range(sim.pipe.chunks),
+        key=lambda c: max(sims[j].last_bwd[p, c][1] for j, p in members),
+    )
+    t = 0.0
+    for c in chunks:
+        t = _sync_chunk(sims, s, c, members, done, after=t)
+    return t
+
+
+def _sync_chunk(
+    sims: list[_Simulation],
+    s: int,
+    c: int,
+    members: list[Member],
+    done: dict[Member, float],
+    *,
+    after: float,
+) -> float:
+    """When chunk ``c`` of stage ``s`` has its gradients summed, its sync starting no earlier
+    than ``after`` (the chunk before's)."""
+    sim = sims[0]
     topo, cost = sim.topo, sim.cost
     group = topo.stage_group(s)
-    if len(group) == 1:
-        return 0.0
-    lo, hi = sim.bounds[s]
+    lo, hi = sim.bounds[sim.pipe.piece(s, c)]
     # Buckets are collective: one is ready when the slowest replica of the stage has filled it.
-    late, slowest = max(members, key=lambda m: sims[m[0]].last_bwd[m[1]][1])
-    b0, b1 = sims[late].last_bwd[slowest]
+    late, slowest = max(members, key=lambda m: sims[m[0]].last_bwd[m[1], c][1])
+    b0, b1 = sims[late].last_bwd[slowest, c]
     device = sims[late].dev[slowest]
     share = device.backward_share(lo, hi, sims[late].rows[slowest][-1])
     finished = max(done[m] for m in members)
@@ -323,7 +369,7 @@ def _sync(
     hop, slow = sim.hop, cpu_slowdown(topo, group)
     if not hop.dp.two_hops(sim.layout.grad_sync):
         buckets = cost.buckets(lo, hi, ddp=True)
-        t = 0.0
+        t = after
         for (j, nbytes), wire in zip(buckets, hop.wire_bytes(buckets, hi), strict=True):
             ready = b0 + share[j - lo] * (b1 - b0)
             t = max(t, ready) + hop.between(nbytes, wire, nodes(group)) * slow
@@ -334,12 +380,13 @@ def _sync(
     inner = nodes(topo.bundle_stage_group(0, s))
     masters = nodes(topo.masters_group(s))
     buckets = cost.buckets(lo, hi, ddp=False)
-    reduced, t = [], 0.0
+    reduced, t = [], after
     for j, nbytes in buckets:
         ready = b0 + share[j - lo] * (b1 - b0)
         t = max(t, ready) + cost.reduce(nbytes, inner) * slow
         reduced.append(t)
     summed = reduced  # bundles that meet every H steps skip the masters' hop between meetings
+    finished = max(finished, after)
     if hop.dp.per_step:
         t, summed = finished, []
         for (_, nbytes), wire, r in zip(buckets, hop.wire_bytes(buckets, hi), reduced, strict=True):

@@ -44,6 +44,8 @@ VARIANTS = [
     ("gpipe", 3, "flat", "fp16", "never"),
     ("1f1b", 3, "hierarchical", "fp32", "always"),
     ("zb-h1", 3, "flat", "fp32", "always"),  # a split backward recomputes for each half
+    ("interleaved-1f1b", 3, "flat", "bf16", "except-last"),  # per chunk: its own keep list
+    ("zbv", 3, "hierarchical", "fp32", "always"),  # the V's turn handed over recomputed
 ]
 # Model chunks per stage of the schedules that interleave (--virtual-stages).
 CHUNKS = 2

@@ -80,7 +80,7 @@ def test_plan_covers_every_schedule_and_sync_and_shares_gpus_only_when_too_few(t
     assert {(c.schedule, c.grad_sync) for c in train} == set(
         itertools.product(SCHEDULES, GRAD_SYNCS)
     )
-    assert {"gpipe", "1f1b", "zb-h1"} <= set(SCHEDULES)
+    assert {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"} <= set(SCHEDULES)
     for c in train:
         argv = list(c.argv)
         bundles = int(argv[argv.index("--num-bundle") + 1])
@@ -182,12 +182,7 @@ def test_report_table_json_and_exit_0_when_every_check_passes(monkeypatch, tmp_p
     assert data["verdict"] == f"gpu-check: all {CHECKS} checks passed"
     assert [c["name"] for c in data["checks"]] == [
         "nccl tests",
-        "train gpipe flat",
-        "train gpipe hierarchical",
-        "train 1f1b flat",
-        "train 1f1b hierarchical",
-        "train zb-h1 flat",
-        "train zb-h1 hierarchical",
+        *(f"train {s} {y}" for s in SCHEDULES for y in ("flat", "hierarchical")),
         "bench_gpu",
     ]
     first_train = data["checks"][1]

@@ -1,4 +1,5 @@
-"""Resume under another layout: a checkpoint of shape 2,1 x 2 bundles read at 1,1,1, 3 and DP.
+"""Resume under another layout: a checkpoint of shape 2,1 x 2 bundles (1F1B) read at 1,1,1, 3, DP,
+and under schedules that run two model chunks per stage (interleaved 1F1B, ZBV).
 
 Parameters and SGD momentum must arrive bit-identical on every rank of the new layout, and K more
 steps there must land where one process training the unsplit model for all the steps lands (1e-5),
@@ -22,14 +23,26 @@ from tests.support.reference import TOL, equivalence_config, reference
 
 SAVED_AT = 3
 MORE = 3  # steps 3..5 cross the epoch boundary (128 samples, batch 23: 5 steps per epoch)
+# name -> (shape, bundles, sync, schedule, chunks per stage)
 TARGETS = {
-    "1,1,1": ((1, 1, 1), 1, "flat"),
-    "3": ((3,), 1, "hierarchical"),
-    "dp-only": ((2,), 1, "flat"),
+    "1,1,1": ((1, 1, 1), 1, "flat", "1f1b", 1),
+    "3": ((3,), 1, "hierarchical", "1f1b", 1),
+    "dp-only": ((2,), 1, "flat", "1f1b", 1),
+    "interleaved-1,1": ((1, 1), 1, "flat", "interleaved-1f1b", 2),
+    "zbv-1,2": ((1, 2), 1, "hierarchical", "zbv", 2),
 }
 
 
-def _cfg(shape, bundles, sync, steps: int, save_dir: str, text: str | None = None) -> RunConfig:
+def _cfg(
+    shape,
+    bundles,
+    sync,
+    steps: int,
+    save_dir: str,
+    text: str | None = None,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+) -> RunConfig:
     sections = None
     if text is not None:  # the language model, with AdamW
         sections = {
@@ -37,7 +50,9 @@ def _cfg(shape, bundles, sync, steps: int, save_dir: str, text: str | None = Non
             "data": {"dataset": "text", "data_file": text, "seq_len": 8},
             "train": {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1},
         }
-    cfg = equivalence_config(shape, bundles, "1f1b", 3, sync, "mlp", sections=sections)
+    cfg = equivalence_config(
+        shape, bundles, schedule, 3, sync, "mlp", sections=sections, chunks=chunks
+    )
     return dataclasses.replace(
         cfg,
         train=dataclasses.replace(cfg.train, steps=steps),
@@ -77,8 +92,8 @@ def _save(rank: int, world: int, save_dir: str, text: str | None = None):
 
 
 def _resume(rank: int, world: int, target: str, path: str, save_dir: str, text=None):
-    shape, bundles, sync = TARGETS[target]
-    cfg = _cfg(shape, bundles, sync, SAVED_AT + MORE, save_dir, text)
+    shape, bundles, sync, schedule, chunks = TARGETS[target]
+    cfg = _cfg(shape, bundles, sync, SAVED_AT + MORE, save_dir, text, schedule, chunks)
     session, _, start, loaded = _train(cfg, rank, path, SAVED_AT + MORE)
     return start, loaded, _state(session)[0]
 
@@ -99,7 +114,7 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_resume_under_another_layout(saved, target):
     save_dir, path, params, momenta = saved
-    shape, bundles, sync = TARGETS[target]
+    shape, bundles, sync, _, _ = TARGETS[target]
     assert path.endswith(f"step-{SAVED_AT}")
     assert momenta and set(momenta) == set(params)  # SGD momentum is part of what is checked
     results = run_world(sum(shape) * bundles, _resume, target, path, save_dir)

@@ -16,8 +16,9 @@ from bundle.plan.simulate import COMPUTE, SEND, Layout, simulate
 from tests.support.plan_fixtures import literal_cost
 
 
-def _layout(shape, micro, schedule, *, starts=None, batch=None, sync="flat") -> Layout:
+def _layout(shape, micro, schedule, *, starts=None, batch=None, sync="flat", chunks=1) -> Layout:
     return Layout(
+        chunks=chunks,
         shape=tuple(shape),
         num_bundles=1,
         starts=tuple(starts if starts is not None else range(len(shape))),
@@ -60,6 +61,51 @@ def test_zb_h1_fills_1f1bs_cool_down_with_weight_work():
         "W2",
     ]
     assert zb.busy == pytest.approx([9.0, 9.0])
+
+
+def test_interleaving_shrinks_the_bubble_by_the_chunks():
+    """S=2, V=2, M=2 with F = B = 1 s per piece (schedule.py's drawing): 10 s, the bubble
+    (S-1)/(VM+S-1) = 1/5; 1F1B over the same blocks, two per stage: 12 s."""
+    cost = literal_cost([1.0] * 4, [1.0] * 4)
+    sim = simulate(_layout([1, 1], 2, "interleaved-1f1b", starts=(0, 1, 2, 3), chunks=2), cost)
+    assert sim.step_time == pytest.approx(10.0)
+    assert sim.bubble == pytest.approx(1 / 5)
+    assert sim.busy == pytest.approx([8.0, 8.0])
+    assert simulate(_layout([1, 1], 2, "1f1b", starts=(0, 2)), cost).step_time == 12.0
+
+
+@pytest.mark.parametrize("micro", [3, 4, 8])
+def test_zbv_beats_zb_h1_and_interleaving_beats_1f1b_on_equal_blocks(micro):
+    """Four equal blocks with weights (F = 1, B = 2, I = W = 1 s) on two stages: ZBV's half-size
+    pieces leave one unit of bubble (M = 3: 19 s against ZB-H1's 20 and 1F1B's 24)."""
+    cost = literal_cost([1.0] * 4, [2.0] * 4, params=[1] * 4)
+
+    def step(schedule: str, chunks: int) -> float:
+        starts = (0, 1, 2, 3) if chunks > 1 else (0, 2)
+        layout = _layout([1, 1], micro, schedule, starts=starts, chunks=chunks)
+        return simulate(layout, cost).step_time
+
+    zbv, zb = step("zbv", 2), step("zb-h1", 1)
+    assert zbv == pytest.approx(6 * micro + 1) and zb == pytest.approx(6 * micro + 2)
+    assert step("interleaved-1f1b", 2) < step("1f1b", 1)
+
+
+def test_the_planner_cuts_pieces_for_the_schedules_with_chunks():
+    """The leaders under interleaving get a split into S x V pieces at their widths; ZBV none
+    where it has too few micro-batches, and no chunks where the model has too few blocks."""
+    from bundle.plan.search import Splitter, _under
+
+    cost = literal_cost([1.0] * 8, [2.0] * 8, params=[1] * 8)
+    splitter = Splitter(cost, 1e12, 0.0)
+    plan = Plan((1, 1), 1, (0, 4), 2, 2)
+    (il,) = _under(plan, "interleaved-1f1b", splitter, 4)
+    assert il.chunks == 2 and il.starts == (0, 2, 4, 6)
+    assert _under(plan, "zbv", splitter, 4) == []  # M = 2 < 2S - 1
+    (zbv,) = _under(replace(plan, micro_batches=4), "zbv", splitter, 8)
+    assert zbv.starts == (0, 2, 4, 6)
+    small = Splitter(literal_cost([1.0] * 3, [2.0] * 3), 1e12, 0.0)
+    assert _under(plan, "interleaved-1f1b", small, 4) == []
+    assert evaluate(cost, il, 4).samples_per_s > evaluate(cost, plan, 4).samples_per_s
 
 
 @pytest.mark.parametrize(("stages", "micro"), [(2, 4), (3, 5), (4, 8), (4, 2)])
