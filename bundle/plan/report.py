@@ -178,7 +178,7 @@ def _ms(values: Iterable[float]) -> str:
 def _schedule(r: dict[str, Any]) -> str:
     """A row's schedule, with its model chunks per stage where it runs several (``x2``)."""
     chunks = r.get("virtual_stages", 1)
-    return r["schedule"] + (f" x{chunks}" if chunks > 1 else "")
+    return str(r["schedule"]) + (f" x{chunks}" if chunks > 1 else "")
 
 
 def table(rows: list[dict[str, Any]], device_memory: float, *, mixed: bool = False) -> str:
