@@ -70,6 +70,7 @@ from bundle.config import (
     RunConfig,
     TrainConfig,
 )
+from bundle.engine.schedule import REGISTRY
 from bundle.engine.stage_engine import build_stages
 from bundle.engine.transport import TensorMeta
 from bundle.launch import localworld
@@ -81,6 +82,8 @@ from bundle.topology import (
 )
 
 CPU = torch.device("cpu")
+# The schedules that run model chunks: benchmarked with two per stage, against torch's.
+CHUNKED = tuple(n for n, s in REGISTRY.items() if s.chunks)
 NUM_CLASSES = 10
 LR, MOMENTUM = 0.01, 0.9
 SEED = 0
@@ -165,8 +168,10 @@ def make_cfg(
     precision: str = "fp32",
     recompute: str = "never",
     channels_last: bool = False,
+    chunks: int = 1,
 ) -> RunConfig:
-    """The run configuration of one case (synthetic data, no evaluation)."""
+    """The run configuration of one case (synthetic data, no evaluation); ``chunks``: model
+    chunks per stage (--virtual-stages)."""
     if model == sizes.mlp_model:
         image, batch = sizes.mlp_image, sizes.mlp_batch
     else:
@@ -177,6 +182,7 @@ def make_cfg(
             num_bundles=bundles,
             micro_batches=micro,
             schedule=schedule,
+            virtual_stages=chunks,
             grad_sync=sync,
         ),
         model=ModelConfig(name=model, partition=spec),
@@ -306,15 +312,21 @@ def torch_pipeline_case(name: str, cfg: RunConfig, rank: int, schedule: str) -> 
         PipelineStage,
         Schedule1F1B,
         ScheduleGPipe,
+        ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
     num_stages = len(cfg.parallel.shape)
+    # With model chunks, the same pieces on the same ranks as Bundle's (looped, or a V for ZBV).
+    pipe = REGISTRY[schedule].pipe(num_stages, cfg.parallel.virtual_stages)
     input_shape = (3, cfg.data.image_size, cfg.data.image_size)
-    stages = build_stages(cfg, num_stages, input_shape, cfg.data.num_classes)
-    module = SingleOutput(stages[rank])
+    stages = build_stages(cfg, pipe.pieces, input_shape, cfg.data.num_classes)
+    mine = [pipe.piece(rank, c) for c in range(pipe.chunks)]
+    modules = [SingleOutput(stages[j]) for j in mine]
     del stages
-    stage = PipelineStage(module, rank, num_stages, CPU)
+    pieces = [PipelineStage(m, j, pipe.pieces, CPU) for m, j in zip(modules, mine, strict=True)]
+    stage = pieces[0]
     inv_batch = 1.0 / cfg.train.batch_size
 
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -326,11 +338,14 @@ def torch_pipeline_case(name: str, cfg: RunConfig, rank: int, schedule: str) -> 
         "gpipe": (ScheduleGPipe, stage),
         "1f1b": (Schedule1F1B, stage),
         "zb-h1": (ScheduleInterleavedZeroBubble, [stage]),
+        "interleaved-1f1b": (ScheduleInterleaved1F1B, pieces),
+        "zbv": (ScheduleZBVZeroBubble, pieces),
     }[schedule]
     sched = cls(arg, n_microbatches=cfg.parallel.micro_batches, loss_fn=loss_fn, scale_grads=False)
-    opt = torch.optim.SGD(module.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=cfg.train.lr, momentum=cfg.train.momentum)
     batches = global_batches(cfg)
-    first, last = rank == 0, rank == num_stages - 1
+    first, last = 0 in mine, pipe.pieces - 1 in mine
 
     def step(i: int) -> None:
         """One schedule step, then the optimizer."""
@@ -392,6 +407,13 @@ def build_groups(job: str, rank: int, world: int, sizes: Sizes) -> list[list[Cas
             ),
             torch_pipeline_case(f"mlp torch zb-h1 M={cm}", ref, rank, "zb-h1"),
         ]
+        for name in CHUNKED:  # two model chunks per stage, the model cut in four pieces
+            chunked = make_cfg(sizes, sizes.mlp_model, micro=cm, schedule=name, chunks=2)
+            headline += [
+                # The stage probe times one piece of the model: none for several chunks.
+                bundle_case(f"mlp bundle {name} M={cm}", chunked, rank, probe=False),
+                torch_pipeline_case(f"mlp torch {name} M={cm}", chunked, rank, name),
+            ]
         sweep = [
             bundle_case(f"mlp bundle 1f1b M={m}", make_cfg(sizes, sizes.mlp_model, micro=m), rank)
             for m in sizes.mlp_micro

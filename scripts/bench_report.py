@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import bench_memory
 import torch
 
-from bundle.engine.schedule import ONE_CHUNK
+from bundle.engine.schedule import SCHEDULES
 
 if TYPE_CHECKING:
     from bench import Sizes
@@ -138,9 +138,9 @@ def render(report: dict, cases: dict[str, dict]) -> str:
 
     pipeline = [
         *(f"mlp bundle 1f1b M={k}" for k in s["mlp_micro"]),
-        *(f"mlp bundle {k} M={cm}" for k in ONE_CHUNK if k != "1f1b"),
+        *(f"mlp bundle {k} M={cm}" for k in SCHEDULES if k != "1f1b"),
         f"mlp bundle zb-h1 M={s['few_micro']}",
-        *(f"mlp torch {k} M={cm}" for k in ONE_CHUNK),
+        *(f"mlp torch {k} M={cm}" for k in SCHEDULES),
         *(f"cnn bundle 1f1b M={k}" for k in s["cnn_micro"]),
     ]
     cnn_first = f"cnn bundle 1f1b M={s['cnn_micro'][0]}"
@@ -241,8 +241,8 @@ def build_report(
     """The JSON document: headline ratios, sweeps, and every raw number behind them."""
     cm, fm = sizes.compare_micro, sizes.few_micro
     tput = {name: e["samples_per_s"] for name, e in cases.items()}
-    ours = {s: tput[f"mlp bundle {s} M={cm}"] for s in ONE_CHUNK}
-    theirs = {s: tput[f"mlp torch {s} M={cm}"] for s in ONE_CHUNK}
+    ours = {s: tput[f"mlp bundle {s} M={cm}"] for s in SCHEDULES}
+    theirs = {s: tput[f"mlp torch {s} M={cm}"] for s in SCHEDULES}
     ours_best = max(ours, key=ours.get)
     theirs_best = max(theirs, key=theirs.get)
 
@@ -254,7 +254,7 @@ def build_report(
     # of the same split can beat torch by more than 1 / this.
     ideal = cases[f"mlp bundle 1f1b M={cm}"]["round_ideal_step_s"]
     torch_eff = {
-        s: _efficiency(ideal, cases[f"mlp torch {s} M={cm}"]["round_step_s"]) for s in ONE_CHUNK
+        s: _efficiency(ideal, cases[f"mlp torch {s} M={cm}"]["round_step_s"]) for s in SCHEDULES
     }
 
     return {
