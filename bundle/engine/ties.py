@@ -54,10 +54,12 @@ def by_stage(ties: Sequence[Tie], stage_of: Callable[[int], int]) -> list[Tie]:
     for t in ties:
         holders = sorted((stage_of(j), name) for j, name in t.holders)
         stages = [s for s, _ in holders]
-        if len(set(stages)) < len(stages):
+        twice = next((x for x in stages if stages.count(x) > 1), None)
+        if twice is not None:
+            pieces = " = ".join(f"{name} (piece {j})" for j, name in t.holders)
             raise PartitionError(
-                f"weights tied across two model chunks of one stage ({t.describe()}, pieces): "
-                "choose another --virtual-stages or number of stages"
+                f"weights tied across two model chunks of stage {twice}: {pieces}; choose "
+                "another --schedule, --virtual-stages or number of stages"
             )
         out.append(Tie(tuple(holders)))
     return out
