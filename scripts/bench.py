@@ -426,6 +426,15 @@ def build_groups(job: str, rank: int, world: int, sizes: Sizes) -> list[list[Cas
                 rank,
             )
         )
+        sweep += [  # where the bubble is larger: two chunks per stage against 1F1B at few M
+            bundle_case(
+                f"mlp bundle {name} M={sizes.few_micro}",
+                make_cfg(sizes, sizes.mlp_model, micro=sizes.few_micro, schedule=name, chunks=2),
+                rank,
+                probe=False,
+            )
+            for name in CHUNKED
+        ]
         sweep += [
             bundle_case(
                 f"cnn bundle 1f1b M={m}",

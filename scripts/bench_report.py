@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import bench_memory
 import torch
 
-from bundle.engine.schedule import SCHEDULES
+from bundle.engine.schedule import REGISTRY, SCHEDULES
 
 if TYPE_CHECKING:
     from bench import Sizes
@@ -140,6 +140,7 @@ def render(report: dict, cases: dict[str, dict]) -> str:
         *(f"mlp bundle 1f1b M={k}" for k in s["mlp_micro"]),
         *(f"mlp bundle {k} M={cm}" for k in SCHEDULES if k != "1f1b"),
         f"mlp bundle zb-h1 M={s['few_micro']}",
+        *(f"mlp bundle {k} M={s['few_micro']}" for k in SCHEDULES if REGISTRY[k].chunks),
         *(f"mlp torch {k} M={cm}" for k in SCHEDULES),
         *(f"cnn bundle 1f1b M={k}" for k in s["cnn_micro"]),
     ]
@@ -182,6 +183,9 @@ def render(report: dict, cases: dict[str, dict]) -> str:
         + f" (a step at the ideal would lead it {detail['ceiling']:.2f}x)",
         f"  best_vs_1f1b          {r['best_vs_1f1b']:.3f}  (bundle {r['schedule_best']} / bundle 1f1b)",
         f"  zb_h1_vs_1f1b_few_micro  {r['zb_h1_vs_1f1b_few_micro']:.3f}  (M={s['few_micro']})",
+        "  chunks_vs_1f1b_few_micro  "
+        + ", ".join(f"{k} {v:.3f}" for k, v in r["chunks_vs_1f1b_few_micro"].items())
+        + f"  (two chunks per stage / 1F1B, M={s['few_micro']})",
         f"  dp_vs_ddp             {r['dp_vs_ddp']:.3f}",
         f"  hierarchical_vs_flat  {r['hierarchical_vs_flat']:.3f}",
         f"  flat_send_first_vs_waited  {r['flat_send_first_vs_waited']:.3f}",
@@ -272,6 +276,12 @@ def build_report(
         "zb_h1_vs_1f1b_few_micro": paired(
             cases, f"mlp bundle zb-h1 M={fm}", f"mlp bundle 1f1b M={fm}"
         ),
+        # The schedules with two chunks per stage / 1F1B there (paired in the same rounds).
+        "chunks_vs_1f1b_few_micro": {
+            k: paired(cases, f"mlp bundle {k} M={fm}", f"mlp bundle 1f1b M={fm}")
+            for k in SCHEDULES
+            if REGISTRY[k].chunks
+        },
         "vs_torch_pipelining_detail": {
             "bundle_samples_per_s": ours,
             "torch_samples_per_s": theirs,
