@@ -230,29 +230,32 @@ def search(
     return rank(evaluated + [evaluate(cost, v, batch) for v in others])
 
 
-# Model chunks per stage a schedule that interleaves is planned with (--virtual-stages).
-PLANNED_CHUNKS = 2
+# Model chunks per stage the schedules that run several are planned with (--virtual-stages).
+PLANNED_CHUNKS = (2, 3)
 
 
 def _under(plan: Plan, schedule: str, splitter: Splitter, batch: int) -> list[Plan]:
-    """``plan`` under another schedule: the same split, or with model chunks, the model cut into
-    stages x chunks pieces balanced for the same widths (piece j on its stage's width); none
-    where the schedule cannot run it (too few stages, micro-batches or blocks)."""
+    """``plan`` under another schedule: the same split, or with model chunks (each number it
+    runs of ``PLANNED_CHUNKS``), the model cut into stages x chunks pieces balanced for the same
+    widths (piece j at its stage's width); none where the schedule cannot run it (too few
+    stages, micro-batches or blocks)."""
     sched = REGISTRY[schedule]
     if not sched.chunks:
         return [replace(plan, schedule=schedule)]
-    S, V = len(plan.shape), PLANNED_CHUNKS
-    try:
-        actions(schedule, 0, S, plan.micro_batches, V)
-    except ScheduleError:
-        return []
-    if S < 2 or splitter.n < S * V:
-        return []
-    pipe = sched.pipe(S, V)
-    widths = tuple(plan.shape[pipe.place(j)[0]] for j in range(pipe.pieces))
+    S, out = len(plan.shape), []
     rows = -(-(batch // plan.num_bundles) // plan.micro_batches)
-    starts, _ = splitter.split(widths, rows)
-    return [replace(plan, schedule=schedule, chunks=V, starts=starts)]
+    for V in PLANNED_CHUNKS:
+        try:
+            actions(schedule, 0, S, plan.micro_batches, V)
+        except ScheduleError:
+            continue
+        if S < 2 or splitter.n < S * V:
+            continue
+        pipe = sched.pipe(S, V)
+        widths = tuple(plan.shape[pipe.place(j)[0]] for j in range(pipe.pieces))
+        starts, _ = splitter.split(widths, rows)
+        out.append(replace(plan, schedule=schedule, chunks=V, starts=starts))
+    return out
 
 
 def _bundle_layout(

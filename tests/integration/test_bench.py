@@ -72,6 +72,7 @@ def test_bench_smoke_reports_every_key(tmp_path: Path) -> None:
     assert report["schedule_best"] in detail["bundle_samples_per_s"]
     assert _positive(report["best_vs_1f1b"]) and _positive(report["vs_torch_pipelining_best"])
     assert _positive(report["zb_h1_vs_1f1b_few_micro"])
+    assert _positive(report["best_vs_1f1b_few_micro"])
     chunked = report["chunks_vs_1f1b_few_micro"]
     assert set(chunked) == {"interleaved-1f1b", "zbv"} and all(map(_positive, chunked.values()))
     assert all(_positive(v) for v in detail["torch_efficiency"].values())

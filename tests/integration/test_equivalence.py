@@ -158,6 +158,23 @@ def test_hybrid_equals_single_process_under_nccl_emu(shape, bundles, backend):
     assert results[0] == [], "\n".join(results[0])
 
 
+# Model chunks under NCCL's ordering at four micro-batches (two rounds of interleaving; ZBV past
+# its 2S - 1): the lockstep calls, the wrap from the last stage to the first, the V's turn.
+CHUNKED_VARIANTS = [
+    (name, 4, sync, "fp32", "never")
+    for name, s in REGISTRY.items()
+    if s.chunks
+    for sync in ("flat", "hierarchical")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1)], ids=["1,1", "2,1"])
+def test_model_chunks_equal_single_process_under_nccl_emu_at_four_micro_batches(shape):
+    results = run_world(sum(shape), _hybrid, shape, 1, "nccl-emu", "", CHUNKED_VARIANTS)
+    assert results[0] == [], "\n".join(results[0])
+
+
 # Rows by speed (--row-weights): each replica's share of a micro-batch follows its weight, so the
 # row ranges differ from the even split on every boundary (4 rows at 3:1 -> 3/1, at 1:1:2 -> 1/1/2,
 # 4 rows at 1:2 -> 1/3), through every registered schedule and both syncs with three micro-batches of 4/4/3 rows

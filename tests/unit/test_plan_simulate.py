@@ -91,15 +91,17 @@ def test_zbv_beats_zb_h1_and_interleaving_beats_1f1b_on_equal_blocks(micro):
 
 
 def test_the_planner_cuts_pieces_for_the_schedules_with_chunks():
-    """The leaders under interleaving get a split into S x V pieces at their widths; ZBV none
-    where it has too few micro-batches, and no chunks where the model has too few blocks."""
+    """The leaders under interleaving get a split into S x V pieces at their widths (V = 2 and 3);
+    ZBV none where it has too few micro-batches, and no chunks where the model has too few
+    blocks."""
     from bundle.plan.search import Splitter, _under
 
     cost = literal_cost([1.0] * 8, [2.0] * 8, params=[1] * 8)
     splitter = Splitter(cost, 1e12, 0.0)
     plan = Plan((1, 1), 1, (0, 4), 2, 2)
-    (il,) = _under(plan, "interleaved-1f1b", splitter, 4)
+    il, il3 = _under(plan, "interleaved-1f1b", splitter, 4)
     assert il.chunks == 2 and il.starts == (0, 2, 4, 6)
+    assert il3.chunks == 3 and len(il3.starts) == 6
     assert _under(plan, "zbv", splitter, 4) == []  # M = 2 < 2S - 1
     (zbv,) = _under(replace(plan, micro_batches=4), "zbv", splitter, 8)
     assert zbv.starts == (0, 2, 4, 6)
