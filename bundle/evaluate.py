@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from bundle import loader, samples
-from bundle.engine.stage_engine import EVAL_COUNTS, MicroBatch, StageEngine, eval_rows
+from bundle.engine.loss import EVAL_COUNTS, eval_rows
+from bundle.engine.stage_engine import MicroBatch, StageEngine
 from bundle.observe.metrics import Reporter, Validation
 from bundle.runtime.phase import Phase
 from bundle.session import Session, pins, reads_data, shard

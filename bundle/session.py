@@ -17,18 +17,17 @@ from bundle.engine import aggregate, device_audit, nccl_emu, precision, ties
 from bundle.engine.comm import Collectives, Comm
 from bundle.engine.grad_sync import FlatSync, GradSync, HierarchicalSync
 from bundle.engine.hops import Hop, Wire, make_hop
+from bundle.engine.loss import Loss, cross_entropy
 from bundle.engine.optim import make_optimizer
 from bundle.engine.outer import OuterSync
 from bundle.engine.precision import Policy
 from bundle.engine.schedule import REGISTRY, Pipe
 from bundle.engine.stage_engine import (
     Chunk,
-    Loss,
     MicroBatch,
     StageEngine,
     boundary_metas,
     build_stages,
-    cross_entropy,
 )
 from bundle.engine.transport import Transport, post_with_torch
 from bundle.observe import timing

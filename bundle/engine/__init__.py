@@ -19,6 +19,7 @@ Modules, from the data up:
 - ``optim``: a stage's optimizer (SGD, AdamW, Adam), its parameter groups, ZeRO-1 sharding;
 - ``split_backward``: a backward in two halves, input and weight (zero-bubble schedules);
 - ``memory``: recompute of a stage's blocks, and a count of what backward keeps;
+- ``loss``: the loss a stage computes and what evaluation counts (top-k hits, rows);
 - ``stage_engine``: ``StageEngine``, which runs a step's actions (over its model chunks), calls
   and optimizer step.
 """

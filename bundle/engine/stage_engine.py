@@ -3,16 +3,15 @@ calls they make, the gradient sync and the optimizer step; and the stages it run
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from bundle import partition
 from bundle.config import RunConfig
 from bundle.engine.grad_sync import GradSync
+from bundle.engine.loss import EVAL_COUNTS, Loss, as_float, classifies, cross_entropy, top_k_correct
 from bundle.engine.memory import SavedBytes
 from bundle.engine.outer import OuterSync
 from bundle.engine.p2p import RECVS, step_plan
@@ -31,7 +30,7 @@ from bundle.engine.ties import TiedGrads
 from bundle.engine.transport import Part, Pending, TensorMeta, Transport, post_call
 from bundle.observe.timing import MARK_OF_OP, Mark, StepTimer
 from bundle.partition import Capture, Stage
-from bundle.topology import Coord, Topology, split_sizes
+from bundle.topology import Coord, Topology
 
 
 def build_stages(
@@ -288,7 +287,7 @@ class StageEngine:
         if self.last[c]:
             labels = _given(micro[1]).to(self.device, non_blocking=True)
             # The loss in fp32, outside autocast.
-            loss = self.loss(_as_float(out), labels) * (len(labels) * self.inv_batch)
+            loss = self.loss(as_float(out), labels) * (len(labels) * self.inv_batch)
             st.loss_sum += loss.detach()
             st.outputs[k] = (self.scaler.scaled(loss) if self.scaler else loss,)
         else:
@@ -432,64 +431,11 @@ class StageEngine:
 
     def _eval_counts(self, out: tuple[torch.Tensor, ...], micro: MicroBatch) -> torch.Tensor:
         labels = _given(micro[1]).to(self.device)
-        out_f = _as_float(out)
+        out_f = as_float(out)
         counts = torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)
-        if isinstance(out_f, torch.Tensor) and _classifies(out_f, labels):
+        if isinstance(out_f, torch.Tensor) and classifies(out_f, labels):
             counts[:2] = top_k_correct(out_f.flatten(0, -2), labels.flatten(), (1, 5))
             counts[2] = labels.numel()
         counts[3] = self.loss(out_f, labels).detach().double() * len(labels)
         counts[4] = len(labels)
         return counts
-
-
-# What eval_batch counts: top-1 and top-5 hits, the label positions they are out of (rows, or
-# tokens), the loss summed over rows, the rows.
-EVAL_COUNTS = 5
-
-# A loss as torch's losses compute by default: the mean over the micro-batch it is given.
-Loss = Callable[[Any, torch.Tensor], torch.Tensor]
-
-
-def cross_entropy(label_smoothing: float = 0.0) -> Loss:
-    """Cross-entropy over the last dimension: per row for (rows, classes) logits, per token for
-    (rows, tokens, vocabulary) ones; the mean over every label of the micro-batch."""
-
-    def loss(logits: Any, labels: torch.Tensor) -> torch.Tensor:
-        if isinstance(logits, tuple):  # a model with several outputs: its first is the logits
-            logits = logits[0]
-        return F.cross_entropy(
-            logits.flatten(0, -2), labels.flatten(), label_smoothing=label_smoothing
-        )
-
-    return loss
-
-
-def _as_float(out: tuple[torch.Tensor, ...]) -> Any:
-    """What a loss gets: the last stage's one output (or all of them), in fp32 (outside autocast)."""
-    floats = tuple(o.float() if o.is_floating_point() else o for o in out)
-    return floats[0] if len(floats) == 1 else floats
-
-
-def _classifies(logits: torch.Tensor, labels: torch.Tensor) -> bool:
-    """Whether outputs are logits over classes for integer labels (accuracy means something)."""
-    return (
-        not labels.is_floating_point()
-        and logits.dim() == labels.dim() + 1
-        and logits.shape[:-1] == labels.shape
-    )
-
-
-def top_k_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]) -> torch.Tensor:
-    """For each k, the rows whose label is among their k highest logits (float64, on the device).
-
-    A k beyond the number of classes counts every row.
-    """
-    top = logits.topk(min(max(ks), logits.shape[1]), dim=1).indices
-    hit = top == labels[:, None]
-    return torch.stack([hit[:, :k].any(dim=1).sum() for k in ks]).to(torch.float64)
-
-
-def eval_rows(batch_len: int, topo: Topology, bundle: int) -> int | None:
-    """Rows of one bundle in an evaluation batch, or None where it cannot give every replica a row."""
-    sizes = split_sizes(batch_len, topo.num_bundles)
-    return sizes[bundle] if all(topo.rows_fit(n) for n in sizes) else None

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from bundle.engine.stage_engine import top_k_correct
+from bundle.engine.loss import top_k_correct
 from bundle.observe import timing
 from bundle.observe.timing import CATEGORIES, CudaStepTimer, Mark, StepTimer, breakdown
 
