@@ -90,11 +90,12 @@ def _adjacent_pairs(
 
 
 def stage_calls(
-    schedule: str, stage: int, num_stages: int, micro_batches: int, chunks: int = 1
+    schedule: str, stage: int, num_stages: int, micro_batches: int
 ) -> tuple[list[Action], list[Call]]:
-    """The stage's action list and its calls, in the order they are posted."""
+    """The stage's action list and its calls, in the order they are posted (one chunk per
+    stage; several post in rounds, bundle.engine.rounds)."""
     S = num_stages
-    acts = [actions(schedule, s, S, micro_batches, chunks) for s in range(S)]
+    acts = [actions(schedule, s, S, micro_batches) for s in range(S)]
     mine = acts[stage]
     for a in mine:
         if a.op not in COMM and a.op not in COMPUTE:
@@ -132,11 +133,9 @@ def stage_calls(
     return mine, calls
 
 
-def calls(
-    schedule: str, stage: int, num_stages: int, micro_batches: int, chunks: int = 1
-) -> list[Call]:
-    """The calls one stage posts in a step, in order."""
-    return stage_calls(schedule, stage, num_stages, micro_batches, chunks)[1]
+def calls(schedule: str, stage: int, num_stages: int, micro_batches: int) -> list[Call]:
+    """The calls one stage posts in a step, in order (one chunk per stage)."""
+    return stage_calls(schedule, stage, num_stages, micro_batches)[1]
 
 
 @dataclass(frozen=True)
@@ -183,7 +182,7 @@ def step_plan(
             tuple(where.get(a, -1) for a in mine),
             slots,
         )
-    acts, cs = stage_calls(schedule, stage, num_stages, micro_batches, chunks)
+    acts, cs = stage_calls(schedule, stage, num_stages, micro_batches)
     if early_receives:
         cs = [Call((a,)) for a in acts if a.op in COMM]
     index = {a: n for n, c in enumerate(cs) for a in c.ops}

@@ -212,8 +212,8 @@ def test_unfused_1f1b_crosses_and_deadlocks_unless_sends_are_eager(monkeypatch):
     and stage 1's send_grad0 each head their stream, each waiting for a receive queued behind the
     other's), unless messages are small enough for NCCL to send eagerly."""
 
-    def unfused(schedule, stage, num_stages, micro, chunks=1):
-        acts = actions(schedule, stage, num_stages, micro, chunks)
+    def unfused(schedule, stage, num_stages, micro):
+        acts = actions(schedule, stage, num_stages, micro)
         return acts, [Call((a,)) for a in acts if a.op in p2p.COMM]
 
     topo = _topo((1, 1), 1, 3)
