@@ -71,6 +71,9 @@ class DeviceType:
     memory_bytes: float
     speed: Speed | None  # None: measure the model on this machine
     cpu: float | None = None  # fraction of one CPU a process of this type gets (emulation)
+    # How much slower than ``cpu`` such a process computes beside its neighbours (measured:
+    # bundle/plan/shares.py; 1.0 where not measured).
+    penalty: float = 1.0
 
     def check_precision(self, precision: str) -> None:
         if self.speed is not None and precision not in self.speed.peak_flops:

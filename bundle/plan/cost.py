@@ -182,7 +182,7 @@ class CostModel:
             types=(),
             kinds=(),
         )
-        return self.like(one, compute_scale=1.0 / t.cpu if t.cpu else 1.0)
+        return self.like(one, compute_scale=t.penalty / t.cpu if t.cpu else 1.0)
 
     def host(self, seconds: float) -> float:
         """Work of the process itself (the engine's overheads, copies): slowed, like compute, by

@@ -269,8 +269,11 @@ def uniform_cost(cost: CostModel, nodes: int, per_node: int) -> CostModel:
             kernel_latency=float(np.mean([s.kernel_latency for s in sp])),
         )
         scale = 1.0
-    else:  # measured: the average CPU share
-        speed, scale = None, 1.0 / float(np.mean([t.cpu or 1.0 for t in types]))
+    else:  # measured: the average CPU share, and its measured slowdown
+        speed = None
+        scale = float(np.mean([t.penalty for t in types])) / float(
+            np.mean([t.cpu or 1.0 for t in types])
+        )
     one = replace(
         cluster,
         name=f"{cluster.name} (every device the average)",

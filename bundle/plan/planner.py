@@ -14,7 +14,7 @@ import torch
 
 from bundle import models
 from bundle.errors import ConfigError
-from bundle.plan import calibrate, isolate
+from bundle.plan import calibrate, isolate, shares
 from bundle.plan import profile as prof
 from bundle.plan.cluster import NOMINAL, Cluster
 from bundle.plan.cost import CostModel, Overheads
@@ -156,7 +156,9 @@ def measure(
         # measured; the file's figures stand for nodes this machine does not have.
         cal = calibrate.calibrate(cache, overheads, start_method=start_method)
         links = replace(cluster, intra=cal.p2p, collective=cal.collective)
-        return Measured(timings, cal.overheads, links, tuple(cache.notes))
+        return Measured(
+            timings, cal.overheads, shares.with_penalties(links, cache), tuple(cache.notes)
+        )
     if cluster is not None:
         return Measured(timings, overheads, cluster, tuple(cache.notes))
     if device.type == "cuda":

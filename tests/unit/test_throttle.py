@@ -37,11 +37,23 @@ def _topo(*shares: float | None) -> Topology:
 
 
 def test_quota_is_the_share_of_the_period():
-    assert throttle.quota_us(0.4) == 40_000
-    assert throttle.quota_us(1.0) == 100_000
-    assert throttle.quota_us(2.5) == 250_000
-    assert throttle.quota_us(0.25, period_us=20_000) == 5_000
+    assert throttle.quota_us(0.4) == 4_000
+    assert throttle.quota_us(1.0) == 10_000
+    assert throttle.quota_us(2.5) == 25_000
+    assert throttle.quota_us(0.25, period=20_000) == 5_000
     assert throttle.quota_us(0.001) == throttle.MIN_QUOTA_US  # the kernel's floor
+
+
+def test_the_period_is_short_and_longer_only_for_small_shares():
+    assert throttle.period_us(0.4) == throttle.PERIOD_US == 10_000
+    assert throttle.period_us(2.5) == 10_000
+    # Under 0.1 of a CPU a 10 ms period would need a quota under the kernel's 1 ms: the period
+    # grows instead, so the share is still the one asked for.
+    assert throttle.period_us(0.05) == 20_000
+    assert throttle.quota_us(0.05, throttle.period_us(0.05)) == 1_000
+    assert throttle.period_us(1e-4) == throttle.MAX_PERIOD_US
+    with pytest.raises(ValueError, match="must be > 0"):
+        throttle.period_us(0)
 
 
 @pytest.mark.parametrize("share", [0, -0.5, float("nan")])
@@ -52,15 +64,16 @@ def test_a_share_must_be_positive(share):
 
 def test_limit_files_per_version():
     assert throttle.Hierarchy(2, Path("/x")).limit_files(0.4) == {
-        "cpu.max": "40000 100000",
+        "cpu.max": "4000 10000",
         "cpu.weight": "400",  # 10x the default (100) per CPU of the share
     }
     # v1: the period before the quota (a quota above the old period is refused otherwise).
     assert list(throttle.Hierarchy(1, Path("/x")).limit_files(0.5).items()) == [
-        ("cpu.cfs_period_us", "100000"),
-        ("cpu.cfs_quota_us", "50000"),
+        ("cpu.cfs_period_us", "10000"),
+        ("cpu.cfs_quota_us", "5000"),
         ("cpu.shares", "5120"),  # 10x the default (1024) per CPU of the share
     ]
+    assert throttle.Hierarchy(1, Path("/x")).limit_files(0.02)["cpu.cfs_period_us"] == "50000"
     assert throttle.Hierarchy(2, Path("/x")).limit_files(50.0)["cpu.weight"] == "10000"
 
 
