@@ -33,6 +33,7 @@ from bundle.errors import BundleError
 from bundle.plan import planner, report
 from bundle.plan import profile as prof
 from bundle.plan.cluster import counted, describe_nominal, load_cluster, nominal
+from bundle.plan.mixed import contended
 from bundle.plan.search import data_parallel, evaluate
 
 
@@ -232,6 +233,7 @@ def plan(args: argparse.Namespace) -> dict:
         )
     if args.png:
         shown = evaluate(cost, best.plan, request.batch, timeline=True)
+        shown = contended(cost, shown, request.batch) if mixed else shown
         title = f"{request.model} {rows[0]['shape']} x{best.plan.num_bundles}"
         report.draw(args.png, shown, rows, title)
     return out

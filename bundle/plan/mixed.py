@@ -336,12 +336,14 @@ def mixed_search(
         syncs=syncs,
         dp=dp,
     )[0]
-    uniform = evaluate(cost, natural(assumed.plan, cost.cluster), batch)
-    even = evaluate(cost, data_parallel(cost, nodes, per_node, batch, weighted=False), batch)
-    weighted = evaluate(cost, data_parallel(cost, nodes, per_node, batch, weighted=True), batch)
-    found = {
-        v: evaluate(cost, v, batch) for v in _variants({c.plan for c in best}, schedules, syncs)
-    }
+
+    def run(plan: Plan) -> Evaluated:
+        return contended(cost, evaluate(cost, plan, batch), batch)
+
+    uniform = run(natural(assumed.plan, cost.cluster))
+    even = run(data_parallel(cost, nodes, per_node, batch, weighted=False))
+    weighted = run(data_parallel(cost, nodes, per_node, batch, weighted=True))
+    found = {v: run(v) for v in _variants({c.plan for c in best}, schedules, syncs)}
     # The alternatives are plans on these devices too: the search never reports worse.
     for e in (uniform, weighted):
         found.setdefault(e.plan, e)
@@ -357,6 +359,29 @@ def mixed_search(
             seen.add(_signature(e.plan))
             distinct.append(e)
     return MixedResult(rank(distinct), uniform, even, weighted)
+
+
+def contended(cost: CostModel, e: Evaluated, batch: int) -> Evaluated:
+    """``e`` simulated again with each CPU share's measured penalty (``DeviceType.penalty``)
+    eased by how busy the plan keeps the machine.
+
+    A penalty is measured with every emulated device computing at once (``bundle/plan/shares.py``),
+    the most contention a plan can meet. In a plan whose processes wait on each other the others
+    compete less: the excess of each penalty over 1 is scaled by the share-weighted fraction of
+    the step the plan's processes compute (from ``e``'s simulation), and the plan is simulated
+    again. Without penalties (devices not emulated by CPU shares) ``e`` is returned as it is.
+    """
+    types = cost.cluster.types
+    if not e.plan.placement or all(t.penalty == 1.0 for t in types) or e.sim.step_time <= 0:
+        return e
+    shares = [e.plan.placement[r].cpu or 0.0 for r in e.sim.ranks]
+    if not sum(shares):
+        return e
+    demand = sum(b / e.sim.step_time * s for b, s in zip(e.sim.busy, shares, strict=True))
+    busy = min(1.0, demand / sum(shares))
+    eased = tuple(replace(t, penalty=1.0 + (t.penalty - 1.0) * busy) for t in types)
+    eased_cost = cost.like(replace(cost.cluster, types=eased))
+    return evaluate(eased_cost, e.plan, batch, timeline=bool(e.sim.timeline))
 
 
 def _signature(plan: Plan) -> tuple:

@@ -8,10 +8,11 @@ from dataclasses import replace
 import pytest
 
 from bundle.launch import throttle
+from bundle.plan import mixed, shares
 from bundle.plan import profile as prof
-from bundle.plan import shares
 from bundle.plan.cluster import DeviceType
 from bundle.plan.mixed import uniform_cost
+from bundle.plan.search import evaluate
 from tests.support.plan_fixtures import literal_cost
 
 INF = float("inf")
@@ -102,3 +103,21 @@ def test_measured_under_real_quotas(monkeypatch):
     assert len(got) == 2
     assert all(1.0 <= p < 3.0 for p in got), got
     assert not list(found.parent.glob("bundle-penalty-*"))  # its cgroups removed
+
+
+def test_a_plan_that_leaves_devices_waiting_meets_less_of_the_penalty():
+    """Even rows on a 0.5 and a 0.25 share (penalty 1.4 each, measured with both busy): the half
+    share computes 8.4 s of a 16.8 s step, so the machine is busy (0.5 x 0.5 + 0.25 x 1) / 0.75
+    = 2/3 of what the penalty was measured at, and the penalty's excess shrinks to 2/3 of 0.4."""
+    cost = _cost((1.4, 1.4))
+    even = evaluate(cost, mixed.data_parallel(cost, 1, 2, 2, weighted=False), 2)
+    assert even.sim.step_time == pytest.approx(12.0 * 1.4)
+    eased = mixed.contended(cost, even, 2)
+    assert eased.sim.step_time == pytest.approx(12.0 * (1.0 + 0.4 * 2 / 3))
+    # Rows 2:1 keep both busy the whole step: the penalty as measured.
+    weighted = evaluate(cost, mixed.data_parallel(cost, 1, 2, 3, weighted=True), 3)
+    assert weighted.sim.step_time == pytest.approx(12.0 * 1.4)
+    assert mixed.contended(cost, weighted, 3).sim.step_time == pytest.approx(12.0 * 1.4)
+    # Without penalties nothing is simulated again.
+    free = evaluate(_cost(), mixed.data_parallel(_cost(), 1, 2, 2, weighted=False), 2)
+    assert mixed.contended(_cost(), free, 2) is free
