@@ -13,7 +13,8 @@ and times the same small MLP forward and backward in each; a device's *penalty* 
 step times its share over the time a free process takes alone: 1.0 would be the share exactly.
 The penalty of a device type is the median over its devices. Measured once per set of shares and
 cached with the conditions it was measured under; where no cgroup can be written it is not
-measured (1.0, and a note says so).
+measured (1.0, and a note says so). It is the contention of every device busy at once: each plan
+meets it in proportion to how busy it keeps the machine (``bundle.plan.mixed.contended``).
 """
 
 from __future__ import annotations
