@@ -106,7 +106,7 @@ class Evaluator:
     def _stream(self, batches: list[torch.Tensor]) -> Iterator[MicroBatch] | None:
         if not reads_data(self.topo, self.coord):
             return None
-        mine = shard(self.topo, self.coord, 1)
+        mine = shard(self.topo, self.coord, 1, job_rows=False)  # every row, by those present
         lists = [mine.micro_indices(ix)[0] for ix in batches]
         return loader.stage_micro_batches(
             self.dataset,

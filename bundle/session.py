@@ -294,13 +294,15 @@ def _make_outer(
 # -- the data a rank reads ---------------------------------------------------------------------
 
 
-def shard(topo: Topology, coord: Coord, micro_batches: int) -> data.Shard:
-    """This replica's rows of every batch."""
+def shard(topo: Topology, coord: Coord, micro_batches: int, *, job_rows: bool = True) -> data.Shard:
+    """This replica's rows of every batch: of the job's bundle it stands for (``job_rows``; the
+    training batches, whose rows a bundle keeps when another leaves), or of this layout's."""
+    whole = topo.whole if job_rows else topo
     return data.Shard(
-        num_bundles=topo.num_bundles,
+        num_bundles=whole.num_bundles,
         micro_batches=micro_batches,
         width=topo.stage_weights(coord.stage),
-        bundle=coord.bundle,
+        bundle=topo.job_bundle(coord.bundle) if job_rows else coord.bundle,
         replica=coord.replica,
     )
 
@@ -335,7 +337,7 @@ def train_stream(
             yield None
     n = data.size(session.splits.train)
     lists = data.replica_indices(
-        shard(topo, coord, topo.micro_batches), n, topo.global_batch, seed, total, start=start
+        shard(topo, coord, topo.micro_batches), n, topo.whole.global_batch, seed, total, start=start
     )
     stream = loader.stage_micro_batches(
         session.splits.train,

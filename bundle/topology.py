@@ -179,6 +179,10 @@ class Topology:
     # The model's last piece, which computes the loss, runs on the first stage (a V placement of
     # model chunks, --schedule zbv) instead of the last.
     loss_on_first: bool = False
+    # Fault tolerance (``keep``): the job's bundles this layout holds, in order, and the job's
+    # layout they come from; each keeps its ranks' devices and its rows of every global batch.
+    members: tuple[int, ...] = ()
+    job: Topology | None = field(default=None, compare=False, repr=False)
 
     @property
     def loss_stage(self) -> int:
@@ -210,6 +214,8 @@ class Topology:
             )
         if self.num_bundles < 1:
             raise TopologyError("--num-bundle", self.num_bundles, "must be >= 1")
+        if self.job is not None:
+            return  # cut from a job's layout, which was checked
         if self.procs_per_node < 1 or self.world_size % self.procs_per_node:
             raise TopologyError(
                 "--nproc-per-node",
@@ -234,6 +240,54 @@ class Topology:
                 f"{self.micro_batches} micro-batch(es) gives every one of the "
                 f"{max(self.shape)} replicas of the widest stage at least one row",
             )
+
+    def keep(self, members: tuple[int, ...]) -> Topology:
+        """The layout of the job's bundles ``members`` alone (a bundle left: fault tolerance).
+
+        Its ranks are numbered afresh, bundle-major as always, but each keeps the node, device and
+        CPU share its rank has in the job, and each bundle its rows of every global batch: the
+        global batch is the members' rows, so the loss is their mean.
+        """
+        job = self.job or self
+        if self.job is not None:
+            members = tuple(self.members[b] for b in members)
+        if list(members) == list(range(job.num_bundles)):
+            return job
+        if not members or sorted(set(members)) != list(members) or members[-1] >= job.num_bundles:
+            raise TopologyError("members", members, f"bundles 0..{job.num_bundles - 1}, in order")
+        ranks = [job.rank(b, 0, 0) + i for b in members for i in range(job.bundle_width)]
+        place = [job.placement[r] if job.placement else None for r in ranks]
+        return Topology(
+            shape=job.shape,
+            num_bundles=len(members),
+            procs_per_node=job.procs_per_node,
+            global_batch=sum(job.bundle_batches[b] for b in members),
+            micro_batches=job.micro_batches,
+            row_weights=job.row_weights,
+            placement=tuple(
+                Place(job.node_of(r), job.device_index(r), p.kind if p else "", job.cpu_share(r))
+                for r, p in zip(ranks, place, strict=True)
+            ),
+            loss_on_first=job.loss_on_first,
+            members=members,
+            job=job,
+        )
+
+    @property
+    def whole(self) -> Topology:
+        """The job's layout (itself unless cut by ``keep``)."""
+        return self.job or self
+
+    def job_bundle(self, bundle: int) -> int:
+        """The job's number of this layout's ``bundle``."""
+        return self.members[bundle] if self.job is not None else bundle
+
+    def job_rank(self, rank: int) -> int:
+        """The job's number of this layout's ``rank``."""
+        if self.job is None:
+            return rank
+        c = self.coord(rank)
+        return self.job.rank(self.members[c.bundle], c.stage, c.replica)
 
     def _check_weighted_rows(self) -> None:
         if tuple(map(len, self.row_weights)) != self.shape:
@@ -308,6 +362,8 @@ class Topology:
 
     @property
     def num_nodes(self) -> int:
+        if self.job is not None:
+            return self.job.num_nodes
         return self.world_size // self.procs_per_node
 
     # -- rank layout -----------------------------------------------------------------------------
@@ -361,6 +417,8 @@ class Topology:
 
     def describe(self, rank: int) -> str:
         """``rank R (node n, bundle b, stage s, replica r)``: how errors name a process."""
+        if self.job is not None:  # processes are named as in the job
+            return self.job.describe(self.job_rank(rank))
         c = self.coord(rank)
         return (
             f"rank {rank} (node {self.node_of(rank)}, bundle {c.bundle}, "
@@ -392,6 +450,8 @@ class Topology:
     @cached_property
     def bundle_batches(self) -> tuple[int, ...]:
         """Rows of each bundle in one global batch."""
+        if self.job is not None:
+            return tuple(self.job.bundle_batches[b] for b in self.members)
         return split_sizes(self.global_batch, self.num_bundles)
 
     def micro_sizes(self, bundle: int) -> tuple[int, ...]:
@@ -415,6 +475,8 @@ class Topology:
 
     def global_rows(self, bundle: int, micro: int, stage: int, replica: int) -> tuple[int, int]:
         """Rows of the global batch that this replica holds for one micro-batch."""
+        if self.job is not None:
+            return self.job.global_rows(self.members[bundle], micro, stage, replica)
         return replica_rows(
             self.global_batch,
             self.num_bundles,
