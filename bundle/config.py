@@ -343,6 +343,9 @@ class TrainConfig:
             )
 
 
+# What a failure costs: the whole job restarts, or only the failed bundle leaves.
+FAULT_TOLERANCE = ("restart", "bundle")
+
 # The job store's port when --portNum is not given (torchrun's default too).
 DEFAULT_PORT = 29500
 
@@ -361,6 +364,10 @@ class LaunchConfig:
     init_timeout: float = 300.0
     torchrun: bool = False
     max_restarts: int = 0
+    # "restart": any failure restarts the job; "bundle": a failed bundle leaves, the others train
+    # on (docs/fault-tolerance.md), while at least min_bundles remain.
+    fault_tolerance: str = "restart"
+    min_bundles: int = 1
     share_gpus: bool = False  # testing: several nccl processes per GPU (round-robin)
     emu_eager_bytes: int = 0  # nccl-emu: sends of at most this many bytes need no receiver
     emu_strict: bool = False  # nccl-emu: a process's communicators run one call at a time
@@ -385,6 +392,13 @@ class LaunchConfig:
         if self.init_timeout <= 0:
             raise ConfigError("--init-timeout", self.init_timeout, "must be > 0 seconds")
         positive("--max-restarts", self.max_restarts, 0)
+        if self.fault_tolerance not in FAULT_TOLERANCE:
+            raise ConfigError(
+                "--fault-tolerance",
+                self.fault_tolerance,
+                f"choose one of: {', '.join(FAULT_TOLERANCE)}",
+            )
+        positive("--min-bundles", self.min_bundles)
         if self.torchrun and self.max_restarts:
             raise ConfigError(
                 "--max-restarts",
@@ -466,6 +480,8 @@ class RunConfig:
             )
         if self.train.eval_only and not self.train.eval:
             raise ConfigError("--eval-only", True, "evaluates: leave --no-eval out")
+        if self.launch.fault_tolerance == "bundle":
+            _check_bundle_fault_tolerance(self)
 
     @property
     def planned(self) -> bool:
@@ -498,6 +514,39 @@ class RunConfig:
             for f, v in _leaves(self)
             if "recorded" in f.metadata
         }
+
+
+def _check_bundle_fault_tolerance(cfg: RunConfig) -> None:
+    """What --fault-tolerance bundle supports today: bundles that each hold the whole model and
+    meet every step in one flat sum, launched by main.py's supervisors, on gloo or nccl-emu."""
+    par, launch = cfg.parallel, cfg.launch
+    need = max(2, launch.min_bundles)
+    if par.num_bundles < need:
+        raise ConfigError(
+            "--num-bundle",
+            par.num_bundles,
+            f"--fault-tolerance bundle needs at least {need} bundles "
+            f"(--min-bundles {launch.min_bundles} and one that may fail)"
+            if launch.min_bundles >= 2
+            else "--fault-tolerance bundle needs at least 2 bundles (one trains on when another fails)",
+        )
+    refused = [
+        ("--grad-sync", par.grad_sync, par.grad_sync != "flat", "flat"),
+        ("--zero", par.zero, par.zero != 0, "0"),
+        ("--grad-compression", par.grad_compression, par.grad_compression != "none", "none"),
+        ("--bundle-sync", par.bundle_sync, par.bundle_sync != "step", "step"),
+        ("--aggregate", par.aggregate, par.aggregate != "mean", "mean"),
+        ("--backend", launch.backend, launch.backend == "nccl", "gloo, nccl-emu or auto on CPU"),
+        ("--torchrun", True, launch.torchrun, "main.py's own supervisors"),
+        ("--async-save", True, cfg.checkpoint.async_save, "synchronous saves"),
+    ]
+    for flag, value, bad, allowed in refused:
+        if bad:
+            raise ConfigError(
+                flag,
+                value,
+                f"--fault-tolerance bundle supports {allowed} (docs/fault-tolerance.md)",
+            )
 
 
 def _shared(config: Any) -> dict[str, Any]:

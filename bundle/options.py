@@ -248,6 +248,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(CKPT, "--max-restarts", "launch.max_restarts", metavar="N",
            help="when a process or node fails, "
                 "restart the whole job from the newest checkpoint up to N times"),
+    Option(CKPT, "--fault-tolerance", "launch.fault_tolerance", choices=C.FAULT_TOLERANCE,
+           help="restart: any failure stops the job (then --max-restarts); bundle: a failed "
+                "bundle leaves and the others train on, each step's gradient the mean over the "
+                "bundles that took part (not exact while one is missing; docs/fault-tolerance.md)"),
+    Option(CKPT, "--min-bundles", "launch.min_bundles", metavar="N",
+           help="--fault-tolerance bundle: the job fails when fewer than N bundles remain"),
 
     Option(MODEL, "--model", "model.name", metavar="NAME|package.module:factory",
            help="digits_cnn, mlp, mlp_wide, skip_mlp, small_resnet, gpt; any torchvision "

@@ -59,6 +59,7 @@ def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
     check_cpu_shares(cfg, topo)
     shapes, capture = check_model(cfg, topo.num_stages)
     check_precision(cfg, devices.resolve_backend(cfg))
+    check_fault_tolerance(cfg, devices.resolve_backend(cfg))
     check_lr_schedule(cfg)
     check_paths(cfg)
     check_observed_steps(cfg)
@@ -166,6 +167,17 @@ def _check_input_kind(cfg: RunConfig, model: nn.Module) -> None:
             "text",
             f"gives token ids, which --model {cfg.model.name} does not take (its first layer "
             "is no nn.Embedding and it declares no input_dtype = torch.long)",
+        )
+
+
+def check_fault_tolerance(cfg: RunConfig, backend: str) -> None:
+    """--fault-tolerance bundle re-forms its groups after a failure: verified on gloo and
+    nccl-emu; NCCL's communicators would have to be aborted (docs/fault-tolerance.md)."""
+    if cfg.launch.fault_tolerance == "bundle" and backend == "nccl":
+        raise ConfigError(
+            "--fault-tolerance",
+            "bundle",
+            "runs on gloo or nccl-emu (this machine's backend would be nccl: set --backend gloo)",
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bundle import config as C
 from bundle import options
 from bundle.checkpoint import format as ckpt
@@ -130,6 +132,8 @@ def shared(**sections):
             "init_timeout": 300.0,
             "torchrun": False,
             "max_restarts": 0,
+            "fault_tolerance": "restart",
+            "min_bundles": 1,
             "share_gpus": False,
             "emu_eager_bytes": 0,
             "emu_strict": False,
@@ -274,3 +278,23 @@ def test_an_evaluation_only_run_needs_a_model_to_evaluate_and_validation():
             train=C.TrainConfig(eval_only=True, eval=False), model=C.ModelConfig(weights="w.pt")
         )
     C.RunConfig(train=only, checkpoint=C.CheckpointConfig(resume="auto", save_dir="ckpt"))
+
+
+@pytest.mark.parametrize(
+    "change, flag",
+    [
+        ({"parallel": {"num_bundles": 1}}, "--num-bundle"),
+        ({"parallel": {"num_bundles": 2, "grad_sync": "hierarchical"}}, "--grad-sync"),
+        ({"parallel": {"num_bundles": 2, "zero": 1}}, "--zero"),
+        ({"parallel": {"num_bundles": 2, "bundle_sync": "diloco:4"}}, "--bundle-sync"),
+        ({"parallel": {"num_bundles": 2}, "launch": {"backend": "nccl"}}, "--backend"),
+    ],
+)
+def test_bundle_fault_tolerance_refuses_what_it_does_not_support(change, flag):
+    from bundle.errors import ConfigError
+    from tests.support.config import make_config
+
+    launch = {"fault_tolerance": "bundle", **change.pop("launch", {})}
+    with pytest.raises(ConfigError) as e:
+        make_config(launch=launch, **change)
+    assert e.value.key == flag
