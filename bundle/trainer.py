@@ -67,6 +67,10 @@ class Trainer:
         self.checkpointer, self.evaluator, self.reporter = checkpointer, evaluator, reporter
         self.profiler, self.vote, self.phase = profiler, vote, phase
         self.store, self.step_now = store, step_now
+        # Steps whose update this process took (--fault-tolerance bundle carries it over a
+        # change of members), and the bundles that left the job so far (its summary).
+        self.committed = run.start
+        self.bundle_failures: int | None = None
 
     def train(self) -> Summary | None:
         """Train, evaluating and saving when due; then the trace and the final weights.
@@ -101,11 +105,14 @@ class Trainer:
         self.phase.training()
         if self.step_now is not None:
             self.step_now.value = step
-        maybe_fail(self.run.rank, step, self.run.attempt)
+        maybe_fail(self.run.topo.job_rank(self.run.rank), step, self.run.attempt)
         timer = self.engine.timer
         timer.begin(step)
         self.vote.begin()
-        torch.manual_seed(samples.step_seed(self.run.cfg.train.seed, step, self.run.rank))
+        # Seeded by the job's rank: the same when bundles leave (--fault-tolerance bundle).
+        torch.manual_seed(
+            samples.step_seed(self.run.cfg.train.seed, step, self.run.topo.job_rank(self.run.rank))
+        )
         self.lr_schedule.apply(self.session.optimizer, step)
         self.profiler.before(step)
         timer.lap(Mark.OTHER)
@@ -114,6 +121,7 @@ class Trainer:
         self.phase.training()
         timer.lap(Mark.DATA)
         loss = self.engine.train_step(step, micro_data)
+        self.committed = step + 1
         # The vote was cast when the step began; its result is only read here.
         signum = self.vote.decided()
         self.checkpointer.poll()
@@ -196,6 +204,12 @@ class Trainer:
             predicted_samples_per_s=cfg.predicted_samples_per_s,
             trace=cfg.observe.trace or None,
             replaced_samples=replaced_samples,
+            bundles=(
+                [topo.job_bundle(b) for b in range(topo.num_bundles)]
+                if self.bundle_failures is not None
+                else None
+            ),
+            bundle_failures=self.bundle_failures,
         )
 
 
@@ -233,11 +247,13 @@ def build_trainer(
     phase: Phase,
     attempt: int = 0,
     resume: str | None = None,
+    start: int | None = None,
     stop: StopRequest | None = None,
     store: dist.Store | None = None,
     step_now: Any = None,
 ) -> Trainer:
-    """The loop's components for this rank; restores ``resume`` (collective) to learn the start."""
+    """The loop's components for this rank; restores ``resume`` (collective) to learn the start,
+    unless ``start`` is given (the state is carried in memory: --fault-tolerance bundle)."""
     batch = cfg.train.batch_size
     spe = data.steps_per_epoch(data.size(session.splits.train), batch)
     if spe == 0:
@@ -247,8 +263,9 @@ def build_trainer(
         )
     total = cfg.train.steps or cfg.train.epochs * spe
     checkpointer = make_checkpointer(cfg, topo, rank, session, total=total)
-    phase.enter("resume")
-    start = checkpointer.restore(resume)
+    if start is None:
+        phase.enter("resume")
+        start = checkpointer.restore(resume)
     run = Run(cfg, topo, rank, attempt, start, total, spe)
     if session.engine.outer is not None:
         session.engine.outer.total = total  # bundles meet after the last step too

@@ -3,7 +3,7 @@ calls they make, the gradient sync and the optimizer step; and the stages it run
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -171,6 +171,9 @@ class StageEngine:
         self.max_in_flight = [
             peak_in_flight([a for a in self.actions if a.chunk == c]) for c in range(V)
         ]
+        # Called between the gradient sync and the optimizer step (--fault-tolerance bundle's
+        # vote: a step is taken by every process or by none; bundle.launch.fault).
+        self.commit: Callable[[int], None] | None = None
         # (step, what): formatted only when an error is reported, never in the hot path.
         self._at: tuple[int, object] = (-1, "set-up")
         self.peak_in_flight = 0
@@ -359,6 +362,9 @@ class StageEngine:
         if self.ties:
             self._at = (step, "tied weights' gradient sum")
             self.ties.sum()
+        if self.commit is not None:
+            self._at = (step, "commit vote")
+            self.commit(step)
         lap(Mark.SYNC)
         self._at = (step, "optimizer")
         params = [p for c in self.chunks for p in c.stage.parameters()]

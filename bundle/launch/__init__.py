@@ -5,6 +5,8 @@ the session and trainer; nothing below it (runtime, engine, session, trainer) im
 
 - ``process``: one training process around its session and trainer (self-spawned or torchrun);
 - ``supervisor``: a node's workers started, watched, restarted and stopped;
+- ``membership``: which bundles train on after a failure, agreed through the job's store;
+- ``fault``: a process's training under ``--fault-tolerance bundle``, a world per membership;
 - ``throttle``: CPU quotas (cgroups) that emulate slower devices for a plan's ``cpu`` shares;
 - ``slurm``: a Slurm job step as the node layout;
 - ``localworld``: N loopback processes for tests, benchmarks and the planner's calibration.

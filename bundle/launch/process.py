@@ -17,8 +17,11 @@ import torch.distributed as dist
 from bundle import log
 from bundle.config import RunConfig
 from bundle.errors import ConfigError
+from bundle.launch.fault import train_on
+from bundle.launch.membership import EXIT_LEFT, BundleLeft
 from bundle.launch.throttle import own_quota
 from bundle.observe.build import reporter_rank
+from bundle.observe.metrics import Summary
 from bundle.partition import Capture
 from bundle.runtime.devices import device_for, prepare_backend_env, resolve_backend, torch_backend
 from bundle.runtime.phase import Phase
@@ -122,33 +125,32 @@ def worker_main(
     phase = Phase()
     watchdog = start_step_watchdog(store, me, phase, backend, cfg.launch.timeout)
     try:
-        device = _join(cfg, topo, rank, backend, store)
-        session = build_session(
-            cfg,
-            topo,
-            rank,
-            device,
-            arrive=lambda name: _arrive(cfg, topo, store, name),
-            capture=capture,
-        )
-        phase.follow(session.engine)
-        trainer = build_trainer(
-            cfg,
-            topo,
-            rank,
-            session,
-            phase=phase,
-            attempt=attempt,
-            resume=resume,
-            stop=stop,
-            store=store,
-            step_now=step_now,
-        )
-        summary = trainer.train()
-        session.comm.barrier()  # the world group: in order with the point-to-point calls
+        if cfg.launch.fault_tolerance == "bundle":
+            summary = train_on(
+                cfg,
+                topo,
+                rank,
+                store=store,
+                phase=phase,
+                join=lambda layout, me, prefix: _join(cfg, layout, me, backend, store, prefix),
+                arrive=lambda layout, name: _arrive(cfg, layout, store, name),
+                attempt=attempt,
+                resume=resume,
+                stop=stop,
+                step_now=step_now,
+                capture=capture,
+            )
+        else:
+            summary = _train(
+                cfg, topo, rank, backend, store, phase, attempt, resume, stop, step_now, capture
+            )
         if summary is not None:
             print(summary.line(), flush=True)
         return 0
+    except BundleLeft as left:  # a process of this bundle failed: the others train on
+        watchdog.stop()
+        log.get().warning(f"{me}: {left}; this process leaves")
+        return EXIT_LEFT
     except Stopped as stopped:
         watchdog.stop()
         _say_stopped(cfg, local_rank, stopped)
@@ -159,6 +161,47 @@ def worker_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _train(
+    cfg: RunConfig,
+    topo: Topology,
+    rank: int,
+    backend: str,
+    store: dist.Store,
+    phase: Phase,
+    attempt: int,
+    resume: str | None,
+    stop: StopRequest,
+    step_now: Any,
+    capture: Capture | None,
+) -> Summary | None:
+    """The ordinary run: one world, from the first step to the last."""
+    device = _join(cfg, topo, rank, backend, store)
+    session = build_session(
+        cfg,
+        topo,
+        rank,
+        device,
+        arrive=lambda name: _arrive(cfg, topo, store, name),
+        capture=capture,
+    )
+    phase.follow(session.engine)
+    trainer = build_trainer(
+        cfg,
+        topo,
+        rank,
+        session,
+        phase=phase,
+        attempt=attempt,
+        resume=resume,
+        stop=stop,
+        store=store,
+        step_now=step_now,
+    )
+    summary = trainer.train()
+    session.comm.barrier()  # the world group: in order with the point-to-point calls
+    return summary
 
 
 def _job_store(
@@ -189,10 +232,16 @@ def _arrive(cfg: RunConfig, topo: Topology, store: dist.Store, name: str) -> Non
 
 
 def _join(
-    cfg: RunConfig, topo: Topology, rank: int, backend: str, store: dist.Store
+    cfg: RunConfig,
+    topo: Topology,
+    rank: int,
+    backend: str,
+    store: dist.Store,
+    prefix: str = "bundle/pg",
 ) -> torch.device:
-    """Wait for every process, take this process's device and create the default group."""
-    _arrive(cfg, topo, store, "start")
+    """Wait for every process, take this process's device and create the default group (its
+    keys under ``prefix``: a fresh one for each world of --fault-tolerance bundle)."""
+    _arrive(cfg, topo, store, "start" if prefix == "bundle/pg" else f"{prefix}/start")
     # --share-gpus sets NCCL's multi-rank switch here, in the worker itself (self-spawned or
     # under torchrun alike), before NCCL first reads its environment.
     device = device_for(backend, topo.device_index(rank), share_gpus=cfg.launch.share_gpus)
@@ -202,7 +251,7 @@ def _join(
     # from it instead of being bootstrapped one by one.
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore("bundle/pg", store),
+        store=dist.PrefixStore(prefix, store),
         rank=rank,
         world_size=topo.world_size,
         timeout=group_timeout(backend, cfg.launch.timeout),

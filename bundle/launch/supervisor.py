@@ -39,6 +39,7 @@ from bundle import log
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig
 from bundle.errors import LaunchError, PeerFailure
+from bundle.launch.membership import EXIT_LEFT, dead_key
 from bundle.launch.process import spawned
 from bundle.launch.throttle import NodeQuotas, ThrottleError, cpu_shares
 from bundle.partition import Capture
@@ -184,7 +185,8 @@ def _attempt(
         + (f", attempt {attempt + 1}" if attempt else "")
     )
     beats: dict[int, tuple[int, float]] = {}
-    stopped_workers = _liveness(procs, alive, topo, lc.timeout, store)
+    lose = _bundle_loss(topo, store, procs) if lc.fault_tolerance == "bundle" else None
+    stopped_workers = _liveness(procs, alive, topo, lc.timeout, store, lose)
     outcome = Outcome(End.FAILED, why="the node supervisor lost its workers")
     try:
         quotas.admit({rank: p.pid for rank, p in procs.items()})
@@ -198,6 +200,7 @@ def _attempt(
                 or read_abort(store)
             ),
             post=lambda message: post_abort(store, message),
+            lose=lose,
         )
         if outcome.end is not End.FAILED:
             store.set(f"bundle/done/{node}", "1")
@@ -234,13 +237,17 @@ def watch(
     check: Callable[[], str | None],
     post: Callable[[str], str],
     wait: Callable[[list[int], float], object] = lambda fds, s: wait_sentinels(fds, timeout=s),
+    lose: Callable[[int, str], str | None] | None = None,
 ) -> Outcome:
     """Watch this node's workers (rank -> process) until all have exited or the job failed.
 
     A worker exiting 128 + SIGTERM/SIGINT stopped for a signal; any other non-zero exit is a
     failure, posted (``post``, which returns the job's first failure) with its rank and step
     (``step_of``: the last step it began, -1 before the first). ``check`` returns the job's
-    failure once there is one (another node's, a stalled heartbeat).
+    failure once there is one (another node's, a stalled heartbeat). Under --fault-tolerance
+    bundle, ``lose(rank, what)`` takes a failed worker's bundle out of the job instead (``what``
+    is empty for a worker that left with its bundle) and returns the job's failure only when
+    no bundle is left.
     """
     stop_codes = {exit_code(s) for s in (signal.SIGTERM, signal.SIGINT)}
     live, stopped = dict(procs), 0
@@ -255,8 +262,13 @@ def watch(
             elif p.exitcode != 0:
                 step = step_of(rank)
                 at = f"step {step + 1}" if step >= 0 else "start-up"
-                why = post(f"{describe(rank)} {_exit_text(p.exitcode)} during {at}")
-                return Outcome(End.FAILED, why=why)
+                what = f"{describe(rank)} {_exit_text(p.exitcode)} during {at}"
+                if lose is not None:  # --fault-tolerance bundle: its bundle leaves, unless all did
+                    failed = lose(rank, "" if p.exitcode == EXIT_LEFT else what)
+                    if failed is None:
+                        continue
+                    return Outcome(End.FAILED, why=post(failed))
+                return Outcome(End.FAILED, why=post(what))
         failure = check()
         if failure is not None:
             return Outcome(End.FAILED, why=failure)
@@ -275,7 +287,7 @@ def frozen(
     last_beat: Callable[[int], float],
     describe: Callable[[int], str],
     limit: float,
-    post: Callable[[str], str],
+    post: Callable[[int, str], str | None],
     clock: Callable[[], float] = time.monotonic,
 ) -> str | None:
     """The job's failure once a running worker has given no sign of life (``process.beat``) for
@@ -285,31 +297,61 @@ def frozen(
     for rank, p in procs.items():
         last = last_beat(rank)
         if last > 0 and p.exitcode is None and now - last > limit:
-            return post(
+            failure = post(
+                rank,
                 f"{describe(rank)} stopped responding: no sign of life for {now - last:.0f}s"
-                + _state(p.pid)
+                + _state(p.pid),
             )
+            if failure is not None:
+                return failure
     return None
 
 
 def _liveness(
-    procs: Mapping[int, Worker],
+    procs: Mapping[int, Any],
     alive: Mapping[int, Any],
     topo: Topology,
     timeout: float,
     store: dist.Store,
+    lose: Callable[[int, str], str | None] | None = None,
 ) -> Callable[[], str | None]:
-    """The look at this node's workers' beats that the supervisor takes every poll (``frozen``)."""
+    """The look at this node's workers' beats that the supervisor takes every poll (``frozen``).
+    Under --fault-tolerance bundle (``lose``) a frozen worker is killed and its bundle leaves."""
+
+    def report(rank: int, message: str) -> str | None:
+        if lose is None:
+            return post_abort(store, message)
+        procs[rank].kill()
+        return lose(rank, message)
+
     return unless_paused(
         lambda: frozen(
             procs,
             lambda rank: float(alive[rank].value),
             topo.describe,
             frozen_limit(timeout),
-            lambda message: post_abort(store, message),
+            report,
         ),
         _FROZEN_MIN_S / 2,
     )
+
+
+def _bundle_loss(
+    topo: Topology, store: dist.Store, procs: Mapping[int, Worker]
+) -> Callable[[int, str], str | None]:
+    """--fault-tolerance bundle: a failed worker's bundle leaves the job. The supervisor marks it
+    in the store (the survivors' agreement waits for no more of it: bundle.launch.membership)
+    and says so; the job fails only once every bundle has left."""
+
+    def lose(rank: int, what: str) -> str | None:
+        bundle = topo.coord(rank).bundle
+        if what and store.compare_set(dead_key(bundle), "", what).decode() in ("", what):
+            log.get().warning(f"bundle {bundle} leaves the job: {what}; the other bundles train on")
+        if all(store.check([dead_key(b)]) for b in range(topo.num_bundles)):
+            return f"every bundle failed (the last: {what or topo.describe(rank)})"
+        return None
+
+    return lose
 
 
 def unless_paused(

@@ -124,6 +124,10 @@ class RunFacts:
     # The factory (--model package.module:function) that built ``model``, where that is not
     # ``model`` itself.
     factory: str | None = None
+    # --fault-tolerance bundle: the job's bundles that trained the last step, and how many
+    # bundles left the job during the run (this attempt).
+    bundles: list[int] | None = None
+    bundle_failures: int | None = None
 
 
 _OPTIONAL = (
@@ -134,6 +138,8 @@ _OPTIONAL = (
     "trace",
     "replaced_samples",
     "factory",
+    "bundles",
+    "bundle_failures",
 )
 
 
@@ -247,12 +253,13 @@ class Reporter:
         board: Board | None = None,
         console: Console | None = None,
         lr: Callable[[], float] | None = None,  # the learning rate now
+        bundles: list[int] | None = None,  # --fault-tolerance bundle: the job's bundles training
     ) -> None:
         self.log_every, self.total, self.batch = log_every, total, batch
         self.group, self.reporting = group, reporting
         self.comm = comm or Collectives()  # the last stage's group is an NCCL one on GPUs
         self.metrics = MetricsFile(path if reporting else None, start=start)
-        self.breakdown, self.lr = breakdown, lr
+        self.breakdown, self.lr, self.bundles = breakdown, lr, bundles
         self.board = board or Board(None)
         self.console = console or Console(
             total=total, start=start, steps_per_epoch=total, enabled=reporting
@@ -283,6 +290,8 @@ class Reporter:
             }
             if self.lr is not None:
                 record["lr"] = self.lr()
+            if self.bundles is not None:
+                record["bundles"] = self.bundles
             if times is not None:
                 record["breakdown"] = times
             self.final_loss = record["loss"]

@@ -23,8 +23,9 @@ class Phase:
         self._label: str | None = label
         self._engine: Positioned | None = None
 
-    def follow(self, engine: Positioned) -> None:
-        """From now on, outside named phases, the engine's position is this process's."""
+    def follow(self, engine: Positioned | None) -> None:
+        """From now on, outside named phases, the engine's position is this process's (None:
+        forget the engine, whose session is being dropped)."""
         self._engine = engine
 
     def enter(self, label: str) -> None:

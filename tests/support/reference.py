@@ -3,6 +3,7 @@ batches, and the small configs the equivalence tests run."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -65,9 +66,13 @@ def equivalence_config(
 
 
 def reference(
-    cfg: RunConfig, steps: int | None = None, grads: dict[str, torch.Tensor] | None = None
+    cfg: RunConfig,
+    steps: int | None = None,
+    grads: dict[str, torch.Tensor] | None = None,
+    rows: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One process, the unsplit model, the same global batches, mean loss over each batch.
+    """One process, the unsplit model, the same global batches, mean loss over each batch
+    (``rows(step, batch)``, when given: over the rows of it that took part).
 
     Mixed precision: the forward under the same autocast, the loss in fp32, fp16 through
     ``torch.amp.GradScaler`` (the anchor Bundle's loss scaling follows). ``grads``, when given,
@@ -87,6 +92,7 @@ def reference(
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     for step in range(cfg.train.steps if steps is None else steps):
         idx = data.global_batch(len(y), cfg.train.batch_size, cfg.train.seed, step)
+        idx = rows(step, idx) if rows is not None else idx
         schedule.apply(opt, step)
         opt.zero_grad()
         with torch.autocast("cpu", dtype=DTYPES.get(precision), enabled=precision in DTYPES):

@@ -81,7 +81,7 @@ def test_a_stopped_worker_is_named_before_its_peers_time_out():
         procs = {0: Worker(None, pid=os.getpid()), 1: Worker(None, pid=child.pid), 2: Worker(None)}
         beats = {0: 99.5, 1: 96.0, 2: 0.0}
         posted = []
-        post = lambda m: posted.append(m) or posted[0]  # noqa: E731
+        post = lambda r, m: posted.append(m) or posted[0]  # noqa: E731
         got = frozen(
             procs, beats.__getitem__, lambda r: f"rank {r}", 3.0, post, clock=lambda: 100.0
         )

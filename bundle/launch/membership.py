@@ -1,0 +1,142 @@
+"""Which bundles train (``--fault-tolerance bundle``): agreed through the job's store after a
+failure, by every process that is still running.
+
+    epoch 0: bundles 0 1 2        bundle 1's worker dies in step t
+      every other process: its step fails (a wait on the dead process, or on a peer that has
+      left the old groups); it drops every group of epoch 0, which closes their connections and
+      ends its peers' waits at once, and checks in: ``ft/1/in/<job rank>`` = steps it committed
+      bundles complete when all their processes checked in; a supervisor marks a bundle whose
+      process exited ``ft/dead/<bundle>``; once every bundle is complete or dead (or after
+      twice ``--timeout``) the first to decide writes ``ft/1/members`` (compare-and-set): "0,2"
+    epoch 1: bundles 0 2, a world of their own on a fresh prefix; step t again, with their rows
+
+A process whose bundle is not among the members leaves (``BundleLeft``); fewer than
+``--min-bundles`` members fail the job (``TooFewBundles``). Pure but for the store: tested with a
+``HashStore``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from bundle.errors import BundleError, PeerFailure
+from bundle.topology import Topology
+
+POLL_S = 0.05
+EXIT_LEFT = 3  # a worker whose bundle left the job (a process of it failed): not a failure itself
+
+# How gloo words a peer that went away or a wait that ran out (c10d raises them as RuntimeError).
+_LOSS_WORDS = ("Connection closed", "Connection reset", "Timed out", "timed out", "Broken pipe")
+
+
+class BundleLeft(BundleError):
+    """This process's bundle is not among the bundles that train on (a process of it failed)."""
+
+
+class TooFewBundles(BundleError, RuntimeError):
+    """Fewer bundles than ``--min-bundles`` remain: the job fails (the checkpoints remain)."""
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` says that a peer went away (train on without its bundle), not a fault of
+    this process's own (which fails the job as always)."""
+    if isinstance(exc, PeerFailure | dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in _LOSS_WORDS)
+
+
+def dead_key(bundle: int) -> str:
+    """Set by a node supervisor when a process of ``bundle`` exited or froze."""
+    return f"ft/dead/{bundle}"
+
+
+@dataclass
+class Membership:
+    """The bundles of the job that train now, as this process (job rank ``rank``) knows them."""
+
+    store: dist.Store
+    job: Topology
+    rank: int
+    timeout: float  # --timeout: the decision waits at most twice as long for a bundle's processes
+    min_bundles: int = 1
+    epoch: int = 0
+    members: tuple[int, ...] = ()
+    failures: int = 0  # bundles lost so far
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+
+    def __post_init__(self) -> None:
+        self.members = self.members or tuple(range(self.job.num_bundles))
+
+    @property
+    def layout(self) -> Topology:
+        """The layout of the members (the job's, while every bundle trains)."""
+        return self.job.keep(self.members)
+
+    @property
+    def my_rank(self) -> int:
+        """This process's rank in the members' world."""
+        c = self.job.coord(self.rank)
+        return self.layout.rank(self.members.index(c.bundle), c.stage, c.replica)
+
+    def prefix(self) -> str:
+        """Where this epoch's process groups meet in the store."""
+        return f"ft/{self.epoch}/pg"
+
+    def agree(self, committed: int) -> tuple[int, ...]:
+        """After a failure: check in with the steps this process committed, wait for the
+        decision, and move to the next epoch; returns the members. Every surviving process
+        calls it. Raises ``BundleLeft`` when this process's bundle is not a member,
+        ``TooFewBundles`` below ``min_bundles``."""
+        key = f"ft/{self.epoch + 1}"
+        mine = self.job.coord(self.rank).bundle
+        self.store.set(f"{key}/in/{self.rank}", str(committed))
+        self.store.add(f"{key}/count/{mine}", 1)
+        decided = self._decide(key, mine)
+        members = tuple(int(b) for b in decided.split(",") if b)
+        self.failures += len(self.members) - len(members)
+        self.epoch += 1
+        if mine not in members:
+            raise BundleLeft(f"bundle {mine} left the job at epoch {self.epoch}")
+        if len(members) < self.min_bundles:
+            raise TooFewBundles(
+                f"{len(members)} bundle(s) remain ({decided}), fewer than --min-bundles "
+                f"{self.min_bundles}"
+            )
+        self._same_steps(key, members, committed)
+        self.members = members
+        return members
+
+    def _decide(self, key: str, mine: int) -> str:
+        width = self.job.bundle_width
+        deadline = self.clock() + 2 * self.timeout
+        while True:
+            # A process of this bundle failed: leave at once, so that this process's connections
+            # close and the peers still waiting on it fail over now, not after --timeout.
+            if self.store.check([dead_key(mine)]):
+                self.epoch += 1
+                raise BundleLeft(f"bundle {mine} left the job at epoch {self.epoch}")
+            complete = [b for b in self.members if self.store.add(f"{key}/count/{b}", 0) >= width]
+            dead = [b for b in self.members if self.store.check([dead_key(b)])]
+            if len(complete) + len(dead) >= len(self.members) or self.clock() >= deadline:
+                break
+            if self.store.check([f"{key}/members"]):  # another process decided
+                return self.store.get(f"{key}/members").decode()
+            time.sleep(POLL_S)
+        proposal = ",".join(str(b) for b in complete if b not in dead)
+        return self.store.compare_set(f"{key}/members", "", proposal).decode() or proposal
+
+    def _same_steps(self, key: str, members: tuple[int, ...], committed: int) -> None:
+        """Every member committed the same steps; else some took the failed step's update and
+        others not, which no member can undo (the commit vote makes it all but impossible)."""
+        width = self.job.bundle_width
+        ranks = [self.job.rank(b, 0, 0) + i for b in members for i in range(width)]
+        steps = {int(self.store.get(f"{key}/in/{r}").decode()) for r in ranks}
+        if steps != {committed}:
+            raise TooFewBundles(
+                f"the bundles that train on committed different steps ({sorted(steps)}): "
+                "resume from the newest checkpoint"
+            )

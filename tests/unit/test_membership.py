@@ -1,0 +1,103 @@
+"""Which bundles train on after a failure (bundle.launch.membership), agreed through a store: the
+processes of three bundles of shape 1,1 check in from threads, as they would after a failure."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from bundle.errors import PeerFailure
+from bundle.launch.membership import (
+    BundleLeft,
+    Membership,
+    TooFewBundles,
+    dead_key,
+    is_peer_loss,
+)
+from bundle.topology import Topology
+
+JOB = Topology(shape=(1, 1), num_bundles=3, procs_per_node=6, global_batch=12, micro_batches=1)
+
+
+def _agree(store, ranks, committed=None, timeout=5.0, min_bundles=1):
+    """Every rank in ``ranks`` agrees at once; returns rank -> members or the error raised."""
+    out: dict[int, object] = {}
+
+    def one(rank: int) -> None:
+        m = Membership(store, JOB, rank, timeout, min_bundles=min_bundles)
+        try:
+            out[rank] = m.agree((committed or {}).get(rank, 3))
+            out[rank, "layout"] = (m.layout.num_bundles, m.my_rank, m.epoch, m.failures)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            out[rank] = exc
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def _store():
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=10))
+    return store
+
+
+def test_the_complete_bundles_train_on_once_the_dead_one_is_marked():
+    store = _store()
+    store.set(dead_key(1), "rank 3 was killed")
+    out = _agree(store, [0, 1, 2, 4, 5])  # rank 3 is dead; rank 2 of bundle 1 still runs
+    assert out[0] == out[1] == out[4] == out[5] == (0, 2)
+    assert isinstance(out[2], BundleLeft)
+    # Bundle 2's processes are ranks 2 and 3 of the new world; one bundle has left.
+    assert out[4, "layout"] == (2, 2, 1, 1) and out[1, "layout"] == (2, 1, 1, 1)
+
+
+def test_a_bundle_that_never_completes_is_dropped_at_the_deadline():
+    out = _agree(_store(), [0, 1, 2, 4, 5], timeout=0.3)  # no supervisor marked bundle 1
+    assert out[0] == out[5] == (0, 2) and isinstance(out[2], BundleLeft)
+
+
+def test_below_min_bundles_or_on_different_steps_the_job_fails():
+    store = _store()
+    store.set(dead_key(1), "gone")
+    out = _agree(store, [0, 1, 4, 5], min_bundles=3)
+    assert all(isinstance(out[r], TooFewBundles) for r in (0, 1, 4, 5))
+    store = _store()
+    store.set(dead_key(1), "gone")
+    out = _agree(store, [0, 1, 4, 5], committed={0: 3, 1: 3, 4: 4, 5: 4})
+    assert "committed different steps ([3, 4])" in str(out[0])
+
+
+def test_peer_losses_are_told_from_a_process_own_faults():
+    assert is_peer_loss(PeerFailure("recv_act1 from rank 3 did not complete"))
+    assert is_peer_loss(RuntimeError("[pair.cc:545] Read error: Connection reset by peer"))
+    assert is_peer_loss(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 13000ms for recv"))
+    assert not is_peer_loss(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_loss(ValueError("Connection closed"))
+
+
+@pytest.mark.parametrize("members", [(0, 2), (1, 2), (0,)])
+def test_a_kept_layout_keeps_each_bundle_s_ranks_devices_and_rows(members):
+    job = Topology(shape=(2, 1), num_bundles=3, procs_per_node=3, global_batch=23, micro_batches=2)
+    kept = job.keep(members)
+    assert kept.num_bundles == len(members) and kept.whole is job
+    assert kept.global_batch == sum(job.bundle_batches[b] for b in members)
+    for k, b in enumerate(members):
+        assert kept.micro_sizes(k) == job.micro_sizes(b)
+        for s, width in enumerate(job.shape):
+            for r in range(width):
+                mine, theirs = kept.rank(k, s, r), job.rank(b, s, r)
+                assert kept.job_rank(mine) == theirs and kept.job_bundle(k) == b
+                assert kept.node_of(mine) == job.node_of(theirs)
+                assert kept.device_index(mine) == job.device_index(theirs)
+                assert kept.describe(mine) == job.describe(theirs)
+                for m in range(2):
+                    assert kept.global_rows(k, m, s, r) == job.global_rows(b, m, s, r)
+    assert job.keep((0, 1, 2)) is job
+    assert kept.keep((len(members) - 1,)).members == (members[-1],)  # from a kept layout
