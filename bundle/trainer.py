@@ -4,7 +4,7 @@ whose ``train()`` runs the steps and lets each component act when it is due."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from bundle.observe.metrics import Reporter, RunFacts, Summary, model_label
 from bundle.observe.timing import Mark
 from bundle.observe.trace import KernelProfiler
 from bundle.runtime.phase import Phase
-from bundle.runtime.preemption import Stopped, StopRequest, StopVote, maybe_fail
+from bundle.runtime.preemption import Regroup, Stopped, StopRequest, StopVote, maybe_fail
 from bundle.session import Session, make_checkpointer, train_stream
 from bundle.topology import Topology
 
@@ -71,6 +71,7 @@ class Trainer:
         # change of members), and the bundles that left the job so far (its summary).
         self.committed = run.start
         self.bundle_failures: int | None = None
+        self.heals: int | None = None
 
     def train(self) -> Summary | None:
         """Train, evaluating and saving when due; then the trace and the final weights.
@@ -93,6 +94,9 @@ class Trainer:
             if signum and done < run.total:
                 self.profiler.close()
                 raise Stopped(signum, done, self.checkpointer.last_saved)
+            if self.vote.asks is not None and done < run.total and (joining := self.vote.agreed()):
+                self.profiler.close()
+                raise Regroup(joining, done)
         elapsed = time.perf_counter() - clock
         self.profiler.close()
         self.phase.enter("trace")
@@ -210,6 +214,7 @@ class Trainer:
                 else None
             ),
             bundle_failures=self.bundle_failures,
+            heals=self.heals,
         )
 
 
@@ -251,6 +256,7 @@ def build_trainer(
     stop: StopRequest | None = None,
     store: dist.Store | None = None,
     step_now: Any = None,
+    asks: Callable[[], list[int]] | None = None,
 ) -> Trainer:
     """The loop's components for this rank; restores ``resume`` (collective) to learn the start,
     unless ``start`` is given (the state is carried in memory: --fault-tolerance bundle)."""
@@ -303,7 +309,7 @@ def build_trainer(
         evaluator=evaluator,
         reporter=reporter,
         profiler=observe.make_profiler(cfg, rank, device),
-        vote=StopVote(stop or StopRequest(), session.groups.control, cfg.launch.timeout),
+        vote=StopVote(stop or StopRequest(), session.groups.control, cfg.launch.timeout, asks),
         phase=phase,
         store=store,
         step_now=step_now,

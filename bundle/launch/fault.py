@@ -14,6 +14,7 @@ and no checkpoint is read.
 from __future__ import annotations
 
 import gc
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,11 +25,11 @@ import torch.distributed as dist
 
 from bundle import log
 from bundle.config import RunConfig
-from bundle.launch.membership import Membership, is_peer_loss
+from bundle.launch.membership import DONE_KEY, Membership, is_peer_loss
 from bundle.observe.metrics import Summary
 from bundle.partition import Capture
 from bundle.runtime.phase import Phase
-from bundle.runtime.preemption import StopRequest
+from bundle.runtime.preemption import Regroup, StopRequest
 from bundle.session import Session, build_session
 from bundle.topology import Topology
 from bundle.trainer import Trainer, build_trainer
@@ -100,61 +101,154 @@ def train_on(
     stop: StopRequest | None = None,
     step_now: Any = None,
     capture: Capture | None = None,
+    incarnation: int = 0,
 ) -> Summary | None:
-    """Train this process (job rank ``rank``) to the end, in as many epochs as failures take."""
-    members = Membership(store, topo, rank, cfg.launch.timeout, min_bundles=cfg.launch.min_bundles)
+    """Train this process (job rank ``rank``) to the end, in as many epochs as failures and
+    heals take. ``incarnation`` > 0: this process heals its bundle (started again by its
+    supervisor): it waits to be taken in, and receives its stage's state from a peer."""
+    members = Membership(
+        store,
+        topo,
+        rank,
+        cfg.launch.timeout,
+        min_bundles=cfg.launch.min_bundles,
+        incarnation=incarnation,
+    )
     carried: Carried | None = None
+    fresh: tuple[int, ...] = ()  # bundles whose processes start this epoch without the state
+    if incarnation:
+        phase.enter("start-up: waiting to be taken back in")
+        if members.ask_to_join(cfg.launch.init_timeout) < 0:
+            log.get().info(f"bundle {members.bundle}: training ended before it could rejoin")
+            return None
+        fresh = (members.bundle,)
     while True:
         layout, me, prefix = members.layout, members.my_rank, members.prefix()
-        phase.enter("start-up")
-        device = join(layout, me, prefix)
-        session = build_session(
-            cfg,
-            layout,
-            me,
-            device,
-            arrive=_arrive_in(arrive, layout, prefix),
-            capture=capture,
-        )
-        trainer = build_trainer(
-            cfg,
-            layout,
-            me,
-            session,
-            phase=phase,
-            attempt=attempt,
-            resume=resume if carried is None else None,
-            start=carried.step if carried is not None else None,
-            stop=stop,
-            store=store,
-            step_now=step_now,
-        )
-        if carried is not None:
-            carried.load(session, trainer)
-        trainer.bundle_failures = members.failures
-        session.engine.commit = commit_vote(session.groups.control, cfg.launch.timeout)
-        phase.follow(session.engine)
+        session: Session | None = None
+        trainer: Trainer | None = None
         try:
+            phase.enter("start-up")
+            device = join(layout, me, prefix)
+            session = build_session(
+                cfg,
+                layout,
+                me,
+                device,
+                arrive=_arrive_in(arrive, layout, prefix),
+                capture=capture,
+            )
+            if fresh:
+                phase.enter("start-up: a bundle rejoins, its state sent from a peer")
+                carried = share_state(session, layout, carried, fresh)
+            trainer = build_trainer(
+                cfg,
+                layout,
+                me,
+                session,
+                phase=phase,
+                attempt=attempt,
+                resume=resume if carried is None else None,
+                start=carried.step if carried is not None else None,
+                stop=stop,
+                store=store,
+                step_now=step_now,
+                asks=members.joining,
+            )
+            if carried is not None:
+                carried.load(session, trainer)
+            if fresh:
+                same_everywhere(session, layout)
+                fresh = ()
+            trainer.bundle_failures, trainer.heals = members.failures, members.heals
+            session.engine.commit = commit_vote(session.groups.control, cfg.launch.timeout)
+            phase.follow(session.engine)
             summary = trainer.train()
             session.comm.barrier()
+            store.set(DONE_KEY, "1")
             return summary
+        except Regroup as regroup:
+            assert session is not None and trainer is not None  # noqa: S101 - raised by train()
+            carried, fresh = Carried.of(session, trainer), tuple(regroup.bundles)
+            session = trainer = None
+            _drop(phase, ended=False)
+            members.admit(regroup.bundles, carried.step)
+            log.get().info(
+                f"bundle(s) {', '.join(map(str, fresh))} rejoin after step {carried.step}: "
+                f"bundles {', '.join(map(str, members.members))} train on"
+            )
+            continue
         except BaseException as exc:  # noqa: BLE001 - sorted below: a peer lost, or our own fault
             if not is_peer_loss(exc):
                 raise
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        carried = Carried.of(session, trainer)
-        # The epoch's groups leave the registry (``_ENDED`` keeps them), and the session goes.
-        phase.follow(None)
-        _ENDED.extend(dist.distributed_c10d._world.pg_map)
-        del trainer, session
-        dist.destroy_process_group()
-        gc.collect()
+        # The state: the trainer's where this epoch's was loaded, else the one brought into it.
+        if session is not None and trainer is not None:
+            carried = Carried.of(session, trainer)
+        session = trainer = None
+        _drop(phase, ended=True)
+        if carried is None:  # a new incarnation that never received its state
+            raise members.leave()
         phase.enter("start-up: the bundles that train on agree")
         was = members.members
         members.agree(carried.step)
+        fresh = ()
         lost = sorted(set(was) - set(members.members))
         log.get().warning(
             f"bundle(s) {', '.join(map(str, lost)) or 'none'} left after {carried.step} step(s) "
             f"({why}); bundles {', '.join(map(str, members.members))} train on from step "
             f"{carried.step + 1}"
         )
+
+
+def _drop(phase: Phase, *, ended: bool) -> None:
+    """Leave the epoch once the caller has dropped its session: its groups leave the registry.
+    The groups of an epoch a failure ended are kept (``_ENDED``), not destroyed."""
+    phase.follow(None)
+    if dist.is_initialized():
+        if ended:
+            _ENDED.extend(dist.distributed_c10d._world.pg_map)
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def share_state(
+    session: Session, layout: Topology, carried: Carried | None, fresh: tuple[int, ...]
+) -> Carried:
+    """Every stage's state, sent from replica 0 of the stage in the first bundle that has it to
+    every replica of the stage (collective on the stage group; the bundles in ``fresh`` have
+    none)."""
+    members = [layout.job_bundle(b) for b in range(layout.num_bundles)]
+    source = next(k for k, b in enumerate(members) if b not in fresh)
+    src = layout.rank(source, session.coord.stage, 0)
+    box: list[Any] = [carried if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=session.groups.stage)
+    got: Carried = box[0]
+    return got
+
+
+def same_everywhere(session: Session, layout: Topology) -> None:
+    """Every replica of this stage holds the same parameters and optimizer state, bit for bit
+    (after a bundle rejoined): their digests, all-gathered over the stage group, agree."""
+    digest = hashlib.sha256()
+    for t in [*session.stage.state_dict().values(), *_tensors(session.optimizer.state_dict())]:
+        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
+    group = session.groups.stage
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    if not all(torch.equal(d, everyone[0]) for d in everyone):
+        differ = [i for i, d in enumerate(everyone) if not torch.equal(d, mine)]
+        raise RuntimeError(
+            f"{layout.describe(dist.get_rank())}: after the rejoin, replicas {differ} of stage "
+            f"{session.coord.stage} hold other state than this one"
+        )
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in _tensors(tree[k])]
+    if isinstance(tree, list | tuple):
+        return [t for v in tree for t in _tensors(v)]
+    return []

@@ -11,8 +11,14 @@ failure, by every process that is still running.
     epoch 1: bundles 0 2, a world of their own on a fresh prefix; step t again, with their rows
 
 A process whose bundle is not among the members leaves (``BundleLeft``); fewer than
-``--min-bundles`` members fail the job (``TooFewBundles``). Pure but for the store: tested with a
-``HashStore``.
+``--min-bundles`` members fail the job (``TooFewBundles``).
+
+A bundle comes back as a new incarnation: its supervisors start its processes again and mark
+``ft/healing/<bundle>`` = incarnation; each new process checks in at ``ft/join/<bundle>.<inc>``.
+The members see it in their per-step vote (``joining``: every member must have seen every one of
+its processes checked in), take it in after that step (``admit``: a new epoch, the state sent from
+a peer), and tell the new processes the epoch at ``ft/join/<bundle>.<inc>/epoch``.
+Pure but for the store: tested with a ``HashStore``.
 """
 
 from __future__ import annotations
@@ -49,9 +55,22 @@ def is_peer_loss(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(w in str(exc) for w in _LOSS_WORDS)
 
 
-def dead_key(bundle: int) -> str:
-    """Set by a node supervisor when a process of ``bundle`` exited or froze."""
-    return f"ft/dead/{bundle}"
+DONE_KEY = "ft/done"  # training finished: processes still waiting to join have nothing to join
+
+
+def dead_key(bundle: int, incarnation: int = 0) -> str:
+    """Set when a process of ``bundle``'s ``incarnation`` exited or froze (by its supervisor) or
+    left (by itself)."""
+    return f"ft/dead/{bundle}.{incarnation}"
+
+
+def healing_key(bundle: int) -> str:
+    """The incarnation of ``bundle`` its supervisors started last."""
+    return f"ft/healing/{bundle}"
+
+
+def _join_key(bundle: int, incarnation: int) -> str:
+    return f"ft/join/{bundle}.{incarnation}"
 
 
 @dataclass
@@ -66,10 +85,25 @@ class Membership:
     epoch: int = 0
     members: tuple[int, ...] = ()
     failures: int = 0  # bundles lost so far
+    heals: int = 0  # bundles taken in again so far
+    incarnation: int = 0  # this process's bundle's
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    incs: dict[int, int] = field(default_factory=dict)  # every member's incarnation
 
     def __post_init__(self) -> None:
         self.members = self.members or tuple(range(self.job.num_bundles))
+        self.incs = self.incs or dict.fromkeys(self.members, 0)
+
+    @property
+    def bundle(self) -> int:
+        return self.job.coord(self.rank).bundle
+
+    def leave(self) -> BundleLeft:
+        """This process leaves with its bundle: marked, so that no one waits for it."""
+        self.store.compare_set(
+            dead_key(self.bundle, self.incarnation), "", f"rank {self.rank} left"
+        )
+        return BundleLeft(f"bundle {self.bundle} left the job at epoch {self.epoch}")
 
     @property
     def layout(self) -> Topology:
@@ -92,7 +126,7 @@ class Membership:
         calls it. Raises ``BundleLeft`` when this process's bundle is not a member,
         ``TooFewBundles`` below ``min_bundles``."""
         key = f"ft/{self.epoch + 1}"
-        mine = self.job.coord(self.rank).bundle
+        mine = self.bundle
         self.store.set(f"{key}/in/{self.rank}", str(committed))
         self.store.add(f"{key}/count/{mine}", 1)
         decided = self._decide(key, mine)
@@ -100,7 +134,7 @@ class Membership:
         self.failures += len(self.members) - len(members)
         self.epoch += 1
         if mine not in members:
-            raise BundleLeft(f"bundle {mine} left the job at epoch {self.epoch}")
+            raise self.leave()
         if len(members) < self.min_bundles:
             raise TooFewBundles(
                 f"{len(members)} bundle(s) remain ({decided}), fewer than --min-bundles "
@@ -110,17 +144,62 @@ class Membership:
         self.members = members
         return members
 
+    # -- a bundle taken in again ---------------------------------------------------------------
+
+    def joining(self) -> list[int]:
+        """Per job bundle, 1 where a new incarnation of it, not a member, has every process
+        checked in (this process's view; the step's vote takes the minimum over the job)."""
+        out = [0] * self.job.num_bundles
+        for b in range(self.job.num_bundles):
+            if b in self.members or not self.store.check([healing_key(b)]):
+                continue
+            inc = int(self.store.get(healing_key(b)).decode())
+            count = self.store.add(f"{_join_key(b, inc)}/count", 0)
+            out[b] = int(count >= self.job.bundle_width)
+        return out
+
+    def admit(self, bundles: list[int], step: int) -> None:
+        """Take ``bundles`` in after step ``step`` (every member calls it, with the same list):
+        the next epoch, whose members the new processes read at their join key."""
+        self.epoch += 1
+        for b in bundles:
+            self.incs[b] = int(self.store.get(healing_key(b)).decode())
+        self.members = tuple(sorted({*self.members, *bundles}))
+        self.heals += len(bundles)
+        told = _admission(self.epoch, self.members, self.incs, step)
+        for b in bundles:
+            self.store.compare_set(f"{_join_key(b, self.incs[b])}/epoch", "", told)
+
+    def ask_to_join(self, wait: float) -> int:
+        """A process of a new incarnation: check in, and wait until the members take its bundle
+        in (returns the step it starts from) or training ends (returns -1)."""
+        key = _join_key(self.bundle, self.incarnation)
+        self.store.set(f"{key}/in/{self.rank}", "1")
+        self.store.add(f"{key}/count", 1)
+        deadline = self.clock() + wait
+        while not self.store.check([f"{key}/epoch"]):
+            if self.store.check([DONE_KEY]):
+                return -1
+            if self.clock() >= deadline:
+                raise TooFewBundles(f"bundle {self.bundle} was not taken back in within {wait:g}s")
+            time.sleep(POLL_S)
+        epoch, members, incs, step = self.store.get(f"{key}/epoch").decode().split(";")
+        self.epoch = int(epoch)
+        self.members = tuple(int(b) for b in members.split(","))
+        self.incs = dict(zip(self.members, (int(i) for i in incs.split(",")), strict=True))
+        return int(step)
+
     def _decide(self, key: str, mine: int) -> str:
         width = self.job.bundle_width
         deadline = self.clock() + 2 * self.timeout
         while True:
             # A process of this bundle failed: leave at once, so that this process's connections
             # close and the peers still waiting on it fail over now, not after --timeout.
-            if self.store.check([dead_key(mine)]):
+            if self.store.check([dead_key(mine, self.incarnation)]):
                 self.epoch += 1
-                raise BundleLeft(f"bundle {mine} left the job at epoch {self.epoch}")
+                raise self.leave()
             complete = [b for b in self.members if self.store.add(f"{key}/count/{b}", 0) >= width]
-            dead = [b for b in self.members if self.store.check([dead_key(b)])]
+            dead = [b for b in self.members if self.store.check([dead_key(b, self.incs[b])])]
             if len(complete) + len(dead) >= len(self.members) or self.clock() >= deadline:
                 break
             if self.store.check([f"{key}/members"]):  # another process decided
@@ -140,3 +219,9 @@ class Membership:
                 f"the bundles that train on committed different steps ({sorted(steps)}): "
                 "resume from the newest checkpoint"
             )
+
+
+def _admission(epoch: int, members: tuple[int, ...], incs: dict[int, int], step: int) -> str:
+    """``epoch;members;their incarnations;step``: what a new incarnation is told."""
+    listed = ",".join(map(str, members)), ",".join(str(incs[b]) for b in members)
+    return f"{epoch};{listed[0]};{listed[1]};{step}"

@@ -99,6 +99,7 @@ def worker_main(
     stop_shared: Any = None,
     host_store: bool = False,
     alive: Any = None,
+    incarnation: int = 0,
 ) -> int:
     """Body of every training process; returns its exit code (128 + signal when stopped by one).
 
@@ -107,7 +108,8 @@ def worker_main(
     checks (None: cut here), ``attempt`` counts restarts, ``stop_shared`` is the
     supervisor's stop flag (None under torchrun), and ``host_store``: this process serves the
     job's store at host:port (torchrun's rank 0 when its agent serves none), ``alive`` (a shared
-    float) the last sign of life, for the node supervisor (``beat``).
+    float) the last sign of life, for the node supervisor (``beat``); ``incarnation`` > 0: this
+    process heals its bundle (--fault-tolerance bundle).
     """
     if alive is not None:
         beat(alive)
@@ -139,6 +141,7 @@ def worker_main(
                 stop=stop,
                 step_now=step_now,
                 capture=capture,
+                incarnation=incarnation,
             )
         else:
             summary = _train(

@@ -39,7 +39,8 @@ from bundle import log
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig
 from bundle.errors import LaunchError, PeerFailure
-from bundle.launch.membership import EXIT_LEFT, dead_key
+from bundle.launch.heal import Healer
+from bundle.launch.membership import EXIT_LEFT
 from bundle.launch.process import spawned
 from bundle.launch.throttle import NodeQuotas, ThrottleError, cpu_shares
 from bundle.partition import Capture
@@ -157,22 +158,25 @@ def _attempt(
     store = dist.PrefixStore(attempt_prefix(attempt), base)
     step_now = {rank: ctx.Value("q", -1, lock=False) for rank in topo.node_ranks(node)}
     alive = {rank: ctx.Value("d", 0.0, lock=False) for rank in step_now}
-    procs = {
-        rank: ctx.Process(
+
+    def process(rank: int, incarnation: int = 0) -> SpawnProcess:
+        alive[rank].value = 0.0  # a new worker is not watched for beats before its first
+        return ctx.Process(
             target=spawned,
             args=(cfg, topo, rank, topo.local_rank(rank), lc.master_addr, port),
             kwargs=dict(
-                step_now=step,
+                step_now=step_now[rank],
                 attempt=attempt,
                 resume=resume,
                 capture=capture,
                 stop_shared=stop.shared,
                 alive=alive[rank],
+                incarnation=incarnation,
             ),
-            name=f"bundle-rank{rank}",
+            name=f"bundle-rank{rank}" + (f".{incarnation}" if incarnation else ""),
         )
-        for rank, step in step_now.items()
-    }
+
+    procs = {rank: process(rank) for rank in step_now}
     # Emulated slower devices: the supervisor owns its workers' CPU quotas (launch/throttle.py).
     backend = torch_backend(resolve_backend(cfg))
     quotas = NodeQuotas(cpu_shares(topo, procs, backend), f"{port}.{os.getpid()}")
@@ -185,8 +189,19 @@ def _attempt(
         + (f", attempt {attempt + 1}" if attempt else "")
     )
     beats: dict[int, tuple[int, float]] = {}
-    lose = _bundle_loss(topo, store, procs) if lc.fault_tolerance == "bundle" else None
-    stopped_workers = _liveness(procs, alive, topo, lc.timeout, store, lose)
+    healer = None
+    if lc.fault_tolerance == "bundle":
+
+        def start_again(rank: int, incarnation: int) -> SpawnProcess:
+            p = procs[rank] = running[rank] = process(rank, incarnation)
+            p.start()
+            quotas.admit({rank: p.pid})
+            return p
+
+        healer = Healer(topo, node, store, heals=lc.max_restarts, start=start_again)
+    stopped_workers = _liveness(
+        procs, alive, topo, lc.timeout, store, healer.frozen(procs) if healer else None
+    )
     outcome = Outcome(End.FAILED, why="the node supervisor lost its workers")
     try:
         quotas.admit({rank: p.pid for rank, p in procs.items()})
@@ -200,7 +215,8 @@ def _attempt(
                 or read_abort(store)
             ),
             post=lambda message: post_abort(store, message),
-            lose=lose,
+            lose=healer.lose if healer else None,
+            restart=healer.restart if healer else None,
         )
         if outcome.end is not End.FAILED:
             store.set(f"bundle/done/{node}", "1")
@@ -238,6 +254,7 @@ def watch(
     post: Callable[[str], str],
     wait: Callable[[list[int], float], object] = lambda fds, s: wait_sentinels(fds, timeout=s),
     lose: Callable[[int, str], str | None] | None = None,
+    restart: Callable[[int], Mapping[int, Worker]] | None = None,
 ) -> Outcome:
     """Watch this node's workers (rank -> process) until all have exited or the job failed.
 
@@ -247,7 +264,7 @@ def watch(
     failure once there is one (another node's, a stalled heartbeat). Under --fault-tolerance
     bundle, ``lose(rank, what)`` takes a failed worker's bundle out of the job instead (``what``
     is empty for a worker that left with its bundle) and returns the job's failure only when
-    no bundle is left.
+    no bundle is left; ``restart(rank)`` returns the workers started again in its place.
     """
     stop_codes = {exit_code(s) for s in (signal.SIGTERM, signal.SIGINT)}
     live, stopped = dict(procs), 0
@@ -266,6 +283,7 @@ def watch(
                 if lose is not None:  # --fault-tolerance bundle: its bundle leaves, unless all did
                     failed = lose(rank, "" if p.exitcode == EXIT_LEFT else what)
                     if failed is None:
+                        live.update(restart(rank) if restart else {})
                         continue
                     return Outcome(End.FAILED, why=post(failed))
                 return Outcome(End.FAILED, why=post(what))
@@ -313,17 +331,11 @@ def _liveness(
     topo: Topology,
     timeout: float,
     store: dist.Store,
-    lose: Callable[[int, str], str | None] | None = None,
+    report: Callable[[int, str], str | None] | None = None,
 ) -> Callable[[], str | None]:
     """The look at this node's workers' beats that the supervisor takes every poll (``frozen``).
-    Under --fault-tolerance bundle (``lose``) a frozen worker is killed and its bundle leaves."""
-
-    def report(rank: int, message: str) -> str | None:
-        if lose is None:
-            return post_abort(store, message)
-        procs[rank].kill()
-        return lose(rank, message)
-
+    ``report`` (--fault-tolerance bundle) takes a frozen worker out; else its failure is posted."""
+    report = report or (lambda rank, message: post_abort(store, message))
     return unless_paused(
         lambda: frozen(
             procs,
@@ -334,24 +346,6 @@ def _liveness(
         ),
         _FROZEN_MIN_S / 2,
     )
-
-
-def _bundle_loss(
-    topo: Topology, store: dist.Store, procs: Mapping[int, Worker]
-) -> Callable[[int, str], str | None]:
-    """--fault-tolerance bundle: a failed worker's bundle leaves the job. The supervisor marks it
-    in the store (the survivors' agreement waits for no more of it: bundle.launch.membership)
-    and says so; the job fails only once every bundle has left."""
-
-    def lose(rank: int, what: str) -> str | None:
-        bundle = topo.coord(rank).bundle
-        if what and store.compare_set(dead_key(bundle), "", what).decode() in ("", what):
-            log.get().warning(f"bundle {bundle} leaves the job: {what}; the other bundles train on")
-        if all(store.check([dead_key(b)]) for b in range(topo.num_bundles)):
-            return f"every bundle failed (the last: {what or topo.describe(rank)})"
-        return None
-
-    return lose
 
 
 def unless_paused(

@@ -252,18 +252,24 @@ class NodeQuotas:
         self.quotas: dict[int, Quota] = {}
 
     def admit(self, pids: Mapping[int, int | None]) -> None:
-        """Put each throttled rank's process (rank -> pid) under its quota."""
+        """Put each throttled rank's process (rank -> pid) under its quota (a rank's process
+        started again joins the quota its first one had)."""
         if not self.shares:
             return
         found = find()
-        for rank, share in self.shares.items():
-            pid = pids.get(rank)
+        for rank, pid in pids.items():
+            share = self.shares.get(rank)
+            if share is None:
+                continue
             if isinstance(found, str) or pid is None:
                 why = found if isinstance(found, str) else "it has no process"
                 raise ThrottleError(f"rank {rank}: cannot limit it to {share:g} CPU: {why}")
-            quota = self.quotas[rank] = Quota(found, cgroup_name(self.job, rank), share)
+            quota = self.quotas.get(rank)
+            fresh = quota is None
+            if quota is None:
+                quota = self.quotas[rank] = Quota(found, cgroup_name(self.job, rank), share)
             try:
-                quota.create().add(pid)
+                (quota.create() if fresh else quota).add(pid)
             except OSError as exc:
                 raise ThrottleError(
                     f"rank {rank}: cannot limit it to {share:g} CPU in {quota.path}: "

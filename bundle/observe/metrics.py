@@ -128,6 +128,7 @@ class RunFacts:
     # bundles left the job during the run (this attempt).
     bundles: list[int] | None = None
     bundle_failures: int | None = None
+    heals: int | None = None
 
 
 _OPTIONAL = (
@@ -140,6 +141,7 @@ _OPTIONAL = (
     "factory",
     "bundles",
     "bundle_failures",
+    "heals",
 )
 
 

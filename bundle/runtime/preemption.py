@@ -22,7 +22,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch
@@ -73,14 +73,26 @@ class StopRequest:
 class StopVote:
     """The job-wide decision to stop: one small all-reduce per step, overlapped with the step."""
 
-    def __init__(self, request: StopRequest, group: dist.ProcessGroup, timeout: float) -> None:
-        self.request, self.group = request, group
+    def __init__(
+        self,
+        request: StopRequest,
+        group: dist.ProcessGroup,
+        timeout: float,
+        asks: Callable[[], list[int]] | None = None,
+    ) -> None:
+        """``asks``, when given, returns this process's flags (0/1) to agree on in the same
+        all-reduce (bundles ready to join, --fault-tolerance bundle): ``agreed`` says which
+        flags every process raised."""
+        self.request, self.group, self.asks = request, group, asks
         self.timeout = timedelta(seconds=timeout)
-        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.flag = torch.zeros(1 + len(asks()) if asks else 1, dtype=torch.int32)
         self.work: dist.Work | None = None
 
     def begin(self) -> None:
-        self.flag.fill_(self.request.value)
+        self.flag[0] = self.request.value
+        if self.asks is not None:
+            # All-reduced with MAX, as the signal is: negated, each flag's minimum over the job.
+            self.flag[1:] = -torch.tensor(self.asks(), dtype=torch.int32)
         self.work = dist.all_reduce(
             self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True
         )
@@ -90,7 +102,20 @@ class StopVote:
         if self.work is None:
             raise RuntimeError("StopVote.decided() before begin()")
         self.work.wait(self.timeout)
-        return int(self.flag.item())
+        return int(self.flag[0].item())
+
+    def agreed(self) -> list[int]:
+        """After ``decided``: the indices of the flags every process raised this step."""
+        return [i for i, v in enumerate(self.flag[1:].tolist()) if v == -1]
+
+
+class Regroup(Exception):  # noqa: N818 - a change of course, not an error
+    """Raised on every rank after a step when the bundles that train change (bundles taken back
+    in under --fault-tolerance bundle): ``bundles`` join after step ``step``."""
+
+    def __init__(self, bundles: list[int], step: int) -> None:
+        super().__init__(f"bundles {bundles} join after step {step}")
+        self.bundles, self.step = bundles, step
 
 
 class Stopped(Exception):

@@ -1,0 +1,89 @@
+"""A node supervisor's side of ``--fault-tolerance bundle``: a worker that failed takes its bundle
+out of the job (marked in the store, so that no survivor waits for it), and once every one of
+this node's processes of that bundle has exited, they are started again as the bundle's next
+incarnation (``--max-restarts`` times per bundle), which the survivors take back in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from bundle import log
+from bundle.launch.membership import dead_key, healing_key
+from bundle.topology import Topology
+
+# start(rank, incarnation): a new worker for ``rank``, started.
+Start = Callable[[int, int], Any]
+
+
+class Healer:
+    """This node's bundles: their incarnations, the heals left, the workers started again."""
+
+    def __init__(
+        self,
+        topo: Topology,
+        node: int,
+        store: dist.Store,
+        *,
+        heals: int,
+        start: Start,
+    ) -> None:
+        self.topo, self.store, self.start, self.budget = topo, store, start, heals
+        self.local = {
+            b: [r for r in topo.node_ranks(node) if topo.coord(r).bundle == b]
+            for b in {topo.coord(r).bundle for r in topo.node_ranks(node)}
+        }
+        self.incarnation = dict.fromkeys(self.local, 0)
+        self.healed = dict.fromkeys(self.local, 0)
+        self.exited: dict[int, set[int]] = {b: set() for b in self.local}
+
+    def lose(self, rank: int, what: str) -> str | None:
+        """A worker exited non-zero (``what`` says how; empty: it left with its bundle). Returns
+        the job's failure, or None while some bundle may still train."""
+        bundle = self.topo.coord(rank).bundle
+        self.exited[bundle].add(rank)
+        key = dead_key(bundle, self.incarnation[bundle])
+        if what and self.store.compare_set(key, "", what).decode() in ("", what):
+            log.get().warning(f"bundle {bundle} leaves the job: {what}; the other bundles train on")
+        everyone = range(self.topo.num_bundles)
+        if self.budget == 0 and all(self.store.check([dead_key(b)]) for b in everyone):
+            return f"every bundle failed (the last: {what or self.topo.describe(rank)})"
+        return None
+
+    def frozen(self, procs: Mapping[int, Any]) -> Callable[[int, str], str | None]:
+        """What the supervisor does with a worker that stopped responding: kill it, then lose it."""
+
+        def report(rank: int, message: str) -> str | None:
+            procs[rank].kill()
+            return self.lose(rank, message)
+
+        return report
+
+    def restart(self, rank: int) -> dict[int, Any]:
+        """After ``rank`` was lost: its bundle's workers on this node, started again once all of
+        them have exited and heals are left (rank -> worker), else none."""
+        bundle = self.topo.coord(rank).bundle
+        if self.exited[bundle] != set(self.local[bundle]):
+            return {}
+        self.exited[bundle] = set()
+        if self.healed[bundle] >= self.budget:
+            if self.budget:
+                log.get().warning(
+                    f"bundle {bundle} failed again after {self.healed[bundle]} heal(s) "
+                    f"(--max-restarts {self.budget}): it stays out of the job"
+                )
+            return {}
+        self.healed[bundle] += 1
+        self.incarnation[bundle] += 1
+        inc = self.incarnation[bundle]
+        self.store.set(healing_key(bundle), str(inc))
+        started = {r: self.start(r, inc) for r in self.local[bundle]}
+        log.get().info(
+            f"bundle {bundle}: ranks {', '.join(map(str, started))} started again "
+            f"(heal {self.healed[bundle]} of {self.budget}; pids "
+            f"{', '.join(str(p.pid) for p in started.values())})"
+        )
+        return started
