@@ -1,5 +1,6 @@
-"""Which bundles train on after a failure (bundle.launch.membership), agreed through a store: the
-processes of three bundles of shape 1,1 check in from threads, as they would after a failure."""
+"""Which bundles train on after a failure and which rejoin (bundle.launch.membership), agreed
+through a store: the processes of three bundles of shape 1,1 check in from threads, as they would
+after a failure."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch.distributed as dist
 
 from bundle.errors import PeerFailure
 from bundle.launch.membership import (
+    DONE_KEY,
     BundleLeft,
     Membership,
     TooFewBundles,
     dead_key,
+    healing_key,
     is_peer_loss,
 )
 from bundle.topology import Topology
@@ -101,3 +104,42 @@ def test_a_kept_layout_keeps_each_bundle_s_ranks_devices_and_rows(members):
                     assert kept.global_rows(k, m, s, r) == job.global_rows(b, m, s, r)
     assert job.keep((0, 1, 2)) is job
     assert kept.keep((len(members) - 1,)).members == (members[-1],)  # from a kept layout
+
+
+def test_a_new_incarnation_is_seen_ready_taken_in_and_told_where_to_start():
+    store = _store()
+    store.set(dead_key(1), "gone")
+    survivors = {r: Membership(store, JOB, r, 5.0) for r in (0, 1, 4, 5)}
+    out = _agree(store, [0, 1, 4, 5])
+    assert out[0] == (0, 2)
+    for m in survivors.values():  # as agree left them
+        m.epoch, m.members, m.failures = 1, (0, 2), 1
+    healing = {r: Membership(store, JOB, r, 5.0, incarnation=1) for r in (2, 3)}
+    store.set(healing_key(1), "1")
+    assert survivors[0].joining() == [0, 0, 0]  # none has checked in yet
+    got: dict[int, int] = {}
+    threads = [
+        threading.Thread(target=lambda r=r: got.update({r: healing[r].ask_to_join(10.0)}))
+        for r in healing
+    ]
+    for t in threads:
+        t.start()
+    while survivors[0].joining() != [0, 1, 0]:  # both new processes have checked in
+        pass
+    for m in survivors.values():
+        m.admit([1], 57)
+    for t in threads:
+        t.join(10)
+    assert got == {2: 57, 3: 57}
+    for m in [*survivors.values(), *healing.values()]:
+        assert (m.epoch, m.members, m.incs) == (2, (0, 1, 2), {0: 0, 1: 1, 2: 0})
+    assert survivors[0].heals == 1 and healing[3].my_rank == 3
+    # The new incarnation fails: its bundle is dead again under its own key, not the old one's.
+    assert healing[2].leave().args[0] == "bundle 1 left the job at epoch 2"
+    assert store.check([dead_key(1, 1)])
+
+
+def test_a_process_waiting_to_join_a_finished_run_goes_home():
+    store = _store()
+    store.set(DONE_KEY, "1")
+    assert Membership(store, JOB, 2, 5.0, incarnation=1).ask_to_join(5.0) == -1

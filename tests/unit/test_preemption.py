@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 
 import torch
+import torch.distributed as dist
 
 from bundle.runtime import preemption
 from bundle.runtime.preemption import StopRequest, StopVote
@@ -56,3 +57,14 @@ def test_the_vote_carries_the_strongest_signal(monkeypatch):
     for v in votes:
         v.begin()
     assert {v.decided() for v in votes} == {max(signal.SIGINT, signal.SIGTERM)}
+
+
+def test_the_stop_vote_agrees_on_the_flags_every_process_raised():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        vote = StopVote(StopRequest(), dist.group.WORLD, 5.0, asks=lambda: [0, 1, 0])
+        vote.begin()
+        assert vote.decided() == 0 and vote.agreed() == [1]
+    finally:
+        dist.destroy_process_group()
