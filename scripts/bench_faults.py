@@ -1,0 +1,186 @@
+"""Benchmark a lost bundle: what a fault costs under ``--fault-tolerance bundle`` (the bundle
+leaves, heals and rejoins) against ``--fault-tolerance restart`` (the whole job restarts from its
+newest checkpoint), and against the same run uninterrupted.
+
+    python scripts/bench_faults.py                    # SIGKILL a worker of bundle 1 (~2 min)
+    python scripts/bench_faults.py --fault stop       # SIGSTOP it instead (a frozen process)
+    python scripts/bench_faults.py --json faults.json
+
+Three bundles of shape ``1,1`` (six processes, gloo), ``mlp`` on digits, batch 48, one
+``main.py`` at a time. Once the run has logged step ``--fault-at``, rank 3 (bundle 1, stage 1)
+gets the signal; the times are read from each process's console lines as they arrive:
+
+- ``to_next_step_s``: from the signal to the first step logged after it (the survivors');
+- ``to_rejoin_s`` (bundle): from the signal until the healed bundle trains again;
+- ``steps_redone`` (restart): steps trained twice, from the checkpoint to the fault;
+- samples/s over the logged windows before, while the bundle is missing, and after it rejoined;
+- the final validation accuracy of each run, the uninterrupted ones' beside them;
+- ``bundle_vs_restart_uninterrupted``: samples/s of the two modes when nothing fails (what the
+  per-step commit vote costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bundle.launch.localworld import free_port  # noqa: E402
+
+BASE = [
+    "--model", "mlp", "--dataset", "digits", "--bundle-shape", "1,1", "--num-bundle", "3",
+    "--batch-size", "48", "--log-every", "10", "--timeout", "10",
+]  # fmt: skip
+VICTIM = 3  # rank 3: bundle 1, stage 1
+STEP = re.compile(r"step (\d+)/\d+ .* ([\d.]+) samples/s")
+
+
+@dataclass
+class Run:
+    """One main.py run: its console lines with the time each arrived, its summary."""
+
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+    fault_at: float | None = None
+    code: int | None = None
+
+    def first(self, pattern: str, after: float = 0.0) -> float | None:
+        return next((t for t, line in self.lines if t > after and re.search(pattern, line)), None)
+
+    def steps(self) -> list[tuple[float, int]]:
+        return [(t, int(m.group(1))) for t, line in self.lines if (m := STEP.search(line))]
+
+
+def run(mode: str, steps: int, fault: str | None, fault_at: int, workdir: Path) -> Run:
+    args = [*BASE, "--itr", str(steps), "--fault-tolerance", mode, "--max-restarts", "1"]
+    if mode == "restart":
+        args += ["--save-dir", str(workdir / f"ckpt-{fault}"), "--save-every", "100"]
+    cmd = [sys.executable, str(ROOT / "main.py"), *args, "--portNum", str(free_port())]
+    out = Run()
+    clock = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    pids: list[int] = []
+
+    def read(stream) -> None:
+        for line in stream:
+            now = time.monotonic() - clock
+            out.lines.append((now, line.rstrip()))
+            m = re.search(r"started ranks 0\.\.\d+ \(pids ([\d, ]+)\)", line)
+            if m and not pids:  # the first attempt's: the one the fault hits
+                pids[:] = [int(p) for p in m.group(1).split(", ")]
+            if line.startswith("{"):
+                out.summary = json.loads(line)
+            m = STEP.search(line)
+            if fault and out.fault_at is None and m and int(m.group(1)) >= fault_at and pids:
+                sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+                os.kill(pids[VICTIM], sig)
+                out.fault_at = time.monotonic() - clock
+
+    readers = [threading.Thread(target=read, args=(s,)) for s in (proc.stdout, proc.stderr)]
+    for r in readers:
+        r.start()
+    try:
+        out.code = proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for r in readers:
+            r.join(10)
+        if fault == "stop" and pids:  # a stopped worker its supervisor did not kill: ours
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[VICTIM], signal.SIGKILL)
+    return out
+
+
+def rate(
+    points: list[tuple[float, int]], start: float, stop: float, batch: int = 48
+) -> float | None:
+    """Samples/s between the first and the last logged step inside ``[start, stop]``."""
+    inside = [(t, s) for t, s in points if start <= t <= stop]
+    if len(inside) < 2 or inside[-1][0] == inside[0][0]:
+        return None
+    (t0, s0), (t1, s1) = inside[0], inside[-1]
+    return round((s1 - s0) * batch / (t1 - t0), 1)
+
+
+def report(name: str, r: Run) -> dict:
+    fault = r.fault_at or 0.0
+    points = r.steps()
+    after = [(t, s) for t, s in points if t > fault]
+    out: dict = {
+        "exit_code": r.code,
+        "val_accuracy": r.summary.get("val_accuracy"),
+        "bundle_failures": r.summary.get("bundle_failures"),
+        "heals": r.summary.get("heals"),
+        "attempt": r.summary.get("attempt"),
+    }
+    if r.fault_at is None:
+        out["samples_per_s"] = rate(points, 0.0, float("inf"))
+        return out
+    out["to_next_step_s"] = round(after[0][0] - fault, 2) if after else None
+    before = [s for t, s in points if t <= fault]
+    out["samples_per_s_before"] = rate(points, 0.0, fault)
+    rejoin = r.first(r"rejoin after step", fault)
+    if rejoin is not None:
+        out["to_rejoin_s"] = round(rejoin - fault, 2)
+        out["samples_per_s_missing"] = rate(points, fault, rejoin)
+        out["samples_per_s_after"] = rate(points, rejoin, float("inf"))
+    else:
+        out["samples_per_s_after"] = rate(points, fault, float("inf"))
+    if name == "restart" and after and before:
+        out["steps_redone"] = max(before) - after[0][1] + 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--fault", choices=("kill", "stop"), default="kill")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--fault-at", type=int, default=300, help="the step after which to signal")
+    p.add_argument("--json", help="write the report here too")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {
+            "uninterrupted_restart": run("restart", a.steps, None, 0, Path(tmp)),
+            "uninterrupted": run("bundle", a.steps, None, 0, Path(tmp)),
+            "bundle": run("bundle", a.steps, a.fault, a.fault_at, Path(tmp)),
+            "restart": run("restart", a.steps, a.fault, a.fault_at, Path(tmp)),
+        }
+    result = {
+        "command": "python scripts/bench_faults.py " + " ".join(argv or sys.argv[1:]),
+        "fault": a.fault,
+        "steps": a.steps,
+        "fault_at_step": a.fault_at,
+        "cpus": os.cpu_count(),
+        **{name: report(name, r) for name, r in runs.items()},
+    }
+    plain, voted = result["uninterrupted_restart"], result["uninterrupted"]
+    if plain.get("samples_per_s") and voted.get("samples_per_s"):
+        # What the per-step commit vote and join check cost while nothing fails.
+        result["bundle_vs_restart_uninterrupted"] = round(
+            voted["samples_per_s"] / plain["samples_per_s"], 3
+        )
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(text + "\n")
+    return 0 if all(r.code == 0 for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
