@@ -247,11 +247,13 @@ OPTIONS: tuple[Option, ...] = (
            help="copy the state to memory and write checkpoints while training goes on"),
     Option(CKPT, "--max-restarts", "launch.max_restarts", metavar="N",
            help="when a process or node fails, "
-                "restart the whole job from the newest checkpoint up to N times"),
+                "restart the whole job from the newest checkpoint up to N times; under "
+                "--fault-tolerance bundle also start a lost bundle again up to N times"),
     Option(CKPT, "--fault-tolerance", "launch.fault_tolerance", choices=C.FAULT_TOLERANCE,
            help="restart: any failure stops the job (then --max-restarts); bundle: a failed "
-                "bundle leaves and the others train on, each step's gradient the mean over the "
-                "bundles that took part (not exact while one is missing; docs/fault-tolerance.md)"),
+                "bundle leaves, the others train on, and it rejoins when started again "
+                "(--max-restarts); each step's gradient is the mean over the bundles that took "
+                "part (not exact while one is missing; docs/fault-tolerance.md)"),
     Option(CKPT, "--min-bundles", "launch.min_bundles", metavar="N",
            help="--fault-tolerance bundle: the job fails when fewer than N bundles remain"),
 
