@@ -71,6 +71,7 @@ def build_session(
     *,
     arrive: Callable[[str], None] | None = None,
     capture: Capture | None = None,
+    abort: Callable[[], str | None] | None = None,
 ) -> Session:
     """Build this rank's stage, groups, gradient sync, transport, optimizer and engine.
 
@@ -78,10 +79,15 @@ def build_session(
     the same point, so uneven start-up is never charged to the per-operation ``--timeout``.
     Under nccl-emu the rank's ``device`` is the emulated GPU (bundle.engine.device_audit).
     ``capture``: the model's graph split made by the launch's checks (None: cut here).
+    ``abort``: under nccl-emu, asked while a call waits (bundle.engine.nccl_emu.Emulator).
     """
     arrive = arrive or (lambda name: None)
     backend = resolve_backend(cfg)
-    emu = nccl_emu.for_session(cfg.launch, rank, topo.describe) if backend == "nccl-emu" else None
+    emu = (
+        nccl_emu.for_session(cfg.launch, rank, topo.describe, abort)
+        if backend == "nccl-emu"
+        else None
+    )
     if emu is not None:
         device = device_audit.MARK
     comm: Comm = emu if emu is not None else Collectives()

@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from bundle.engine import device_audit
 from bundle.engine.device_audit import DeviceAudit
+from bundle.errors import PeerFailure
 
 _POLL_FIRST_S, _POLL_MAX_S = 5e-5, 2e-3
 _TAG_MOD = 2**31 - 1
@@ -235,9 +236,13 @@ class Emulator:
         strict: bool = False,
         audit: DeviceAudit | None = None,
         name_rank: Callable[[int], str] = _rank,
+        abort: Callable[[], str | None] | None = None,
     ) -> None:
         self.store, self.rank, self.timeout, self.eager_bytes = store, rank, timeout, eager_bytes
         self.strict, self.audit, self.name_rank = strict, audit, name_rank
+        # Asked while a call waits for its partners: a reason ends the wait at once, as NCCL's
+        # communicator abort does (--fault-tolerance bundle: this process's bundle has left).
+        self.abort = abort
         name = "one-at-a-time (every communicator)" if strict else "world (point-to-point)"
         self._p2p = _Stream(name, rank, timeout, name_rank)
         self._groups: dict[object, _Stream] = {}
@@ -292,6 +297,8 @@ class Emulator:
                     still.append(op)
             waiting = still
             if waiting:
+                if self.abort is not None and (why := self.abort()):
+                    raise PeerFailure(f"aborted at {call.describe()}: {why}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"stuck {self.timeout:.0f}s at {call.describe()}")
                 time.sleep(pause)
@@ -441,7 +448,12 @@ def _stop(p2p: _Stream, groups: dict) -> None:
 _sessions = itertools.count()
 
 
-def for_session(launch, rank: int, name_rank: Callable[[int], str] = _rank) -> Emulator:
+def for_session(
+    launch,
+    rank: int,
+    name_rank: Callable[[int], str] = _rank,
+    abort: Callable[[], str | None] | None = None,
+) -> Emulator:
     """The emulation for one training session of this process, on the job's store.
 
     Every process builds its sessions in the same order, so the n-th session's keys are the same
@@ -458,4 +470,5 @@ def for_session(launch, rank: int, name_rank: Callable[[int], str] = _rank) -> E
         strict=launch.emu_strict,
         audit=device_audit.install(),
         name_rank=name_rank,
+        abort=abort,
     )

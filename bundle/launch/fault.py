@@ -136,6 +136,7 @@ def train_on(
                 device,
                 arrive=_arrive_in(arrive, layout, prefix),
                 capture=capture,
+                abort=members.gone,
             )
             if fresh:
                 phase.enter("start-up: a bundle rejoins, its state sent from a peer")

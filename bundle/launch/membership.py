@@ -98,6 +98,11 @@ class Membership:
     def bundle(self) -> int:
         return self.job.coord(self.rank).bundle
 
+    def gone(self) -> str | None:
+        """Why this process's bundle has left (a process of it failed), or None."""
+        key = dead_key(self.bundle, self.incarnation)
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
     def leave(self) -> BundleLeft:
         """This process leaves with its bundle: marked, so that no one waits for it."""
         self.store.compare_set(
