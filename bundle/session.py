@@ -83,11 +83,9 @@ def build_session(
     """
     arrive = arrive or (lambda name: None)
     backend = resolve_backend(cfg)
-    emu = (
-        nccl_emu.for_session(cfg.launch, rank, topo.describe, abort)
-        if backend == "nccl-emu"
-        else None
-    )
+    emu = None
+    if backend == "nccl-emu":
+        emu = nccl_emu.for_session(cfg.launch, rank, topo.describe, abort)
     if emu is not None:
         device = device_audit.MARK
     comm: Comm = emu if emu is not None else Collectives()

@@ -4,11 +4,12 @@ newest checkpoint), and against the same run uninterrupted.
 
     python scripts/bench_faults.py                    # SIGKILL a worker of bundle 1 (~2 min)
     python scripts/bench_faults.py --fault stop       # SIGSTOP it instead (a frozen process)
-    python scripts/bench_faults.py --json faults.json
+    python scripts/bench_faults.py --shape 2,1 --bundles 2 --json faults.json
 
-Three bundles of shape ``1,1`` (six processes, gloo), ``mlp`` on digits, batch 48, one
-``main.py`` at a time. Once the run has logged step ``--fault-at``, rank 3 (bundle 1, stage 1)
-gets the signal; the times are read from each process's console lines as they arrive:
+Three bundles of shape ``1,1`` (six processes, gloo; ``--shape``, ``--bundles``), ``mlp`` on
+digits, batch 48, one ``main.py`` at a time. Once the run has logged step ``--fault-at``, replica 0
+of bundle 1's last stage (rank 3) gets the signal; the times are read from the console lines as
+they arrive:
 
 - ``to_next_step_s``: from the signal to the first step logged after it (the survivors');
 - ``to_rejoin_s`` (bundle): from the signal until the healed bundle trains again;
@@ -41,10 +42,9 @@ sys.path.insert(0, str(ROOT))
 from bundle.launch.localworld import free_port  # noqa: E402
 
 BASE = [
-    "--model", "mlp", "--dataset", "digits", "--bundle-shape", "1,1", "--num-bundle", "3",
-    "--batch-size", "48", "--log-every", "10", "--timeout", "10",
+    "--model", "mlp", "--dataset", "digits", "--batch-size", "48", "--log-every", "10",
+    "--timeout", "10",
 ]  # fmt: skip
-VICTIM = 3  # rank 3: bundle 1, stage 1
 STEP = re.compile(r"step (\d+)/\d+ .* ([\d.]+) samples/s")
 
 
@@ -64,8 +64,16 @@ class Run:
         return [(t, int(m.group(1))) for t, line in self.lines if (m := STEP.search(line))]
 
 
-def run(mode: str, steps: int, fault: str | None, fault_at: int, workdir: Path) -> Run:
-    args = [*BASE, "--itr", str(steps), "--fault-tolerance", mode, "--max-restarts", "1"]
+def victim(shape: str) -> int:
+    """Replica 0 of the last stage of bundle 1: the rank the fault hits."""
+    widths = [int(w) for w in shape.split(",")]
+    return sum(widths) + sum(widths[:-1])
+
+
+def run(
+    mode: str, layout: list[str], steps: int, fault: str | None, fault_at: int, workdir: Path
+) -> Run:
+    args = [*BASE, *layout, "--itr", str(steps), "--fault-tolerance", mode, "--max-restarts", "1"]
     if mode == "restart":
         args += ["--save-dir", str(workdir / f"ckpt-{fault}"), "--save-every", "100"]
     cmd = [sys.executable, str(ROOT / "main.py"), *args, "--portNum", str(free_port())]
@@ -88,7 +96,7 @@ def run(mode: str, steps: int, fault: str | None, fault_at: int, workdir: Path) 
             m = STEP.search(line)
             if fault and out.fault_at is None and m and int(m.group(1)) >= fault_at and pids:
                 sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
-                os.kill(pids[VICTIM], sig)
+                os.kill(pids[victim(layout[1])], sig)
                 out.fault_at = time.monotonic() - clock
 
     readers = [threading.Thread(target=read, args=(s,)) for s in (proc.stdout, proc.stderr)]
@@ -103,7 +111,7 @@ def run(mode: str, steps: int, fault: str | None, fault_at: int, workdir: Path) 
             r.join(10)
         if fault == "stop" and pids:  # a stopped worker its supervisor did not kill: ours
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pids[VICTIM], signal.SIGKILL)
+                os.kill(pids[victim(layout[1])], signal.SIGKILL)
     return out
 
 
@@ -152,18 +160,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault", choices=("kill", "stop"), default="kill")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--fault-at", type=int, default=300, help="the step after which to signal")
+    p.add_argument("--shape", default="1,1", help="--bundle-shape of the runs")
+    p.add_argument("--bundles", type=int, default=3, help="--num-bundle of the runs")
     p.add_argument("--json", help="write the report here too")
     a = p.parse_args(argv)
+    layout = ["--bundle-shape", a.shape, "--num-bundle", str(a.bundles)]
     with tempfile.TemporaryDirectory() as tmp:
         runs = {
-            "uninterrupted_restart": run("restart", a.steps, None, 0, Path(tmp)),
-            "uninterrupted": run("bundle", a.steps, None, 0, Path(tmp)),
-            "bundle": run("bundle", a.steps, a.fault, a.fault_at, Path(tmp)),
-            "restart": run("restart", a.steps, a.fault, a.fault_at, Path(tmp)),
+            "uninterrupted_restart": run("restart", layout, a.steps, None, 0, Path(tmp)),
+            "uninterrupted": run("bundle", layout, a.steps, None, 0, Path(tmp)),
+            "bundle": run("bundle", layout, a.steps, a.fault, a.fault_at, Path(tmp)),
+            "restart": run("restart", layout, a.steps, a.fault, a.fault_at, Path(tmp)),
         }
     result = {
         "command": "python scripts/bench_faults.py " + " ".join(argv or sys.argv[1:]),
         "fault": a.fault,
+        "shape": a.shape,
+        "bundles": a.bundles,
+        "fault_rank": victim(a.shape),
         "steps": a.steps,
         "fault_at_step": a.fault_at,
         "cpus": os.cpu_count(),

@@ -114,90 +114,132 @@ def train_on(
         min_bundles=cfg.launch.min_bundles,
         incarnation=incarnation,
     )
-    carried: Carried | None = None
-    fresh: tuple[int, ...] = ()  # bundles whose processes start this epoch without the state
+    epochs = _Epochs(cfg, members, phase, join, arrive)
+    epochs.trainer_args = dict(attempt=attempt, stop=stop, store=store, step_now=step_now)
+    epochs.resume, epochs.capture = resume, capture
     if incarnation:
         phase.enter("start-up: waiting to be taken back in")
         if members.ask_to_join(cfg.launch.init_timeout) < 0:
             log.get().info(f"bundle {members.bundle}: training ended before it could rejoin")
             return None
-        fresh = (members.bundle,)
+        epochs.fresh = (members.bundle,)
     while True:
-        layout, me, prefix = members.layout, members.my_rank, members.prefix()
+        done, summary = epochs.run()
+        if done:
+            return summary
+
+
+class _Epochs:
+    """One process's epochs: each builds a session for the members, trains until the end, a
+    failure or a rejoin, and keeps the stage's state for the next."""
+
+    def __init__(
+        self, cfg: RunConfig, members: Membership, phase: Phase, join: Join, arrive: Arrive
+    ) -> None:
+        self.cfg, self.members, self.phase, self.join, self.arrive = (
+            cfg,
+            members,
+            phase,
+            join,
+            arrive,
+        )
+        self.carried: Carried | None = None
+        self.fresh: tuple[int, ...] = ()  # bundles that start this epoch without the state
+        self.trainer_args: dict[str, Any] = {}
+        self.resume: str | None = None
+        self.capture: Capture | None = None
+
+    def run(self) -> tuple[bool, Summary | None]:
+        """One epoch; returns (whether training is over, the summary)."""
         session: Session | None = None
         trainer: Trainer | None = None
         try:
-            phase.enter("start-up")
-            device = join(layout, me, prefix)
-            session = build_session(
-                cfg,
-                layout,
-                me,
-                device,
-                arrive=_arrive_in(arrive, layout, prefix),
-                capture=capture,
-                abort=members.gone,
-            )
-            if fresh:
-                phase.enter("start-up: a bundle rejoins, its state sent from a peer")
-                carried = share_state(session, layout, carried, fresh)
-            trainer = build_trainer(
-                cfg,
-                layout,
-                me,
-                session,
-                phase=phase,
-                attempt=attempt,
-                resume=resume if carried is None else None,
-                start=carried.step if carried is not None else None,
-                stop=stop,
-                store=store,
-                step_now=step_now,
-                asks=members.joining,
-            )
-            if carried is not None:
-                carried.load(session, trainer)
-            if fresh:
-                same_everywhere(session, layout)
-                fresh = ()
-            trainer.bundle_failures, trainer.heals = members.failures, members.heals
-            session.engine.commit = commit_vote(session.groups.control, cfg.launch.timeout)
-            phase.follow(session.engine)
+            session, trainer = self._build()
             summary = trainer.train()
             session.comm.barrier()
-            store.set(DONE_KEY, "1")
-            return summary
+            self.members.store.set(DONE_KEY, "1")
+            return True, summary
         except Regroup as regroup:
             assert session is not None and trainer is not None  # noqa: S101 - raised by train()
-            carried, fresh = Carried.of(session, trainer), tuple(regroup.bundles)
+            self.carried = Carried.of(session, trainer)
             session = trainer = None
-            _drop(phase, ended=False)
-            members.admit(regroup.bundles, carried.step)
-            log.get().info(
-                f"bundle(s) {', '.join(map(str, fresh))} rejoin after step {carried.step}: "
-                f"bundles {', '.join(map(str, members.members))} train on"
-            )
-            continue
+            self._rejoin(regroup.bundles)
+            return False, None
         except BaseException as exc:  # noqa: BLE001 - sorted below: a peer lost, or our own fault
             if not is_peer_loss(exc):
                 raise
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         # The state: the trainer's where this epoch's was loaded, else the one brought into it.
         if session is not None and trainer is not None:
-            carried = Carried.of(session, trainer)
+            self.carried = Carried.of(session, trainer)
         session = trainer = None
-        _drop(phase, ended=True)
-        if carried is None:  # a new incarnation that never received its state
-            raise members.leave()
-        phase.enter("start-up: the bundles that train on agree")
-        was = members.members
-        members.agree(carried.step)
-        fresh = ()
-        lost = sorted(set(was) - set(members.members))
+        self._after_failure(why)
+        return False, None
+
+    def _build(self) -> tuple[Session, Trainer]:
+        cfg, members, phase = self.cfg, self.members, self.phase
+        layout, me, prefix = members.layout, members.my_rank, members.prefix()
+        phase.enter("start-up")
+        device = self.join(layout, me, prefix)
+        session = build_session(
+            cfg,
+            layout,
+            me,
+            device,
+            arrive=_arrive_in(self.arrive, layout, prefix),
+            capture=self.capture,
+            abort=members.gone,
+        )
+        if self.fresh:
+            phase.enter("start-up: a bundle rejoins, its state sent from a peer")
+            self.carried = share_state(session, layout, self.carried, self.fresh)
+        carried = self.carried
+        trainer = build_trainer(
+            cfg,
+            layout,
+            me,
+            session,
+            phase=phase,
+            resume=self.resume if carried is None else None,
+            start=carried.step if carried is not None else None,
+            asks=members.joining,
+            **self.trainer_args,
+        )
+        if carried is not None:
+            carried.load(session, trainer)
+        if self.fresh:
+            same_everywhere(session, layout)
+            self.fresh = ()
+        trainer.bundle_failures, trainer.heals = members.failures, members.heals
+        session.engine.commit = commit_vote(session.groups.control, cfg.launch.timeout)
+        phase.follow(session.engine)
+        return session, trainer
+
+    def _rejoin(self, bundles: list[int]) -> None:
+        """After the step the members agreed ``bundles`` join at: the next epoch takes them in."""
+        assert self.carried is not None  # noqa: S101 - a rejoin follows a step trained
+        _drop(self.phase, ended=False)
+        self.members.admit(bundles, self.carried.step)
+        self.fresh = tuple(bundles)
+        log.get().info(
+            f"bundle(s) {', '.join(map(str, bundles))} rejoin after step {self.carried.step}: "
+            f"bundles {', '.join(map(str, self.members.members))} train on"
+        )
+
+    def _after_failure(self, why: str) -> None:
+        """A peer was lost: agree which bundles train on (this one leaves if it is not one)."""
+        _drop(self.phase, ended=True)
+        if self.carried is None:  # a new incarnation that never received its state
+            raise self.members.leave()
+        self.phase.enter("start-up: the bundles that train on agree")
+        was = self.members.members
+        self.members.agree(self.carried.step)
+        self.fresh = ()
+        lost = sorted(set(was) - set(self.members.members))
         log.get().warning(
-            f"bundle(s) {', '.join(map(str, lost)) or 'none'} left after {carried.step} step(s) "
-            f"({why}); bundles {', '.join(map(str, members.members))} train on from step "
-            f"{carried.step + 1}"
+            f"bundle(s) {', '.join(map(str, lost)) or 'none'} left after {self.carried.step} "
+            f"step(s) ({why}); bundles {', '.join(map(str, self.members.members))} train on "
+            f"from step {self.carried.step + 1}"
         )
 
 

@@ -153,29 +153,12 @@ def _attempt(
     """Run one attempt of this node's workers until they are done, stopped, or one failed;
     ``start``: the checkpoint they resume from and the model's graph split (``supervise``)."""
     lc = cfg.launch
-    resume, capture = start
     node = lc.node_rank
     store = dist.PrefixStore(attempt_prefix(attempt), base)
     step_now = {rank: ctx.Value("q", -1, lock=False) for rank in topo.node_ranks(node)}
     alive = {rank: ctx.Value("d", 0.0, lock=False) for rank in step_now}
 
-    def process(rank: int, incarnation: int = 0) -> SpawnProcess:
-        alive[rank].value = 0.0  # a new worker is not watched for beats before its first
-        return ctx.Process(
-            target=spawned,
-            args=(cfg, topo, rank, topo.local_rank(rank), lc.master_addr, port),
-            kwargs=dict(
-                step_now=step_now[rank],
-                attempt=attempt,
-                resume=resume,
-                capture=capture,
-                stop_shared=stop.shared,
-                alive=alive[rank],
-                incarnation=incarnation,
-            ),
-            name=f"bundle-rank{rank}" + (f".{incarnation}" if incarnation else ""),
-        )
-
+    process = _factory(cfg, topo, port, ctx, attempt, start, stop, step_now, alive)
     procs = {rank: process(rank) for rank in step_now}
     # Emulated slower devices: the supervisor owns its workers' CPU quotas (launch/throttle.py).
     backend = torch_backend(resolve_backend(cfg))
@@ -234,6 +217,40 @@ def _attempt(
         running.clear()
         quotas.release()
     return outcome
+
+
+def _factory(
+    cfg: RunConfig,
+    topo: Topology,
+    port: int,
+    ctx: SpawnContext,
+    attempt: int,
+    start: tuple[str | None, Capture | None],
+    stop: StopRequest,
+    step_now: Mapping[int, Any],
+    alive: Mapping[int, Any],
+) -> Callable[..., SpawnProcess]:
+    """``process(rank, incarnation=0)``: a new (unstarted) worker for one of this node's ranks."""
+    lc, (resume, capture) = cfg.launch, start
+
+    def process(rank: int, incarnation: int = 0) -> SpawnProcess:
+        alive[rank].value = 0.0  # a new worker is not watched for beats before its first
+        return ctx.Process(
+            target=spawned,
+            args=(cfg, topo, rank, topo.local_rank(rank), lc.master_addr, port),
+            kwargs=dict(
+                step_now=step_now[rank],
+                attempt=attempt,
+                resume=resume,
+                capture=capture,
+                stop_shared=stop.shared,
+                alive=alive[rank],
+                incarnation=incarnation,
+            ),
+            name=f"bundle-rank{rank}" + (f".{incarnation}" if incarnation else ""),
+        )
+
+    return process
 
 
 class Worker(Protocol):
