@@ -309,7 +309,14 @@ def build_trainer(
         evaluator=evaluator,
         reporter=reporter,
         profiler=observe.make_profiler(cfg, rank, device),
-        vote=StopVote(stop or StopRequest(), session.groups.control, cfg.launch.timeout, asks),
+        # Under --fault-tolerance bundle (``asks``) the vote is cast at the engine's commit.
+        vote=StopVote(
+            stop or StopRequest(),
+            session.groups.control,
+            cfg.launch.timeout,
+            asks,
+            at_commit=asks is not None,
+        ),
         phase=phase,
         store=store,
         step_now=step_now,

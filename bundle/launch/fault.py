@@ -1,8 +1,8 @@
 """One process's training under ``--fault-tolerance bundle``: a world per membership epoch.
 
-While every bundle trains, this is the ordinary run plus one vote per step: after the gradient
-sync and before the optimizer steps, every process of the job meets in one small all-reduce on
-the control group (``commit_vote``). A step is thereby taken by all or by none: a process that
+While every bundle trains, this is the ordinary run but for its stop vote: instead of overlapping
+the step, it is cast after the gradient sync and waited for before the optimizer steps, so every
+process of the job meets there (one small all-reduce on the control group). A step is thereby taken by all or by none: a process that
 fails before the vote leaves every other one without the vote, so no one steps. When a step
 fails because a peer went away, this process keeps its stage's state in memory (``Carried``),
 drops every group of the epoch, agrees with the others which bundles train on
@@ -17,7 +17,6 @@ import gc
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -73,18 +72,6 @@ class Carried:
 def _arrive_in(arrive: Arrive, layout: Topology, prefix: str) -> Callable[[str], None]:
     """The session's start-up meetings, among the processes of ``layout``, under ``prefix``."""
     return lambda name: arrive(layout, f"{prefix}/{name}")
-
-
-def commit_vote(group: dist.ProcessGroup, timeout: float) -> Callable[[int], None]:
-    """The engine's vote before its optimizer steps: returns once every process of the job has
-    finished its gradient sync; raises (a peer loss) when one cannot."""
-    flag = torch.ones(1)
-    wait = timedelta(seconds=timeout)
-
-    def vote(step: int) -> None:
-        dist.all_reduce(flag, group=group, async_op=True).wait(wait)
-
-    return vote
 
 
 def train_on(
@@ -211,7 +198,7 @@ class _Epochs:
             same_everywhere(session, layout)
             self.fresh = ()
         trainer.bundle_failures, trainer.heals = members.failures, members.heals
-        session.engine.commit = commit_vote(session.groups.control, cfg.launch.timeout)
+        session.engine.commit = trainer.vote.commit  # the stop vote, cast at the commit
         phase.follow(session.engine)
         return session, trainer
 

@@ -71,7 +71,12 @@ class StopRequest:
 
 
 class StopVote:
-    """The job-wide decision to stop: one small all-reduce per step, overlapped with the step."""
+    """The job-wide decision to stop: one small all-reduce per step, overlapped with the step.
+
+    ``at_commit`` (--fault-tolerance bundle): cast instead between the gradient sync and the
+    optimizer step, and waited for there (``commit``, the engine's commit hook): the same
+    all-reduce is then the vote that lets every process take the step, or none.
+    """
 
     def __init__(
         self,
@@ -79,16 +84,29 @@ class StopVote:
         group: dist.ProcessGroup,
         timeout: float,
         asks: Callable[[], list[int]] | None = None,
+        *,
+        at_commit: bool = False,
     ) -> None:
         """``asks``, when given, returns this process's flags (0/1) to agree on in the same
         all-reduce (bundles ready to join, --fault-tolerance bundle): ``agreed`` says which
         flags every process raised."""
-        self.request, self.group, self.asks = request, group, asks
+        self.request, self.group, self.asks, self.at_commit = request, group, asks, at_commit
         self.timeout = timedelta(seconds=timeout)
         self.flag = torch.zeros(1 + len(asks()) if asks else 1, dtype=torch.int32)
         self.work: dist.Work | None = None
 
     def begin(self) -> None:
+        """A step begins: cast the vote (unless it is cast at the commit)."""
+        self.work = None
+        if not self.at_commit:
+            self._cast()
+
+    def commit(self, step: int) -> None:
+        """``at_commit``: cast the vote and wait for every process's (raises when one is lost)."""
+        self._cast()
+        self.decided()
+
+    def _cast(self) -> None:
         self.flag[0] = self.request.value
         if self.asks is not None:
             # All-reduced with MAX, as the signal is: negated, each flag's minimum over the job.
@@ -100,7 +118,7 @@ class StopVote:
     def decided(self) -> int:
         """The signal the job stops for after this step (0: go on)."""
         if self.work is None:
-            raise RuntimeError("StopVote.decided() before begin()")
+            raise RuntimeError("StopVote.decided() before the vote was cast")
         self.work.wait(self.timeout)
         return int(self.flag[0].item())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -66,5 +67,19 @@ def test_the_stop_vote_agrees_on_the_flags_every_process_raised():
         vote = StopVote(StopRequest(), dist.group.WORLD, 5.0, asks=lambda: [0, 1, 0])
         vote.begin()
         assert vote.decided() == 0 and vote.agreed() == [1]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_vote_cast_at_the_commit_is_cast_and_waited_for_there():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        vote = StopVote(StopRequest(), dist.group.WORLD, 5.0, asks=lambda: [1], at_commit=True)
+        vote.begin()
+        with pytest.raises(RuntimeError, match="before the vote was cast"):
+            vote.decided()  # a step whose engine never reached its commit
+        vote.commit(0)
+        assert vote.decided() == 0 and vote.agreed() == [0]
     finally:
         dist.destroy_process_group()
