@@ -518,7 +518,8 @@ class RunConfig:
 
 def _check_bundle_fault_tolerance(cfg: RunConfig) -> None:
     """What --fault-tolerance bundle supports today: bundles that each hold the whole model and
-    meet every step in one flat sum, launched by main.py's supervisors, on gloo or nccl-emu."""
+    meet every step in one flat sum, launched by main.py's supervisors (the backend, known once
+    ``auto`` is resolved, is preflight's to check)."""
     par, launch = cfg.parallel, cfg.launch
     need = max(2, launch.min_bundles)
     if par.num_bundles < need:
@@ -536,7 +537,6 @@ def _check_bundle_fault_tolerance(cfg: RunConfig) -> None:
         ("--grad-compression", par.grad_compression, par.grad_compression != "none", "none"),
         ("--bundle-sync", par.bundle_sync, par.bundle_sync != "step", "step"),
         ("--aggregate", par.aggregate, par.aggregate != "mean", "mean"),
-        ("--backend", launch.backend, launch.backend == "nccl", "gloo, nccl-emu or auto on CPU"),
         ("--torchrun", True, launch.torchrun, "main.py's own supervisors"),
         ("--async-save", True, cfg.checkpoint.async_save, "synchronous saves"),
     ]

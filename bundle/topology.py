@@ -256,7 +256,6 @@ class Topology:
         if not members or sorted(set(members)) != list(members) or members[-1] >= job.num_bundles:
             raise TopologyError("members", members, f"bundles 0..{job.num_bundles - 1}, in order")
         ranks = [job.rank(b, 0, 0) + i for b in members for i in range(job.bundle_width)]
-        place = [job.placement[r] if job.placement else None for r in ranks]
         return Topology(
             shape=job.shape,
             num_bundles=len(members),
@@ -265,13 +264,18 @@ class Topology:
             micro_batches=job.micro_batches,
             row_weights=job.row_weights,
             placement=tuple(
-                Place(job.node_of(r), job.device_index(r), p.kind if p else "", job.cpu_share(r))
-                for r, p in zip(ranks, place, strict=True)
+                Place(job.node_of(r), job.device_index(r), job.kind(r), job.cpu_share(r))
+                for r in ranks
             ),
             loss_on_first=job.loss_on_first,
             members=members,
             job=job,
         )
+
+    @property
+    def bundles(self) -> tuple[int, ...]:
+        """The job's numbers of this layout's bundles."""
+        return self.members if self.job is not None else tuple(range(self.num_bundles))
 
     @property
     def whole(self) -> Topology:
@@ -280,7 +284,7 @@ class Topology:
 
     def job_bundle(self, bundle: int) -> int:
         """The job's number of this layout's ``bundle``."""
-        return self.members[bundle] if self.job is not None else bundle
+        return self.bundles[bundle]
 
     def job_rank(self, rank: int) -> int:
         """The job's number of this layout's ``rank``."""
@@ -410,6 +414,10 @@ class Topology:
         if self.placement and self.placement[rank].device is not None:
             return self.placement[rank].device  # type: ignore[return-value]
         return self.local_rank(rank)
+
+    def kind(self, rank: int) -> str:
+        """The device type a plan places ``rank`` on ("": not named)."""
+        return self.placement[rank].kind if self.placement else ""
 
     def cpu_share(self, rank: int) -> float | None:
         """The fraction of one CPU a plan gives ``rank`` (an emulated slower device), or None."""

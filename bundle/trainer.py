@@ -126,7 +126,8 @@ class Trainer:
         timer.lap(Mark.DATA)
         loss = self.engine.train_step(step, micro_data)
         self.committed = step + 1
-        # The vote was cast when the step began; its result is only read here.
+        # The vote was cast when the step began (under --fault-tolerance bundle: at the engine's
+        # commit); its result is only read here.
         signum = self.vote.decided()
         self.checkpointer.poll()
         timer.lap(Mark.OTHER)
@@ -208,11 +209,7 @@ class Trainer:
             predicted_samples_per_s=cfg.predicted_samples_per_s,
             trace=cfg.observe.trace or None,
             replaced_samples=replaced_samples,
-            bundles=(
-                [topo.job_bundle(b) for b in range(topo.num_bundles)]
-                if self.bundle_failures is not None
-                else None
-            ),
+            bundles=list(topo.bundles) if self.bundle_failures is not None else None,
             bundle_failures=self.bundle_failures,
             heals=self.heals,
         )

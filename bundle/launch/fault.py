@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from bundle import log
 from bundle.config import RunConfig
@@ -101,9 +102,16 @@ def train_on(
         min_bundles=cfg.launch.min_bundles,
         incarnation=incarnation,
     )
-    epochs = _Epochs(cfg, members, phase, join, arrive)
-    epochs.trainer_args = dict(attempt=attempt, stop=stop, store=store, step_now=step_now)
-    epochs.resume, epochs.capture = resume, capture
+    epochs = _Epochs(
+        cfg,
+        members,
+        phase,
+        join,
+        arrive,
+        resume=resume,
+        capture=capture,
+        trainer_args=dict(attempt=attempt, stop=stop, store=store, step_now=step_now),
+    )
     if incarnation:
         phase.enter("start-up: waiting to be taken back in")
         if members.ask_to_join(cfg.launch.init_timeout) < 0:
@@ -121,7 +129,16 @@ class _Epochs:
     failure or a rejoin, and keeps the stage's state for the next."""
 
     def __init__(
-        self, cfg: RunConfig, members: Membership, phase: Phase, join: Join, arrive: Arrive
+        self,
+        cfg: RunConfig,
+        members: Membership,
+        phase: Phase,
+        join: Join,
+        arrive: Arrive,
+        *,
+        resume: str | None,
+        capture: Capture | None,
+        trainer_args: dict[str, Any],
     ) -> None:
         self.cfg, self.members, self.phase, self.join, self.arrive = (
             cfg,
@@ -130,11 +147,11 @@ class _Epochs:
             join,
             arrive,
         )
+        # The first epoch's checkpoint (later ones carry the state), the model's graph split,
+        # and what build_trainer is given alike in every epoch.
+        self.resume, self.capture, self.trainer_args = resume, capture, trainer_args
         self.carried: Carried | None = None
         self.fresh: tuple[int, ...] = ()  # bundles that start this epoch without the state
-        self.trainer_args: dict[str, Any] = {}
-        self.resume: str | None = None
-        self.capture: Capture | None = None
 
     def run(self) -> tuple[bool, Summary | None]:
         """One epoch; returns (whether training is over, the summary)."""
@@ -247,8 +264,7 @@ def share_state(
     """Every stage's state, sent from replica 0 of the stage in the first bundle that has it to
     every replica of the stage (collective on the stage group; the bundles in ``fresh`` have
     none)."""
-    members = [layout.job_bundle(b) for b in range(layout.num_bundles)]
-    source = next(k for k, b in enumerate(members) if b not in fresh)
+    source = next(k for k, b in enumerate(layout.bundles) if b not in fresh)
     src = layout.rank(source, session.coord.stage, 0)
     box: list[Any] = [carried if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src, group=session.groups.stage)
@@ -260,7 +276,8 @@ def same_everywhere(session: Session, layout: Topology) -> None:
     """Every replica of this stage holds the same parameters and optimizer state, bit for bit
     (after a bundle rejoined): their digests, all-gathered over the stage group, agree."""
     digest = hashlib.sha256()
-    for t in [*session.stage.state_dict().values(), *_tensors(session.optimizer.state_dict())]:
+    state = (session.stage.state_dict(), session.optimizer.state_dict())
+    for t in (t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)):
         digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
     group = session.groups.stage
@@ -272,13 +289,3 @@ def same_everywhere(session: Session, layout: Topology) -> None:
             f"{layout.describe(dist.get_rank())}: after the rejoin, replicas {differ} of stage "
             f"{session.coord.stage} hold other state than this one"
         )
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for k in sorted(tree, key=str) for t in _tensors(tree[k])]
-    if isinstance(tree, list | tuple):
-        return [t for v in tree for t in _tensors(v)]
-    return []

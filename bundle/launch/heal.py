@@ -49,6 +49,8 @@ class Healer:
         if what and self.store.compare_set(key, "", what).decode() in ("", what):
             log.get().warning(f"bundle {bundle} leaves the job: {what}; the other bundles train on")
         everyone = range(self.topo.num_bundles)
+        # Without heals every bundle stays at incarnation 0 (with them, new processes that are
+        # never taken in fail the job after --init-timeout themselves).
         if self.budget == 0 and all(self.store.check([dead_key(b)]) for b in everyone):
             return f"every bundle failed (the last: {what or self.topo.describe(rank)})"
         return None

@@ -343,7 +343,7 @@ def frozen(
 
 
 def _liveness(
-    procs: Mapping[int, Any],
+    procs: Mapping[int, Worker],
     alive: Mapping[int, Any],
     topo: Topology,
     timeout: float,

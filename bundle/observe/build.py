@@ -66,11 +66,7 @@ def make_reporter(
             total=total, start=start, steps_per_epoch=steps_per_epoch, enabled=reporting
         ),
         lr=lambda: session.optimizer.param_groups[0]["lr"],
-        bundles=(
-            [topo.job_bundle(b) for b in range(topo.num_bundles)]
-            if cfg.launch.fault_tolerance == "bundle"
-            else None
-        ),
+        bundles=list(topo.bundles) if cfg.launch.fault_tolerance == "bundle" else None,
     )
 
 

@@ -287,7 +287,7 @@ def test_an_evaluation_only_run_needs_a_model_to_evaluate_and_validation():
         ({"parallel": {"num_bundles": 2, "grad_sync": "hierarchical"}}, "--grad-sync"),
         ({"parallel": {"num_bundles": 2, "zero": 1}}, "--zero"),
         ({"parallel": {"num_bundles": 2, "bundle_sync": "diloco:4"}}, "--bundle-sync"),
-        ({"parallel": {"num_bundles": 2}, "launch": {"backend": "nccl"}}, "--backend"),
+        ({"parallel": {"num_bundles": 2}, "checkpoint": {"async_save": True}}, "--async-save"),
     ],
 )
 def test_bundle_fault_tolerance_refuses_what_it_does_not_support(change, flag):

@@ -24,6 +24,7 @@ CHECKS = (
     "check_cpu_shares",
     "check_model",
     "check_precision",
+    "check_fault_tolerance",
     "check_lr_schedule",
     "check_paths",
     "check_observed_steps",
@@ -187,3 +188,11 @@ def test_a_graph_split_is_made_once_and_handed_to_every_process():
     assert plan.capture is not None
     assert plan.capture.key == partition.capture_key(c.model, data.input_spec(c.data)[1])
     assert preflight.check_all(cfg("--bundle-shape", "2,1"), {}).capture is None  # its own chain
+
+
+def test_bundle_fault_tolerance_on_nccl_is_refused_before_anything_starts():
+    c = cfg("--num-bundle", "2", "--fault-tolerance", "bundle")
+    with pytest.raises(ConfigError, match="runs on gloo or nccl-emu"):
+        preflight.check_fault_tolerance(c, "nccl")
+    preflight.check_fault_tolerance(c, "gloo")
+    preflight.check_fault_tolerance(cfg("--num-bundle", "2"), "nccl")  # restart: any backend
