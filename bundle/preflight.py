@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from bundle import data, models, partition
@@ -170,14 +171,25 @@ def _check_input_kind(cfg: RunConfig, model: nn.Module) -> None:
         )
 
 
-def check_fault_tolerance(cfg: RunConfig, backend: str) -> None:
-    """--fault-tolerance bundle re-forms its groups after a failure: verified on gloo and
-    nccl-emu; NCCL's communicators would have to be aborted (docs/fault-tolerance.md)."""
-    if cfg.launch.fault_tolerance == "bundle" and backend == "nccl":
+ABORTABLE_NCCL = (2, 26)  # ncclCommAbort on non-blocking communicators, as TorchFT requires
+
+
+def check_fault_tolerance(
+    cfg: RunConfig, backend: str, nccl: tuple[int, ...] | None = None
+) -> None:
+    """--fault-tolerance bundle on NCCL aborts the communicators of a failed epoch (torch's
+    ``_abort_process_group``): it needs an NCCL that aborts reliably (``nccl``: the version,
+    default this torch's) and a torch that has the call."""
+    if cfg.launch.fault_tolerance != "bundle" or backend != "nccl":
+        return
+    found = tuple(nccl if nccl is not None else torch.cuda.nccl.version())
+    if found < ABORTABLE_NCCL or not hasattr(dist.distributed_c10d, "_abort_process_group"):
         raise ConfigError(
             "--fault-tolerance",
             "bundle",
-            "runs on gloo or nccl-emu (this machine's backend would be nccl: set --backend gloo)",
+            f"on NCCL needs NCCL {'.'.join(map(str, ABORTABLE_NCCL))} or newer and a torch "
+            f"with _abort_process_group (this one: torch {torch.__version__}, NCCL "
+            f"{'.'.join(map(str, found))}); or set --backend gloo",
         )
 
 

@@ -5,8 +5,10 @@ newest checkpoint), and against the same run uninterrupted.
     python scripts/bench_faults.py                    # SIGKILL a worker of bundle 1 (~2 min)
     python scripts/bench_faults.py --fault stop       # SIGSTOP it instead (a frozen process)
     python scripts/bench_faults.py --shape 2,1 --bundles 2 --json faults.json
+    python scripts/bench_faults.py --backend nccl --runs bundle,restart   # on a GPU machine
 
-Three bundles of shape ``1,1`` (six processes, gloo; ``--shape``, ``--bundles``), ``mlp`` on
+Three bundles of shape ``1,1`` (six processes, gloo; ``--shape``, ``--bundles``; ``--backend nccl``
+puts every rank on the machine's GPUs with ``--share-gpus``), ``mlp`` on
 digits, batch 48, one ``main.py`` at a time. Once the run has logged step ``--fault-at``, replica 0
 of bundle 1's last stage (rank 3) gets the signal; the times are read from the console lines as
 they arrive:
@@ -68,6 +70,9 @@ def victim(shape: str) -> int:
     """Replica 0 of the last stage of bundle 1: the rank the fault hits."""
     widths = [int(w) for w in shape.split(",")]
     return sum(widths) + sum(widths[:-1])
+
+
+RUNS = ("uninterrupted_restart", "uninterrupted", "bundle", "restart")
 
 
 def run(
@@ -163,27 +168,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="1,1", help="--bundle-shape of the runs")
     p.add_argument("--bundles", type=int, default=3, help="--num-bundle of the runs")
     p.add_argument("--json", help="write the report here too")
+    p.add_argument("--backend", choices=("gloo", "nccl-emu", "nccl"), default="gloo")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"which of {', '.join(RUNS)}")
     a = p.parse_args(argv)
-    layout = ["--bundle-shape", a.shape, "--num-bundle", str(a.bundles)]
+    layout = ["--bundle-shape", a.shape, "--num-bundle", str(a.bundles), "--backend", a.backend]
+    layout += ["--share-gpus"] if a.backend == "nccl" else []
+    wanted = a.runs.split(",")
+    if unknown := set(wanted) - set(RUNS):
+        p.error(f"--runs: {', '.join(sorted(unknown))} unknown (choose from {', '.join(RUNS)})")
+    how = {
+        "uninterrupted_restart": ("restart", None),
+        "uninterrupted": ("bundle", None),
+        "bundle": ("bundle", a.fault),
+        "restart": ("restart", a.fault),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         runs = {
-            "uninterrupted_restart": run("restart", layout, a.steps, None, 0, Path(tmp)),
-            "uninterrupted": run("bundle", layout, a.steps, None, 0, Path(tmp)),
-            "bundle": run("bundle", layout, a.steps, a.fault, a.fault_at, Path(tmp)),
-            "restart": run("restart", layout, a.steps, a.fault, a.fault_at, Path(tmp)),
+            name: run(mode, layout, a.steps, fault, a.fault_at, Path(tmp))
+            for name, (mode, fault) in how.items()
+            if name in wanted
         }
     result = {
         "command": "python scripts/bench_faults.py " + " ".join(argv or sys.argv[1:]),
         "fault": a.fault,
         "shape": a.shape,
         "bundles": a.bundles,
+        "backend": a.backend,
         "fault_rank": victim(a.shape),
         "steps": a.steps,
         "fault_at_step": a.fault_at,
         "cpus": os.cpu_count(),
         **{name: report(name, r) for name, r in runs.items()},
     }
-    plain, voted = result["uninterrupted_restart"], result["uninterrupted"]
+    plain, voted = result.get("uninterrupted_restart", {}), result.get("uninterrupted", {})
     if plain.get("samples_per_s") and voted.get("samples_per_s"):
         # What the per-step commit vote and join check cost while nothing fails.
         result["bundle_vs_restart_uninterrupted"] = round(

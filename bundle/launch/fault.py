@@ -9,12 +9,21 @@ drops every group of the epoch, agrees with the others which bundles train on
 (bundle.launch.membership), forms a world of those on a fresh store prefix, and runs the failed
 step again with their rows: the survivors' processes and attempt never change, no step is lost,
 and no checkpoint is read.
+
+On NCCL a wait on a dead peer never ends (the kernel spins, the CPU blocks in the next
+synchronisation), so each epoch also runs a loss watch (``LossWatch``): a thread that sees a
+member bundle marked dead in the store and aborts every communicator of the epoch at once, in
+one NCCL group (``ncclCommAbort``; torch's ``_abort_process_group``), which ends the kernels and
+makes this process's step fail; the communicators are non-blocking
+(``TORCH_NCCL_USE_COMM_NONBLOCKING``, set at start-up), so no NCCL call holds the abort up. Once
+it fired, whatever the step raises is the peer's loss.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +34,7 @@ import torch.utils._pytree as pytree
 
 from bundle import log
 from bundle.config import RunConfig
-from bundle.launch.membership import DONE_KEY, Membership, is_peer_loss
+from bundle.launch.membership import DONE_KEY, LOSSES_KEY, Membership, is_peer_loss
 from bundle.observe.metrics import Summary
 from bundle.partition import Capture
 from bundle.runtime.phase import Phase
@@ -38,6 +47,8 @@ from bundle.trainer import Trainer, build_trainer
 # waits for its collectives still in flight, which wait on peers that are leaving them too, until
 # --timeout; kept, they time out in their own threads while this process trains on.
 _ENDED: list[dist.ProcessGroup] = []
+
+LOSS_POLL_S = 0.1
 
 # join(layout, rank, prefix): create the default group of a layout's world, returns the device.
 Join = Callable[[Topology, int, str], torch.device]
@@ -63,11 +74,72 @@ class Carried:
             extra={k: v.detach().clone() for k, v in trainer.checkpointer.extra.items()},
         )
 
+    def on_cpu(self) -> Carried:
+        """A copy whose tensors are on the CPU (what is sent: a receiver's own GPU may differ)."""
+        cpu = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), self.__dict__)
+        return Carried(**cpu)
+
     def load(self, session: Session, trainer: Trainer) -> None:
         session.stage.load_state_dict(self.model)
         session.optimizer.load_state_dict(self.optimizer)
         for k, v in self.extra.items():
             trainer.checkpointer.extra[k].copy_(v)
+
+
+def abort_epoch() -> None:
+    """Abort every communicator of this process's epoch in one NCCL group (so that no abort
+    waits on another communicator's stuck kernel); its groups leave the registry, kept."""
+    _ENDED.extend(dist.distributed_c10d._world.pg_map)
+    dist.distributed_c10d._abort_process_group()
+
+
+class LossWatch:
+    """A thread that calls ``abort`` once a member bundle of this epoch is marked dead (polling
+    the one counter every mark bumps, then the members' keys), unless stopped first. ``fired``
+    says why it aborted."""
+
+    def __init__(
+        self,
+        members: Membership,
+        abort: Callable[[], None] = abort_epoch,
+        poll_s: float = LOSS_POLL_S,
+    ) -> None:
+        self.members, self.abort, self.poll_s = members, abort, poll_s
+        self.fired: str | None = None
+        self._seen = members.store.add(LOSSES_KEY, 0)
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+
+    def start(self) -> LossWatch:
+        threading.Thread(target=self._watch, name="bundle-loss-watch", daemon=True).start()
+        return self
+
+    def check(self) -> bool:
+        """One look; True when it aborted the epoch."""
+        marks = self.members.store.add(LOSSES_KEY, 0)
+        if marks == self._seen:
+            return False
+        self._seen = marks
+        lost = self.members.lost()
+        with self._lock:
+            if not lost or self._stopped.is_set():
+                return False
+            self.fired = f"bundle(s) {', '.join(map(str, lost))} marked lost"
+            self._stopped.set()
+            self.abort()
+        return True
+
+    def stop(self) -> None:
+        """The epoch ends: no abort after this returns."""
+        with self._lock:
+            self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self.poll_s):
+            try:
+                self.check()
+            except (RuntimeError, dist.DistError):  # the store is gone: the job is over
+                return
 
 
 def _arrive_in(arrive: Arrive, layout: Topology, prefix: str) -> Callable[[str], None]:
@@ -152,6 +224,7 @@ class _Epochs:
         self.resume, self.capture, self.trainer_args = resume, capture, trainer_args
         self.carried: Carried | None = None
         self.fresh: tuple[int, ...] = ()  # bundles that start this epoch without the state
+        self.watch: LossWatch | None = None  # this epoch's, on NCCL
 
     def run(self) -> tuple[bool, Summary | None]:
         """One epoch; returns (whether training is over, the summary)."""
@@ -167,12 +240,16 @@ class _Epochs:
             assert session is not None and trainer is not None  # noqa: S101 - raised by train()
             self.carried = Carried.of(session, trainer)
             session = trainer = None
-            self._rejoin(regroup.bundles)
-            return False, None
+            if (why := self._stop_watch()) is None:
+                self._rejoin(regroup.bundles)
+                return False, None
         except BaseException as exc:  # noqa: BLE001 - sorted below: a peer lost, or our own fault
-            if not is_peer_loss(exc):
+            fired = self._stop_watch()
+            if not (fired or is_peer_loss(exc)):
                 raise
-            why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            why = fired or f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        finally:
+            self._stop_watch()
         # The state: the trainer's where this epoch's was loaded, else the one brought into it.
         if session is not None and trainer is not None:
             self.carried = Carried.of(session, trainer)
@@ -185,6 +262,8 @@ class _Epochs:
         layout, me, prefix = members.layout, members.my_rank, members.prefix()
         phase.enter("start-up")
         device = self.join(layout, me, prefix)
+        if dist.get_backend() == "nccl":
+            self.watch = LossWatch(members).start()
         session = build_session(
             cfg,
             layout,
@@ -218,6 +297,14 @@ class _Epochs:
         session.engine.commit = trainer.vote.commit  # the stop vote, cast at the commit
         phase.follow(session.engine)
         return session, trainer
+
+    def _stop_watch(self) -> str | None:
+        """Stop this epoch's loss watch; returns why it aborted the epoch, if it did."""
+        watch, self.watch = self.watch, None
+        if watch is None:
+            return None
+        watch.stop()
+        return watch.fired
 
     def _rejoin(self, bundles: list[int]) -> None:
         """After the step the members agreed ``bundles`` join at: the next epoch takes them in."""
@@ -266,7 +353,7 @@ def share_state(
     none)."""
     source = next(k for k, b in enumerate(layout.bundles) if b not in fresh)
     src = layout.rank(source, session.coord.stage, 0)
-    box: list[Any] = [carried if dist.get_rank() == src else None]
+    box: list[Any] = [carried.on_cpu() if carried is not None and dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src, group=session.groups.stage)
     got: Carried = box[0]
     return got
@@ -279,8 +366,13 @@ def same_everywhere(session: Session, layout: Topology) -> None:
     state = (session.stage.state_dict(), session.optimizer.state_dict())
     for t in (t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)):
         digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
     group = session.groups.stage
+    on = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else None
+    )
+    mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8).to(on)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     if not all(torch.equal(d, everyone[0]) for d in everyone):

@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from bundle import log
-from bundle.launch.membership import dead_key, healing_key
+from bundle.launch.membership import dead_key, healing_key, mark_dead
 from bundle.topology import Topology
 
 # start(rank, incarnation): a new worker for ``rank``, started.
@@ -45,8 +45,7 @@ class Healer:
         the job's failure, or None while some bundle may still train."""
         bundle = self.topo.coord(rank).bundle
         self.exited[bundle].add(rank)
-        key = dead_key(bundle, self.incarnation[bundle])
-        if what and self.store.compare_set(key, "", what).decode() in ("", what):
+        if what and mark_dead(self.store, bundle, self.incarnation[bundle], what) == what:
             log.get().warning(f"bundle {bundle} leaves the job: {what}; the other bundles train on")
         everyone = range(self.topo.num_bundles)
         # Without heals every bundle stays at incarnation 0 (with them, new processes that are

@@ -64,6 +64,16 @@ def dead_key(bundle: int, incarnation: int = 0) -> str:
     return f"ft/dead/{bundle}.{incarnation}"
 
 
+LOSSES_KEY = "ft/losses"  # bumped with every mark: one key a loss watch polls (bundle.launch.fault)
+
+
+def mark_dead(store: dist.Store, bundle: int, incarnation: int, why: str) -> str:
+    """Mark ``bundle``'s ``incarnation`` dead; returns the reason that stands (the first one)."""
+    kept = store.compare_set(dead_key(bundle, incarnation), "", why).decode() or why
+    store.add(LOSSES_KEY, 1)
+    return kept
+
+
 def healing_key(bundle: int) -> str:
     """The incarnation of ``bundle`` its supervisors started last."""
     return f"ft/healing/{bundle}"
@@ -103,11 +113,13 @@ class Membership:
         key = dead_key(self.bundle, self.incarnation)
         return self.store.get(key).decode() if self.store.check([key]) else None
 
+    def lost(self) -> list[int]:
+        """The members marked dead (a process of their incarnation exited, froze or left)."""
+        return [b for b in self.members if self.store.check([dead_key(b, self.incs[b])])]
+
     def leave(self) -> BundleLeft:
         """This process leaves with its bundle: marked, so that no one waits for it."""
-        self.store.compare_set(
-            dead_key(self.bundle, self.incarnation), "", f"rank {self.rank} left"
-        )
+        mark_dead(self.store, self.bundle, self.incarnation, f"rank {self.rank} left")
         return BundleLeft(f"bundle {self.bundle} left the job at epoch {self.epoch}")
 
     @property
@@ -204,7 +216,7 @@ class Membership:
                 self.epoch += 1
                 raise self.leave()
             complete = [b for b in self.members if self.store.add(f"{key}/count/{b}", 0) >= width]
-            dead = [b for b in self.members if self.store.check([dead_key(b, self.incs[b])])]
+            dead = self.lost()
             if len(complete) + len(dead) >= len(self.members) or self.clock() >= deadline:
                 break
             if self.store.check([f"{key}/members"]):  # another process decided

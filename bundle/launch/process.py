@@ -23,7 +23,13 @@ from bundle.launch.throttle import own_quota
 from bundle.observe.build import reporter_rank
 from bundle.observe.metrics import Summary
 from bundle.partition import Capture
-from bundle.runtime.devices import device_for, prepare_backend_env, resolve_backend, torch_backend
+from bundle.runtime.devices import (
+    abortable_nccl,
+    device_for,
+    prepare_backend_env,
+    resolve_backend,
+    torch_backend,
+)
 from bundle.runtime.phase import Phase
 from bundle.runtime.preemption import Stopped, StopRequest, exit_code, stop_line
 from bundle.runtime.store import (
@@ -248,6 +254,8 @@ def _join(
     # --share-gpus sets NCCL's multi-rank switch here, in the worker itself (self-spawned or
     # under torchrun alike), before NCCL first reads its environment.
     device = device_for(backend, topo.device_index(rank), share_gpus=cfg.launch.share_gpus)
+    if backend == "nccl" and cfg.launch.fault_tolerance == "bundle":
+        abortable_nccl(cfg.launch.timeout)
     # With NCCL, naming the device forms the world communicator now, with every rank: the
     # first batch_isend_irecv on the default group may then involve only two ranks (NCCL
     # requires all of a group's ranks in its first call otherwise), and sub-groups are split

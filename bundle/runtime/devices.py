@@ -142,6 +142,19 @@ def allow_shared_gpu(nccl: tuple[int, ...] | None = None) -> str:
     return HOSTID_ENV
 
 
+NONBLOCKING_ENV = "TORCH_NCCL_USE_COMM_NONBLOCKING"
+NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+
+
+def abortable_nccl(timeout: float) -> None:
+    """Make this process's NCCL communicators non-blocking, so that one can be aborted from
+    another thread while a call waits on a dead peer (--fault-tolerance bundle; TorchFT does the
+    same): a call returns at once and torch polls it, for at most ``timeout`` seconds. Must run
+    before the process group is created; values the user set are kept."""
+    os.environ.setdefault(NONBLOCKING_ENV, "1")
+    os.environ.setdefault(NONBLOCKING_TIMEOUT_ENV, str(max(1, round(timeout))))
+
+
 def device_for(backend: str, local_rank: int, *, share_gpus: bool = False) -> torch.device:
     """This process's device, made current: ``cuda:local_rank`` with nccl; with ``share_gpus``,
     ``cuda:(local_rank % devices)`` (round-robin, several ranks per GPU allowed); else the CPU.

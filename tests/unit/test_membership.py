@@ -5,12 +5,14 @@ after a failure."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from bundle.errors import PeerFailure
+from bundle.launch.fault import LossWatch
 from bundle.launch.membership import (
     DONE_KEY,
     BundleLeft,
@@ -19,6 +21,7 @@ from bundle.launch.membership import (
     dead_key,
     healing_key,
     is_peer_loss,
+    mark_dead,
 )
 from bundle.topology import Topology
 
@@ -143,3 +146,31 @@ def test_a_process_waiting_to_join_a_finished_run_goes_home():
     store = _store()
     store.set(DONE_KEY, "1")
     assert Membership(store, JOB, 2, 5.0, incarnation=1).ask_to_join(5.0) == -1
+
+
+def test_a_loss_watch_aborts_the_epoch_once_a_member_is_marked_dead_and_not_after_it_ended():
+    """On NCCL a wait on a dead peer never ends: the watch aborts the epoch's communicators. A
+    mark of what is no member (an incarnation not yet taken in) leaves the epoch alone."""
+    store = _store()
+    members = Membership(store, JOB, 0, 5.0, members=(0, 2), incs={0: 0, 2: 0})
+    aborted: list[int] = []
+    watch = LossWatch(members, abort=lambda: aborted.append(1))
+    assert not watch.check() and watch.fired is None
+    assert mark_dead(store, 1, 1, "rank 3 was killed") == "rank 3 was killed"  # not a member
+    assert not watch.check() and aborted == []
+    assert mark_dead(store, 2, 0, "rank 5 was killed") == "rank 5 was killed"
+    assert mark_dead(store, 2, 0, "rank 4 left") == "rank 5 was killed"  # the first reason stays
+    assert watch.check() and aborted == [1] and watch.fired == "bundle(s) 2 marked lost"
+    assert not watch.check() and aborted == [1]  # once
+
+    ended = LossWatch(members, abort=lambda: aborted.append(2))
+    ended.stop()
+    mark_dead(store, 0, 0, "rank 1 was killed")
+    assert not ended.check() and aborted == [1] and ended.fired is None
+    # As a thread it looks every poll.
+    live = LossWatch(members, abort=lambda: aborted.append(3), poll_s=0.01).start()
+    mark_dead(store, 0, 0, "again")
+    deadline = time.monotonic() + 5
+    while live.fired is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert aborted == [1, 3] and live.fired == "bundle(s) 0, 2 marked lost"

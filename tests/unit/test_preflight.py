@@ -190,9 +190,10 @@ def test_a_graph_split_is_made_once_and_handed_to_every_process():
     assert preflight.check_all(cfg("--bundle-shape", "2,1"), {}).capture is None  # its own chain
 
 
-def test_bundle_fault_tolerance_on_nccl_is_refused_before_anything_starts():
+def test_bundle_fault_tolerance_on_nccl_needs_an_nccl_that_aborts():
     c = cfg("--num-bundle", "2", "--fault-tolerance", "bundle")
-    with pytest.raises(ConfigError, match="runs on gloo or nccl-emu"):
-        preflight.check_fault_tolerance(c, "nccl")
-    preflight.check_fault_tolerance(c, "gloo")
-    preflight.check_fault_tolerance(cfg("--num-bundle", "2"), "nccl")  # restart: any backend
+    with pytest.raises(ConfigError, match=r"needs NCCL 2\.26 or newer .* NCCL 2\.21\.5"):
+        preflight.check_fault_tolerance(c, "nccl", nccl=(2, 21, 5))
+    preflight.check_fault_tolerance(c, "nccl", nccl=(2, 28, 9))
+    preflight.check_fault_tolerance(c, "gloo", nccl=(2, 21, 5))
+    preflight.check_fault_tolerance(cfg("--num-bundle", "2"), "nccl", nccl=(2, 21, 5))  # restart
