@@ -172,16 +172,30 @@ def _check_input_kind(cfg: RunConfig, model: nn.Module) -> None:
 
 
 ABORTABLE_NCCL = (2, 26)  # ncclCommAbort on non-blocking communicators, as TorchFT requires
+# Opts in to --fault-tolerance bundle on NCCL (docs/fault-tolerance.md: measured to hang in the
+# abort on one shared GPU; a hang ends as a failed job, which --max-restarts restarts).
+EXPERIMENTAL_NCCL_ENV = "BUNDLE_EXPERIMENTAL_NCCL_FT"
 
 
 def check_fault_tolerance(
-    cfg: RunConfig, backend: str, nccl: tuple[int, ...] | None = None
+    cfg: RunConfig,
+    backend: str,
+    nccl: tuple[int, ...] | None = None,
+    environ: Mapping[str, str] = os.environ,
 ) -> None:
     """--fault-tolerance bundle on NCCL aborts the communicators of a failed epoch (torch's
-    ``_abort_process_group``): it needs an NCCL that aborts reliably (``nccl``: the version,
-    default this torch's) and a torch that has the call."""
+    ``_abort_process_group``). Not verified: refused unless opted in (``environ``), and then it
+    needs an NCCL that aborts non-blocking communicators (``nccl``: the version, default this
+    torch's) and a torch that has the call."""
     if cfg.launch.fault_tolerance != "bundle" or backend != "nccl":
         return
+    if environ.get(EXPERIMENTAL_NCCL_ENV) != "1":
+        raise ConfigError(
+            "--fault-tolerance",
+            "bundle",
+            "runs on gloo or nccl-emu (this machine's backend would be nccl: set --backend "
+            f"gloo; NCCL is experimental, {EXPERIMENTAL_NCCL_ENV}=1, docs/fault-tolerance.md)",
+        )
     found = tuple(nccl if nccl is not None else torch.cuda.nccl.version())
     if found < ABORTABLE_NCCL or not hasattr(dist.distributed_c10d, "_abort_process_group"):
         raise ConfigError(

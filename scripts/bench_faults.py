@@ -5,7 +5,7 @@ newest checkpoint), and against the same run uninterrupted.
     python scripts/bench_faults.py                    # SIGKILL a worker of bundle 1 (~2 min)
     python scripts/bench_faults.py --fault stop       # SIGSTOP it instead (a frozen process)
     python scripts/bench_faults.py --shape 2,1 --bundles 2 --json faults.json
-    python scripts/bench_faults.py --backend nccl --runs bundle,restart   # on a GPU machine
+    BUNDLE_EXPERIMENTAL_NCCL_FT=1 python scripts/bench_faults.py --backend nccl --runs bundle,restart
 
 Three bundles of shape ``1,1`` (six processes, gloo; ``--shape``, ``--bundles``; ``--backend nccl``
 puts every rank on the machine's GPUs with ``--share-gpus``), ``mlp`` on

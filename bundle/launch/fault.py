@@ -16,7 +16,9 @@ member bundle marked dead in the store and aborts every communicator of the epoc
 one NCCL group (``ncclCommAbort``; torch's ``_abort_process_group``), which ends the kernels and
 makes this process's step fail; the communicators are non-blocking
 (``TORCH_NCCL_USE_COMM_NONBLOCKING``, set at start-up), so no NCCL call holds the abort up. Once
-it fired, whatever the step raises is the peer's loss.
+it fired, whatever the step raises is the peer's loss. Experimental (opted in with
+BUNDLE_EXPERIMENTAL_NCCL_FT=1): measured to hang in the abort with two communicators in flight
+(docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
