@@ -6,6 +6,7 @@ newest checkpoint), and against the same run uninterrupted.
     python scripts/bench_faults.py --fault stop       # SIGSTOP it instead (a frozen process)
     python scripts/bench_faults.py --shape 2,1 --bundles 2 --json faults.json
     BUNDLE_EXPERIMENTAL_NCCL_FT=1 python scripts/bench_faults.py --backend nccl --runs bundle,restart
+    sudo python scripts/bench_faults.py --fault node  # a lost node (network namespaces, root)
 
 Three bundles of shape ``1,1`` (six processes, gloo; ``--shape``, ``--bundles``; ``--backend nccl``
 puts every rank on the machine's GPUs with ``--share-gpus``), ``mlp`` on
@@ -20,6 +21,11 @@ they arrive:
 - the final validation accuracy of each run, the uninterrupted ones' beside them;
 - ``bundle_vs_restart_uninterrupted``: samples/s of the two modes when nothing fails (what the
   per-step commit vote costs).
+
+``--fault node`` loses a whole node instead: two "hosts" (network namespaces joined by a veth
+pair, tests/support/netns.py), one bundle of shape ``1,1`` on each (``--timeout 5``); once node 0
+has logged step ``--fault-at``, node 1's link goes down (so no connection closes, as when a
+machine dies) and its processes are killed. Runs ``bundle`` and ``restart`` only.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bundle.launch.localworld import free_port  # noqa: E402
+from tests.support.netns import NetnsPair, node_env  # noqa: E402
 
 BASE = [
     "--model", "mlp", "--dataset", "digits", "--batch-size", "48", "--log-every", "10",
@@ -61,6 +69,25 @@ class Run:
 
     def first(self, pattern: str, after: float = 0.0) -> float | None:
         return next((t for t, line in self.lines if t > after and re.search(pattern, line)), None)
+
+    def follow(self, stream, clock: float, on_line: Callable[[str], None]) -> threading.Thread:
+        """A started thread that records ``stream``'s lines (and the summary) as they arrive."""
+
+        def read() -> None:
+            for line in stream:
+                self.lines.append((time.monotonic() - clock, line.rstrip()))
+                if line.startswith("{"):
+                    self.summary = json.loads(line)
+                on_line(line)
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        return thread
+
+    @staticmethod
+    def reached(line: str, step: int) -> bool:
+        """Whether ``line`` logs step ``step`` or a later one."""
+        return (m := STEP.search(line)) is not None and int(m.group(1)) >= step
 
     def steps(self) -> list[tuple[float, int]]:
         return [(t, int(m.group(1))) for t, line in self.lines if (m := STEP.search(line))]
@@ -89,24 +116,16 @@ def run(
     )
     pids: list[int] = []
 
-    def read(stream) -> None:
-        for line in stream:
-            now = time.monotonic() - clock
-            out.lines.append((now, line.rstrip()))
-            m = re.search(r"started ranks 0\.\.\d+ \(pids ([\d, ]+)\)", line)
-            if m and not pids:  # the first attempt's: the one the fault hits
-                pids[:] = [int(p) for p in m.group(1).split(", ")]
-            if line.startswith("{"):
-                out.summary = json.loads(line)
-            m = STEP.search(line)
-            if fault and out.fault_at is None and m and int(m.group(1)) >= fault_at and pids:
-                sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
-                os.kill(pids[victim(layout[1])], sig)
-                out.fault_at = time.monotonic() - clock
+    def on_line(line: str) -> None:
+        m = re.search(r"started ranks 0\.\.\d+ \(pids ([\d, ]+)\)", line)
+        if m and not pids:  # the first attempt's: the one the fault hits
+            pids[:] = [int(p) for p in m.group(1).split(", ")]
+        if fault and out.fault_at is None and out.reached(line, fault_at) and pids:
+            sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+            os.kill(pids[victim(layout[1])], sig)
+            out.fault_at = time.monotonic() - clock
 
-    readers = [threading.Thread(target=read, args=(s,)) for s in (proc.stdout, proc.stderr)]
-    for r in readers:
-        r.start()
+    readers = [out.follow(s, clock, on_line) for s in (proc.stdout, proc.stderr)]
     try:
         out.code = proc.wait(timeout=900)
     finally:
@@ -117,6 +136,50 @@ def run(
         if fault == "stop" and pids:  # a stopped worker its supervisor did not kill: ours
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pids[victim(layout[1])], signal.SIGKILL)
+    return out
+
+
+NODE_PORT = 29581  # inside the namespaces: nothing else listens there
+
+
+def run_nodes(mode: str, steps: int, fault_at: int, workdir: Path) -> Run:
+    """``--fault node``: bundle b on node b of two namespaces; node 1 lost once node 0 logged
+    step ``fault_at`` (its link down first, then its processes killed)."""
+    args = [
+        *BASE, "--bundle-shape", "1,1", "--num-bundle", "2", "--itr", str(steps),
+        "--fault-tolerance", mode, "--max-restarts", "1", "--timeout", "5",
+        "--init-timeout", "30", "--world-size", "2", "--nproc-per-node", "2",
+    ]  # fmt: skip
+    if mode == "restart":
+        args += ["--save-dir", str(workdir / "ckpt-node"), "--save-every", "100"]
+    out, procs = Run(), []
+    with NetnsPair() as hosts:
+        clock = time.monotonic()
+        for node, ns in enumerate((hosts.a, hosts.b)):
+            where = ["--IP", hosts.addr_a, "--portNum", str(NODE_PORT), "--rank", str(node)]
+            procs.append(
+                hosts.run_in(
+                    ns,
+                    [sys.executable, str(ROOT / "main.py"), *args, *where],
+                    env=node_env(hosts.ifname(ns)),
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE if node == 0 else subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+
+        def on_line(line: str) -> None:
+            if out.fault_at is None and out.reached(line, fault_at):
+                subprocess.run(["ip", "-n", hosts.b, "link", "set", hosts.if_b, "down"], check=True)
+                os.killpg(procs[1].pid, signal.SIGKILL)
+                out.fault_at = time.monotonic() - clock
+
+        reader = out.follow(procs[0].stdout, clock, on_line)
+        try:
+            out.code = procs[0].wait(timeout=600)
+        finally:
+            reader.join(10)
     return out
 
 
@@ -162,7 +225,7 @@ def report(name: str, r: Run) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--fault", choices=("kill", "stop"), default="kill")
+    p.add_argument("--fault", choices=("kill", "stop", "node"), default="kill")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--fault-at", type=int, default=300, help="the step after which to signal")
     p.add_argument("--shape", default="1,1", help="--bundle-shape of the runs")
@@ -183,18 +246,21 @@ def main(argv: list[str] | None = None) -> int:
         "restart": ("restart", a.fault),
     }
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {
-            name: run(mode, layout, a.steps, fault, a.fault_at, Path(tmp))
-            for name, (mode, fault) in how.items()
-            if name in wanted
-        }
+        if a.fault == "node":
+            runs = {m: run_nodes(m, a.steps, a.fault_at, Path(tmp)) for m in ("bundle", "restart")}
+        else:
+            runs = {
+                name: run(mode, layout, a.steps, fault, a.fault_at, Path(tmp))
+                for name, (mode, fault) in how.items()
+                if name in wanted
+            }
     result = {
         "command": "python scripts/bench_faults.py " + " ".join(argv or sys.argv[1:]),
         "fault": a.fault,
-        "shape": a.shape,
-        "bundles": a.bundles,
+        "shape": a.shape if a.fault != "node" else "1,1",
+        "bundles": a.bundles if a.fault != "node" else 2,
         "backend": a.backend,
-        "fault_rank": victim(a.shape),
+        "fault_rank": victim(a.shape) if a.fault != "node" else "node 1 (ranks 2, 3)",
         "steps": a.steps,
         "fault_at_step": a.fault_at,
         "cpus": os.cpu_count(),

@@ -1,7 +1,9 @@
 """A node supervisor's side of ``--fault-tolerance bundle``: a worker that failed takes its bundle
 out of the job (marked in the store, so that no survivor waits for it), and once every one of
 this node's processes of that bundle has exited, they are started again as the bundle's next
-incarnation (``--max-restarts`` times per bundle), which the survivors take back in.
+incarnation (``--max-restarts`` times per bundle), which the survivors take back in. A node that
+stops responding (node 0's supervisor sees its heartbeat stop) takes every bundle with a process
+on it out the same way, for good: no supervisor is left there to start them again.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from bundle import log
-from bundle.launch.membership import dead_key, healing_key, mark_dead
+from bundle.launch.membership import dead_key, healing_key, lost_node_key, mark_dead
 from bundle.topology import Topology
 
 # start(rank, incarnation): a new worker for ``rank``, started.
@@ -39,6 +41,10 @@ class Healer:
         self.incarnation = dict.fromkeys(self.local, 0)
         self.healed = dict.fromkeys(self.local, 0)
         self.exited: dict[int, set[int]] = {b: set() for b in self.local}
+        self.nodes: dict[int, list[int]] = {}  # bundle -> the nodes its processes run on
+        for r in range(topo.world_size):
+            self.nodes.setdefault(topo.coord(r).bundle, []).append(topo.node_of(r))
+        self.nodes = {b: sorted(set(n)) for b, n in self.nodes.items()}
 
     def lose(self, rank: int, what: str) -> str | None:
         """A worker exited non-zero (``what`` says how; empty: it left with its bundle). Returns
@@ -47,12 +53,38 @@ class Healer:
         self.exited[bundle].add(rank)
         if what and mark_dead(self.store, bundle, self.incarnation[bundle], what) == what:
             log.get().warning(f"bundle {bundle} leaves the job: {what}; the other bundles train on")
+        return self._all_lost(what or self.topo.describe(rank))
+
+    def lose_node(self, node: int, why: str) -> str | None:
+        """Node ``node`` stopped responding (node 0's supervisor): every bundle with a process
+        there leaves for good. Returns the job's failure, or None while some bundle may train."""
+        self.store.set(lost_node_key(node), why)
+        for b in sorted({self.topo.coord(r).bundle for r in self.topo.node_ranks(node)}):
+            if mark_dead(self.store, b, self._incarnation_of(b), why) == why:
+                log.get().warning(
+                    f"bundle {b} leaves the job for good: {why}; the other bundles train on"
+                )
+        return self._all_lost(why)
+
+    def _incarnation_of(self, bundle: int) -> int:
+        """The incarnation of ``bundle`` its supervisors started last (0: the first)."""
+        key = healing_key(bundle)
+        return int(self.store.get(key).decode()) if self.store.check([key]) else 0
+
+    def _all_lost(self, last: str) -> str | None:
+        """The job's failure once every bundle is marked dead and none can come back."""
         everyone = range(self.topo.num_bundles)
-        # Without heals every bundle stays at incarnation 0 (with them, new processes that are
-        # never taken in fail the job after --init-timeout themselves).
-        if self.budget == 0 and all(self.store.check([dead_key(b)]) for b in everyone):
-            return f"every bundle failed (the last: {what or self.topo.describe(rank)})"
+        gone = all(self.store.check([dead_key(b, self._incarnation_of(b))]) for b in everyone)
+        # With heals left, new processes that are never taken in fail the job after
+        # --init-timeout themselves.
+        if gone and (self.budget == 0 or all(self._node_lost(b) for b in everyone)):
+            return f"every bundle failed (the last: {last})"
         return None
+
+    def _node_lost(self, bundle: int) -> str | None:
+        """Why ``bundle`` cannot be started again (a node of it is lost), or None."""
+        lost = [n for n in self.nodes[bundle] if self.store.check([lost_node_key(n)])]
+        return f"its node {lost[0]} is lost" if lost else None
 
     def frozen(self, procs: Mapping[int, Any]) -> Callable[[int, str], str | None]:
         """What the supervisor does with a worker that stopped responding: kill it, then lose it."""
@@ -70,6 +102,9 @@ class Healer:
         if self.exited[bundle] != set(self.local[bundle]):
             return {}
         self.exited[bundle] = set()
+        if (why := self._node_lost(bundle)) is not None:
+            log.get().warning(f"bundle {bundle} is not started again: {why}")
+            return {}
         if self.healed[bundle] >= self.budget:
             if self.budget:
                 log.get().warning(

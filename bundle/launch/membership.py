@@ -74,6 +74,11 @@ def mark_dead(store: dist.Store, bundle: int, incarnation: int, why: str) -> str
     return kept
 
 
+def lost_node_key(node: int) -> str:
+    """Set when node 0's supervisor found ``node`` silent: its bundles are out for good."""
+    return f"ft/lost_node/{node}"
+
+
 def healing_key(bundle: int) -> str:
     """The incarnation of ``bundle`` its supervisors started last."""
     return f"ft/healing/{bundle}"

@@ -15,13 +15,14 @@ newest complete checkpoint. Each attempt's keys live under their own prefix of t
 Why not torch.distributed.elastic's agent (which torchrun runs, and which Bundle supports as is):
 the original flags promise static node ranks and one command per node with no rendezvous
 service; this supervisor reports a failure by rank, stage and step on every node, detects a
-stalled node by heartbeat in 20 s and a stopped or frozen worker by its own beats (before its
+stalled node by heartbeat in 20 s (under --fault-tolerance bundle: --timeout, and only its bundles leave) and a stopped or frozen worker by its own beats (before its
 peers' timeouts blame whoever waited first), and compares the nodes' settings field by field.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -40,7 +41,7 @@ from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig
 from bundle.errors import LaunchError, PeerFailure
 from bundle.launch.heal import Healer
-from bundle.launch.membership import EXIT_LEFT
+from bundle.launch.membership import EXIT_LEFT, lost_node_key
 from bundle.launch.process import spawned
 from bundle.launch.throttle import NodeQuotas, ThrottleError, cpu_shares
 from bundle.partition import Capture
@@ -171,7 +172,6 @@ def _attempt(
         f"started ranks {min(procs)}..{max(procs)} (pids {', '.join(str(p.pid) for p in procs.values())})"
         + (f", attempt {attempt + 1}" if attempt else "")
     )
-    beats: dict[int, tuple[int, float]] = {}
     healer = None
     if lc.fault_tolerance == "bundle":
 
@@ -182,6 +182,8 @@ def _attempt(
             return p
 
         healer = Healer(topo, node, store, heals=lc.max_restarts, start=start_again)
+
+    heartbeat = _heartbeat_check(base, store, node, topo.num_nodes, lc.timeout, healer)
     stopped_workers = _liveness(
         procs, alive, topo, lc.timeout, store, healer.frozen(procs) if healer else None
     )
@@ -192,11 +194,7 @@ def _attempt(
             procs,
             step_of=lambda rank: int(step_now[rank].value),
             describe=topo.describe,
-            check=lambda: (
-                stopped_workers()
-                or _heartbeat(base, store, node, topo.num_nodes, beats)
-                or read_abort(store)
-            ),
+            check=lambda: stopped_workers() or heartbeat() or read_abort(store),
             post=lambda message: post_abort(store, message),
             lose=healer.lose if healer else None,
             restart=healer.restart if healer else None,
@@ -205,7 +203,7 @@ def _attempt(
             store.set(f"bundle/done/{node}", "1")
             # The store lives on node 0: keep it up until every node has finished with it.
             failure = (
-                _wait_done(store, topo.num_nodes, lc.timeout + lc.init_timeout)
+                _wait_done(store, topo.num_nodes, lc.timeout + lc.init_timeout, check=heartbeat)
                 if node == 0
                 else None
             )
@@ -407,10 +405,36 @@ def _stopped(cfg: RunConfig, signum: int) -> int:
     return exit_code(signum)
 
 
+def _heartbeat_check(
+    base: dist.Store,
+    store: dist.Store,
+    node: int,
+    nodes: int,
+    timeout: float,
+    healer: Healer | None,
+) -> Callable[[], str | None]:
+    """The heartbeat a node's supervisor takes every poll (``_heartbeat``). Under
+    --fault-tolerance bundle a silent node costs its bundles, not the job, and is found as the
+    survivors' waits on it time out (--timeout), so that they agree at once."""
+    beats: dict[int, tuple[int, float]] = {}
+    if healer is None:
+        return lambda: _heartbeat(base, store, node, nodes, beats)
+    stale = max(_FROZEN_MIN_S, timeout)
+    return lambda: _heartbeat(base, store, node, nodes, beats, healer.lose_node, stale)
+
+
 def _heartbeat(
-    base: dist.Store, store: dist.Store, node: int, nodes: int, beats: dict[int, tuple[int, float]]
+    base: dist.Store,
+    store: dist.Store,
+    node: int,
+    nodes: int,
+    beats: dict[int, tuple[int, float]],
+    lose_node: Callable[[int, str], str | None] | None = None,
+    stale_s: float = _HEARTBEAT_STALE_S,
 ) -> str | None:
-    """Every node ticks its counter; node 0 reports a node whose counter stopped moving."""
+    """Every node ticks its counter; node 0 reports a node whose counter stopped moving for
+    ``stale_s``: the job's failure, or under --fault-tolerance bundle ``lose_node(node, why)``
+    (that node's bundles leave; returns the job's failure if none can train)."""
     base.add(f"bundle/hb/{node}", 1)
     if node != 0:
         return None
@@ -420,20 +444,31 @@ def _heartbeat(
         last = beats.get(other)
         if last is None or count != last[0]:
             beats[other] = (count, now)
-        elif now - last[1] > _HEARTBEAT_STALE_S and not store.check([f"bundle/done/{other}"]):
-            return post_abort(
-                store, f"node {other} stopped responding for {_HEARTBEAT_STALE_S:.0f}s"
-            )
+        elif now - last[1] > stale_s and not store.check([f"bundle/done/{other}"]):
+            why = f"node {other} stopped responding for {stale_s:.0f}s"
+            if lose_node is None:
+                return post_abort(store, why)
+            beats[other] = (count, math.inf)  # lost once: not again unless it beats again
+            if (failure := lose_node(other, why)) is not None:
+                return post_abort(store, failure)
     return None
 
 
-def _wait_done(store: dist.Store, nodes: int, timeout: float) -> str | None:
+def _wait_done(
+    store: dist.Store,
+    nodes: int,
+    timeout: float,
+    check: Callable[[], str | None] = lambda: None,
+) -> str | None:
+    """Node 0: wait until every node has finished (a node lost under --fault-tolerance bundle
+    does not count), or the job failed; ``check`` (the heartbeat) still runs meanwhile, so a node
+    that went silent is found here too."""
     deadline = time.monotonic() + timeout
-    keys = [f"bundle/done/{i}" for i in range(nodes)]
     while time.monotonic() < deadline:
+        keys = [f"bundle/done/{i}" for i in range(nodes) if not store.check([lost_node_key(i)])]
         if store.check(keys):
             return None
-        if (msg := read_abort(store)) is not None:
+        if (msg := check() or read_abort(store)) is not None:
             return msg
         time.sleep(_POLL_S)
     return f"not every node reported completion within {timeout:.0f}s"

@@ -10,7 +10,6 @@ parameters of one process training the unsplit model on the same global batches.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from bundle import cli
-from tests.support.netns import NetnsPair
+from tests.support.netns import NetnsPair, node_env
 from tests.support.reference import reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,28 +51,6 @@ CASES = {
     ],
 }  # fmt: skip
 
-# Variables that would switch main.py to torchrun mode or pin another interface.
-_DROP = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GLOO_SOCKET_IFNAME",
-    "NCCL_SOCKET_IFNAME",
-    "TP_SOCKET_IFNAME",
-)
-
-
-def _node_env(ifname: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _DROP}
-    env["GLOO_SOCKET_IFNAME"] = ifname
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
-
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
     deadline = time.monotonic() + timeout
@@ -94,7 +71,7 @@ def _run_two_nodes(hosts: NetnsPair, node_argv, tmp_path: Path, label: str) -> N
                 hosts.run_in(
                     ns,
                     node_argv(node),
-                    env=_node_env(hosts.ifname(ns)),
+                    env=node_env(hosts.ifname(ns)),
                     cwd=REPO,
                     stdout=out,
                     stderr=subprocess.STDOUT,

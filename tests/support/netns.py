@@ -22,9 +22,11 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
+_REPO = Path(__file__).resolve().parents[2]
 # A private /30 that only ever exists on the two veth ends inside the test namespaces.
 SUBNET_PREFIX = "10.213.77"
 PREFIX_LEN = 30
@@ -148,3 +150,28 @@ class NetnsPair:
             # Deleting the namespace also destroys the veth end living in it.
             _ip("netns", "del", ns, check=False)
         self._created.clear()
+
+
+# Variables that would switch main.py to torchrun mode or pin another interface.
+_DROP = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "TP_SOCKET_IFNAME",
+)
+
+
+def node_env(ifname: str) -> dict[str, str]:
+    """The environment of a main.py node inside a namespace: gloo on ``ifname``, no torchrun
+    variables, the repository importable."""
+    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    env["GLOO_SOCKET_IFNAME"] = ifname
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
+    return env

@@ -4,12 +4,15 @@ when no heal is left."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from bundle.launch import supervisor
 from bundle.launch.heal import Healer
 from bundle.launch.membership import dead_key, healing_key
+from bundle.runtime.store import read_abort
 from bundle.topology import Topology
 
 JOB = Topology(shape=(1, 1), num_bundles=3, procs_per_node=6, global_batch=12, micro_batches=1)
@@ -58,3 +61,65 @@ def test_every_bundle_lost_without_heals_fails_the_job():
     healer = Healer(JOB, 0, store, heals=0, start=lambda r, i: None)
     assert healer.lose(1, "rank 1 killed") is None and healer.lose(3, "rank 3 killed") is None
     assert healer.lose(5, "rank 5 killed") == "every bundle failed (the last: rank 5 killed)"
+
+
+# Two nodes of three processes: node 0 runs bundle 0 and bundle 1's front, node 1 bundle 1's
+# rear and bundle 2.
+TWO_NODES = Topology(
+    shape=(1, 1), num_bundles=3, procs_per_node=3, global_batch=12, micro_batches=1
+)
+
+
+def test_a_silent_node_takes_its_bundles_out_for_good_and_node_0_stops_waiting_for_it():
+    store, base = _store(), _store()
+    healer = Healer(TWO_NODES, 0, store, heals=1, start=lambda r, i: _Proc(r))
+    beats: dict[int, tuple[int, float]] = {}
+    lose = healer.lose_node
+    assert supervisor._heartbeat(base, store, 0, 2, beats, lose) is None  # node 1 seen at 0
+    beats[1] = (beats[1][0], time.monotonic() - 60)  # ... and silent since
+    assert supervisor._heartbeat(base, store, 0, 2, beats, lose, stale_s=90) is None
+    assert not store.check([dead_key(1)])  # silent for less than stale_s: still in
+    assert supervisor._heartbeat(base, store, 0, 2, beats, lose) is None  # not the job's end
+    why = "node 1 stopped responding for 20s"
+    assert store.get(dead_key(1)).decode() == why and store.get(dead_key(2)).decode() == why
+    assert not store.check([dead_key(0)]) and read_abort(store) is None
+    assert supervisor._heartbeat(base, store, 0, 2, beats, lose) is None  # once
+    # Bundle 1's front (rank 2, node 0) leaves with its bundle and is not started again.
+    assert healer.lose(2, "") is None and healer.restart(2) == {}
+    # Node 0 finishes without node 1's "done".
+    store.set("bundle/done/0", "1")
+    assert supervisor._wait_done(store, 2, timeout=5.0) is None
+    # Bundle 0 could still be healed: the job goes on; without heals it would be over.
+    assert healer.lose(0, "rank 0 killed") is None
+    ended = Healer(TWO_NODES, 0, store, heals=0, start=lambda r, i: _Proc(r))
+    assert ended.lose(1, "rank 1 killed") == "every bundle failed (the last: rank 1 killed)"
+
+
+def test_without_bundle_fault_tolerance_a_silent_node_fails_the_job():
+    store, base = _store(), _store()
+    beats: dict[int, tuple[int, float]] = {}
+    supervisor._heartbeat(base, store, 0, 2, beats)
+    beats[1] = (beats[1][0], time.monotonic() - 60)
+    assert supervisor._heartbeat(base, store, 0, 2, beats) == "node 1 stopped responding for 20s"
+    assert read_abort(store) == "node 1 stopped responding for 20s"
+
+
+def test_node_0_finds_a_node_silent_while_it_waits_for_the_others_to_finish():
+    """Training may end before the heartbeat marked the node (the survivors dropped its bundles
+    after twice --timeout): node 0's wait for the others keeps the heartbeat going."""
+    store, base = _store(), _store()
+    healer = Healer(TWO_NODES, 0, store, heals=0, start=lambda r, i: _Proc(r))
+    beats: dict[int, tuple[int, float]] = {}
+    supervisor._heartbeat(base, store, 0, 2, beats, healer.lose_node)
+    beats[1] = (beats[1][0], time.monotonic() - 60)
+    store.set("bundle/done/0", "1")
+
+    def heartbeat():
+        return supervisor._heartbeat(base, store, 0, 2, beats, healer.lose_node)
+
+    assert supervisor._wait_done(store, 2, timeout=5.0, check=heartbeat) is None
+    assert store.check([dead_key(1), dead_key(2)])
+    # Without the heartbeat it would wait for node 1 to the end.
+    assert supervisor._wait_done(_store(), 2, timeout=0.3) == (
+        "not every node reported completion within 0s"
+    )
