@@ -15,8 +15,9 @@ newest complete checkpoint. Each attempt's keys live under their own prefix of t
 Why not torch.distributed.elastic's agent (which torchrun runs, and which Bundle supports as is):
 the original flags promise static node ranks and one command per node with no rendezvous
 service; this supervisor reports a failure by rank, stage and step on every node, detects a
-stalled node by heartbeat in 20 s (under --fault-tolerance bundle: --timeout, and only its bundles leave) and a stopped or frozen worker by its own beats (before its
-peers' timeouts blame whoever waited first), and compares the nodes' settings field by field.
+stalled node by heartbeat in 20 s (under --fault-tolerance bundle in --timeout, and only its
+bundles leave) and a stopped or frozen worker by its own beats (before its peers' timeouts blame
+whoever waited first), and compares the nodes' settings field by field.
 """
 
 from __future__ import annotations
