@@ -26,6 +26,7 @@ from bundle.observe.timing import Mark
 from bundle.observe.trace import KernelProfiler
 from bundle.runtime.phase import Phase
 from bundle.runtime.preemption import Regroup, Stopped, StopRequest, StopVote, maybe_fail
+from bundle.runtime.store import LOST_STEPS_KEY
 from bundle.session import Session, make_checkpointer, train_stream
 from bundle.topology import Topology
 
@@ -212,7 +213,16 @@ class Trainer:
             bundles=list(topo.bundles) if self.bundle_failures is not None else None,
             bundle_failures=self.bundle_failures,
             heals=self.heals,
+            lost_steps=self._lost_steps(),
         )
+
+    def _lost_steps(self) -> int | None:
+        """What node 0's supervisor counted before this attempt (a restarted job); 0 under
+        --fault-tolerance bundle before any restart; else None (not reported)."""
+        store = self.store
+        if store is not None and store.check([LOST_STEPS_KEY]):
+            return int(store.get(LOST_STEPS_KEY).decode())
+        return 0 if self.bundle_failures is not None and self.run.attempt == 0 else None
 
 
 def _data_parallel(cfg: RunConfig) -> str:

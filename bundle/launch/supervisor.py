@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait as wait_sentinels
 from multiprocessing.context import SpawnContext, SpawnProcess
 from typing import Any, Protocol
@@ -49,6 +49,7 @@ from bundle.partition import Capture
 from bundle.runtime.devices import resolve_backend, torch_backend
 from bundle.runtime.preemption import StopRequest, exit_code, stop_line
 from bundle.runtime.store import (
+    LOST_STEPS_KEY,
     attempt_prefix,
     exchange_config,
     open_job_store,
@@ -77,6 +78,15 @@ class Outcome:
     end: End
     signum: int = 0
     why: str = ""
+    reached: int = 0  # the furthest step this node's workers had begun (0-based)
+
+
+def _trained_again(reached: int, resume: str | None) -> int:
+    """The committed steps a restart trains again: the ``reached`` steps before the one in
+    progress when the attempt failed (0-based: as many as were committed) past the checkpoint
+    ``resume`` (None: from the start)."""
+    start = int(ckpt.read_info(resume)["step"]) if resume else 0
+    return max(0, reached - start)
 
 
 def _exit_text(code: int) -> str:
@@ -106,6 +116,7 @@ def supervise(
 
     stop = StopRequest(shared=ctx.Value("i", 0, lock=False))
     stop.install(on_second=kill_now)
+    again = 0  # steps trained again after restarts so far
     try:
         for attempt in range(lc.max_restarts + 1):
             outcome = _attempt(
@@ -133,6 +144,10 @@ def supervise(
             )
             for note in notes:
                 logger.warning(note)
+            again += _trained_again(outcome.reached, resume)
+            if node == 0:
+                next_keys = dist.PrefixStore(attempt_prefix(attempt + 1), store)
+                next_keys.set(LOST_STEPS_KEY, str(again))
         return 1
     except (RuntimeError, LaunchError) as exc:  # a store call failed: its host, node 0, is gone
         store_at = f"the job's store at {lc.master_addr}:{port}"
@@ -215,7 +230,7 @@ def _attempt(
         _stop(procs.values(), grace=_KILL_GRACE_S if outcome.end is End.FAILED else 0.0)
         running.clear()
         quotas.release()
-    return outcome
+    return replace(outcome, reached=max(int(v.value) for v in step_now.values()))
 
 
 def _factory(

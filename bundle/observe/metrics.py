@@ -129,6 +129,10 @@ class RunFacts:
     bundles: list[int] | None = None
     bundle_failures: int | None = None
     heals: int | None = None
+    # Steps trained again because a failure restarted the whole job from a checkpoint: the
+    # committed steps past the checkpoint each restart resumed from, summed (node 0's workers'
+    # view; None under torchrun's restarts, which nothing counts).
+    lost_steps: int | None = None
 
 
 _OPTIONAL = (
@@ -142,6 +146,7 @@ _OPTIONAL = (
     "bundles",
     "bundle_failures",
     "heals",
+    "lost_steps",
 )
 
 

@@ -151,6 +151,11 @@ def start_abort_watch(store: dist.Store, rank: int, me: str) -> None:
     threading.Thread(target=watch, name="bundle-abort-watch", daemon=True).start()
 
 
+# Under an attempt's prefix: the steps the job trained again so far (node 0's supervisor sets it
+# before it starts the attempt; its summary reports it).
+LOST_STEPS_KEY = "bundle/lost_steps"
+
+
 def attempt_prefix(attempt: int) -> str:
     return f"bundle/attempt{attempt}"
 

@@ -85,6 +85,7 @@ def test_a_lost_bundle_leaves_and_the_others_train_on_exactly(tmp_path, backend)
     summary = records[-1]
     assert summary["bundle_failures"] == 1 and summary["bundles"] == [0, 2], summary
     assert summary["attempt"] == 0 and summary["steps"] == 8 and summary["heals"] == 0
+    assert summary["lost_steps"] == 0
     took_part = {r["step"]: r["bundles"] for r in records if "loss" in r and "step" in r}
     assert took_part == {s: [0, 1, 2] if s < FAILS_AT else [0, 2] for s in range(1, 9)}
     _assert_trained_on_the_bundles_present(tmp_path, args, took_part)

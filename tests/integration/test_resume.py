@@ -105,6 +105,7 @@ def test_a_killed_worker_restarts_from_the_checkpoint_bit_identical(
     # An asynchronous step-6 may still have been in flight when the worker died: then step-3.
     resumed_at = (3, 6) if "--async-save" in saving else (6,)
     assert summary["attempt"] == 1 and summary["start_step"] in resumed_at, summary
+    assert summary["lost_steps"] == 6 - summary["start_step"], summary  # steps 1..6 committed
     assert f"resumed from {tmp_path / 'ckpt'}/step-{summary['start_step']}" in err, err
     assert_identical(uninterrupted / "a.pt", tmp_path / "b.pt")
     assert losses(tmp_path / "m.jsonl") == losses(uninterrupted / "m.jsonl")

@@ -123,3 +123,13 @@ def test_node_0_finds_a_node_silent_while_it_waits_for_the_others_to_finish():
     assert supervisor._wait_done(_store(), 2, timeout=0.3) == (
         "not every node reported completion within 0s"
     )
+
+
+def test_a_restart_counts_the_committed_steps_it_trains_again(monkeypatch):
+    """The step in progress (0-based ``reached``: as many as were committed) less the step the
+    checkpoint holds; from scratch, every committed step."""
+    monkeypatch.setattr(supervisor.ckpt, "read_info", lambda path: {"step": path.split("-")[-1]})
+    assert supervisor._trained_again(150, "ckpt/step-100") == 50
+    assert supervisor._trained_again(6, "ckpt/step-6") == 0
+    assert supervisor._trained_again(6, None) == 6
+    assert supervisor._trained_again(-1, None) == 0  # failed before its first step
