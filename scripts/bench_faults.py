@@ -7,6 +7,8 @@ newest checkpoint), and against the same run uninterrupted.
     python scripts/bench_faults.py --shape 2,1 --bundles 2 --json faults.json
     BUNDLE_EXPERIMENTAL_NCCL_FT=1 python scripts/bench_faults.py --backend nccl --runs bundle,restart
     sudo python scripts/bench_faults.py --fault node  # a lost node (network namespaces, root)
+    python scripts/bench_faults.py --model digits_cnn --batch-size 768 \
+        --runs uninterrupted_restart,uninterrupted    # what the commit vote costs on larger steps
 
 Three bundles of shape ``1,1`` (six processes, gloo; ``--shape``, ``--bundles``; ``--backend nccl``
 puts every rank on the machine's GPUs with ``--share-gpus``), ``mlp`` on
@@ -51,10 +53,7 @@ sys.path.insert(0, str(ROOT))
 from bundle.launch.localworld import free_port  # noqa: E402
 from tests.support.netns import NetnsPair, node_env  # noqa: E402
 
-BASE = [
-    "--model", "mlp", "--dataset", "digits", "--batch-size", "48", "--log-every", "10",
-    "--timeout", "10",
-]  # fmt: skip
+BASE = ["--dataset", "digits", "--log-every", "10", "--timeout", "10"]
 STEP = re.compile(r"step (\d+)/\d+ .* ([\d.]+) samples/s")
 
 
@@ -66,6 +65,7 @@ class Run:
     summary: dict = field(default_factory=dict)
     fault_at: float | None = None
     code: int | None = None
+    batch: int = 48  # rows per step, while every bundle trains
 
     def first(self, pattern: str, after: float = 0.0) -> float | None:
         return next((t for t, line in self.lines if t > after and re.search(pattern, line)), None)
@@ -109,7 +109,7 @@ def run(
     if mode == "restart":
         args += ["--save-dir", str(workdir / f"ckpt-{fault}"), "--save-every", "100"]
     cmd = [sys.executable, str(ROOT / "main.py"), *args, "--portNum", str(free_port())]
-    out = Run()
+    out = Run(batch=int(layout[layout.index("--batch-size") + 1]))
     clock = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -122,7 +122,7 @@ def run(
             pids[:] = [int(p) for p in m.group(1).split(", ")]
         if fault and out.fault_at is None and out.reached(line, fault_at) and pids:
             sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
-            os.kill(pids[victim(layout[1])], sig)
+            os.kill(pids[victim(layout[layout.index("--bundle-shape") + 1])], sig)
             out.fault_at = time.monotonic() - clock
 
     readers = [out.follow(s, clock, on_line) for s in (proc.stdout, proc.stderr)]
@@ -135,24 +135,25 @@ def run(
             r.join(10)
         if fault == "stop" and pids:  # a stopped worker its supervisor did not kill: ours
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pids[victim(layout[1])], signal.SIGKILL)
+                os.kill(pids[victim(layout[layout.index("--bundle-shape") + 1])], signal.SIGKILL)
     return out
 
 
 NODE_PORT = 29581  # inside the namespaces: nothing else listens there
 
 
-def run_nodes(mode: str, steps: int, fault_at: int, workdir: Path) -> Run:
+def run_nodes(mode: str, steps: int, fault_at: int, workdir: Path, model: str, batch: int) -> Run:
     """``--fault node``: bundle b on node b of two namespaces; node 1 lost once node 0 logged
     step ``fault_at`` (its link down first, then its processes killed)."""
     args = [
-        *BASE, "--bundle-shape", "1,1", "--num-bundle", "2", "--itr", str(steps),
+        *BASE, "--model", model, "--batch-size", str(batch), "--bundle-shape", "1,1",
+        "--num-bundle", "2", "--itr", str(steps),
         "--fault-tolerance", mode, "--max-restarts", "1", "--timeout", "5",
         "--init-timeout", "30", "--world-size", "2", "--nproc-per-node", "2",
     ]  # fmt: skip
     if mode == "restart":
         args += ["--save-dir", str(workdir / "ckpt-node"), "--save-every", "100"]
-    out, procs = Run(), []
+    out, procs = Run(batch=batch), []
     with NetnsPair() as hosts:
         clock = time.monotonic()
         for node, ns in enumerate((hosts.a, hosts.b)):
@@ -183,9 +184,7 @@ def run_nodes(mode: str, steps: int, fault_at: int, workdir: Path) -> Run:
     return out
 
 
-def rate(
-    points: list[tuple[float, int]], start: float, stop: float, batch: int = 48
-) -> float | None:
+def rate(points: list[tuple[float, int]], start: float, stop: float, batch: int) -> float | None:
     """Samples/s between the first and the last logged step inside ``[start, stop]``."""
     inside = [(t, s) for t, s in points if start <= t <= stop]
     if len(inside) < 2 or inside[-1][0] == inside[0][0]:
@@ -206,18 +205,18 @@ def report(name: str, r: Run) -> dict:
         "attempt": r.summary.get("attempt"),
     }
     if r.fault_at is None:
-        out["samples_per_s"] = rate(points, 0.0, float("inf"))
+        out["samples_per_s"] = rate(points, 0.0, float("inf"), r.batch)
         return out
     out["to_next_step_s"] = round(after[0][0] - fault, 2) if after else None
     before = [s for t, s in points if t <= fault]
-    out["samples_per_s_before"] = rate(points, 0.0, fault)
+    out["samples_per_s_before"] = rate(points, 0.0, fault, r.batch)
     rejoin = r.first(r"rejoin after step", fault)
     if rejoin is not None:
         out["to_rejoin_s"] = round(rejoin - fault, 2)
-        out["samples_per_s_missing"] = rate(points, fault, rejoin)
-        out["samples_per_s_after"] = rate(points, rejoin, float("inf"))
+        out["samples_per_s_missing"] = rate(points, fault, rejoin, r.batch)
+        out["samples_per_s_after"] = rate(points, rejoin, float("inf"), r.batch)
     else:
-        out["samples_per_s_after"] = rate(points, fault, float("inf"))
+        out["samples_per_s_after"] = rate(points, fault, float("inf"), r.batch)
     if name == "restart" and after and before:
         out["steps_redone"] = max(before) - after[0][1] + 1
     return out
@@ -233,8 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the report here too")
     p.add_argument("--backend", choices=("gloo", "nccl-emu", "nccl"), default="gloo")
     p.add_argument("--runs", default=",".join(RUNS), help=f"which of {', '.join(RUNS)}")
+    p.add_argument("--model", default="mlp", help="a model that trains on digits (digits_cnn)")
+    p.add_argument("--batch-size", type=int, default=48)
     a = p.parse_args(argv)
-    layout = ["--bundle-shape", a.shape, "--num-bundle", str(a.bundles), "--backend", a.backend]
+    layout = ["--model", a.model, "--bundle-shape", a.shape, "--num-bundle", str(a.bundles)]
+    layout += ["--backend", a.backend, "--batch-size", str(a.batch_size)]
     layout += ["--share-gpus"] if a.backend == "nccl" else []
     wanted = a.runs.split(",")
     if unknown := set(wanted) - set(RUNS):
@@ -247,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         if a.fault == "node":
-            runs = {m: run_nodes(m, a.steps, a.fault_at, Path(tmp)) for m in ("bundle", "restart")}
+            runs = {
+                m: run_nodes(m, a.steps, a.fault_at, Path(tmp), a.model, a.batch_size)
+                for m in ("bundle", "restart")
+            }
         else:
             runs = {
                 name: run(mode, layout, a.steps, fault, a.fault_at, Path(tmp))
@@ -260,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         "shape": a.shape if a.fault != "node" else "1,1",
         "bundles": a.bundles if a.fault != "node" else 2,
         "backend": a.backend,
+        "model": a.model,
+        "batch_size": a.batch_size,
         "fault_rank": victim(a.shape) if a.fault != "node" else "node 1 (ranks 2, 3)",
         "steps": a.steps,
         "fault_at_step": a.fault_at,
