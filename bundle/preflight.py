@@ -23,7 +23,7 @@ from bundle.errors import BundleError, ConfigError, DataError
 from bundle.launch import throttle
 from bundle.lr_schedule import LRSchedule, needs_epoch_length, past_the_run, spell
 from bundle.runtime import devices
-from bundle.runtime.preemption import parse_fault
+from bundle.runtime.preemption import parse_fault, parse_heal_fault
 from bundle.topology import Topology
 
 
@@ -65,6 +65,7 @@ def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
     check_paths(cfg)
     check_observed_steps(cfg)
     parse_fault(env)
+    parse_heal_fault(env)
     aggregate.parse_fault(env.get(aggregate.BYZANTINE_ENV), topo.num_bundles)
     attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if cfg.launch.torchrun else 0
     return LaunchPlan(cfg, topo, check_resume(cfg, shapes, attempt), attempt, capture)

@@ -40,7 +40,7 @@ from bundle.launch.membership import DONE_KEY, LOSSES_KEY, Membership, is_peer_l
 from bundle.observe.metrics import Summary
 from bundle.partition import Capture
 from bundle.runtime.phase import Phase
-from bundle.runtime.preemption import Regroup, StopRequest
+from bundle.runtime.preemption import Regroup, StopRequest, maybe_fail_heal
 from bundle.session import Session, build_session
 from bundle.topology import Topology
 from bundle.trainer import Trainer, build_trainer
@@ -187,6 +187,7 @@ def train_on(
         trainer_args=dict(attempt=attempt, stop=stop, store=store, step_now=step_now),
     )
     if incarnation:
+        maybe_fail_heal(rank, incarnation)
         phase.enter("start-up: waiting to be taken back in")
         if members.ask_to_join(cfg.launch.init_timeout) < 0:
             log.get().info(f"bundle {members.bundle}: training ended before it could rejoin")

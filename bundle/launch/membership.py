@@ -194,7 +194,8 @@ class Membership:
 
     def ask_to_join(self, wait: float) -> int:
         """A process of a new incarnation: check in, and wait until the members take its bundle
-        in (returns the step it starts from) or training ends (returns -1)."""
+        in (returns the step it starts from) or training ends (returns -1). Raises
+        ``BundleLeft`` when another process of this incarnation failed meanwhile."""
         key = _join_key(self.bundle, self.incarnation)
         self.store.set(f"{key}/in/{self.rank}", "1")
         self.store.add(f"{key}/count", 1)
@@ -202,6 +203,8 @@ class Membership:
         while not self.store.check([f"{key}/epoch"]):
             if self.store.check([DONE_KEY]):
                 return -1
+            if self.gone():  # a process of this incarnation failed: this heal is over
+                raise self.leave()
             if self.clock() >= deadline:
                 raise TooFewBundles(f"bundle {self.bundle} was not taken back in within {wait:g}s")
             time.sleep(POLL_S)

@@ -33,6 +33,7 @@ from bundle.errors import ConfigError
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEBOUNCE_S = 2.0
 FAULT_ENV = "BUNDLE_FAULT"
+HEAL_FAULT_ENV = "BUNDLE_HEAL_FAULT"
 
 
 def exit_code(signum: int) -> int:
@@ -171,20 +172,51 @@ def resume_command(argv: list[str], launcher: str) -> str:
     return " ".join([launcher, "main.py", *map(shlex.quote, args), "--resume", "auto"])
 
 
-def parse_fault(env: Mapping[str, str]) -> tuple[int, int] | None:
-    """``BUNDLE_FAULT=RANK:STEP`` -> (rank, step), checked before anything starts."""
+FAULT_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+
+
+def parse_fault(env: Mapping[str, str]) -> tuple[int, int, signal.Signals] | None:
+    """``BUNDLE_FAULT=RANK:STEP[:kill|stop]`` -> (rank, step, signal), checked before anything
+    starts. ``stop`` freezes the rank (SIGSTOP) instead of killing it: a slow, not dead, peer."""
     text = env.get(FAULT_ENV)
     if not text:
         return None
     parts = text.split(":")
+    how = parts.pop() if len(parts) == 3 and parts[2] in FAULT_SIGNALS else "kill"
     if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[1]) < 1:
-        raise ConfigError(FAULT_ENV, text, "must be RANK:STEP, e.g. 1:7 (global rank, step >= 1)")
+        raise ConfigError(
+            FAULT_ENV,
+            text,
+            "must be RANK:STEP[:kill|stop], e.g. 1:7 (global rank, step >= 1)",
+        )
+    return int(parts[0]), int(parts[1]), FAULT_SIGNALS[how]
+
+
+def parse_heal_fault(env: Mapping[str, str]) -> tuple[int, int] | None:
+    """``BUNDLE_HEAL_FAULT=RANK:INCARNATION`` -> (rank, incarnation): under --fault-tolerance
+    bundle, global rank RANK of its bundle's INCARNATION-th heal kills itself as it starts."""
+    text = env.get(HEAL_FAULT_ENV)
+    if not text:
+        return None
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[1]) < 1:
+        raise ConfigError(
+            HEAL_FAULT_ENV, text, "must be RANK:INCARNATION, e.g. 3:1 (global rank, heal >= 1)"
+        )
     return int(parts[0]), int(parts[1])
 
 
 def maybe_fail(rank: int, step: int, attempt: int) -> None:
-    """The fault hook: global rank RANK SIGKILLs itself as step STEP (1-based) begins, first attempt only."""
+    """The fault hook: global rank RANK SIGKILLs (or SIGSTOPs) itself as step STEP (1-based)
+    begins, first attempt only."""
     fault = parse_fault(os.environ)
-    if fault == (rank, step + 1) and attempt == 0:
+    if fault is not None and fault[:2] == (rank, step + 1) and attempt == 0:
+        sys.stderr.flush()
+        os.kill(os.getpid(), fault[2])
+
+
+def maybe_fail_heal(rank: int, incarnation: int) -> None:
+    """The heal's fault hook (``BUNDLE_HEAL_FAULT``): SIGKILL as the new process starts."""
+    if incarnation and parse_heal_fault(os.environ) == (rank, incarnation):
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)

@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import re
+import signal
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from bundle import cli
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.__main__ import main as export_command
 from bundle.errors import CheckpointError, ConfigError
-from bundle.runtime.preemption import parse_fault, resume_command, stop_line
+from bundle.runtime.preemption import parse_fault, parse_heal_fault, resume_command, stop_line
 
 # The files are written and read in this one process on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -270,10 +271,16 @@ def test_the_final_export_gathers_on_the_group_it_is_given(tmp_path, monkeypatch
 
 def test_fault_hook_is_checked_before_start():
     assert parse_fault({}) is None
-    assert parse_fault({"BUNDLE_FAULT": "1:7"}) == (1, 7)
-    for bad in ("1", "a:2", "1:0", "1:2:3"):
+    assert parse_fault({"BUNDLE_FAULT": "1:7"}) == (1, 7, signal.SIGKILL)
+    assert parse_fault({"BUNDLE_FAULT": "3:4:stop"}) == (3, 4, signal.SIGSTOP)
+    for bad in ("1", "a:2", "1:0", "1:2:3", "1:2:hang"):
         with pytest.raises(ConfigError, match="BUNDLE_FAULT"):
             parse_fault({"BUNDLE_FAULT": bad})
+    assert parse_heal_fault({}) is None
+    assert parse_heal_fault({"BUNDLE_HEAL_FAULT": "3:1"}) == (3, 1)
+    for bad in ("3", "3:0", "x:1"):
+        with pytest.raises(ConfigError, match="BUNDLE_HEAL_FAULT"):
+            parse_heal_fault({"BUNDLE_HEAL_FAULT": bad})
 
 
 def test_stop_line_names_the_checkpoint_and_the_resume_command():

@@ -174,3 +174,14 @@ def test_a_loss_watch_aborts_the_epoch_once_a_member_is_marked_dead_and_not_afte
     while live.fired is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert aborted == [1, 3] and live.fired == "bundle(s) 0, 2 marked lost"
+
+
+def test_a_process_waiting_to_join_leaves_once_its_sibling_in_the_heal_failed():
+    """Rank 3 of heal 1 died as it started (its supervisor marked the incarnation): rank 2 of
+    the same heal stops waiting at once, so that the next heal can start."""
+    store = _store()
+    mark_dead(store, 1, 1, "rank 3 was killed by SIGKILL")
+    t0 = time.monotonic()
+    with pytest.raises(BundleLeft):
+        Membership(store, JOB, 2, 5.0, incarnation=1).ask_to_join(5.0)
+    assert time.monotonic() - t0 < 1.0

@@ -29,6 +29,7 @@ CHECKS = (
     "check_paths",
     "check_observed_steps",
     "parse_fault",
+    "parse_heal_fault",
     "check_resume",
 )
 
