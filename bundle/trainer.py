@@ -210,7 +210,7 @@ class Trainer:
             predicted_samples_per_s=cfg.predicted_samples_per_s,
             trace=cfg.observe.trace or None,
             replaced_samples=replaced_samples,
-            bundles=list(topo.bundles) if self.bundle_failures is not None else None,
+            bundles_in_step=list(topo.bundles) if self.bundle_failures is not None else None,
             bundle_failures=self.bundle_failures,
             heals=self.heals,
             lost_steps=self._lost_steps(),

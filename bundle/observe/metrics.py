@@ -126,7 +126,7 @@ class RunFacts:
     factory: str | None = None
     # --fault-tolerance bundle: the job's bundles that trained the last step, and how many
     # bundles left the job during the run (this attempt).
-    bundles: list[int] | None = None
+    bundles_in_step: list[int] | None = None
     bundle_failures: int | None = None
     heals: int | None = None
     # Steps trained again because a failure restarted the whole job from a checkpoint: the
@@ -143,7 +143,7 @@ _OPTIONAL = (
     "trace",
     "replaced_samples",
     "factory",
-    "bundles",
+    "bundles_in_step",
     "bundle_failures",
     "heals",
     "lost_steps",
@@ -298,7 +298,7 @@ class Reporter:
             if self.lr is not None:
                 record["lr"] = self.lr()
             if self.bundles is not None:
-                record["bundles"] = self.bundles
+                record["bundles_in_step"] = self.bundles
             if times is not None:
                 record["breakdown"] = times
             self.final_loss = record["loss"]

@@ -95,10 +95,10 @@ def test_a_lost_bundle_leaves_and_the_others_train_on_exactly(tmp_path, backend,
     silent for half of --timeout, then dropped)."""
     args, _, records = _run(tmp_path, backend, 8, fault=fault)
     summary = records[-1]
-    assert summary["bundle_failures"] == 1 and summary["bundles"] == [0, 2], summary
+    assert summary["bundle_failures"] == 1 and summary["bundles_in_step"] == [0, 2], summary
     assert summary["attempt"] == 0 and summary["steps"] == 8 and summary["heals"] == 0
     assert summary["lost_steps"] == 0
-    took_part = {r["step"]: r["bundles"] for r in records if "loss" in r and "step" in r}
+    took_part = {r["step"]: r["bundles_in_step"] for r in records if "loss" in r and "step" in r}
     assert took_part == {s: [0, 1, 2] if s < FAILS_AT else [0, 2] for s in range(1, 9)}
     _assert_trained_on_the_bundles_present(tmp_path, args, took_part)
 
@@ -118,7 +118,7 @@ def test_a_lost_bundle_heals_from_a_peer_and_rejoins(tmp_path, backend):
     # heal rejoins.
     args, err, records = _run(tmp_path, backend, steps, *extra, env={"BUNDLE_HEAL_FAULT": "3:1"})
     summary = records[-1]
-    assert summary["heals"] == 1 and summary["bundles"] == [0, 1, 2], summary
+    assert summary["heals"] == 1 and summary["bundles_in_step"] == [0, 1, 2], summary
     assert "bundle 1: ranks 2, 3 started again (heal 1 of 2" in err
     assert "bundle 1: ranks 2, 3 started again (heal 2 of 2" in err
     rejoined = int(re.search(r"bundle\(s\) 1 rejoin after step (\d+)", err).group(1))
