@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bundle.launch.localworld import free_port  # noqa: E402
+from bundle.runtime.preemption import FAULT_SIGNALS  # noqa: E402
 from tests.support.netns import NetnsPair, node_env  # noqa: E402
 
 BASE = ["--dataset", "digits", "--log-every", "10", "--timeout", "10"]
@@ -115,14 +116,14 @@ def run(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     pids: list[int] = []
+    target = victim(layout[layout.index("--bundle-shape") + 1])  # the rank the fault hits
 
     def on_line(line: str) -> None:
         m = re.search(r"started ranks 0\.\.\d+ \(pids ([\d, ]+)\)", line)
         if m and not pids:  # the first attempt's: the one the fault hits
             pids[:] = [int(p) for p in m.group(1).split(", ")]
         if fault and out.fault_at is None and out.reached(line, fault_at) and pids:
-            sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
-            os.kill(pids[victim(layout[layout.index("--bundle-shape") + 1])], sig)
+            os.kill(pids[target], FAULT_SIGNALS[fault])
             out.fault_at = time.monotonic() - clock
 
     readers = [out.follow(s, clock, on_line) for s in (proc.stdout, proc.stderr)]
@@ -135,7 +136,7 @@ def run(
             r.join(10)
         if fault == "stop" and pids:  # a stopped worker its supervisor did not kill: ours
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pids[victim(layout[layout.index("--bundle-shape") + 1])], signal.SIGKILL)
+                os.kill(pids[target], signal.SIGKILL)
     return out
 
 

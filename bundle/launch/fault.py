@@ -2,8 +2,9 @@
 
 While every bundle trains, this is the ordinary run but for its stop vote: instead of overlapping
 the step, it is cast after the gradient sync and waited for before the optimizer steps, so every
-process of the job meets there (one small all-reduce on the control group). A step is thereby taken by all or by none: a process that
-fails before the vote leaves every other one without the vote, so no one steps. When a step
+process of the job meets there (one small all-reduce on the control group). A step is thereby
+taken by all or by none: a process that fails before the vote leaves every other one without the
+vote, so no one steps. When a step
 fails because a peer went away, this process keeps its stage's state in memory (``Carried``),
 drops every group of the epoch, agrees with the others which bundles train on
 (bundle.launch.membership), forms a world of those on a fresh store prefix, and runs the failed

@@ -41,10 +41,10 @@ class Healer:
         self.incarnation = dict.fromkeys(self.local, 0)
         self.healed = dict.fromkeys(self.local, 0)
         self.exited: dict[int, set[int]] = {b: set() for b in self.local}
-        self.nodes: dict[int, list[int]] = {}  # bundle -> the nodes its processes run on
+        nodes: dict[int, set[int]] = {b: set() for b in range(topo.num_bundles)}  # where each runs
         for r in range(topo.world_size):
-            self.nodes.setdefault(topo.coord(r).bundle, []).append(topo.node_of(r))
-        self.nodes = {b: sorted(set(n)) for b, n in self.nodes.items()}
+            nodes[topo.coord(r).bundle].add(topo.node_of(r))
+        self.nodes = {b: sorted(n) for b, n in nodes.items()}
 
     def lose(self, rank: int, what: str) -> str | None:
         """A worker exited non-zero (``what`` says how; empty: it left with its bundle). Returns
@@ -59,7 +59,7 @@ class Healer:
         """Node ``node`` stopped responding (node 0's supervisor): every bundle with a process
         there leaves for good. Returns the job's failure, or None while some bundle may train."""
         self.store.set(lost_node_key(node), why)
-        for b in sorted({self.topo.coord(r).bundle for r in self.topo.node_ranks(node)}):
+        for b in (b for b, nodes in self.nodes.items() if node in nodes):
             if mark_dead(self.store, b, self._incarnation_of(b), why) == why:
                 log.get().warning(
                     f"bundle {b} leaves the job for good: {why}; the other bundles train on"

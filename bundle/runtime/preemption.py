@@ -181,15 +181,12 @@ def parse_fault(env: Mapping[str, str]) -> tuple[int, int, signal.Signals] | Non
     text = env.get(FAULT_ENV)
     if not text:
         return None
-    parts = text.split(":")
-    how = parts.pop() if len(parts) == 3 and parts[2] in FAULT_SIGNALS else "kill"
-    if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[1]) < 1:
-        raise ConfigError(
-            FAULT_ENV,
-            text,
-            "must be RANK:STEP[:kill|stop], e.g. 1:7 (global rank, step >= 1)",
-        )
-    return int(parts[0]), int(parts[1]), FAULT_SIGNALS[how]
+    head, _, how = text.rpartition(":")
+    if how not in FAULT_SIGNALS:
+        head, how = text, "kill"
+    usage = "must be RANK:STEP[:kill|stop], e.g. 1:7 (global rank, step >= 1)"
+    rank, step = _two_counts(FAULT_ENV, text, head, usage)
+    return rank, step, FAULT_SIGNALS[how]
 
 
 def parse_heal_fault(env: Mapping[str, str]) -> tuple[int, int] | None:
@@ -198,11 +195,15 @@ def parse_heal_fault(env: Mapping[str, str]) -> tuple[int, int] | None:
     text = env.get(HEAL_FAULT_ENV)
     if not text:
         return None
-    parts = text.split(":")
+    usage = "must be RANK:INCARNATION, e.g. 3:1 (global rank, heal >= 1)"
+    return _two_counts(HEAL_FAULT_ENV, text, text, usage)
+
+
+def _two_counts(name: str, text: str, pair: str, usage: str) -> tuple[int, int]:
+    """``pair`` = "A:B" with B >= 1, else a ConfigError on ``name`` = ``text``."""
+    parts = pair.split(":")
     if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[1]) < 1:
-        raise ConfigError(
-            HEAL_FAULT_ENV, text, "must be RANK:INCARNATION, e.g. 3:1 (global rank, heal >= 1)"
-        )
+        raise ConfigError(name, text, usage)
     return int(parts[0]), int(parts[1])
 
 
