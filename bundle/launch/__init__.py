@@ -5,6 +5,7 @@ the session and trainer; nothing below it (runtime, engine, session, trainer) im
 
 - ``process``: one training process around its session and trainer (self-spawned or torchrun);
 - ``supervisor``: a node's workers started, watched, restarted and stopped;
+- ``nodes``: the nodes' heartbeats (a silent node found) and node 0's wait for the others;
 - ``membership``: which bundles train on after a failure, agreed through the job's store;
 - ``fault``: a process's training under ``--fault-tolerance bundle``, a world per membership;
 - ``heal``: a node supervisor's side of it: a lost bundle marked, its processes started again;

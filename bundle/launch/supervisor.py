@@ -23,7 +23,6 @@ whoever waited first), and compares the nodes' settings field by field.
 from __future__ import annotations
 
 import enum
-import math
 import multiprocessing as mp
 import os
 import signal
@@ -41,8 +40,9 @@ from bundle import log
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig
 from bundle.errors import LaunchError, PeerFailure
+from bundle.launch import nodes
 from bundle.launch.heal import Healer
-from bundle.launch.membership import EXIT_LEFT, lost_node_key
+from bundle.launch.membership import EXIT_LEFT
 from bundle.launch.process import spawned
 from bundle.launch.throttle import NodeQuotas, ThrottleError, cpu_shares
 from bundle.partition import Capture
@@ -60,7 +60,6 @@ from bundle.runtime.store import (
 from bundle.topology import Topology
 
 _POLL_S = 0.5
-_HEARTBEAT_STALE_S = 20.0
 _FROZEN_MIN_S = 3.0
 _KILL_GRACE_S = 5.0
 
@@ -199,7 +198,7 @@ def _attempt(
 
         healer = Healer(topo, node, store, heals=lc.max_restarts, start=start_again)
 
-    heartbeat = _heartbeat_check(base, store, node, topo.num_nodes, lc.timeout, healer)
+    heartbeat = nodes.heartbeat_check(base, store, node, topo.num_nodes, lc.timeout, healer)
     stopped_workers = _liveness(
         procs, alive, topo, lc.timeout, store, healer.frozen(procs) if healer else None
     )
@@ -219,7 +218,9 @@ def _attempt(
             store.set(f"bundle/done/{node}", "1")
             # The store lives on node 0: keep it up until every node has finished with it.
             failure = (
-                _wait_done(store, topo.num_nodes, lc.timeout + lc.init_timeout, check=heartbeat)
+                nodes.wait_done(
+                    store, topo.num_nodes, lc.timeout + lc.init_timeout, check=heartbeat
+                )
                 if node == 0
                 else None
             )
@@ -419,75 +420,6 @@ def _stopped(cfg: RunConfig, signum: int) -> int:
     step = int(ckpt.read_info(path)["step"]) if path else None
     print(stop_line(signum, step, path, sys.argv[1:], "python"), file=sys.stderr, flush=True)
     return exit_code(signum)
-
-
-def _heartbeat_check(
-    base: dist.Store,
-    store: dist.Store,
-    node: int,
-    nodes: int,
-    timeout: float,
-    healer: Healer | None,
-) -> Callable[[], str | None]:
-    """The heartbeat a node's supervisor takes every poll (``_heartbeat``). Under
-    --fault-tolerance bundle a silent node costs its bundles, not the job, and is found as the
-    survivors' waits on it time out (--timeout), so that they agree at once."""
-    beats: dict[int, tuple[int, float]] = {}
-    if healer is None:
-        return lambda: _heartbeat(base, store, node, nodes, beats)
-    stale = max(_FROZEN_MIN_S, timeout)
-    return lambda: _heartbeat(base, store, node, nodes, beats, healer.lose_node, stale)
-
-
-def _heartbeat(
-    base: dist.Store,
-    store: dist.Store,
-    node: int,
-    nodes: int,
-    beats: dict[int, tuple[int, float]],
-    lose_node: Callable[[int, str], str | None] | None = None,
-    stale_s: float = _HEARTBEAT_STALE_S,
-) -> str | None:
-    """Every node ticks its counter; node 0 reports a node whose counter stopped moving for
-    ``stale_s``: the job's failure, or under --fault-tolerance bundle ``lose_node(node, why)``
-    (that node's bundles leave; returns the job's failure if none can train)."""
-    base.add(f"bundle/hb/{node}", 1)
-    if node != 0:
-        return None
-    now = time.monotonic()
-    for other in range(1, nodes):
-        count = base.add(f"bundle/hb/{other}", 0)
-        last = beats.get(other)
-        if last is None or count != last[0]:
-            beats[other] = (count, now)
-        elif now - last[1] > stale_s and not store.check([f"bundle/done/{other}"]):
-            why = f"node {other} stopped responding for {stale_s:.0f}s"
-            if lose_node is None:
-                return post_abort(store, why)
-            beats[other] = (count, math.inf)  # lost once: not again unless it beats again
-            if (failure := lose_node(other, why)) is not None:
-                return post_abort(store, failure)
-    return None
-
-
-def _wait_done(
-    store: dist.Store,
-    nodes: int,
-    timeout: float,
-    check: Callable[[], str | None] = lambda: None,
-) -> str | None:
-    """Node 0: wait until every node has finished (a node lost under --fault-tolerance bundle
-    does not count), or the job failed; ``check`` (the heartbeat) still runs meanwhile, so a node
-    that went silent is found here too."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        keys = [f"bundle/done/{i}" for i in range(nodes) if not store.check([lost_node_key(i)])]
-        if store.check(keys):
-            return None
-        if (msg := check() or read_abort(store)) is not None:
-            return msg
-        time.sleep(_POLL_S)
-    return f"not every node reported completion within {timeout:.0f}s"
 
 
 def _stop(procs: Iterable[SpawnProcess], *, grace: float) -> None:

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from bundle.launch import supervisor
+from bundle.launch import nodes, supervisor
 from bundle.launch.heal import Healer
 from bundle.launch.membership import dead_key, healing_key
 from bundle.runtime.store import read_abort
@@ -75,20 +75,20 @@ def test_a_silent_node_takes_its_bundles_out_for_good_and_node_0_stops_waiting_f
     healer = Healer(TWO_NODES, 0, store, heals=1, start=lambda r, i: _Proc(r))
     beats: dict[int, tuple[int, float]] = {}
     lose = healer.lose_node
-    assert supervisor._heartbeat(base, store, 0, 2, beats, lose) is None  # node 1 seen at 0
+    assert nodes.heartbeat(base, store, 0, 2, beats, lose) is None  # node 1 seen at 0
     beats[1] = (beats[1][0], time.monotonic() - 60)  # ... and silent since
-    assert supervisor._heartbeat(base, store, 0, 2, beats, lose, stale_s=90) is None
+    assert nodes.heartbeat(base, store, 0, 2, beats, lose, stale_s=90) is None
     assert not store.check([dead_key(1)])  # silent for less than stale_s: still in
-    assert supervisor._heartbeat(base, store, 0, 2, beats, lose) is None  # not the job's end
+    assert nodes.heartbeat(base, store, 0, 2, beats, lose) is None  # not the job's end
     why = "node 1 stopped responding for 20s"
     assert store.get(dead_key(1)).decode() == why and store.get(dead_key(2)).decode() == why
     assert not store.check([dead_key(0)]) and read_abort(store) is None
-    assert supervisor._heartbeat(base, store, 0, 2, beats, lose) is None  # once
+    assert nodes.heartbeat(base, store, 0, 2, beats, lose) is None  # once
     # Bundle 1's front (rank 2, node 0) leaves with its bundle and is not started again.
     assert healer.lose(2, "") is None and healer.restart(2) == {}
     # Node 0 finishes without node 1's "done".
     store.set("bundle/done/0", "1")
-    assert supervisor._wait_done(store, 2, timeout=5.0) is None
+    assert nodes.wait_done(store, 2, timeout=5.0) is None
     # Bundle 0 could still be healed: the job goes on; without heals it would be over.
     assert healer.lose(0, "rank 0 killed") is None
     ended = Healer(TWO_NODES, 0, store, heals=0, start=lambda r, i: _Proc(r))
@@ -98,9 +98,9 @@ def test_a_silent_node_takes_its_bundles_out_for_good_and_node_0_stops_waiting_f
 def test_without_bundle_fault_tolerance_a_silent_node_fails_the_job():
     store, base = _store(), _store()
     beats: dict[int, tuple[int, float]] = {}
-    supervisor._heartbeat(base, store, 0, 2, beats)
+    nodes.heartbeat(base, store, 0, 2, beats)
     beats[1] = (beats[1][0], time.monotonic() - 60)
-    assert supervisor._heartbeat(base, store, 0, 2, beats) == "node 1 stopped responding for 20s"
+    assert nodes.heartbeat(base, store, 0, 2, beats) == "node 1 stopped responding for 20s"
     assert read_abort(store) == "node 1 stopped responding for 20s"
 
 
@@ -110,17 +110,17 @@ def test_node_0_finds_a_node_silent_while_it_waits_for_the_others_to_finish():
     store, base = _store(), _store()
     healer = Healer(TWO_NODES, 0, store, heals=0, start=lambda r, i: _Proc(r))
     beats: dict[int, tuple[int, float]] = {}
-    supervisor._heartbeat(base, store, 0, 2, beats, healer.lose_node)
+    nodes.heartbeat(base, store, 0, 2, beats, healer.lose_node)
     beats[1] = (beats[1][0], time.monotonic() - 60)
     store.set("bundle/done/0", "1")
 
     def heartbeat():
-        return supervisor._heartbeat(base, store, 0, 2, beats, healer.lose_node)
+        return nodes.heartbeat(base, store, 0, 2, beats, healer.lose_node)
 
-    assert supervisor._wait_done(store, 2, timeout=5.0, check=heartbeat) is None
+    assert nodes.wait_done(store, 2, timeout=5.0, check=heartbeat) is None
     assert store.check([dead_key(1), dead_key(2)])
     # Without the heartbeat it would wait for node 1 to the end.
-    assert supervisor._wait_done(_store(), 2, timeout=0.3) == (
+    assert nodes.wait_done(_store(), 2, timeout=0.3) == (
         "not every node reported completion within 0s"
     )
 
