@@ -17,7 +17,19 @@ all-reduced in it:
 - ``grouped-nonblocking``: the same on non-blocking communicators
   (``TORCH_NCCL_USE_COMM_NONBLOCKING=1``), as TorchFT and Bundle use them;
 - ``one-by-one``: ``ProcessGroupNCCL.abort()`` on each group in turn;
-- ``none``: no abort (what NCCL reports by itself).
+- ``none``: no abort (what NCCL reports by itself);
+- ``offload-exit``: no abort: copy a tensor to the host on a fresh stream while the kernels
+  still wait, then leave (``os._exit``): can a survivor save its state and end itself?
+
+``-noaeh`` after a variant's name also turns off torch's NCCL watchdog handling
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``). Each report also gives the seconds from the mark to
+each process's exit, the survivors' NCCL abort log lines (``NCCL_DEBUG=INFO``) and, for a
+survivor still running at the limit, its stacks (``py-spy dump --native``, where installed).
+
+Measured on one H200 (torch 2.11.0, NCCL 2.28.9; docs/fault-tolerance.md): every abort variant
+left the survivor with two communicators in flight stuck in the abort, while ``offload-exit``'s
+survivors copied in 4-9 ms and were gone 0.2 s after the mark: the way
+``--fault-tolerance bundle`` takes on NCCL (bundle.launch.handoff).
 
 Each variant gets ``--limit`` seconds; a survivor still running then is killed (its report says
 what it reached).
@@ -28,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,7 +57,10 @@ VARIANTS = {
     "grouped-nonblocking": {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1"},
     "one-by-one": {},
     "none": {},
+    "offload-exit": {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1"},
 }
+NO_AEH = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+NCCL_LOG = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
 KILL_AT = 20
 SIZE = 1 << 20
 
@@ -68,8 +84,29 @@ def _abort(variant: str, device) -> None:
             backend.abort()
 
 
+def _env(variant: str) -> dict[str, str]:
+    base = variant.removesuffix("-noaeh")
+    return {**VARIANTS[base], **(NO_AEH if base != variant else {}), **NCCL_LOG}
+
+
+def _offload_exit(x, started: float) -> None:
+    import torch
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        host = x.to("cpu")
+    side.synchronize()
+    _say(
+        rank=int(os.environ.get("PROBE_RANK", -1)),
+        event="copied",
+        seconds=time.monotonic() - started,
+        sum=float(host.sum()),
+    )
+    os._exit(3)
+
+
 def worker(rank: int, variant: str, port: int) -> None:
-    os.environ.update(VARIANTS[variant])
+    os.environ.update(_env(variant), PROBE_RANK=str(rank))
     os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", "30")
     import torch
     import torch.distributed as dist
@@ -89,16 +126,19 @@ def worker(rank: int, variant: str, port: int) -> None:
     pair = dist.new_group([0, 2])
     seen: dict[str, float] = {}
 
+    x = torch.ones(SIZE, device=device)
+
     def watch() -> None:
         while not store.check(["dead"]):
             time.sleep(0.05)
         seen["mark"] = time.monotonic()
+        if variant.startswith("offload-exit"):
+            _offload_exit(x, seen["mark"])
         _abort(variant, device)
         _say(rank=rank, event="abort returned", after_mark_s=time.monotonic() - seen["mark"])
 
     if rank != 2 and variant != "none":
         threading.Thread(target=watch, daemon=True).start()
-    x = torch.ones(SIZE, device=device)
     try:
         for step in range(10_000):
             if rank == 2 and step == KILL_AT:
@@ -134,6 +174,20 @@ def worker(rank: int, variant: str, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _stacks(pid: int) -> str:
+    """A running process's native and Python stacks (py-spy), or why there are none."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return "py-spy is not installed"
+    try:
+        done = subprocess.run(
+            [spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=15
+        )
+    except subprocess.TimeoutExpired:
+        return "py-spy timed out"
+    return (done.stdout + done.stderr)[-6000:]
+
+
 def probe(variant: str, port: int, limit: float) -> dict:
     import torch.distributed as dist
 
@@ -144,19 +198,33 @@ def probe(variant: str, port: int, limit: float) -> dict:
         )
         for rank in range(3)
     ]
-    deadline, marked = time.monotonic() + limit, False
+    deadline, marked = time.monotonic() + limit, 0.0
+    exits: list[float | None] = [None, None, None]
     while time.monotonic() < deadline and any(p.poll() is None for p in procs[:2]):
         if not marked and procs[2].poll() is not None:
             client = dist.TCPStore("127.0.0.1", port, 3, False, timeout=timedelta(seconds=10))
             client.set("dead", "rank 2 was killed")
-            marked = True
+            marked = time.monotonic()
+        for i, p in enumerate(procs):
+            if marked and exits[i] is None and p.poll() is not None:
+                exits[i] = round(time.monotonic() - marked, 3)
         time.sleep(0.02)
+    for i, p in enumerate(procs):
+        if marked and exits[i] is None and p.poll() is not None:
+            exits[i] = round(time.monotonic() - marked, 3)
+    stacks = {r: _stacks(p.pid) for r, p in enumerate(procs) if p.poll() is None}
     for p in procs:
         if p.poll() is None:
             p.kill()
     outs = [p.communicate()[0] for p in procs]
     return {
         "exit_codes": [p.returncode for p in procs],
+        "exit_after_mark_s": exits,
+        "abort_log": [
+            [line[-160:] for line in out.splitlines() if "bort" in line or "rror" in line][-12:]
+            for out in outs[:2]
+        ],
+        "stacks": stacks,
         "reports": [
             json.loads(line[len("PROBE ") :])
             for out in outs
@@ -169,7 +237,9 @@ def probe(variant: str, port: int, limit: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--worker", nargs=3, metavar=("VARIANT", "PORT", "RANK"), help=argparse.SUPPRESS)
-    p.add_argument("--variants", default=",".join(VARIANTS), help="which, comma-separated")
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help="which, comma-separated (NAME-noaeh too)"
+    )
     p.add_argument("--limit", type=float, default=25.0, help="seconds per variant")
     p.add_argument("--port", type=int, default=29610)
     p.add_argument("--json", help="write the report here too")
