@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from bundle import data, models, partition
@@ -172,22 +171,15 @@ def _check_input_kind(cfg: RunConfig, model: nn.Module) -> None:
         )
 
 
-ABORTABLE_NCCL = (2, 26)  # ncclCommAbort on non-blocking communicators, as TorchFT requires
-# Opts in to --fault-tolerance bundle on NCCL (docs/fault-tolerance.md: measured to hang in the
-# abort on one shared GPU; a hang ends as a failed job, which --max-restarts restarts).
+# Opts in to --fault-tolerance bundle on NCCL (docs/fault-tolerance.md: its survivors hand their
+# state to new processes, verified under nccl-emu; not yet run end to end on GPUs).
 EXPERIMENTAL_NCCL_ENV = "BUNDLE_EXPERIMENTAL_NCCL_FT"
 
 
 def check_fault_tolerance(
-    cfg: RunConfig,
-    backend: str,
-    nccl: tuple[int, ...] | None = None,
-    environ: Mapping[str, str] = os.environ,
+    cfg: RunConfig, backend: str, environ: Mapping[str, str] = os.environ
 ) -> None:
-    """--fault-tolerance bundle on NCCL aborts the communicators of a failed epoch (torch's
-    ``_abort_process_group``). Not verified: refused unless opted in (``environ``), and then it
-    needs an NCCL that aborts non-blocking communicators (``nccl``: the version, default this
-    torch's) and a torch that has the call."""
+    """--fault-tolerance bundle on NCCL is refused unless opted in (``environ``)."""
     if cfg.launch.fault_tolerance != "bundle" or backend != "nccl":
         return
     if environ.get(EXPERIMENTAL_NCCL_ENV) != "1":
@@ -196,15 +188,6 @@ def check_fault_tolerance(
             "bundle",
             "runs on gloo or nccl-emu (this machine's backend would be nccl: set --backend "
             f"gloo; NCCL is experimental, {EXPERIMENTAL_NCCL_ENV}=1, docs/fault-tolerance.md)",
-        )
-    found = tuple(nccl if nccl is not None else torch.cuda.nccl.version())
-    if found < ABORTABLE_NCCL or not hasattr(dist.distributed_c10d, "_abort_process_group"):
-        raise ConfigError(
-            "--fault-tolerance",
-            "bundle",
-            f"on NCCL needs NCCL {'.'.join(map(str, ABORTABLE_NCCL))} or newer and a torch "
-            f"with _abort_process_group (this one: torch {torch.__version__}, NCCL "
-            f"{'.'.join(map(str, found))}); or set --backend gloo",
         )
 
 

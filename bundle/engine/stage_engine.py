@@ -174,6 +174,9 @@ class StageEngine:
         # Called between the gradient sync and the optimizer step (--fault-tolerance bundle's
         # vote: a step is taken by every process or by none; bundle.launch.fault).
         self.commit: Callable[[int], None] | None = None
+        # Called once the step's update is enqueued (--fault-tolerance bundle: a survivor's state
+        # is taken between steps, never halfway through an update).
+        self.updated: Callable[[int], None] | None = None
         # (step, what): formatted only when an error is reported, never in the hot path.
         self._at: tuple[int, object] = (-1, "set-up")
         self.peak_in_flight = 0
@@ -372,6 +375,8 @@ class StageEngine:
             self.optimizer.step()
         for c in self.chunks:
             c.sync.zero_grad(self.optimizer)
+        if self.updated is not None:
+            self.updated(step)
         lap(Mark.OPTIMIZER)
         if self.outer is not None:
             self._at = (step, "sync between bundles")

@@ -9,6 +9,7 @@ the session and trainer; nothing below it (runtime, engine, session, trainer) im
 - ``membership``: which bundles train on after a failure, agreed through the job's store;
 - ``fault``: a process's training under ``--fault-tolerance bundle``, a world per membership;
 - ``heal``: a node supervisor's side of it: a lost bundle marked, its processes started again;
+- ``handoff``: on NCCL a survivor hands its state to a new process of its rank;
 - ``throttle``: CPU quotas (cgroups) that emulate slower devices for a plan's ``cpu`` shares;
 - ``slurm``: a Slurm job step as the node layout;
 - ``localworld``: N loopback processes for tests, benchmarks and the planner's calibration.

@@ -12,14 +12,11 @@ step again with their rows: the survivors' processes and attempt never change, n
 and no checkpoint is read.
 
 On NCCL a wait on a dead peer never ends (the kernel spins, the CPU blocks in the next
-synchronisation), so each epoch also runs a loss watch (``LossWatch``): a thread that sees a
-member bundle marked dead in the store and aborts every communicator of the epoch at once, in
-one NCCL group (``ncclCommAbort``; torch's ``_abort_process_group``), which ends the kernels and
-makes this process's step fail; the communicators are non-blocking
-(``TORCH_NCCL_USE_COMM_NONBLOCKING``, set at start-up), so no NCCL call holds the abort up. Once
-it fired, whatever the step raises is the peer's loss. Experimental (opted in with
-BUNDLE_EXPERIMENTAL_NCCL_FT=1): measured to hang in the abort with two communicators in flight
-(docs/fault-tolerance.md).
+synchronisation), and aborting the communicators in place hung, so there a survivor goes on in a
+new process of its rank instead (bundle.launch.handoff): each epoch runs a loss watch
+(``LossWatch``), a thread that sees a member bundle marked dead in the store and hands this
+process's state over. Experimental (opted in with BUNDLE_EXPERIMENTAL_NCCL_FT=1; not yet run on
+GPUs end to end: docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
@@ -37,9 +34,12 @@ import torch.utils._pytree as pytree
 
 from bundle import log
 from bundle.config import RunConfig
+from bundle.launch import handoff
+from bundle.launch.handoff import GUARD_WAIT_S, Handoff, StepGuard
 from bundle.launch.membership import DONE_KEY, LOSSES_KEY, Membership, is_peer_loss
 from bundle.observe.metrics import Summary
 from bundle.partition import Capture
+from bundle.runtime.devices import resolve_backend
 from bundle.runtime.phase import Phase
 from bundle.runtime.preemption import Regroup, StopRequest, maybe_fail_heal
 from bundle.session import Session, build_session
@@ -69,9 +69,9 @@ class Carried:
     extra: dict[str, torch.Tensor]  # the loss scaler's state (the checkpoint's extra entries)
 
     @classmethod
-    def of(cls, session: Session, trainer: Trainer) -> Carried:
+    def of(cls, session: Session, trainer: Trainer, step: int | None = None) -> Carried:
         return cls(
-            step=trainer.committed,
+            step=trainer.committed if step is None else step,
             model=session.stage.state_dict(),
             optimizer=session.optimizer.state_dict(),
             extra={k: v.detach().clone() for k, v in trainer.checkpointer.extra.items()},
@@ -85,29 +85,34 @@ class Carried:
     def load(self, session: Session, trainer: Trainer) -> None:
         session.stage.load_state_dict(self.model)
         session.optimizer.load_state_dict(self.optimizer)
+        state_onto_params(session.optimizer)
         for k, v in self.extra.items():
             trainer.checkpointer.extra[k].copy_(v)
 
 
-def abort_epoch() -> None:
-    """Abort every communicator of this process's epoch in one NCCL group (so that no abort
-    waits on another communicator's stuck kernel); its groups leave the registry, kept."""
-    _ENDED.extend(dist.distributed_c10d._world.pg_map)
-    dist.distributed_c10d._abort_process_group()
+def state_onto_params(optimizer: torch.optim.Optimizer) -> None:
+    """Optimizer state received on the host (from a peer, or handed over) goes to its parameter's
+    device; 0-dimensional entries (Adam's ``step``) stay where torch keeps them. Torch's
+    ``load_state_dict`` moves it too, but out of sight of nccl-emu's device audit, which saw the
+    momentum as a host tensor and failed the next update after a heal."""
+    for p, state in optimizer.state.items():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != p.device:
+                state[k] = v.to(p.device)
 
 
 class LossWatch:
-    """A thread that calls ``abort`` once a member bundle of this epoch is marked dead (polling
-    the one counter every mark bumps, then the members' keys), unless stopped first. ``fired``
-    says why it aborted."""
+    """A thread that calls ``on_loss(why)`` once a member bundle of this epoch is marked dead
+    (polling the one counter every mark bumps, then the members' keys), unless stopped first.
+    ``fired`` says why it acted."""
 
     def __init__(
         self,
         members: Membership,
-        abort: Callable[[], None] = abort_epoch,
+        on_loss: Callable[[str], None],
         poll_s: float = LOSS_POLL_S,
     ) -> None:
-        self.members, self.abort, self.poll_s = members, abort, poll_s
+        self.members, self.on_loss, self.poll_s = members, on_loss, poll_s
         self.fired: str | None = None
         self._seen = members.store.add(LOSSES_KEY, 0)
         self._stopped = threading.Event()
@@ -118,7 +123,7 @@ class LossWatch:
         return self
 
     def check(self) -> bool:
-        """One look; True when it aborted the epoch."""
+        """One look; True when it acted."""
         marks = self.members.store.add(LOSSES_KEY, 0)
         if marks == self._seen:
             return False
@@ -129,11 +134,12 @@ class LossWatch:
                 return False
             self.fired = f"bundle(s) {', '.join(map(str, lost))} marked lost"
             self._stopped.set()
-            self.abort()
+            self.on_loss(self.fired)
         return True
 
     def stop(self) -> None:
-        """The epoch ends: no abort after this returns."""
+        """The epoch ends: it does not act after this returns (an action under way ends
+        first; a handoff ends the process)."""
         with self._lock:
             self._stopped.set()
 
@@ -165,10 +171,14 @@ def train_on(
     step_now: Any = None,
     capture: Capture | None = None,
     incarnation: int = 0,
+    handoff_to: str | None = None,
+    handed: str | None = None,
 ) -> Summary | None:
     """Train this process (job rank ``rank``) to the end, in as many epochs as failures and
     heals take. ``incarnation`` > 0: this process heals its bundle (started again by its
-    supervisor): it waits to be taken in, and receives its stage's state from a peer."""
+    supervisor): it waits to be taken in, and receives its stage's state from a peer.
+    ``handoff_to``: where a survivor writes its state for a new process (on NCCL); ``handed``:
+    this process is that new process, the file to read."""
     members = Membership(
         store,
         topo,
@@ -186,8 +196,11 @@ def train_on(
         resume=resume,
         capture=capture,
         trainer_args=dict(attempt=attempt, stop=stop, store=store, step_now=step_now),
+        handoff_to=handoff_to,
     )
-    if incarnation:
+    if handed is not None:
+        epochs.take_over(Handoff.read(handed))
+    elif incarnation:
         maybe_fail_heal(rank, incarnation)
         phase.enter("start-up: waiting to be taken back in")
         if members.ask_to_join(cfg.launch.init_timeout) < 0:
@@ -215,6 +228,7 @@ class _Epochs:
         resume: str | None,
         capture: Capture | None,
         trainer_args: dict[str, Any],
+        handoff_to: str | None = None,
     ) -> None:
         self.cfg, self.members, self.phase, self.join, self.arrive = (
             cfg,
@@ -228,7 +242,10 @@ class _Epochs:
         self.resume, self.capture, self.trainer_args = resume, capture, trainer_args
         self.carried: Carried | None = None
         self.fresh: tuple[int, ...] = ()  # bundles that start this epoch without the state
-        self.watch: LossWatch | None = None  # this epoch's, on NCCL
+        self.watch: LossWatch | None = None  # this epoch's, where survivors hand off
+        self.handoff_to = handoff_to
+        self.live: tuple[Session, Trainer, StepGuard] | None = None  # while an epoch trains
+        self.watch_on = False
 
     def run(self) -> tuple[bool, Summary | None]:
         """One epoch; returns (whether training is over, the summary)."""
@@ -252,8 +269,14 @@ class _Epochs:
             if not (fired or is_peer_loss(exc)):
                 raise
             why = fired or f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            if self.watch_on:
+                if self.members.gone():  # this process's own bundle is out: nothing to hand
+                    raise self.members.leave() from exc
+                self._hand_off(why, wait=0.0)
+                raise  # mid-update: nothing consistent to hand over
         finally:
             self._stop_watch()
+            self.live = None
         # The state: the trainer's where this epoch's was loaded, else the one brought into it.
         if session is not None and trainer is not None:
             self.carried = Carried.of(session, trainer)
@@ -266,8 +289,9 @@ class _Epochs:
         layout, me, prefix = members.layout, members.my_rank, members.prefix()
         phase.enter("start-up")
         device = self.join(layout, me, prefix)
-        if dist.get_backend() == "nccl":
-            self.watch = LossWatch(members).start()
+        self.watch_on = self.handoff_to is not None and handoff.wanted(resolve_backend(self.cfg))
+        if self.watch_on:
+            self.watch = LossWatch(members, lambda why: self._hand_off(why, GUARD_WAIT_S)).start()
         session = build_session(
             cfg,
             layout,
@@ -299,8 +323,48 @@ class _Epochs:
             self.fresh = ()
         trainer.bundle_failures, trainer.heals = members.failures, members.heals
         session.engine.commit = trainer.vote.commit  # the stop vote, cast at the commit
+        if self.watch_on:
+            guard = StepGuard(trainer.committed, trainer.vote.commit, cuda=device.type == "cuda")
+            session.engine.commit, session.engine.updated = guard.commit, guard.updated
+            self.live = (session, trainer, guard)
         phase.follow(session.engine)
         return session, trainer
+
+    def take_over(self, handed: Handoff) -> None:
+        """This new process goes on where the survivor before it left off (bundle.launch.handoff):
+        its state and membership, then the agreement it would have joined."""
+        m = self.members
+        m.epoch, m.members, m.incs = handed.epoch, handed.members, handed.incs
+        m.failures, m.heals = handed.failures, handed.heals
+        self.carried = handed.carried
+        log.get().info(f"goes on from step {handed.carried.step} with the state handed over")
+        self._after_failure(handed.why)
+
+    def _hand_off(self, why: str, wait: float) -> None:
+        """Write this process's state for a new process of its rank and end this one; returns
+        when there is no consistent state to hand (an update in progress after ``wait`` s)."""
+        assert self.handoff_to is not None  # noqa: S101 - only where survivors hand off
+        handoff.leave(self.handoff_to, lambda: self._handoff(why, wait), log.get().warning)
+
+    def _handoff(self, why: str, wait: float) -> Handoff | None:
+        m, live = self.members, self.live
+        if m.store.check([DONE_KEY]) or m.gone():  # training is over, or this bundle is out
+            return None
+        if live is None:  # between epochs: the state carried into the next one, if any
+            if self.carried is None:
+                return None
+            carried = self.carried.on_cpu()
+        else:
+            session, trainer, guard = live
+            with guard.held(wait) as between_steps:
+                if not between_steps:
+                    log.get().error(
+                        f"{why}: an update is in progress; this process cannot hand off"
+                    )
+                    return None
+                with guard.side_stream():
+                    carried = Carried.of(session, trainer, guard.committed).on_cpu()
+        return Handoff(carried, m.epoch, m.members, dict(m.incs), m.failures, m.heals, why)
 
     def _stop_watch(self) -> str | None:
         """Stop this epoch's loss watch; returns why it aborted the epoch, if it did."""

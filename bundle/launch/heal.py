@@ -9,16 +9,25 @@ on it out the same way, for good: no supervisor is left there to start them agai
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from bundle import log
-from bundle.launch.membership import dead_key, healing_key, lost_node_key, mark_dead
+from bundle.launch.handoff import file_of
+from bundle.launch.membership import (
+    LOSSES_KEY,
+    dead_key,
+    healing_key,
+    lost_node_key,
+    mark_dead,
+)
 from bundle.topology import Topology
 
-# start(rank, incarnation): a new worker for ``rank``, started.
-Start = Callable[[int, int], Any]
+# start(rank, incarnation, handed): a new worker for ``rank``, started (``handed``: the state its
+# previous process handed over, bundle.launch.handoff).
+Start = Callable[[int, int, Path | None], Any]
 
 
 class Healer:
@@ -32,8 +41,10 @@ class Healer:
         *,
         heals: int,
         start: Start,
+        handoffs: Path | None = None,
     ) -> None:
         self.topo, self.store, self.start, self.budget = topo, store, start, heals
+        self.handoffs = handoffs  # where survivors leave their state for their new processes
         self.local = {
             b: [r for r in topo.node_ranks(node) if topo.coord(r).bundle == b]
             for b in {topo.coord(r).bundle for r in topo.node_ranks(node)}
@@ -45,6 +56,7 @@ class Healer:
         for r in range(topo.world_size):
             nodes[topo.coord(r).bundle].add(topo.node_of(r))
         self.nodes = {b: sorted(n) for b, n in nodes.items()}
+        self._marks = 0  # the store's count of dead marks when ``reap`` last looked
 
     def lose(self, rank: int, what: str) -> str | None:
         """A worker exited non-zero (``what`` says how; empty: it left with its bundle). Returns
@@ -95,6 +107,30 @@ class Healer:
 
         return report
 
+    def reap(self, procs: Mapping[int, Any]) -> None:
+        """Kill this node's live processes of every bundle whose incarnation is marked dead (by
+        any node's supervisor, or by a process that left): they have nothing left to do."""
+        marks = self.store.add(LOSSES_KEY, 0)
+        if marks == self._marks:
+            return
+        self._marks = marks
+        for b, ranks in self.local.items():
+            if self.store.check([dead_key(b, self.incarnation[b])]):
+                for p in (procs[r] for r in ranks if procs[r].exitcode is None):
+                    p.kill()
+
+    def go_on(self, rank: int) -> dict[int, Any]:
+        """A survivor handed its state over (``EXIT_HANDOFF``): its rank again, in a new process
+        that reads it (rank -> worker)."""
+        assert self.handoffs is not None  # noqa: S101 - survivors hand off only where given
+        p = self.start(rank, self.incarnation[self.topo.coord(rank).bundle], self.handoff(rank))
+        log.get().info(f"rank {rank} goes on in a new process with its state (pid {p.pid})")
+        return {rank: p}
+
+    def handoff(self, rank: int) -> Path | None:
+        """Where ``rank``'s survivor leaves its state (None: survivors do not hand off)."""
+        return file_of(self.handoffs, rank) if self.handoffs else None
+
     def restart(self, rank: int) -> dict[int, Any]:
         """After ``rank`` was lost: its bundle's workers on this node, started again once all of
         them have exited and heals are left (rank -> worker), else none."""
@@ -116,7 +152,7 @@ class Healer:
         self.incarnation[bundle] += 1
         inc = self.incarnation[bundle]
         self.store.set(healing_key(bundle), str(inc))
-        started = {r: self.start(r, inc) for r in self.local[bundle]}
+        started = {r: self.start(r, inc, None) for r in self.local[bundle]}
         log.get().info(
             f"bundle {bundle}: ranks {', '.join(map(str, started))} started again "
             f"(heal {self.healed[bundle]} of {self.budget}; pids "

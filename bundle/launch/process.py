@@ -24,10 +24,10 @@ from bundle.observe.build import reporter_rank
 from bundle.observe.metrics import Summary
 from bundle.partition import Capture
 from bundle.runtime.devices import (
-    abortable_nccl,
     device_for,
     prepare_backend_env,
     resolve_backend,
+    survivable_nccl,
     torch_backend,
 )
 from bundle.runtime.phase import Phase
@@ -105,7 +105,7 @@ def worker_main(
     stop_shared: Any = None,
     host_store: bool = False,
     alive: Any = None,
-    incarnation: int = 0,
+    ft: dict[str, Any] | None = None,
 ) -> int:
     """Body of every training process; returns its exit code (128 + signal when stopped by one).
 
@@ -114,8 +114,8 @@ def worker_main(
     checks (None: cut here), ``attempt`` counts restarts, ``stop_shared`` is the
     supervisor's stop flag (None under torchrun), and ``host_store``: this process serves the
     job's store at host:port (torchrun's rank 0 when its agent serves none), ``alive`` (a shared
-    float) the last sign of life, for the node supervisor (``beat``); ``incarnation`` > 0: this
-    process heals its bundle (--fault-tolerance bundle).
+    float) the last sign of life, for the node supervisor (``beat``); ``ft``: what
+    --fault-tolerance bundle's ``train_on`` is given besides (incarnation, handoff_to, handed).
     """
     if alive is not None:
         beat(alive)
@@ -147,7 +147,7 @@ def worker_main(
                 stop=stop,
                 step_now=step_now,
                 capture=capture,
-                incarnation=incarnation,
+                **(ft or {}),
             )
         else:
             summary = _train(
@@ -255,7 +255,7 @@ def _join(
     # under torchrun alike), before NCCL first reads its environment.
     device = device_for(backend, topo.device_index(rank), share_gpus=cfg.launch.share_gpus)
     if backend == "nccl" and cfg.launch.fault_tolerance == "bundle":
-        abortable_nccl(cfg.launch.timeout)
+        survivable_nccl()
     # With NCCL, naming the device forms the world communicator now, with every rank: the
     # first batch_isend_irecv on the default group may then involve only two ranks (NCCL
     # requires all of a group's ranks in its first call otherwise), and sub-groups are split

@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import time
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait as wait_sentinels
 from multiprocessing.context import SpawnContext, SpawnProcess
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -41,6 +43,7 @@ from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig
 from bundle.errors import LaunchError, PeerFailure
 from bundle.launch import nodes
+from bundle.launch.handoff import EXIT_HANDOFF, file_of, handoff_directory
 from bundle.launch.heal import Healer
 from bundle.launch.membership import EXIT_LEFT
 from bundle.launch.process import spawned
@@ -174,7 +177,8 @@ def _attempt(
     step_now = {rank: ctx.Value("q", -1, lock=False) for rank in topo.node_ranks(node)}
     alive = {rank: ctx.Value("d", 0.0, lock=False) for rank in step_now}
 
-    process = _factory(cfg, topo, port, ctx, attempt, start, stop, step_now, alive)
+    handoffs = handoff_directory(node) if lc.fault_tolerance == "bundle" else None
+    process = _factory(cfg, topo, port, ctx, attempt, start, stop, step_now, alive, handoffs)
     procs = {rank: process(rank) for rank in step_now}
     # Emulated slower devices: the supervisor owns its workers' CPU quotas (launch/throttle.py).
     backend = torch_backend(resolve_backend(cfg))
@@ -190,13 +194,20 @@ def _attempt(
     healer = None
     if lc.fault_tolerance == "bundle":
 
-        def start_again(rank: int, incarnation: int) -> SpawnProcess:
-            p = procs[rank] = running[rank] = process(rank, incarnation)
+        def start_again(rank: int, incarnation: int, handed: Path | None = None) -> SpawnProcess:
+            p = procs[rank] = running[rank] = process(rank, incarnation, handed)
             p.start()
             quotas.admit({rank: p.pid})
             return p
 
-        healer = Healer(topo, node, store, heals=lc.max_restarts, start=start_again)
+        healer = Healer(
+            topo, node, store, heals=lc.max_restarts, start=start_again, handoffs=handoffs
+        )
+
+    def job_failure() -> str | None:
+        if healer is not None:
+            healer.reap(procs)  # a dead bundle's other processes here
+        return stopped_workers() or heartbeat() or read_abort(store)
 
     heartbeat = nodes.heartbeat_check(base, store, node, topo.num_nodes, lc.timeout, healer)
     stopped_workers = _liveness(
@@ -209,29 +220,41 @@ def _attempt(
             procs,
             step_of=lambda rank: int(step_now[rank].value),
             describe=topo.describe,
-            check=lambda: stopped_workers() or heartbeat() or read_abort(store),
+            check=job_failure,
             post=lambda message: post_abort(store, message),
             lose=healer.lose if healer else None,
             restart=healer.restart if healer else None,
+            go_on=healer.go_on if healer else None,
         )
-        if outcome.end is not End.FAILED:
-            store.set(f"bundle/done/{node}", "1")
-            # The store lives on node 0: keep it up until every node has finished with it.
-            failure = (
-                nodes.wait_done(
-                    store, topo.num_nodes, lc.timeout + lc.init_timeout, check=heartbeat
-                )
-                if node == 0
-                else None
-            )
-            outcome = Outcome(End.FAILED, why=failure) if failure else outcome
+        outcome = _finished(cfg, topo, store, outcome, heartbeat)
     except ThrottleError as exc:
         outcome = Outcome(End.FAILED, why=post_abort(store, str(exc)))
     finally:
         _stop(procs.values(), grace=_KILL_GRACE_S if outcome.end is End.FAILED else 0.0)
         running.clear()
         quotas.release()
+        if handoffs is not None:
+            shutil.rmtree(handoffs, ignore_errors=True)
     return replace(outcome, reached=max(int(v.value) for v in step_now.values()))
+
+
+def _finished(
+    cfg: RunConfig,
+    topo: Topology,
+    store: dist.Store,
+    outcome: Outcome,
+    heartbeat: Callable[[], str | None],
+) -> Outcome:
+    """This node's workers are done: say so; node 0, whose store the job uses, keeps it up until
+    every node has finished with it."""
+    lc = cfg.launch
+    if outcome.end is End.FAILED:
+        return outcome
+    store.set(f"bundle/done/{lc.node_rank}", "1")
+    if lc.node_rank != 0:
+        return outcome
+    failure = nodes.wait_done(store, topo.num_nodes, lc.timeout + lc.init_timeout, check=heartbeat)
+    return Outcome(End.FAILED, why=failure) if failure else outcome
 
 
 def _factory(
@@ -244,11 +267,13 @@ def _factory(
     stop: StopRequest,
     step_now: Mapping[int, Any],
     alive: Mapping[int, Any],
+    handoffs: Path | None = None,
 ) -> Callable[..., SpawnProcess]:
-    """``process(rank, incarnation=0)``: a new (unstarted) worker for one of this node's ranks."""
+    """``process(rank, incarnation=0, handed=None)``: a new (unstarted) worker for one of this
+    node's ranks (``handed``: the state its previous process handed over)."""
     lc, (resume, capture) = cfg.launch, start
 
-    def process(rank: int, incarnation: int = 0) -> SpawnProcess:
+    def process(rank: int, incarnation: int = 0, handed: Path | None = None) -> SpawnProcess:
         alive[rank].value = 0.0  # a new worker is not watched for beats before its first
         return ctx.Process(
             target=spawned,
@@ -260,7 +285,11 @@ def _factory(
                 capture=capture,
                 stop_shared=stop.shared,
                 alive=alive[rank],
-                incarnation=incarnation,
+                ft=dict(
+                    incarnation=incarnation,
+                    handoff_to=str(file_of(handoffs, rank)) if handoffs else None,
+                    handed=str(handed) if handed else None,
+                ),
             ),
             name=f"bundle-rank{rank}" + (f".{incarnation}" if incarnation else ""),
         )
@@ -287,6 +316,7 @@ def watch(
     wait: Callable[[list[int], float], object] = lambda fds, s: wait_sentinels(fds, timeout=s),
     lose: Callable[[int, str], str | None] | None = None,
     restart: Callable[[int], Mapping[int, Worker]] | None = None,
+    go_on: Callable[[int], Mapping[int, Worker]] | None = None,
 ) -> Outcome:
     """Watch this node's workers (rank -> process) until all have exited or the job failed.
 
@@ -296,7 +326,9 @@ def watch(
     failure once there is one (another node's, a stalled heartbeat). Under --fault-tolerance
     bundle, ``lose(rank, what)`` takes a failed worker's bundle out of the job instead (``what``
     is empty for a worker that left with its bundle) and returns the job's failure only when
-    no bundle is left; ``restart(rank)`` returns the workers started again in its place.
+    no bundle is left; ``restart(rank)`` returns the workers started again in its place, and
+    ``go_on(rank)`` the new worker a survivor that handed its state over (``EXIT_HANDOFF``)
+    goes on in.
     """
     stop_codes = {exit_code(s) for s in (signal.SIGTERM, signal.SIGINT)}
     live, stopped = dict(procs), 0
@@ -308,6 +340,8 @@ def watch(
             del live[rank]
             if p.exitcode in stop_codes:
                 stopped = max(stopped, p.exitcode - 128)
+            elif p.exitcode == EXIT_HANDOFF and go_on is not None:
+                live.update(go_on(rank))
             elif p.exitcode != 0:
                 step = step_of(rank)
                 at = f"step {step + 1}" if step >= 0 else "start-up"

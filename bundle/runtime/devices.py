@@ -142,17 +142,15 @@ def allow_shared_gpu(nccl: tuple[int, ...] | None = None) -> str:
     return HOSTID_ENV
 
 
-NONBLOCKING_ENV = "TORCH_NCCL_USE_COMM_NONBLOCKING"
-NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+ASYNC_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
-def abortable_nccl(timeout: float) -> None:
-    """Make this process's NCCL communicators non-blocking, so that one can be aborted from
-    another thread while a call waits on a dead peer (--fault-tolerance bundle; TorchFT does the
-    same): a call returns at once and torch polls it, for at most ``timeout`` seconds. Must run
-    before the process group is created; values the user set are kept."""
-    os.environ.setdefault(NONBLOCKING_ENV, "1")
-    os.environ.setdefault(NONBLOCKING_TIMEOUT_ENV, str(max(1, round(timeout))))
+def survivable_nccl() -> None:
+    """Under --fault-tolerance bundle: NCCL's own watchdog must not take a survivor down when a
+    peer of another bundle is lost (by default it ends the process on such an error, which
+    would take the survivor's bundle out too); the loss watch and the step watchdog act instead.
+    Must run before the process group is created; a value the user set is kept."""
+    os.environ.setdefault(ASYNC_ERROR_HANDLING_ENV, "0")
 
 
 def device_for(backend: str, local_rank: int, *, share_gpus: bool = False) -> torch.device:

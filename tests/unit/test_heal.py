@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from bundle.launch import nodes, supervisor
 from bundle.launch.heal import Healer
-from bundle.launch.membership import dead_key, healing_key
+from bundle.launch.membership import dead_key, healing_key, mark_dead
 from bundle.runtime.store import read_abort
 from bundle.topology import Topology
 
@@ -26,17 +26,17 @@ def _store():
 
 class _Proc:
     def __init__(self, rank: int) -> None:
-        self.pid, self.killed = 1000 + rank, False
+        self.pid, self.killed, self.exitcode = 1000 + rank, False, None
 
     def kill(self) -> None:
-        self.killed = True
+        self.killed, self.exitcode = True, -9
 
 
 def test_the_supervisor_marks_a_lost_bundle_and_starts_it_again_once_all_its_workers_exited():
     store = _store()
     started: list[tuple[int, int]] = []
 
-    def start(rank: int, inc: int) -> _Proc:
+    def start(rank: int, inc: int, handed=None) -> _Proc:
         started.append((rank, inc))
         return _Proc(rank)
 
@@ -56,9 +56,28 @@ def test_the_supervisor_marks_a_lost_bundle_and_starts_it_again_once_all_its_wor
     assert healer.restart(2) == {} and len(started) == 2
 
 
+def test_a_dead_bundles_other_processes_are_killed_at_once_and_only_theirs():
+    # Over NCCL a survivor of the dead bundle can wait on its lost peer until its own watchdog
+    # reports a stall, which would fail the job (seen on a GPU): its supervisor kills it.
+    store = _store()
+    healer = Healer(JOB, 0, store, heals=1, start=lambda r, i, h: _Proc(r))
+    procs = {r: _Proc(r) for r in range(6)}
+    healer.reap(procs)
+    assert not any(p.killed for p in procs.values())  # nothing marked
+    procs[3].exitcode = -9
+    healer.lose(3, "rank 3 was killed by SIGKILL during step 4")
+    healer.reap(procs)
+    assert [r for r, p in procs.items() if p.killed] == [2]
+    # Marked by another node's supervisor (or by a process that left): the same.
+    procs[2].killed = False
+    mark_dead(store, 2, 0, "rank 5 (node 1) was killed")
+    healer.reap(procs)
+    assert sorted(r for r, p in procs.items() if p.killed) == [4, 5]
+
+
 def test_every_bundle_lost_without_heals_fails_the_job():
     store = _store()
-    healer = Healer(JOB, 0, store, heals=0, start=lambda r, i: None)
+    healer = Healer(JOB, 0, store, heals=0, start=lambda r, i, h: None)
     assert healer.lose(1, "rank 1 killed") is None and healer.lose(3, "rank 3 killed") is None
     assert healer.lose(5, "rank 5 killed") == "every bundle failed (the last: rank 5 killed)"
 
@@ -72,7 +91,7 @@ TWO_NODES = Topology(
 
 def test_a_silent_node_takes_its_bundles_out_for_good_and_node_0_stops_waiting_for_it():
     store, base = _store(), _store()
-    healer = Healer(TWO_NODES, 0, store, heals=1, start=lambda r, i: _Proc(r))
+    healer = Healer(TWO_NODES, 0, store, heals=1, start=lambda r, i, h: _Proc(r))
     beats: dict[int, tuple[int, float]] = {}
     lose = healer.lose_node
     assert nodes.heartbeat(base, store, 0, 2, beats, lose) is None  # node 1 seen at 0
@@ -91,7 +110,7 @@ def test_a_silent_node_takes_its_bundles_out_for_good_and_node_0_stops_waiting_f
     assert nodes.wait_done(store, 2, timeout=5.0) is None
     # Bundle 0 could still be healed: the job goes on; without heals it would be over.
     assert healer.lose(0, "rank 0 killed") is None
-    ended = Healer(TWO_NODES, 0, store, heals=0, start=lambda r, i: _Proc(r))
+    ended = Healer(TWO_NODES, 0, store, heals=0, start=lambda r, i, h: _Proc(r))
     assert ended.lose(1, "rank 1 killed") == "every bundle failed (the last: rank 1 killed)"
 
 
@@ -108,7 +127,7 @@ def test_node_0_finds_a_node_silent_while_it_waits_for_the_others_to_finish():
     """Training may end before the heartbeat marked the node (the survivors dropped its bundles
     after twice --timeout): node 0's wait for the others keeps the heartbeat going."""
     store, base = _store(), _store()
-    healer = Healer(TWO_NODES, 0, store, heals=0, start=lambda r, i: _Proc(r))
+    healer = Healer(TWO_NODES, 0, store, heals=0, start=lambda r, i, h: _Proc(r))
     beats: dict[int, tuple[int, float]] = {}
     nodes.heartbeat(base, store, 0, 2, beats, healer.lose_node)
     beats[1] = (beats[1][0], time.monotonic() - 60)

@@ -148,13 +148,13 @@ def test_a_process_waiting_to_join_a_finished_run_goes_home():
     assert Membership(store, JOB, 2, 5.0, incarnation=1).ask_to_join(5.0) == -1
 
 
-def test_a_loss_watch_aborts_the_epoch_once_a_member_is_marked_dead_and_not_after_it_ended():
-    """On NCCL a wait on a dead peer never ends: the watch aborts the epoch's communicators. A
+def test_a_loss_watch_acts_once_a_member_is_marked_dead_and_not_after_it_ended():
+    """On NCCL a wait on a dead peer never ends: the watch hands the survivor's state over. A
     mark of what is no member (an incarnation not yet taken in) leaves the epoch alone."""
     store = _store()
     members = Membership(store, JOB, 0, 5.0, members=(0, 2), incs={0: 0, 2: 0})
     aborted: list[int] = []
-    watch = LossWatch(members, abort=lambda: aborted.append(1))
+    watch = LossWatch(members, on_loss=lambda why: aborted.append(1))
     assert not watch.check() and watch.fired is None
     assert mark_dead(store, 1, 1, "rank 3 was killed") == "rank 3 was killed"  # not a member
     assert not watch.check() and aborted == []
@@ -163,12 +163,12 @@ def test_a_loss_watch_aborts_the_epoch_once_a_member_is_marked_dead_and_not_afte
     assert watch.check() and aborted == [1] and watch.fired == "bundle(s) 2 marked lost"
     assert not watch.check() and aborted == [1]  # once
 
-    ended = LossWatch(members, abort=lambda: aborted.append(2))
+    ended = LossWatch(members, on_loss=lambda why: aborted.append(2))
     ended.stop()
     mark_dead(store, 0, 0, "rank 1 was killed")
     assert not ended.check() and aborted == [1] and ended.fired is None
     # As a thread it looks every poll.
-    live = LossWatch(members, abort=lambda: aborted.append(3), poll_s=0.01).start()
+    live = LossWatch(members, on_loss=lambda why: aborted.append(3), poll_s=0.01).start()
     mark_dead(store, 0, 0, "again")
     deadline = time.monotonic() + 5
     while live.fired is None and time.monotonic() < deadline:
