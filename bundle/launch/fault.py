@@ -21,11 +21,11 @@ GPUs end to end: docs/fault-tolerance.md).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 from bundle import log
 from bundle.config import RunConfig
 from bundle.launch import handoff
-from bundle.launch.handoff import GUARD_WAIT_S, Handoff, StepGuard
+from bundle.launch.handoff import GUARD_WAIT_S, Carried, Handoff, StepGuard
 from bundle.launch.membership import DONE_KEY, LOSSES_KEY, Membership, is_peer_loss
 from bundle.observe.metrics import Summary
 from bundle.partition import Capture
@@ -57,48 +57,6 @@ LOSS_POLL_S = 0.1
 Join = Callable[[Topology, int, str], torch.device]
 # arrive(layout, name): wait until every process of the layout reaches ``name``.
 Arrive = Callable[[Topology, str], None]
-
-
-@dataclass
-class Carried:
-    """A stage's training state kept in memory across a change of members."""
-
-    step: int  # steps committed
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
-    extra: dict[str, torch.Tensor]  # the loss scaler's state (the checkpoint's extra entries)
-
-    @classmethod
-    def of(cls, session: Session, trainer: Trainer, step: int | None = None) -> Carried:
-        return cls(
-            step=trainer.committed if step is None else step,
-            model=session.stage.state_dict(),
-            optimizer=session.optimizer.state_dict(),
-            extra={k: v.detach().clone() for k, v in trainer.checkpointer.extra.items()},
-        )
-
-    def on_cpu(self) -> Carried:
-        """A copy whose tensors are on the CPU (what is sent: a receiver's own GPU may differ)."""
-        cpu = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), self.__dict__)
-        return Carried(**cpu)
-
-    def load(self, session: Session, trainer: Trainer) -> None:
-        session.stage.load_state_dict(self.model)
-        session.optimizer.load_state_dict(self.optimizer)
-        state_onto_params(session.optimizer)
-        for k, v in self.extra.items():
-            trainer.checkpointer.extra[k].copy_(v)
-
-
-def state_onto_params(optimizer: torch.optim.Optimizer) -> None:
-    """Optimizer state received on the host (from a peer, or handed over) goes to its parameter's
-    device; 0-dimensional entries (Adam's ``step``) stay where torch keeps them. Torch's
-    ``load_state_dict`` moves it too, but out of sight of nccl-emu's device audit, which saw the
-    momentum as a host tensor and failed the next update after a heal."""
-    for p, state in optimizer.state.items():
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != p.device:
-                state[k] = v.to(p.device)
 
 
 class LossWatch:
@@ -246,6 +204,7 @@ class _Epochs:
         self.handoff_to = handoff_to
         self.live: tuple[Session, Trainer, StepGuard] | None = None  # while an epoch trains
         self.watch_on = False
+        self.guard: StepGuard | None = None  # the last epoch's, kept for its last update's event
 
     def run(self) -> tuple[bool, Summary | None]:
         """One epoch; returns (whether training is over, the summary)."""
@@ -326,7 +285,7 @@ class _Epochs:
         if self.watch_on:
             guard = StepGuard(trainer.committed, trainer.vote.commit, cuda=device.type == "cuda")
             session.engine.commit, session.engine.updated = guard.commit, guard.updated
-            self.live = (session, trainer, guard)
+            self.live, self.guard = (session, trainer, guard), guard
         phase.follow(session.engine)
         return session, trainer
 
@@ -353,7 +312,9 @@ class _Epochs:
         if live is None:  # between epochs: the state carried into the next one, if any
             if self.carried is None:
                 return None
-            carried = self.carried.on_cpu()
+            # On the last guard's side stream: the compute stream may wait on the lost peer.
+            with self.guard.side_stream() if self.guard else contextlib.nullcontext():
+                carried = self.carried.on_cpu()
         else:
             session, trainer, guard = live
             with guard.held(wait) as between_steps:

@@ -13,8 +13,7 @@ from torch import nn
 
 from bundle.engine.device_audit import DEVICE, MARK, DeviceAudit
 from bundle.launch import handoff
-from bundle.launch.fault import Carried, state_onto_params
-from bundle.launch.handoff import EXIT_HANDOFF, Handoff, StepGuard
+from bundle.launch.handoff import EXIT_HANDOFF, Carried, Handoff, StepGuard, state_onto_params
 from bundle.launch.supervisor import End, Outcome, watch
 from tests.unit.test_supervisor import Worker
 

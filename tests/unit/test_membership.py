@@ -69,6 +69,16 @@ def test_a_bundle_that_never_completes_is_dropped_at_the_deadline():
     assert out[0] == out[5] == (0, 2) and isinstance(out[2], BundleLeft)
 
 
+def test_all_bundles_but_one_lost_the_last_trains_on_alone():
+    store = _store()
+    mark_dead(store, 0, 0, "rank 1 was killed")
+    mark_dead(store, 1, 0, "rank 3 was killed")
+    out = _agree(store, [4, 5])
+    assert out[4] == out[5] == (2,)
+    # A world of one bundle: its two processes are ranks 0 and 1; two bundles have left.
+    assert out[4, "layout"] == (1, 0, 1, 2) and out[5, "layout"] == (1, 1, 1, 2)
+
+
 def test_below_min_bundles_or_on_different_steps_the_job_fails():
     store = _store()
     store.set(dead_key(1), "gone")
