@@ -303,7 +303,14 @@ class _Epochs:
         """Write this process's state for a new process of its rank and end this one; returns
         when there is no consistent state to hand (an update in progress after ``wait`` s)."""
         assert self.handoff_to is not None  # noqa: S101 - only where survivors hand off
-        handoff.leave(self.handoff_to, lambda: self._handoff(why, wait), log.get().warning)
+
+        def state() -> Handoff | None:
+            got = self._handoff(why, wait)
+            if got is not None:  # writing it is a checkpoint's work: not a stall
+                self.phase.enter(f"checkpoint: the state handed over after step {got.carried.step}")
+            return got
+
+        handoff.leave(self.handoff_to, state, log.get().warning)
 
     def _handoff(self, why: str, wait: float) -> Handoff | None:
         m, live = self.members, self.live
