@@ -202,9 +202,11 @@ class _Epochs:
         self.fresh: tuple[int, ...] = ()  # bundles that start this epoch without the state
         self.watch: LossWatch | None = None  # this epoch's, where survivors hand off
         self.handoff_to = handoff_to
-        self.live: tuple[Session, Trainer, StepGuard] | None = None  # while an epoch trains
+        self.live: tuple[Session, Trainer] | None = None  # while an epoch trains (with ``guard``)
         self.watch_on = False
-        self.guard: StepGuard | None = None  # the last epoch's, kept for its last update's event
+        self.guard: StepGuard | None = (
+            None  # the epoch's; kept after it for its last update's event
+        )
 
     def run(self) -> tuple[bool, Summary | None]:
         """One epoch; returns (whether training is over, the summary)."""
@@ -285,7 +287,7 @@ class _Epochs:
         if self.watch_on:
             guard = StepGuard(trainer.committed, trainer.vote.commit, cuda=device.type == "cuda")
             session.engine.commit, session.engine.updated = guard.commit, guard.updated
-            self.live, self.guard = (session, trainer, guard), guard
+            self.live, self.guard = (session, trainer), guard
         phase.follow(session.engine)
         return session, trainer
 
@@ -323,7 +325,8 @@ class _Epochs:
             with self.guard.side_stream() if self.guard else contextlib.nullcontext():
                 carried = self.carried.on_cpu()
         else:
-            session, trainer, guard = live
+            (session, trainer), guard = live, self.guard
+            assert guard is not None  # noqa: S101 - set with ``live``
             with guard.held(wait) as between_steps:
                 if not between_steps:
                     log.get().error(

@@ -9,13 +9,11 @@ on it out the same way, for good: no supervisor is left there to start them agai
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from bundle import log
-from bundle.launch.handoff import file_of
 from bundle.launch.membership import (
     LOSSES_KEY,
     dead_key,
@@ -25,9 +23,9 @@ from bundle.launch.membership import (
 )
 from bundle.topology import Topology
 
-# start(rank, incarnation, handed): a new worker for ``rank``, started (``handed``: the state its
-# previous process handed over, bundle.launch.handoff).
-Start = Callable[[int, int, Path | None], Any]
+# start(rank, incarnation, handed): a new worker for ``rank``, started (``handed``: it reads the
+# state its previous process handed over, bundle.launch.handoff).
+Start = Callable[[int, int, bool], Any]
 
 
 class Healer:
@@ -41,10 +39,8 @@ class Healer:
         *,
         heals: int,
         start: Start,
-        handoffs: Path | None = None,
     ) -> None:
         self.topo, self.store, self.start, self.budget = topo, store, start, heals
-        self.handoffs = handoffs  # where survivors leave their state for their new processes
         self.local = {
             b: [r for r in topo.node_ranks(node) if topo.coord(r).bundle == b]
             for b in {topo.coord(r).bundle for r in topo.node_ranks(node)}
@@ -122,14 +118,9 @@ class Healer:
     def go_on(self, rank: int) -> dict[int, Any]:
         """A survivor handed its state over (``EXIT_HANDOFF``): its rank again, in a new process
         that reads it (rank -> worker)."""
-        assert self.handoffs is not None  # noqa: S101 - survivors hand off only where given
-        p = self.start(rank, self.incarnation[self.topo.coord(rank).bundle], self.handoff(rank))
+        p = self.start(rank, self.incarnation[self.topo.coord(rank).bundle], True)
         log.get().info(f"rank {rank} goes on in a new process with its state (pid {p.pid})")
         return {rank: p}
-
-    def handoff(self, rank: int) -> Path | None:
-        """Where ``rank``'s survivor leaves its state (None: survivors do not hand off)."""
-        return file_of(self.handoffs, rank) if self.handoffs else None
 
     def restart(self, rank: int) -> dict[int, Any]:
         """After ``rank`` was lost: its bundle's workers on this node, started again once all of
@@ -152,7 +143,7 @@ class Healer:
         self.incarnation[bundle] += 1
         inc = self.incarnation[bundle]
         self.store.set(healing_key(bundle), str(inc))
-        started = {r: self.start(r, inc, None) for r in self.local[bundle]}
+        started = {r: self.start(r, inc, False) for r in self.local[bundle]}
         log.get().info(
             f"bundle {bundle}: ranks {', '.join(map(str, started))} started again "
             f"(heal {self.healed[bundle]} of {self.budget}; pids "

@@ -194,15 +194,13 @@ def _attempt(
     healer = None
     if lc.fault_tolerance == "bundle":
 
-        def start_again(rank: int, incarnation: int, handed: Path | None = None) -> SpawnProcess:
+        def start_again(rank: int, incarnation: int, handed: bool = False) -> SpawnProcess:
             p = procs[rank] = running[rank] = process(rank, incarnation, handed)
             p.start()
             quotas.admit({rank: p.pid})
             return p
 
-        healer = Healer(
-            topo, node, store, heals=lc.max_restarts, start=start_again, handoffs=handoffs
-        )
+        healer = Healer(topo, node, store, heals=lc.max_restarts, start=start_again)
 
     def job_failure() -> str | None:
         if healer is not None:
@@ -269,11 +267,12 @@ def _factory(
     alive: Mapping[int, Any],
     handoffs: Path | None = None,
 ) -> Callable[..., SpawnProcess]:
-    """``process(rank, incarnation=0, handed=None)``: a new (unstarted) worker for one of this
-    node's ranks (``handed``: the state its previous process handed over)."""
+    """``process(rank, incarnation=0, handed=False)``: a new (unstarted) worker for one of this
+    node's ranks (``handed``: it reads the state its previous process left in ``handoffs``)."""
     lc, (resume, capture) = cfg.launch, start
 
-    def process(rank: int, incarnation: int = 0, handed: Path | None = None) -> SpawnProcess:
+    def process(rank: int, incarnation: int = 0, handed: bool = False) -> SpawnProcess:
+        here = str(file_of(handoffs, rank)) if handoffs else None
         alive[rank].value = 0.0  # a new worker is not watched for beats before its first
         return ctx.Process(
             target=spawned,
@@ -287,8 +286,8 @@ def _factory(
                 alive=alive[rank],
                 ft=dict(
                     incarnation=incarnation,
-                    handoff_to=str(file_of(handoffs, rank)) if handoffs else None,
-                    handed=str(handed) if handed else None,
+                    handoff_to=here,
+                    handed=here if handed else None,
                 ),
             ),
             name=f"bundle-rank{rank}" + (f".{incarnation}" if incarnation else ""),
