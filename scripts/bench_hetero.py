@@ -44,8 +44,8 @@ What the emulation can show: the effect of unequal speeds on a synchronous step 
 on the slowest replica), whether row weights and a plan balance them, and how far the planner's
 figures are from runs (the planner costs a CPU share's communication and engine overheads slowed
 by the share, as they are here, and the slowdown a share shows beside its neighbours, measured
-in bundle/plan/shares.py and eased by how busy each plan keeps the machine). What it cannot: a quota slows a process in 10 ms slices (run, then wait)
-rather than evenly; communication and Python overheads are slowed as much as compute,
+in bundle/plan/shares.py and eased by how busy each plan keeps the machine). What it cannot: a quota slows a process in 2 to 5 ms slices (run, then
+wait) rather than evenly; communication and Python overheads are slowed as much as compute,
 unlike on a slower accelerator; memory sizes and bandwidths of real devices are not emulated. The
 ``weighted`` part asks for 1.5 CPUs of two. Quotas need a writable cgroup cpu controller (cgroup
 v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``, usually root): without one the script exits 2 with the

@@ -37,18 +37,20 @@ def _topo(*shares: float | None) -> Topology:
 
 
 def test_quota_is_the_share_of_the_period():
-    assert throttle.quota_us(0.4) == 4_000
-    assert throttle.quota_us(1.0) == 10_000
-    assert throttle.quota_us(2.5) == 25_000
+    assert throttle.quota_us(0.4) == 1_000  # of its own period, 2.5 ms
+    assert throttle.quota_us(1.0) == 2_000
+    assert throttle.quota_us(2.5) == 5_000
     assert throttle.quota_us(0.25, period=20_000) == 5_000
     assert throttle.quota_us(0.001) == throttle.MIN_QUOTA_US  # the kernel's floor
 
 
 def test_the_period_is_short_and_longer_only_for_small_shares():
-    assert throttle.period_us(0.4) == throttle.PERIOD_US == 10_000
-    assert throttle.period_us(2.5) == 10_000
-    # Under 0.1 of a CPU a 10 ms period would need a quota under the kernel's 1 ms: the period
-    # grows instead, so the share is still the one asked for.
+    assert throttle.period_us(0.5) == throttle.PERIOD_US == 2_000
+    assert throttle.period_us(2.5) == 2_000
+    # Under half a CPU a 2 ms period would need a quota under the kernel's 1 ms: the period grows
+    # instead, so the share is still the one asked for.
+    assert throttle.period_us(0.4) == 2_500
+    assert throttle.period_us(0.2) == 5_000
     assert throttle.period_us(0.05) == 20_000
     assert throttle.quota_us(0.05, throttle.period_us(0.05)) == 1_000
     assert throttle.period_us(1e-4) == throttle.MAX_PERIOD_US
@@ -64,13 +66,13 @@ def test_a_share_must_be_positive(share):
 
 def test_limit_files_per_version():
     assert throttle.Hierarchy(2, Path("/x")).limit_files(0.4) == {
-        "cpu.max": "4000 10000",
+        "cpu.max": "1000 2500",
         "cpu.weight": "400",  # 10x the default (100) per CPU of the share
     }
     # v1: the period before the quota (a quota above the old period is refused otherwise).
     assert list(throttle.Hierarchy(1, Path("/x")).limit_files(0.5).items()) == [
-        ("cpu.cfs_period_us", "10000"),
-        ("cpu.cfs_quota_us", "5000"),
+        ("cpu.cfs_period_us", "2000"),
+        ("cpu.cfs_quota_us", "1000"),
         ("cpu.shares", "5120"),  # 10x the default (1024) per CPU of the share
     ]
     assert throttle.Hierarchy(1, Path("/x")).limit_files(0.02)["cpu.cfs_period_us"] == "50000"
