@@ -4,13 +4,19 @@ CPU (a cluster file's ``cpu``), measured together, as a plan runs them.
 A process held to 0.2 of a CPU does not do a fifth of the work of a free process: beside the
 other processes of the machine it shares caches and memory bandwidth with them, and each quota
 period starts it anew. The planner would otherwise divide a free process's timings by the share
-and predict every such plan too fast (measured here: 1.12 to 1.21 beside three neighbours on two
-cores, 1.07 to 1.10 alone).
+and predict every such plan too fast (measured here with the quotas' 2 and 5 ms periods: 1.36 to
+1.53 for half a CPU and 1.13 to 1.22 for a fifth, beside three neighbours on two cores).
 
 ``penalties`` starts one child process per device of the cluster, all at once, each a single
 thread held to its device's share (``bundle.launch.throttle``, the quotas ``main.py`` applies),
 and times the same small MLP forward and backward in each; a device's *penalty* is its time per
 step times its share over the time a free process takes alone: 1.0 would be the share exactly.
+This machine's own speed drifts by 10 to 15 % from minute to minute (a free step took 25 to 30 ms
+within ten minutes here), so the free step is timed again before every round, while the children
+wait, and each round is judged against its own: a device's penalty is the median of its rounds'.
+(Judged against one free time taken before and after, five measurements in a row gave a device
+type's penalty 1.20 to 1.55 for a half share and 1.02 to 1.24 for a fifth; judged round by
+round, three gave 1.36 to 1.53 and 1.13 to 1.22.)
 The penalty of a device type is the median over its devices. Measured once per set of shares and
 cached with the conditions it was measured under; where no cgroup can be written it is not
 measured (1.0, and a note says so). It is the contention of every device busy at once: each plan
@@ -35,7 +41,8 @@ from bundle.plan.conditions import Watch
 
 ROWS, WIDTH, INPUT = 128, 1024, 972  # mlp_wide on 3x18x18: tens of milliseconds a step
 WINDOW_S = 1.0  # seconds each child computes, all at once, per round
-ROUNDS = 4  # rounds of the window; a device's time per step is their median
+ROUNDS = 6  # rounds of the window; a device's penalty is the median of theirs
+FREE_STEPS = 3  # steps of the free timing before each round (the best of two runs of them)
 MAX_DEVICES = 32  # more emulated devices than this are not measured (one process each)
 WAIT_S = 120.0  # the most any child is waited for
 
@@ -54,16 +61,20 @@ def _steps(model: torch.nn.Module, x: torch.Tensor, n: int) -> float:
     return time.perf_counter() - start
 
 
-def free_step() -> float:
-    """Seconds of one step in this process, one thread, nothing held (the best of three)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, x = _model()
-        _steps(model, x, 3)
-        return min(_steps(model, x, 5) for _ in range(3)) / 5
-    finally:
-        torch.set_num_threads(threads)
+class _Free:
+    """Times one step of the same model in this process, one thread, nothing held."""
+
+    def __init__(self) -> None:
+        self.model, self.x = _model()
+
+    def __call__(self, steps: int = FREE_STEPS, runs: int = 2) -> float:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _steps(self.model, self.x, 1)
+            return min(_steps(self.model, self.x, steps) for _ in range(runs)) / steps
+        finally:
+            torch.set_num_threads(threads)
 
 
 def _child(conn) -> None:  # pragma: no cover - runs in a child process
@@ -83,16 +94,20 @@ def _child(conn) -> None:  # pragma: no cover - runs in a child process
 
 
 def measure(shares: Sequence[float], hierarchy: throttle.Hierarchy) -> list[float]:
-    """Each device's penalty, all devices computing at once under their quotas."""
-    before = free_step()
-    per_step = _per_step(shares, hierarchy)
-    free = min(before, free_step())  # the free baseline before and after, the faster
-    return [max(1.0, t * s / free) for t, s in zip(per_step, shares, strict=True)]
+    """Each device's penalty, all devices computing at once under their quotas: the median over
+    the rounds of its time per step times its share over a free step timed just before."""
+    rounds = _rounds(shares, hierarchy)
+    return [
+        max(1.0, statistics.median(t * s / free for free, t in zip(rounds[0], times, strict=True)))
+        for times, s in zip(rounds[1:], shares, strict=True)
+    ]
 
 
-def _per_step(shares: Sequence[float], hierarchy: throttle.Hierarchy) -> list[float]:
-    """Each device's seconds per step under its quota (the median of the rounds)."""
+def _rounds(shares: Sequence[float], hierarchy: throttle.Hierarchy) -> list[list[float]]:
+    """The free step's seconds before each round, then each device's seconds per step in each
+    round under its quota."""
     ctx = mp.get_context("spawn")
+    free = _Free()
     children, quotas = [], []
     try:
         for _ in shares:
@@ -109,15 +124,16 @@ def _per_step(shares: Sequence[float], hierarchy: throttle.Hierarchy) -> list[fl
             quotas.append(throttle.Quota(hierarchy, name, share).create())
             assert proc.pid is not None  # started above
             quotas[-1].add(proc.pid)
-        per_step: list[list[float]] = [[] for _ in children]
+        got: list[list[float]] = [[] for _ in range(len(children) + 1)]
         for _ in range(ROUNDS):
+            got[0].append(free())  # the children wait for the word
             for _, conn in children:  # all start at once, and compute for the same window
                 conn.send("go")
             for i, (proc, conn) in enumerate(children):
                 if not conn.poll(WAIT_S):
                     raise TimeoutError(f"penalty child {proc.pid} gave no time in {WAIT_S:g} s")
-                per_step[i].append(conn.recv())
-        return [statistics.median(t) for t in per_step]
+                got[i + 1].append(conn.recv())
+        return got
     finally:
         for proc, _ in children:
             proc.join(5.0)

@@ -91,6 +91,15 @@ def test_devices_without_a_share_are_not_measured(tmp_path, monkeypatch):
     assert shares.with_penalties(cost.cluster, prof.ProfileCache(tmp_path)) == cost.cluster
 
 
+def test_each_round_is_judged_against_the_free_step_timed_before_it(monkeypatch):
+    """The machine slows down twofold between two rounds, free and held processes alike: the
+    penalty is the held time over the free time of the same round (1.0 and 1.25 here), not
+    over the fastest free time of the measurement (which would say 1.5 and 1.875)."""
+    free, quarter, half = [1.0, 2.0, 2.0], [4.0, 8.0, 8.0], [2.5, 5.0, 5.0]
+    monkeypatch.setattr(shares, "_rounds", lambda s, h: [free, quarter, half])
+    assert shares.measure([0.25, 0.5], None) == [1.0, 1.25]
+
+
 @pytest.mark.skipif(throttle.available() is not None, reason=str(throttle.available()))
 def test_measured_under_real_quotas(monkeypatch):
     """Two children held to a quarter of a CPU each: each computes at most a quarter as fast as a
