@@ -29,6 +29,9 @@ the JSON summary ``main.py`` prints last (the steps after the first).
 A machine busier than its CPUs (1-minute load average above them) is refused before anything
 runs, one line, exit 2: its noise would be reported as the planner's error (``--allow-busy``
 measures anyway; ``--quick`` is a smoke run and does not ask); the report records the load.
+A profile ``plan.py`` measured while its repetitions disagreed (its note: "not cached") is
+measured again, ``plan.py`` run up to PLAN_TRIES times; unsteady every time, the planner part
+is skipped with the reason, for the same cause.
 
 The CPUs promised must exist: shares adding up to more CPUs than the machine has would give a
 balanced plan (every process busy at once) less than its share, while a plan that leaves the fast
@@ -244,8 +247,16 @@ def _describe(plan: dict) -> str:
     return text + (f" w={run['row_weights']}" if run.get("row_weights") else "")
 
 
+# plan.py notes a profile measured while its repetitions disagreed ("not cached"): plans made
+# from it are off by what the machine did then, which would be reported as the planner's error.
+UNSTEADY = "not cached"
+PLAN_TRIES = 3  # plan.py runs until its profiles are steady, at most
+
+
 def make_plans(sizes: Sizes, work: Path, timeout: float) -> tuple[dict | None, str | None]:
-    """plan.py's JSON for the emulated cluster, or None and why not."""
+    """plan.py's JSON for the emulated cluster, or None and why not. A profile measured while the
+    machine was unsteady is measured again (plan.py again; the steady ones are cached), up to
+    PLAN_TRIES runs; then the part is refused."""
     if not CLUSTER.is_file():
         return None, f"{CLUSTER.relative_to(REPO)} does not exist"
     out = work / "plans.json"
@@ -253,6 +264,18 @@ def make_plans(sizes: Sizes, work: Path, timeout: float) -> tuple[dict | None, s
     cmd += ["--model", MODEL, *DATA, "--batch-size", str(sizes.batch)]
     # Profiles of its own, measured in this run: a cache from another time says nothing of now.
     cmd += ["--top", "40", "--json", str(out), "--profile-cache", str(work / "profiles")]
+    for attempt in range(1, PLAN_TRIES + 1):
+        doc, why = _plan_once(cmd, out, timeout)
+        if doc is None:
+            return None, why
+        unsteady = [n for n in doc.get("profiles", []) if UNSTEADY in n]
+        if not unsteady:
+            return doc, None
+        print(f"plan {attempt} of {PLAN_TRIES}: {unsteady[0]}", file=sys.stderr, flush=True)
+    return None, f"profiles unsteady in {PLAN_TRIES} tries (the machine is noisy): {unsteady[0]}"
+
+
+def _plan_once(cmd: list[str], out: Path, timeout: float) -> tuple[dict | None, str | None]:
     print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
     try:
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)

@@ -113,6 +113,38 @@ def test_the_planner_part_says_why_it_was_skipped(monkeypatch, tmp_path):
     assert bench.headline({"planner": got})["planner_vs_uniform"] is None
 
 
+def _fake_planner(monkeypatch, notes: list[list[str]]) -> list[list[str]]:
+    """plan.py replaced: each call writes plans whose profile notes are the next of ``notes``."""
+    calls: list[list[str]] = []
+
+    def run(cmd, **_):
+        out = Path(cmd[cmd.index("--json") + 1])
+        plan = {"run": {}, "placement": [], "predicted_samples_per_s": 1.0}
+        profiles = notes[len(calls)]
+        out.write_text(json.dumps({"plans": [plan], "uniform_plan": plan, "profiles": profiles}))
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    return calls
+
+
+def test_a_profile_measured_while_the_machine_was_unsteady_is_measured_again(
+    monkeypatch, tmp_path, capsys
+):
+    unsteady = "timings profile measured now while its repetitions spread 148% around their median: not cached, and plans made from it may be off"
+    steady = "timings profile measured now, load 0.1 on 2 CPU(s)"
+    calls = _fake_planner(monkeypatch, [[unsteady], [steady]])
+    doc, why = bench.make_plans(bench.PRESETS["quick"], tmp_path, 10.0)
+    assert why is None and doc["profiles"] == [steady] and len(calls) == 2
+    assert "plan 1 of 3: timings profile measured now while" in capsys.readouterr().err
+    # Unsteady every time: refused, not reported as the planner's error.
+    calls = _fake_planner(monkeypatch, [[unsteady]] * bench.PLAN_TRIES)
+    doc, why = bench.make_plans(bench.PRESETS["quick"], tmp_path, 10.0)
+    assert doc is None and len(calls) == bench.PLAN_TRIES
+    assert why.startswith("profiles unsteady in 3 tries (the machine is noisy): timings profile")
+
+
 def test_each_plan_is_reported_as_its_runs_end(monkeypatch, tmp_path, capsys):
     """A long run stopped early still says what it measured: each plan's line on stderr, and the
     part so far handed on (main writes it to --json) after every plan."""
