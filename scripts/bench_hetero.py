@@ -80,6 +80,7 @@ from bench_dp import Runner, _finite, _fmt, _ratio, _table
 
 from bundle.launch import throttle
 from bundle.plan.conditions import spread
+from bundle.plan.profile import NOT_CACHED
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ("weighted", "planner")
@@ -247,9 +248,8 @@ def _describe(plan: dict) -> str:
     return text + (f" w={run['row_weights']}" if run.get("row_weights") else "")
 
 
-# plan.py notes a profile measured while its repetitions disagreed ("not cached"): plans made
-# from it are off by what the machine did then, which would be reported as the planner's error.
-UNSTEADY = "not cached"
+# plan.py notes a profile measured while its repetitions disagreed (NOT_CACHED): plans made from
+# it are off by what the machine did then, which would be reported as the planner's error.
 PLAN_TRIES = 3  # plan.py runs until its profiles are steady, at most
 
 
@@ -268,7 +268,7 @@ def make_plans(sizes: Sizes, work: Path, timeout: float) -> tuple[dict | None, s
         doc, why = _plan_once(cmd, out, timeout)
         if doc is None:
             return None, why
-        unsteady = [n for n in doc.get("profiles", []) if UNSTEADY in n]
+        unsteady = [n for n in doc.get("profiles", []) if NOT_CACHED in n]
         if not unsteady:
             return doc, None
         print(f"plan {attempt} of {PLAN_TRIES}: {unsteady[0]}", file=sys.stderr, flush=True)

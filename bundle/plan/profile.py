@@ -33,6 +33,10 @@ from bundle.engine.precision import Policy
 from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear, count_anatomy
 from bundle.plan.conditions import Conditions, Watch
 
+# The note of a profile measured under conditions that cannot be trusted (a busy machine, or
+# repetitions that disagree): kept out of the cache. scripts/bench_hetero.py looks for it.
+NOT_CACHED = "not cached, and plans made from it may be off"
+
 
 @dataclass(frozen=True)
 class Timings:
@@ -337,8 +341,7 @@ class ProfileCache:
         trouble = conditions.trouble() if conditions is not None else None
         if trouble is not None:
             self.notes.append(
-                f"{kind} profile measured now while {trouble}: not cached, and plans made from "
-                "it may be off; plan on a quiet machine"
+                f"{kind} profile measured now while {trouble}: {NOT_CACHED}; plan on a quiet machine"
             )
             return
         path = self._path(kind, key)

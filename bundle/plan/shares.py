@@ -43,6 +43,7 @@ ROWS, WIDTH, INPUT = 128, 1024, 972  # mlp_wide on 3x18x18: tens of milliseconds
 WINDOW_S = 1.0  # seconds each child computes, all at once, per round
 ROUNDS = 6  # rounds of the window; a device's penalty is the median of theirs
 FREE_STEPS = 3  # steps of the free timing before each round (the best of two runs of them)
+FREE_RUNS = 2
 MAX_DEVICES = 32  # more emulated devices than this are not measured (one process each)
 WAIT_S = 120.0  # the most any child is waited for
 
@@ -67,12 +68,14 @@ class _Free:
     def __init__(self) -> None:
         self.model, self.x = _model()
 
-    def __call__(self, steps: int = FREE_STEPS, runs: int = 2) -> float:
+    def __call__(self) -> float:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             _steps(self.model, self.x, 1)
-            return min(_steps(self.model, self.x, steps) for _ in range(runs)) / steps
+            return (
+                min(_steps(self.model, self.x, FREE_STEPS) for _ in range(FREE_RUNS)) / FREE_STEPS
+            )
         finally:
             torch.set_num_threads(threads)
 
@@ -96,15 +99,17 @@ def _child(conn) -> None:  # pragma: no cover - runs in a child process
 def measure(shares: Sequence[float], hierarchy: throttle.Hierarchy) -> list[float]:
     """Each device's penalty, all devices computing at once under their quotas: the median over
     the rounds of its time per step times its share over a free step timed just before."""
-    rounds = _rounds(shares, hierarchy)
+    free, held = _rounds(shares, hierarchy)
     return [
-        max(1.0, statistics.median(t * s / free for free, t in zip(rounds[0], times, strict=True)))
-        for times, s in zip(rounds[1:], shares, strict=True)
+        max(1.0, statistics.median(t * s / f for f, t in zip(free, times, strict=True)))
+        for times, s in zip(held, shares, strict=True)
     ]
 
 
-def _rounds(shares: Sequence[float], hierarchy: throttle.Hierarchy) -> list[list[float]]:
-    """The free step's seconds before each round, then each device's seconds per step in each
+def _rounds(
+    shares: Sequence[float], hierarchy: throttle.Hierarchy
+) -> tuple[list[float], list[list[float]]]:
+    """The free step's seconds before each round, and each device's seconds per step in each
     round under its quota."""
     ctx = mp.get_context("spawn")
     free = _Free()
@@ -124,16 +129,17 @@ def _rounds(shares: Sequence[float], hierarchy: throttle.Hierarchy) -> list[list
             quotas.append(throttle.Quota(hierarchy, name, share).create())
             assert proc.pid is not None  # started above
             quotas[-1].add(proc.pid)
-        got: list[list[float]] = [[] for _ in range(len(children) + 1)]
+        free_s: list[float] = []
+        held: list[list[float]] = [[] for _ in children]
         for _ in range(ROUNDS):
-            got[0].append(free())  # the children wait for the word
+            free_s.append(free())  # the children wait for the word
             for _, conn in children:  # all start at once, and compute for the same window
                 conn.send("go")
             for i, (proc, conn) in enumerate(children):
                 if not conn.poll(WAIT_S):
                     raise TimeoutError(f"penalty child {proc.pid} gave no time in {WAIT_S:g} s")
-                got[i + 1].append(conn.recv())
-        return got
+                held[i].append(conn.recv())
+        return free_s, held
     finally:
         for proc, _ in children:
             proc.join(5.0)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bundle.launch import throttle
+from bundle.plan.profile import NOT_CACHED
 
 REPO = Path(__file__).resolve().parents[2]
 WHY_NOT = throttle.available()
@@ -132,7 +133,10 @@ def _fake_planner(monkeypatch, notes: list[list[str]]) -> list[list[str]]:
 def test_a_profile_measured_while_the_machine_was_unsteady_is_measured_again(
     monkeypatch, tmp_path, capsys
 ):
-    unsteady = "timings profile measured now while its repetitions spread 148% around their median: not cached, and plans made from it may be off"
+    unsteady = (
+        "timings profile measured now while its repetitions spread 148% around their median: "
+        f"{NOT_CACHED}; plan on a quiet machine"
+    )
     steady = "timings profile measured now, load 0.1 on 2 CPU(s)"
     calls = _fake_planner(monkeypatch, [[unsteady], [steady]])
     doc, why = bench.make_plans(bench.PRESETS["quick"], tmp_path, 10.0)

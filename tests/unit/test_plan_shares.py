@@ -96,7 +96,7 @@ def test_each_round_is_judged_against_the_free_step_timed_before_it(monkeypatch)
     penalty is the held time over the free time of the same round (1.0 and 1.25 here), not
     over the fastest free time of the measurement (which would say 1.5 and 1.875)."""
     free, quarter, half = [1.0, 2.0, 2.0], [4.0, 8.0, 8.0], [2.5, 5.0, 5.0]
-    monkeypatch.setattr(shares, "_rounds", lambda s, h: [free, quarter, half])
+    monkeypatch.setattr(shares, "_rounds", lambda s, h: (free, [quarter, half]))
     assert shares.measure([0.25, 0.5], None) == [1.0, 1.25]
 
 
