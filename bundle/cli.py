@@ -50,9 +50,13 @@ def _merge_yaml(args: argparse.Namespace, explicit: set[str]) -> set[str]:
     """--config: the file's values where the command line gives none; returns the dests it names."""
     try:
         with open(args.config) as f:
-            values = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError("--config", args.config, f"must be a readable YAML file ({exc})") from exc
+            values = options.load_yaml(f) or {}
+    except options.ExpandingAlias as exc:
+        raise ConfigError("--config", args.config, str(exc)) from None
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            "--config", args.config, f"must be a readable YAML file ({_one_line(exc)})"
+        ) from None
     if not isinstance(values, dict):
         raise ConfigError("--config", args.config, "must hold a mapping of option: value")
     named = set()
@@ -65,6 +69,15 @@ def _merge_yaml(args: argparse.Namespace, explicit: set[str]) -> set[str]:
         if opt.dest not in explicit:
             setattr(args, opt.dest, opt.from_yaml(value, f"{key} (in --config {args.config})"))
     return named
+
+
+def _one_line(exc: Exception) -> str:
+    """A YAML parser's complaint without the quoted snippet it spreads over several lines."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is not None and problem:
+        return f"line {mark.line + 1}: {problem}"
+    return " ".join(str(exc).split())
 
 
 # The options that choose the data: where either is given, a plan's data are not used.
@@ -177,10 +190,14 @@ def main(argv: list[str] | None = None) -> int:
 
     env = dict(os.environ)
     lock = None
+
+    def take_save_dir(cfg: C.RunConfig) -> None:
+        nonlocal lock
+        lock = _lock_save_dir(cfg, env)
+
     try:
-        plan = preflight.check_all(parse(argv, env), env)
+        plan = preflight.check_all(parse(argv, env), env, before_resume=take_save_dir)
         torchrun = process.torchrun_env() if plan.cfg.launch.torchrun else None
-        lock = _lock_save_dir(plan.cfg, env)
         if torchrun is not None:
             return process.run_torchrun(plan.cfg, plan.topo, torchrun, plan.resume, plan.capture)
         return supervise(plan.cfg, plan.topo, plan.resume, plan.capture)
@@ -194,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _lock_save_dir(cfg: C.RunConfig, env: dict[str, str]) -> Any:
     """The job's first process (node 0's supervisor, torchrun's rank 0) takes the save directory
-    before anything is written, and clears what an interrupted save of an earlier job left."""
+    before anything is written, and puts right what an interrupted save of an earlier job left."""
     from bundle.checkpoint import format as ckpt
     from bundle.checkpoint.lock import DirLock, job_id
 
@@ -204,8 +221,6 @@ def _lock_save_dir(cfg: C.RunConfig, env: dict[str, str]) -> Any:
         return None
     lock = DirLock(save_dir, job_id(env))
     note = lock.acquire()
-    for line in ([note] if note else []) + [
-        f"removed {name} (left by an interrupted save)" for name in ckpt.clean_debris(save_dir)
-    ]:
+    for line in ([note] if note else []) + ckpt.recover(save_dir):
         print(f"main.py: note: {line}", file=sys.stderr)
     return lock

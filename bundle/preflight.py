@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ from bundle.engine.precision import DTYPES
 from bundle.errors import BundleError, ConfigError, DataError
 from bundle.launch import throttle
 from bundle.lr_schedule import LRSchedule, needs_epoch_length, past_the_run, spell
-from bundle.runtime import devices
+from bundle.runtime import control, devices
 from bundle.runtime.preemption import parse_fault, parse_heal_fault
 from bundle.topology import Topology
 
@@ -49,8 +49,16 @@ def resolve(cfg: RunConfig) -> RunConfig:
     return auto.resolve(cfg)
 
 
-def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
-    """Every pre-launch check, once each, in order; the first that fails raises."""
+def check_all(
+    cfg: RunConfig,
+    env: Mapping[str, str],
+    *,
+    before_resume: Callable[[RunConfig], None] | None = None,
+) -> LaunchPlan:
+    """Every pre-launch check, once each, in order; the first that fails raises.
+    ``before_resume``: what must happen once the run is known good and before its checkpoint is
+    chosen (the job's first process takes the save directory and puts right what a killed save
+    left there, which may be the newest step)."""
     # Before the planner, which reads the data's sample shape; val/ only for a run that evaluates.
     data.check_data(cfg.data, needs_val=cfg.train.eval)
     cfg = resolve(cfg)
@@ -66,7 +74,10 @@ def check_all(cfg: RunConfig, env: Mapping[str, str]) -> LaunchPlan:
     parse_fault(env)
     parse_heal_fault(env)
     aggregate.parse_fault(env.get(aggregate.BYZANTINE_ENV), topo.num_bundles)
+    control.read_secret(env)
     attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) if cfg.launch.torchrun else 0
+    if before_resume is not None:
+        before_resume(cfg)
     return LaunchPlan(cfg, topo, check_resume(cfg, shapes, attempt), attempt, capture)
 
 

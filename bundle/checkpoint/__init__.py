@@ -2,8 +2,10 @@
 
 Modules, from the data up:
 
+- ``index``: a checkpoint's DCP index read as data (an exact allow-list), never as code;
 - ``format``: the final weights file, resumable ``step-N`` directories (DCP), their settings and
-  checksums, resolving ``--resume`` past damaged ones, export (``python -m bundle.checkpoint export``);
+  checksums, re-saves that keep a whole copy and what a kill left put right, resolving
+  ``--resume`` past damaged ones, export (``python -m bundle.checkpoint export``);
 - ``lock``: ``DirLock``, one job per save directory;
 - ``manager``: ``Checkpointer``, the loop's component: when a save is due, what one rank saves,
   asynchronous writes, saves that cannot complete, pruning, and restoring under any shape.

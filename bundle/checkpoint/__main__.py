@@ -5,12 +5,34 @@ be written, is one line on stderr and exit code 2 (as main.py's input errors).""
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import dataclass
 
-from bundle.checkpoint.format import export
-from bundle.errors import BundleError
+from bundle.checkpoint import format as ckpt
+from bundle.errors import BundleError, CheckpointError
 
 USAGE = "usage: python -m bundle.checkpoint export SAVE_DIR/step-N OUT.pt"
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What ``export`` wrote: the file, how many tensors it holds, its size in bytes."""
+
+    out: str
+    tensors: int
+    bytes: int
+
+
+def export(path: str, out: str) -> Exported:
+    """Write the canonical weights of checkpoint ``path`` as one ``--checkpoint``-format file,
+    once the checkpoint is verified (``damage``); what it wrote."""
+    try:
+        state = ckpt.weights(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}; nothing exported") from None
+    ckpt.save(out, state)
+    return Exported(out, len(state), os.path.getsize(out))
 
 
 def size_text(n: int) -> str:

@@ -5,13 +5,17 @@ A resumable checkpoint is the directory ``SAVE_DIR/step-N`` (N = training steps 
     step-N/
       __R_0.distcp     what global rank R wrote (torch.distributed.checkpoint, every rank at once)
       .metadata        DCP's index of every entry, written last
-      bundle.json      the step, the settings of the run that wrote it, and the size and SHA-256
-                       of every other file (``files``)
+      bundle.json      the step, the settings of the run that wrote it, the size and SHA-256 of
+                       every other file (``files``) and the SHA-256 of itself (``digest``)
 
-It is written as ``step-N.tmp`` and renamed when all three are there. A checkpoint is trusted only
-once verified (``damage``): ``.metadata`` and ``bundle.json`` present and readable, every file
-``bundle.json`` lists there with its size and checksum. ``--resume auto`` passes over a damaged one
-to the newest whole one; naming a damaged one is refused. Entries are keyed by
+It is written as ``step-N.tmp`` and renamed when all three are there; a step written again is
+swapped in (``publish``) so that a whole copy of it exists at every moment, and what a kill leaves
+is put right by the next job's first process (``recover``). A checkpoint is trusted only
+once verified (``damage``): ``.metadata`` and ``bundle.json`` present and readable, ``bundle.json``
+matching its digest, every file it lists there with its size and checksum, and the index made only
+of what a DCP index holds (an exact allow-list: a checkpoint is data, never code; see
+docs/security.md). ``--resume auto`` passes over a damaged one to the newest whole one; naming a
+damaged one is refused. Entries are keyed by
 full-model names, so any shape, partition or node count reads them (DCP hands every rank the keys
 its stage asks for, from whichever files hold them):
 
@@ -27,30 +31,32 @@ its stage asks for, from whichever files hold them):
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
 import tempfile
 import warnings
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from bundle.checkpoint import index
 from bundle.config import RunConfig
 from bundle.errors import CheckpointError
 from bundle.partition import Stage
 from bundle.topology import Coord, Topology
 
 INFO = "bundle.json"
-FORMAT = 1
+# 2: bundle.json carries its own digest. Format 1 (older) is read as before, by its file checksums.
+FORMAT = 2
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_ASIDE = re.compile(r"^step-(\d+)\.(tmp|old)$")  # a save not yet renamed, a copy moved aside
+# What a file of a checkpoint may be called: a plain name in its directory, nothing above it.
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$|^\.metadata$")
 
 
 def save(path: str, state: dict[str, torch.Tensor]) -> None:
@@ -61,6 +67,7 @@ def save(path: str, state: dict[str, torch.Tensor]) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
+        honour_umask(tmp)
         os.replace(tmp, path)
     except BaseException as exc:
         os.unlink(tmp)
@@ -92,6 +99,25 @@ def cause_of(exc: BaseException) -> str:
 
 def load(path: str) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def honour_umask(path: str, mode: int = 0o666) -> None:
+    """Give ``path`` the permissions a plain ``open`` would have (``mode`` less the umask):
+    ``mkstemp`` makes every file 0600, whatever the user asked their umask for."""
+    os.chmod(path, mode & ~_umask())
+
+
+def _umask() -> int:
+    try:  # Linux says it without changing it (os.umask would, for a moment, for every thread)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _unwrap(stage: nn.Module) -> Stage:
@@ -147,9 +173,17 @@ def file_records(path: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def _info_digest(info: dict) -> str:
+    """The SHA-256 of ``bundle.json``'s content but its digest, as canonical JSON."""
+    body = {k: v for k, v in info.items() if k != "digest"}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def damage(path: str) -> str | None:
     """Why checkpoint ``path`` cannot be trusted (None: whole): a file missing, unreadable, of
-    another size or checksum than ``bundle.json`` records. Reads every file once."""
+    another size or checksum than ``bundle.json`` records; ``bundle.json`` not matching its
+    digest; an index that is not plain data or reads files the record does not list. Reads every
+    file once."""
     for name in (".metadata", INFO):
         if not os.path.isfile(os.path.join(path, name)):
             return f"no {name}"
@@ -157,12 +191,21 @@ def damage(path: str) -> str | None:
         info = read_info(path)
     except CheckpointError as exc:
         return str(exc).removeprefix(f"{path}: ")
+    if info.get("format", 1) >= 2 and info.get("digest") != _info_digest(info):
+        return f"{INFO} does not match its digest"
     recorded = info.get("files")
-    if not isinstance(recorded, dict):
-        if "files" in info:
-            return f"{INFO} lists no files"
-        recorded = {}  # written before checksums were recorded: the index must still read
-    for name, want in sorted(recorded.items()):
+    if not isinstance(recorded, dict) and "files" in info:
+        return f"{INFO} lists no files"
+    # Without records (written before checksums were), the index must still read.
+    return _files_damage(path, recorded if isinstance(recorded, dict) else None)
+
+
+def _files_damage(path: str, recorded: dict | None) -> str | None:
+    """What differs between the files of checkpoint ``path`` and their ``recorded`` size and
+    checksum, or files its index reads that the record does not list (None: nothing)."""
+    for name, want in sorted((recorded or {}).items()):
+        if not index.plain_name(name) or not isinstance(want, dict):
+            return f"{INFO} lists {name!r}, not a file of the checkpoint"
         file = os.path.join(path, name)
         try:
             size = os.path.getsize(file)
@@ -173,10 +216,11 @@ def damage(path: str) -> str | None:
         except OSError as exc:
             return f"{name}: {exc.strerror or exc}"
     try:
-        entries(path)
+        read = index.files(path)
     except CheckpointError as exc:
         return str(exc).removeprefix(f"{path}/")
-    return None
+    unlisted = sorted(read - set(recorded)) if recorded is not None else []
+    return f"its index reads {unlisted[0]}, which {INFO} does not list" if unlisted else None
 
 
 def checkpoints(save_dir: str) -> list[tuple[int, str]]:
@@ -186,7 +230,7 @@ def checkpoints(save_dir: str) -> list[tuple[int, str]]:
     found = []
     for entry in os.scandir(save_dir):
         m = _STEP_DIR.match(entry.name)
-        if m and entry.is_dir():
+        if m and entry.is_dir(follow_symlinks=False):
             found.append((int(m.group(1)), entry.path))
     return sorted(found)
 
@@ -224,20 +268,44 @@ def size_of(path: str) -> int:
     return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
 
 
-def clean_debris(save_dir: str) -> list[str]:
-    """Remove what an interrupted save left (``step-N.tmp``, half-written weights files); only
-    the holder of the directory's lock may, since a running save writes exactly these."""
-    removed: list[str] = []
+def recover(save_dir: str) -> list[str]:
+    """Put right what an interrupted save left, saying what was done; only the holder of the
+    directory's lock may (a running save writes exactly these).
+
+    ``step-N.tmp`` that is whole (its ``bundle.json`` written) was a finished save killed before
+    its rename: it becomes ``step-N`` unless a whole ``step-N`` is there. ``step-N.old`` is the
+    copy a re-save of step N moved aside (``publish``): it comes back where no whole ``step-N``
+    or ``step-N.tmp`` took its place. Anything else is removed, as are half-written weights files.
+    """
+    notes: list[str] = []
     if not os.path.isdir(save_dir):
-        return removed
+        return notes
+    aside: dict[int, dict[str, str]] = {}
     for entry in os.scandir(save_dir):
-        if entry.name.startswith("step-") and entry.name.endswith(".tmp"):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.name)
-        elif entry.name.startswith(".ckpt-") and entry.is_file():
+        if (m := _ASIDE.match(entry.name)) and entry.is_dir(follow_symlinks=False):
+            aside.setdefault(int(m.group(1)), {})[m.group(2)] = entry.path
+        elif entry.name.startswith(".ckpt-") and entry.is_file(follow_symlinks=False):
             os.unlink(entry.path)
-            removed.append(entry.name)
-    return removed
+            notes.append(f"removed {entry.name} (left by an interrupted save)")
+    for step, copies in sorted(aside.items()):
+        final = step_dir(save_dir, step)
+        if (tmp := copies.get("tmp")) is not None:
+            if damage(tmp) is None:  # the newer copy of the step: it wins
+                _swap_in(tmp, final)
+                notes.append(f"{os.path.basename(tmp)} was whole: it is {os.path.basename(final)}")
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+                notes.append(f"removed {os.path.basename(tmp)} (left by an interrupted save)")
+        if (old := copies.get("old")) is not None and os.path.isdir(old):
+            if (not os.path.isdir(final) or damage(final) is not None) and damage(old) is None:
+                shutil.rmtree(final, ignore_errors=True)  # a damaged step-N
+                os.replace(old, final)
+                notes.append(f"{os.path.basename(old)} was whole: it is {os.path.basename(final)}")
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+                notes.append(f"removed {os.path.basename(old)} (left by an interrupted save)")
+    _sync_dir(save_dir)
+    return notes
 
 
 def prune(save_dir: str, keep: int) -> None:
@@ -251,24 +319,54 @@ def prune(save_dir: str, keep: int) -> None:
         if path not in kept:
             shutil.rmtree(path, ignore_errors=True)
     for entry in os.scandir(save_dir):
-        if entry.name.startswith("step-") and entry.name.endswith(".tmp"):
+        if _ASIDE.match(entry.name):
             shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def publish(tmp: str, final: str, info: dict, files: dict | None = None) -> None:
     """Rank 0, once DCP has written ``tmp``: add ``bundle.json`` with the size and checksum of
-    every file (``files``, or read now) and rename ``tmp`` to ``final``."""
+    every file (``files``, or read now) and its own digest, and rename ``tmp`` to ``final``.
+
+    A step written again (after a restart) is swapped in: the old ``final`` is moved aside to
+    ``step-N.old`` and removed only once the new one is in place, so a whole copy of step N
+    exists at every moment (``recover`` finds it after a kill).
+    """
     info = {**info, "files": files if files is not None else file_records(tmp)}
+    info["digest"] = _info_digest(info)
     fd, part = tempfile.mkstemp(prefix=".info-", dir=tmp)
     with os.fdopen(fd, "w") as f:
         json.dump(info, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    os.chmod(part, 0o644)
+    honour_umask(part)
     os.replace(part, os.path.join(tmp, INFO))
-    if os.path.exists(final):  # the same step written again after a restart
-        shutil.rmtree(final)
+    _swap_in(tmp, final)
+
+
+def _swap_in(tmp: str, final: str) -> None:
+    """``tmp`` (whole) becomes ``final``; a ``final`` already there is moved aside first and
+    removed last, so that one whole copy of the step exists at every moment."""
+    old = f"{final}.old"
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(tmp, final)
+    _sync_dir(os.path.dirname(final))
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _sync_dir(path: str) -> None:
+    """Make renames in directory ``path`` durable (a crash after a publish keeps it)."""
+    try:
+        fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot sync a directory: the rename stands as they keep it
+    finally:
+        os.close(fd)
 
 
 def run_settings(cfg: RunConfig) -> dict[str, Any]:
@@ -285,70 +383,14 @@ def read_info(path: str) -> dict:
         raise CheckpointError(f"{path}: cannot read {INFO} ({exc})") from exc
     if not isinstance(info, dict) or not isinstance(info.get("step"), int):
         raise CheckpointError(f"{path}: cannot read {INFO} (no step recorded)")
+    if not isinstance(info.get("format", 1), int):
+        raise CheckpointError(f"{path}: cannot read {INFO} (format {info.get('format')!r})")
     return info
 
 
-# -- reading DCP metadata without unpickling arbitrary code ---------------------------------------
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP pickles its index; accept only the classes such an index is made of."""
-
-    def find_class(self, module: str, name: str):
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in (
-            ("collections", "OrderedDict"),
-            ("torch", "Size"),
-            ("torch.serialization", "_get_layout"),  # a layout by name
-            ("pathlib", "PosixPath"),
-            ("pathlib", "PurePosixPath"),
-        ):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
-        ):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
-
-
-def safe_reader(path: str) -> Any:
-    """DCP's file reader of checkpoint ``path``, its index read by an unpickler that admits
-    only what an index holds (``_MetadataUnpickler``)."""
-    return _safe_reader_class()(path)
-
-
-@functools.cache
-def _safe_reader_class() -> type:
-    # torch.distributed.checkpoint is imported when a checkpoint is first read or written:
-    # with DTensor it is a second of every process's start-up.
-    import torch.distributed.checkpoint as dcp
-
-    class SafeReader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with open(os.path.join(self.path, ".metadata"), "rb") as f:
-                try:
-                    meta = _MetadataUnpickler(f).load()
-                except Exception as exc:  # noqa: BLE001 - whatever a damaged pickle raises
-                    raise CheckpointError(
-                        f"{self.path}/.metadata: {type(exc).__name__}: {exc}"
-                    ) from exc
-            if getattr(meta, "storage_meta", None) is None:
-                meta.storage_meta = dcp.metadata.StorageMeta()
-            meta.storage_meta.load_id = self.load_id
-            return meta
-
-    return SafeReader
-
-
-def entries(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor entry of a checkpoint: key -> (shape, dtype)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    meta = safe_reader(path).read_metadata()
-    return {
-        k: (tuple(m.size), m.properties.dtype)
-        for k, m in meta.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata)
-    }
+# The index is read as data, never as code (bundle.checkpoint.index).
+safe_reader = index.reader
+entries = index.entries
 
 
 def check_fits(path: str, model_name: str, shapes: dict[str, tuple[int, ...]]) -> dict:
@@ -374,15 +416,6 @@ def check_fits(path: str, model_name: str, shapes: dict[str, tuple[int, ...]]) -
 # -- export ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Exported:
-    """What ``export`` wrote: the file, how many tensors it holds, its size in bytes."""
-
-    out: str
-    tensors: int
-    bytes: int
-
-
 def weights(path: str) -> dict[str, torch.Tensor]:
     """The model's weights in checkpoint ``path``, by full-model name, once it is verified."""
     why = damage(path) if os.path.isdir(path) else "no such checkpoint directory"
@@ -399,14 +432,3 @@ def weights(path: str) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(want, storage_reader=safe_reader(path), no_dist=True)
     return {k.removeprefix("model."): v for k, v in want.items()}
-
-
-def export(path: str, out: str) -> Exported:
-    """Write the canonical weights of checkpoint ``path`` as one ``--checkpoint``-format file,
-    once the checkpoint is verified (``damage``); what it wrote."""
-    try:
-        state = weights(path)
-    except CheckpointError as exc:
-        raise CheckpointError(f"{exc}; nothing exported") from None
-    save(out, state)
-    return Exported(out, len(state), os.path.getsize(out))

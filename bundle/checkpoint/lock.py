@@ -9,6 +9,11 @@ job (torchrun restarts its workers; the job id stays) takes it back without a no
 
 ``flock`` is exclusive between hosts on local filesystems and NFSv4; on a filesystem without
 locks (some FUSE mounts) the lock cannot be taken and the job is refused, naming the error.
+
+A save directory is written by one user: one owned by another user, or that anyone may write to
+without the sticky bit (anyone could then replace what the job writes), is refused, and the lock
+file is opened without following a symbolic link (one planted there would have the job truncate
+its target) and must be this user's own regular file.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 
@@ -63,11 +69,19 @@ class DirLock:
         """Take the lock; a note if it was a gone job's. Raises if another job holds it."""
         try:
             os.makedirs(self.save_dir, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            check_owner(self.save_dir)
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open(self.path, flags, 0o644)
         except OSError as exc:
+            why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
             raise CheckpointError(
-                f"--save-dir {self.save_dir}: cannot open {NAME} ({exc.strerror})"
+                f"--save-dir {self.save_dir}: cannot open {NAME} ({why})"
             ) from exc
+        try:
+            _own_regular_file(fd, self.path)
+        except CheckpointError:
+            os.close(fd)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -96,6 +110,29 @@ class DirLock:
             os.ftruncate(self.fd, 0)  # no name of a holder that is gone
             os.close(self.fd)  # closing drops the flock
             self.fd = None
+
+
+def check_owner(save_dir: str) -> None:
+    """Refuse a save directory another user owns, or one anyone may write to without the sticky
+    bit: whoever can replace its entries can swap a step directory or plant a link the job follows."""
+    st = os.stat(save_dir)
+    if st.st_uid != os.geteuid():
+        raise CheckpointError(
+            f"--save-dir {save_dir} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.geteuid()}): use a directory of your own (e.g. one inside it)"
+        )
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise CheckpointError(
+            f"--save-dir {save_dir} may be written by any user ({stat.filemode(st.st_mode)}): "
+            f"chmod o-w {save_dir} (or +t), or use a directory of your own"
+        )
+
+
+def _own_regular_file(fd: int, path: str) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"owned by uid {st.st_uid}"
+        raise CheckpointError(f"{path} is {what}: remove it, or use a directory of your own")
 
 
 def job_id(env: dict[str, str]) -> str:

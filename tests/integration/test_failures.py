@@ -13,6 +13,7 @@ import time
 import pytest
 
 from bundle.checkpoint import format as ckpt
+from bundle.checkpoint.__main__ import export
 from bundle.checkpoint.lock import NAME
 from bundle.launch.localworld import free_port
 from tests.integration.test_resume import assert_identical
@@ -118,7 +119,7 @@ def test_a_full_disk_ends_the_job_in_one_line_and_keeps_the_checkpoint_before(sm
     assert last.endswith("earlier checkpoints untouched"), last
     assert sorted(os.listdir(save_dir)) == [NAME, "step-1"]  # no step-2.tmp left behind
     assert ckpt.damage(str(save_dir / "step-1")) is None
-    ckpt.export(str(save_dir / "step-1"), str(small_disk.parent / "step-1.pt"))
+    export(str(save_dir / "step-1"), str(small_disk.parent / "step-1.pt"))
 
 
 def _holder(save_dir, timeout: float = 60) -> dict:

@@ -391,3 +391,33 @@ def test_a_language_model_with_adamw_and_a_cosine_schedule_resumes_bit_identical
     capsys.readouterr()
     texts = [(generate.main(argv), capsys.readouterr().out) for _ in range(2)]
     assert texts[0] == texts[1] and texts[0][0] == 0 and texts[0][1].startswith("import "), texts
+
+
+FORMAT1 = Path(__file__).resolve().parents[1] / "support" / "format1"
+
+
+def test_a_checkpoint_written_before_bundle_json_had_its_digest_resumes_bit_identical(tmp_path):
+    """tests/support/format1: step 6 of a run and its uninterrupted end, both written by the
+    release before this format; today's code resumes the one and ends on the other."""
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(FORMAT1 / "step-6", save_dir / "step-6")
+    assert ckpt.read_info(str(save_dir / "step-6"))["format"] == 1
+    run = [("skip_mlp" if a == "mlp" else a) for a in RUN]
+    code, _, err = finish(
+        start(
+            "main.py",
+            *run,
+            "--save-dir",
+            str(save_dir),
+            "--resume",
+            "auto",
+            "--checkpoint",
+            str(tmp_path / "b.pt"),
+            "--portNum",
+            str(free_port()),
+        )
+    )
+    assert code == 0 and "resumed from" in err and "(step 6)" in err, err
+    assert_identical(FORMAT1 / "final.pt", tmp_path / "b.pt")
+    newest = ckpt.read_info(str(save_dir / "step-10"))
+    assert newest["format"] == ckpt.FORMAT and ckpt.damage(str(save_dir / "step-10")) is None

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from bundle import cli
 from bundle.checkpoint import format as ckpt
+from bundle.checkpoint.__main__ import export
 from bundle.checkpoint.__main__ import main as export_command
 from bundle.errors import CheckpointError, ConfigError
 from bundle.runtime.preemption import parse_fault, parse_heal_fault, resume_command, stop_line
@@ -126,7 +127,10 @@ def test_debris_of_an_interrupted_save_is_cleared(tmp_path):
     (tmp_path / "step-3.tmp").mkdir()
     (tmp_path / "step-3.tmp" / "__0_0.distcp").write_bytes(b"half")
     (tmp_path / ".ckpt-abc").write_bytes(b"half")
-    assert sorted(ckpt.clean_debris(str(tmp_path))) == [".ckpt-abc", "step-3.tmp"]
+    assert sorted(ckpt.recover(str(tmp_path))) == [
+        "removed .ckpt-abc (left by an interrupted save)",
+        "removed step-3.tmp (left by an interrupted save)",
+    ]
     assert sorted(os.listdir(tmp_path)) == ["step-2"] and ckpt.damage(kept) is None
 
 
@@ -166,7 +170,7 @@ def test_publishing_a_step_again_replaces_it(tmp_path):
     )
     ckpt.publish(str(tmp), str(tmp_path / "step-3"), {"step": 3, "model": "net"})
     out = tmp_path / "w.pt"
-    ckpt.export(str(tmp_path / "step-3"), str(out))
+    export(str(tmp_path / "step-3"), str(out))
     assert torch.equal(torch.load(out, weights_only=True)["fc.weight"], torch.ones(2, 3))
 
 
@@ -206,7 +210,7 @@ def test_export_writes_the_model_entries_by_their_names(tmp_path):
     }
     path = write(tmp_path, 7, {k: v.clone() for k, v in state.items()})
     out = tmp_path / "model.pt"
-    ckpt.export(path, str(out))
+    export(path, str(out))
     got = torch.load(out, weights_only=True)
     assert set(got) == {"fc.weight", "bn.running_mean"}
     assert torch.equal(got["fc.weight"], state["model.fc.weight"])

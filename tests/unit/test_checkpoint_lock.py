@@ -48,3 +48,43 @@ def test_a_save_dir_that_cannot_be_made_is_one_line(tmp_path):
         CheckpointError, match=r"--save-dir .*/file/ckpt: cannot open \.bundle\.lock"
     ):
         DirLock(str(tmp_path / "file" / "ckpt"), "job").acquire()
+
+
+def test_a_lock_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    save_dir = tmp_path / "ckpt"
+    save_dir.mkdir()
+    (save_dir / NAME).symlink_to(target)
+    with pytest.raises(CheckpointError, match=r"cannot open \.bundle\.lock \(a symbolic link\)"):
+        DirLock(str(save_dir), "job").acquire()
+    assert target.read_text() == "keep me"
+
+
+def test_a_save_dir_of_another_user_is_refused(tmp_path, monkeypatch):
+    import bundle.checkpoint.lock as lock
+
+    monkeypatch.setattr(lock.os, "geteuid", lambda: os.stat(tmp_path).st_uid + 4242)
+    with pytest.raises(CheckpointError, match=r"is owned by uid \d+, not by this user") as err:
+        DirLock(str(tmp_path), "job").acquire()
+    assert "\n" not in str(err.value) and not (tmp_path / NAME).exists()
+
+
+@pytest.mark.parametrize("mode,refused", [(0o777, True), (0o1777, False), (0o755, False)])
+def test_a_save_dir_anyone_may_write_to_needs_the_sticky_bit(tmp_path, mode, refused):
+    save_dir = tmp_path / "ckpt"
+    save_dir.mkdir()
+    save_dir.chmod(mode)
+    lock = DirLock(str(save_dir), "job")
+    if refused:
+        with pytest.raises(CheckpointError, match=r"may be written by any user \(drwxrwxrwx\)"):
+            lock.acquire()
+    else:
+        assert lock.acquire() is None
+        lock.release()
+
+
+def test_a_lock_file_of_another_kind_is_refused(tmp_path):
+    (tmp_path / NAME).mkdir()
+    with pytest.raises(CheckpointError, match=r"\.bundle\.lock"):
+        DirLock(str(tmp_path), "job").acquire()
