@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+# Characters of a value an error shows at most: a value read from a file may be as large as the
+# file lets it be (or larger: a YAML list repeated by aliases), and one line must stay one line.
+SHOWN = 200
+
 
 class BundleError(Exception):
     """Base of every error the engine raises on purpose."""
@@ -12,7 +18,7 @@ class ConfigError(BundleError, ValueError):
 
     def __init__(self, key: str, value: object, allowed: str) -> None:
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"{key}: {value!r} is not valid; {allowed}")
+        super().__init__(f"{key}: {shown(value)} is not valid; {allowed}")
 
     def __reduce__(self):
         # Pickled whole (a planner child sends it back to its parent): rebuilt from its fields.
@@ -45,6 +51,41 @@ class PeerFailure(BundleError, RuntimeError):
 
 class CheckpointError(BundleError, ValueError):
     """A checkpoint is missing, incomplete, or does not fit the model being trained."""
+
+
+def shown(value: object, limit: int = SHOWN) -> str:
+    """``repr(value)``; of a longer one its first ``limit`` characters, ending in ``...``. Built
+    piece by piece and stopped there, so a list that would print as gigabytes costs no more."""
+    text, size = [], 0
+    for piece in _pieces(value, limit):
+        text.append(piece)
+        size += len(piece)
+        if size > limit:
+            return "".join(text)[: limit - 3] + "..."
+    return "".join(text)
+
+
+def _pieces(value: object, limit: int) -> Iterator[str]:
+    """``repr(value)`` in pieces: lists, tuples and dicts opened (their own types only, as
+    ``repr`` shows them), a long string cut."""
+    if type(value) is str and len(value) > limit:
+        yield repr(value[:limit])
+    elif type(value) is list or type(value) is tuple:
+        yield "[" if type(value) is list else "("
+        for i, item in enumerate(value):
+            yield ", " if i else ""
+            yield from _pieces(item, limit)
+        yield "]" if type(value) is list else ",)" if len(value) == 1 else ")"
+    elif type(value) is dict:
+        yield "{"
+        for i, (k, v) in enumerate(value.items()):
+            yield ", " if i else ""
+            yield from _pieces(k, limit)
+            yield ": "
+            yield from _pieces(v, limit)
+        yield "}"
+    else:
+        yield repr(value)
 
 
 def positive(key: str, value: int, minimum: int = 1) -> None:

@@ -10,15 +10,23 @@ weights file, with the ``--model`` and ``--model-args`` it was trained with. Tex
 ``--dataset text`` read it: byte-level (256 tokens), or by the ``--tokenizer`` the step directory
 records (or given here). Sampling: ``--temperature`` (0: always the likeliest
 token), ``--top-k``; the same ``--seed`` gives the same text. The context is the last
-``--seq-len`` tokens (the model's training context by default). Errors are one line on stderr,
-exit code 2 (as main.py's input errors).
+``--seq-len`` tokens (the model's training context by default, and at most that). Errors are one
+line on stderr, exit code 2 (as main.py's input errors).
+
+What a step directory records is data, checked before use: it may name a model shipped here or in
+torchvision, or ``transformers:ClassName``; a factory it names (``package.module:function``, a
+``file.py``) is code the checkpoint chose and runs only with ``--trust-checkpoint-code``. The
+model is built on the meta device and its tensors' shapes compared with the checkpoint's before
+the model is allocated.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +35,12 @@ import torch.nn as nn
 
 from bundle import tokenizer
 from bundle.checkpoint import format as ckpt
-from bundle.config import parse_model_args
-from bundle.errors import BundleError, ConfigError
+from bundle.config import is_reference, parse_model_args
+from bundle.errors import BundleError, ConfigError, positive
 
 PROG = "python -m bundle.generate"
+TRUST = "--trust-checkpoint-code"
+DEFAULT_CONTEXT = 256  # a weights file's, without --seq-len
 
 
 @dataclass(frozen=True)
@@ -42,8 +52,9 @@ class Source:
     output: str | None
     vocab: int
     tokenizer: str | None  # --tokenizer's directory; None: byte-level
-    context: int
-    state: dict[str, torch.Tensor]
+    context: int  # the tokens each step sees
+    trained: int | None  # the context it was trained on (a step directory records it)
+    state: Callable[[], dict[str, torch.Tensor]]  # read once the model is known on meta
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,68 +66,214 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None, metavar="K")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seq-len", type=int, default=None, metavar="T",
-                   help="context in tokens (default: the training context)")  # fmt: skip
+                   help="context in tokens (default and most: the training context)")  # fmt: skip
     p.add_argument("--model", help="a weights file's model (a step directory records it)")
     p.add_argument("--model-args", metavar="K=V,...")
     p.add_argument("--model-config", metavar="FILE|DIR", help="a transformers model's config")
     p.add_argument("--tokenizer", metavar="DIR",
                    help="the tokenizer it was trained with (a step directory records it; "
                         "default: byte-level)")  # fmt: skip
+    p.add_argument(TRUST, action="store_true",
+                   help="run the model factory a step directory names (package.module:function): "
+                        "only for checkpoints you trust, like transformers' trust_remote_code")  # fmt: skip
     return p
 
 
-def source(args: argparse.Namespace) -> Source:
-    """The model's description and weights, from a step directory or a weights file."""
-    path = args.checkpoint
-    if os.path.isdir(path):
-        info = ckpt.read_info(path)
-        if info.get("input_shape") is None or len(info["input_shape"]) != 1:
-            raise ConfigError(
-                "CHECKPOINT", path, f"its model takes {info.get('input_shape')}, not token ids"
-            )
-        return Source(
-            model=args.model or info["model"],
-            args=parse_model_args(args.model_args or info.get("model_args")),
-            output=info.get("model_output"),
-            vocab=int(info["num_classes"]),
-            tokenizer=args.tokenizer or info.get("tokenizer"),
-            context=int(info["input_shape"][0]),
-            state=ckpt.weights(path),
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse sampling flags no model can honour, each in one line naming it."""
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(
+            "--temperature", args.temperature, "give a number >= 0 (0: the likeliest token)"
         )
-    if not os.path.isfile(path):
-        raise ConfigError("CHECKPOINT", path, "no such step directory or weights file")
+    if args.seq_len is not None:
+        positive("--seq-len", args.seq_len)
+    positive("--max-new-tokens", args.max_new_tokens, 0)
+    if args.top_k is not None:
+        positive("--top-k", args.top_k)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _output_key(value: object) -> bool:
+    """What ``--model-output NAME|N`` records: an output's name or a position, or nothing."""
+    return value is None or (
+        isinstance(value, str)
+        and len(value) <= 100
+        and (value.isidentifier() or (value.isascii() and value.isdigit()))
+    )
+
+
+# bundle.json's fields as generation reads them: (key, the check, what is allowed).
+_FIELDS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("num_classes", _count, "must be an integer >= 1"),
+    ("input_shape", lambda v: isinstance(v, list) and bool(v) and all(map(_count, v)),
+     "must be a list of integers >= 1"),
+    ("model_args", lambda v: v is None or isinstance(v, str), "must be K=V,... text or null"),
+    ("tokenizer", lambda v: v is None or isinstance(v, str), "must be a directory or null"),
+    ("model_output", _output_key,
+     "must be an output's name or position (as --model-output NAME|N records it) or null"),
+)  # fmt: skip
+
+
+def recorded_model(name: object, where: str, *, trust: bool) -> str:
+    """The model a step directory names, if it is data: a model shipped here or in torchvision,
+    or ``transformers:ClassName`` of a model class. A factory is code the checkpoint chose: run
+    only with ``--trust-checkpoint-code``."""
+    from bundle import models
+
+    if not isinstance(name, str) or not name:
+        raise ConfigError(where, name, "must name a model")
+    if not is_reference(name):
+        if name in models.available() or name in models.zoo_names():
+            return name
+        raise ConfigError(where, name, f"choose a model of: {', '.join(models.available())}")
+    package, _, cls = name.partition(":")
+    if package == "transformers" and cls.isidentifier() and _transformers_model(cls):
+        return name
+    if trust:
+        return name
+    raise ConfigError(
+        where,
+        name,
+        f"it is code named by the checkpoint, which runs only with {TRUST} (for a checkpoint "
+        "you trust); or give --model",
+    )
+
+
+def _transformers_model(cls: str) -> bool:
+    """Whether ``transformers.<cls>`` is a model class (a PreTrainedModel)."""
+    from bundle.models import hf
+
+    try:
+        import transformers
+
+        return hf.is_pretrained_class(getattr(transformers, cls, None))
+    except Exception:  # noqa: BLE001 - not installed, or its lazy import failed: not one
+        return False
+
+
+def _recorded(info: dict, path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """bundle.json's fields generation uses, each checked as data (one line for the first bad)."""
+    where = os.path.join(path, ckpt.INFO)
+    out: dict[str, Any] = {}
+    for key, ok, allowed in _FIELDS:
+        out[key] = info.get(key)
+        if not ok(out[key]):
+            raise ConfigError(f"{where} {key}", out[key], allowed)
+    if len(out["input_shape"]) != 1:
+        raise ConfigError(
+            "CHECKPOINT", path, f"its model takes {out['input_shape']}, not token ids"
+        )
+    out["model"] = args.model or recorded_model(
+        info.get("model"), f"{where} model", trust=args.trust_checkpoint_code
+    )
+    return out
+
+
+def _step_source(path: str, args: argparse.Namespace) -> Source:
+    info = _recorded(ckpt.read_info(path), path, args)
+    trained = info["input_shape"][0]
+    if args.seq_len is not None and args.seq_len > trained:
+        raise ConfigError(
+            "--seq-len",
+            args.seq_len,
+            f"the model was trained on {trained} tokens: give at most that",
+        )
+    return Source(
+        model=info["model"],
+        args=parse_model_args(args.model_args or info["model_args"]),
+        output=info["model_output"],
+        vocab=info["num_classes"],
+        tokenizer=args.tokenizer or info["tokenizer"],
+        context=args.seq_len or trained,
+        trained=trained,
+        state=lambda: ckpt.weights(path),
+    )
+
+
+def _file_source(path: str, args: argparse.Namespace) -> Source:
     if not args.model:
         raise ConfigError("CHECKPOINT", path, "a weights file needs --model (and --model-args)")
+    try:
+        state = ckpt.load(path)
+    except Exception as exc:  # noqa: BLE001 - empty, cut short or not torch's: the same one line
+        why = (str(exc).strip().splitlines() or [""])[0][:160]
+        raise ConfigError(
+            "CHECKPOINT", path, f"cannot read it as a weights file ({type(exc).__name__}: {why})"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError("CHECKPOINT", path, "it holds no state dict (names -> tensors)")
     return Source(
         model=args.model,
         args=parse_model_args(args.model_args),
         output=None,
         vocab=tokenizer.load(args.tokenizer).vocab,
         tokenizer=args.tokenizer,
-        context=args.seq_len or 256,
-        state=ckpt.load(path),
+        context=args.seq_len or DEFAULT_CONTEXT,
+        trained=None,
+        state=lambda: state,
     )
 
 
-def build(src: Source, context: int, config_file: str | None) -> nn.Module:
-    from bundle import models
+def source(args: argparse.Namespace) -> Source:
+    """The model's description and its weights, from a step directory or a weights file."""
+    path = args.checkpoint
+    if os.path.isdir(path):
+        return _step_source(path, args)
+    if not os.path.isfile(path):
+        raise ConfigError("CHECKPOINT", path, "no such step directory or weights file")
+    return _file_source(path, args)
 
-    model = models.build(
-        src.model,
-        num_classes=src.vocab,
-        input_shape=(context,),
-        args=src.args,
-        config_file=config_file,
-    )
-    own = model.state_dict()
-    missing = sorted(set(own) - set(src.state))
+
+def check_fits(
+    src: Source, own: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]], where: str
+) -> None:
+    """Refuse a checkpoint whose tensors do not fit the model as described (``own``: the model's
+    shapes, built on the meta device): before the model is allocated. A weights file
+    whose position table differs from ``--seq-len`` is told so: the flag sizes the model."""
+    missing = sorted(set(own) - set(shapes))
     if missing:
         raise ConfigError(
-            "CHECKPOINT",
-            src.model,
-            f"it lacks {len(missing)} of the model's tensors ({missing[0]})",
+            "CHECKPOINT", where, f"it lacks {len(missing)} of the model's tensors ({missing[0]})"
         )
-    model.load_state_dict({k: src.state[k] for k in own})
+    for key, shape in own.items():
+        got = shapes[key]
+        if got == shape:
+            continue
+        table = len(got) == len(shape) == 2 and got[1] == shape[1] and shape[0] == src.context
+        if table and src.trained is None:
+            raise ConfigError(
+                "--seq-len",
+                src.context,
+                f"the checkpoint's position table ({key}) holds {got[0]} positions, not "
+                f"{shape[0]}: give --seq-len {got[0]}",
+            )
+        raise ConfigError(
+            "CHECKPOINT",
+            where,
+            f"{key} is {list(got)} in the checkpoint but {list(shape)} in the model "
+            f"{src.model} with {src.vocab} classes (another vocabulary, or --model-args?)",
+        )
+
+
+def build(src: Source, config_file: str | None, where: str = "") -> nn.Module:
+    """The model with the checkpoint's weights: built on the meta device first, and for real
+    only once the checkpoint's tensors fit it (a recorded vocabulary of 10**12 allocates
+    nothing)."""
+    from bundle import models
+
+    length = src.trained or src.context  # the model is built as trained, then fed less
+    kwargs: dict[str, Any] = dict(
+        num_classes=src.vocab, input_shape=(length,), args=src.args, config_file=config_file
+    )
+    meta = models.build_on_meta(src.model, **kwargs)
+    own = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+    state = src.state()
+    check_fits(src, own, {k: tuple(v.shape) for k, v in state.items()}, where or src.model)
+    model = models.build(src.model, **kwargs)
+    model.load_state_dict({k: state[k] for k in own})
     return model.eval()
 
 
@@ -154,20 +311,22 @@ def sample(
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.max_new_tokens < 0 or (args.top_k is not None and args.top_k < 1):
-            raise ConfigError("--max-new-tokens/--top-k", argv, "must be >= 0 and >= 1")
+        check_flags(args)
         src = source(args)
-        context = args.seq_len or src.context
         words = tokenizer.load(src.tokenizer)
+        if words.vocab > src.vocab:
+            raise ConfigError(
+                "--tokenizer", src.tokenizer, f"has {words.vocab} tokens, the model {src.vocab}"
+            )
         prompt = words.encode(args.prompt)
         if not prompt:
             raise ConfigError("--prompt", args.prompt, "give at least one character")
-        model = build(src, context, args.model_config)
+        model = build(src, args.model_config, args.checkpoint)
         tokens = sample(
             model,
             prompt,
             new_tokens=args.max_new_tokens,
-            context=context,
+            context=src.context,
             temperature=args.temperature,
             top_k=args.top_k,
             seed=args.seed,

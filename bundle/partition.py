@@ -33,6 +33,7 @@ from bundle.config import ModelConfig
 from bundle.engine.memory import run_recomputed
 from bundle.errors import ConfigError, PartitionError
 from bundle.models import Block, apply_blocks, graph, is_known
+from bundle.options import load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PARTITIONS_DIR = REPO_ROOT / "partitions"
@@ -69,7 +70,7 @@ def load_spec(ref: str) -> PartitionSpec:
         names = ", ".join(available_specs())
         raise ConfigError("--partition", ref, f"choose one of: {names} or a path to a .yaml file")
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = load_yaml(path.read_text())
     except yaml.YAMLError as exc:
         raise PartitionError(f"{path}: malformed YAML: {exc}") from exc
     if not isinstance(doc, Mapping):

@@ -93,7 +93,11 @@ def load(path: str | None) -> Tokenizer:
         ) from None
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            return _Auto(AutoTokenizer.from_pretrained(path, local_files_only=True))
+            # A tokenizer is data: its directory's own code (auto_map) is never run, nor asked for.
+            auto = AutoTokenizer.from_pretrained(
+                path, local_files_only=True, trust_remote_code=False
+            )
+            return _Auto(auto)
     except Exception as exc:  # noqa: BLE001 - transformers' reasons are long: their first line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DataError(f"--tokenizer {path!r}: no tokenizer can be read there ({first})") from None

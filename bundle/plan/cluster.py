@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 
 from bundle.errors import ConfigError
+from bundle.options import load_yaml
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -293,7 +294,7 @@ def load_cluster(path: str) -> Cluster:
     """Read and check a cluster file; a missing, negative or unknown key is a ConfigError."""
     r = _Reader(path)
     try:
-        doc = yaml.safe_load(Path(path).read_text())
+        doc = load_yaml(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(
             "--cluster", path, f"must be a readable YAML file ({exc.strerror})"

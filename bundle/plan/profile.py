@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -291,6 +292,14 @@ def default_cache_dir() -> Path:
     return Path(base) / "bundle" / "profiles"
 
 
+def slug(name: str, limit: int = 40) -> str:
+    """``name`` as a file name's part: ``[A-Za-z0-9._-]``, no leading dot, no ``..``, at most
+    ``limit`` characters. Only a reader's hint: the digest beside it tells entries apart
+    (``--model ../x.py:build`` must not leave the cache directory)."""
+    text = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", name))
+    return text.lstrip(".")[:limit] or "model"
+
+
 class ProfileCache:
     """JSON files under one directory, named by a hash of what they depend on; ``None``: off.
 
@@ -312,7 +321,7 @@ class ProfileCache:
             return None
         key = {**key, "format": self.FORMAT}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        return self.directory / f"{kind}-{key.get('model', 'engine')}-{digest}.json"
+        return self.directory / f"{kind}-{slug(str(key.get('model', 'engine')))}-{digest}.json"
 
     def get(self, kind: str, key: dict, *, now: float | None = None) -> dict | None:
         path = self._path(kind, key)

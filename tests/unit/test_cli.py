@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,42 @@ def test_yaml_errors_name_the_key(tmp_path, text, match):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
+        cfg(["--config", str(path)])
+
+
+def alias_bomb() -> str:
+    """A few hundred bytes of YAML that stand for 2 x 9**9 values (a "billion laughs"): each
+    level's list names the one before it nine times."""
+    levels = ["&a [" + ",".join("x" * 9) + "]"]
+    levels += [f"&{n} [" + ",".join([f"*{p}"] * 9) + "]" for p, n in pairwise("abcdefghi")]
+    return "bundle_shape: [[" + ", ".join(levels) + "], *i, *i]\n"
+
+
+@pytest.mark.timeout(10)
+def test_a_yaml_alias_bomb_is_refused_at_once_in_one_line_naming_the_alias(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb())
+    assert path.stat().st_size < 500
+    with pytest.raises(ConfigError, match=r"^--config: .* line 1: the alias \*a") as exc:
+        cfg(["--config", str(path)])
+    assert "\n" not in str(exc.value) and len(str(exc.value)) < 400
+
+
+def test_an_alias_of_one_value_is_read_and_an_alias_of_a_list_is_refused(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: &two 2\nmicro_batches: *two\n")
+    c = cfg(["--config", str(path)])
+    assert (c.train.lr, c.parallel.micro_batches) == (2.0, 2)
+    path.write_text("bundle_shape: &shape [2, 1]\n\nlr_steps: *shape\n")
+    with pytest.raises(ConfigError, match=r"line 3: the alias \*shape .*list"):
+        cfg(["--config", str(path)])
+
+
+@pytest.mark.parametrize("value", ["[[2, 1], 1]", "[2, {a: 1}]", "[2, true]"])
+def test_a_tuple_option_takes_only_a_flat_list_of_numbers_or_words(tmp_path, value):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"bundle_shape: {value}\n")
+    with pytest.raises(ConfigError, match=r"^bundle_shape \(in --config .*flat list"):
         cfg(["--config", str(path)])
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+import pytest
 import yaml
 
 from bundle import cli, options
 from bundle import config as C
+from bundle.errors import ConfigError, PartitionError
+from bundle.partition import load_spec
+from bundle.plan.cluster import load_cluster
 
 
 def cfg(argv, env=None):
@@ -56,3 +60,40 @@ def test_no_two_options_share_a_spelling():
     assert len(spellings) == len(set(spellings))
     keys = [k for o in options.OPTIONS if o.yaml for k in o.keys]
     assert len(keys) == len(set(keys)) == len(options.BY_YAML_KEY)
+
+
+def laughs(levels: int = 9) -> list:
+    """What a YAML alias bomb reads as: each level a list naming the one below nine times."""
+    value: list = ["x"] * 9
+    for _ in range(levels - 1):
+        value = [value] * 9
+    return value
+
+
+@pytest.mark.timeout(10)
+def test_an_error_shows_a_huge_value_briefly_and_an_ordinary_one_whole():
+    assert (
+        str(ConfigError("--lr", "fast", "must be float"))
+        == "--lr: 'fast' is not valid; must be float"
+    )
+    small = {"layers": 2, "names": ["a", "b"], "pair": (1,)}
+    assert repr(small) in str(ConfigError("--model-args", small, "x"))
+    text = str(ConfigError("bundle_shape", [laughs(), laughs()], "must be a flat list"))
+    assert text.startswith("bundle_shape: [[[[") and len(text) < 300
+    assert "x" * 250 not in str(ConfigError("--prompt", "x" * 10**6, "shorter"))
+
+
+@pytest.mark.parametrize(
+    "read, error",
+    [
+        (lambda path: cfg(["--config", path]), ConfigError),
+        (load_cluster, ConfigError),
+        (load_spec, PartitionError),
+    ],
+    ids=["--config", "--cluster", "--partition"],
+)
+def test_every_reader_of_a_users_yaml_refuses_an_alias_that_expands(tmp_path, read, error):
+    path = tmp_path / "user.yaml"
+    path.write_text("model: &m [mlp, mlp]\nstages: *m\nname: *m\n")
+    with pytest.raises(error, match=r"line 2: the alias \*m"):
+        read(str(path))

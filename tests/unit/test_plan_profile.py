@@ -170,3 +170,13 @@ def test_the_planner_counts_and_times_any_model(name, shape, classes, args):
         name, shape, classes, rows=(2, 4), warmup=0, repeats=1, args=args
     )
     assert len(timings.fwd[0]) == len(blocks) and all(t >= 0 for t in timings.bwd[1])
+
+
+def test_a_cache_file_name_stays_in_the_cache_directory_whatever_the_model_is_called(tmp_path):
+    cache = prof.ProfileCache(tmp_path / "cache")
+    path = cache._path("timings", {"model": "../../etc/x.py:build"})
+    assert path is not None and path.parent == tmp_path / "cache"
+    assert ":" not in path.name and "/" not in path.name and ".." not in path.name
+    assert len(cache._path("anatomy", {"model": "m" * 300}).name) < 80  # type: ignore[union-attr]
+    # Two models whose names read alike in a file name are still two entries: the digest differs.
+    assert cache._path("timings", {"model": "a:b"}) != cache._path("timings", {"model": "a/b"})
