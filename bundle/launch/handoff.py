@@ -117,20 +117,31 @@ class Handoff:
     why: str  # the loss that ended the epoch
 
     def write(self, path: str) -> None:
-        """Written whole or not at all (a new process never reads half a file)."""
+        """Written whole or not at all (a new process never reads half a file), as plain
+        containers of tensors and numbers, which ``read`` loads without running code."""
         tmp = f"{path}.tmp"
-        torch.save(self, tmp)
+        plain = {**self.__dict__, "carried": self.carried.__dict__, "members": list(self.members)}
+        torch.save(plain, tmp)
         os.replace(tmp, path)
 
     @staticmethod
     def read(path: str) -> Handoff:
         """The handoff at ``path`` (this node's own file, written by the process before this
-        one), removed once read."""
-        got = torch.load(path, weights_only=False)  # noqa: S614 - our own file, never shared
-        Path(path).unlink()
-        if not isinstance(got, Handoff):
-            raise RuntimeError(f"{path} holds no handoff")
-        return got
+        one), removed once read; it is data (``weights_only``), whoever wrote it."""
+        try:
+            got = torch.load(path, map_location="cpu", weights_only=True)
+            Path(path).unlink()
+            return Handoff(
+                carried=Carried(**got["carried"]),
+                epoch=int(got["epoch"]),
+                members=tuple(int(b) for b in got["members"]),
+                incs={int(b): int(i) for b, i in got["incs"].items()},
+                failures=int(got["failures"]),
+                heals=int(got["heals"]),
+                why=str(got["why"]),
+            )
+        except Exception as exc:  # noqa: BLE001 - whatever a damaged or foreign file raises
+            raise RuntimeError(f"{path} holds no handoff ({type(exc).__name__}: {exc})") from exc
 
 
 class StepGuard:

@@ -5,6 +5,7 @@ nccl-emu in tests/integration/test_bundle_faults.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -138,3 +139,37 @@ def test_optimizer_state_received_on_the_host_goes_to_the_device_under_the_audit
         assert audit.on_device(buf) is DEVICE
         layer(torch.randn(4, 3).to(MARK)).sum().backward()
         fresh.step()  # refused as a host/device mix without it
+
+
+class _Planted:
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_real_stage_and_optimizer_state_go_through_the_handoff_as_data(tmp_path, optimizer):
+    model = torch.nn.Linear(3, 2)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+    )
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    carried = Carried(step=3, model=model.state_dict(), optimizer=opt.state_dict(), extra={})
+    Handoff(carried, 1, (0,), {0: 0}, 0, 0, "why").write(str(tmp_path / "h.pt"))
+    got = Handoff.read(str(tmp_path / "h.pt")).carried
+    again = type(opt)(model.parameters(), lr=0.5)
+    again.load_state_dict(got.optimizer)
+    assert again.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+
+
+def test_a_handoff_file_that_holds_code_is_refused_without_running_it(tmp_path):
+    path, marker = tmp_path / "rank0.pt", tmp_path / "ran"
+    torch.save({"carried": _Planted(marker)}, path)
+    with pytest.raises(RuntimeError, match=f"{path} holds no handoff"):
+        Handoff.read(str(path))
+    assert not marker.exists()
