@@ -9,6 +9,8 @@ newest checkpoint), and against the same run uninterrupted.
     sudo python scripts/bench_faults.py --fault node  # a lost node (network namespaces, root)
     python scripts/bench_faults.py --model digits_cnn --batch-size 768 \
         --runs uninterrupted_restart,uninterrupted    # what the commit vote costs on larger steps
+    python scripts/bench_faults.py --runs uninterrupted,bundle --job-secret
+                                      # with the store's control keys sealed (BUNDLE_JOB_SECRET)
 
 Three bundles of shape ``1,1`` (six processes, gloo; ``--shape``, ``--bundles``; ``--backend nccl``
 puts every rank on the machine's GPUs with ``--share-gpus``), ``mlp`` on
@@ -37,6 +39,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -104,7 +107,13 @@ RUNS = ("uninterrupted_restart", "uninterrupted", "bundle", "restart")
 
 
 def run(
-    mode: str, layout: list[str], steps: int, fault: str | None, fault_at: int, workdir: Path
+    mode: str,
+    layout: list[str],
+    steps: int,
+    fault: str | None,
+    fault_at: int,
+    workdir: Path,
+    env: dict[str, str] | None = None,
 ) -> Run:
     args = [*BASE, *layout, "--itr", str(steps), "--fault-tolerance", mode, "--max-restarts", "1"]
     if mode == "restart":
@@ -113,7 +122,7 @@ def run(
     out = Run(batch=int(layout[layout.index("--batch-size") + 1]))
     clock = time.monotonic()
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     pids: list[int] = []
     target = victim(layout[layout.index("--bundle-shape") + 1])  # the rank the fault hits
@@ -235,7 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default=",".join(RUNS), help=f"which of {', '.join(RUNS)}")
     p.add_argument("--model", default="mlp", help="a model that trains on digits (digits_cnn)")
     p.add_argument("--batch-size", type=int, default=48)
+    p.add_argument(
+        "--job-secret",
+        action="store_true",
+        help="set BUNDLE_JOB_SECRET (a random one) for every run: the control keys are sealed",
+    )
     a = p.parse_args(argv)
+    env = {**os.environ, "BUNDLE_JOB_SECRET": secrets.token_hex(32)} if a.job_secret else None
     layout = ["--model", a.model, "--bundle-shape", a.shape, "--num-bundle", str(a.bundles)]
     layout += ["--backend", a.backend, "--batch-size", str(a.batch_size)]
     layout += ["--share-gpus"] if a.backend == "nccl" else []
@@ -256,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         else:
             runs = {
-                name: run(mode, layout, a.steps, fault, a.fault_at, Path(tmp))
+                name: run(mode, layout, a.steps, fault, a.fault_at, Path(tmp), env)
                 for name, (mode, fault) in how.items()
                 if name in wanted
             }
@@ -266,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": a.shape if a.fault != "node" else "1,1",
         "bundles": a.bundles if a.fault != "node" else 2,
         "backend": a.backend,
+        "job_secret": a.job_secret,
         "model": a.model,
         "batch_size": a.batch_size,
         "fault_rank": victim(a.shape) if a.fault != "node" else "node 1 (ranks 2, 3)",

@@ -16,11 +16,12 @@ import torch.distributed as dist
 from bundle import log
 from bundle.launch.membership import (
     LOSSES_KEY,
-    dead_key,
     healing_key,
+    is_dead,
     lost_node_key,
     mark_dead,
 )
+from bundle.runtime import control
 from bundle.topology import Topology
 
 # start(rank, incarnation, handed): a new worker for ``rank``, started (``handed``: it reads the
@@ -59,16 +60,18 @@ class Healer:
         the job's failure, or None while some bundle may still train."""
         bundle = self.topo.coord(rank).bundle
         self.exited[bundle].add(rank)
-        if what and mark_dead(self.store, bundle, self.incarnation[bundle], what) == what:
+        if what and mark_dead(self.store, bundle, self.incarnation[bundle], what) == control.clean(
+            what
+        ):
             log.get().warning(f"bundle {bundle} leaves the job: {what}; the other bundles train on")
         return self._all_lost(what or self.topo.describe(rank))
 
     def lose_node(self, node: int, why: str) -> str | None:
         """Node ``node`` stopped responding (node 0's supervisor): every bundle with a process
         there leaves for good. Returns the job's failure, or None while some bundle may train."""
-        self.store.set(lost_node_key(node), why)
+        control.put(self.store, lost_node_key(node), why)
         for b in (b for b, nodes in self.nodes.items() if node in nodes):
-            if mark_dead(self.store, b, self._incarnation_of(b), why) == why:
+            if mark_dead(self.store, b, self._incarnation_of(b), why) == control.clean(why):
                 log.get().warning(
                     f"bundle {b} leaves the job for good: {why}; the other bundles train on"
                 )
@@ -76,13 +79,12 @@ class Healer:
 
     def _incarnation_of(self, bundle: int) -> int:
         """The incarnation of ``bundle`` its supervisors started last (0: the first)."""
-        key = healing_key(bundle)
-        return int(self.store.get(key).decode()) if self.store.check([key]) else 0
+        return control.read_int(self.store, healing_key(bundle)) or 0
 
     def _all_lost(self, last: str) -> str | None:
         """The job's failure once every bundle is marked dead and none can come back."""
         everyone = range(self.topo.num_bundles)
-        gone = all(self.store.check([dead_key(b, self._incarnation_of(b))]) for b in everyone)
+        gone = all(is_dead(self.store, b, self._incarnation_of(b)) for b in everyone)
         # With heals left, new processes that are never taken in fail the job after
         # --init-timeout themselves.
         if gone and (self.budget == 0 or all(self._node_lost(b) for b in everyone)):
@@ -91,7 +93,7 @@ class Healer:
 
     def _node_lost(self, bundle: int) -> str | None:
         """Why ``bundle`` cannot be started again (a node of it is lost), or None."""
-        lost = [n for n in self.nodes[bundle] if self.store.check([lost_node_key(n)])]
+        lost = [n for n in self.nodes[bundle] if control.read(self.store, lost_node_key(n))]
         return f"its node {lost[0]} is lost" if lost else None
 
     def frozen(self, procs: Mapping[int, Any]) -> Callable[[int, str], str | None]:
@@ -111,7 +113,7 @@ class Healer:
             return
         self._marks = marks
         for b, ranks in self.local.items():
-            if self.store.check([dead_key(b, self.incarnation[b])]):
+            if is_dead(self.store, b, self.incarnation[b]):
                 for p in (procs[r] for r in ranks if procs[r].exitcode is None):
                     p.kill()
 
@@ -142,7 +144,7 @@ class Healer:
         self.healed[bundle] += 1
         self.incarnation[bundle] += 1
         inc = self.incarnation[bundle]
-        self.store.set(healing_key(bundle), str(inc))
+        control.put(self.store, healing_key(bundle), str(inc))
         started = {r: self.start(r, inc, False) for r in self.local[bundle]}
         log.get().info(
             f"bundle {bundle}: ranks {', '.join(map(str, started))} started again "

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from bundle.errors import BundleError, PeerFailure
+from bundle.runtime import control
 from bundle.topology import Topology
 
 POLL_S = 0.05
@@ -68,10 +69,15 @@ LOSSES_KEY = "ft/losses"  # bumped with every mark: one key a loss watch polls (
 
 
 def mark_dead(store: dist.Store, bundle: int, incarnation: int, why: str) -> str:
-    """Mark ``bundle``'s ``incarnation`` dead; returns the reason that stands (the first one)."""
-    kept = store.compare_set(dead_key(bundle, incarnation), "", why).decode() or why
+    """Mark ``bundle``'s ``incarnation`` dead; returns the reason that stands (the first one).
+    Marks are control keys (bundle.runtime.control): sealed, and read checked (``is_dead``)."""
+    kept = control.put_first(store, dead_key(bundle, incarnation), why)
     store.add(LOSSES_KEY, 1)
     return kept
+
+
+def is_dead(store: dist.Store, bundle: int, incarnation: int) -> bool:
+    return control.read(store, dead_key(bundle, incarnation)) is not None
 
 
 def lost_node_key(node: int) -> str:
@@ -115,12 +121,11 @@ class Membership:
 
     def gone(self) -> str | None:
         """Why this process's bundle has left (a process of it failed), or None."""
-        key = dead_key(self.bundle, self.incarnation)
-        return self.store.get(key).decode() if self.store.check([key]) else None
+        return control.read(self.store, dead_key(self.bundle, self.incarnation))
 
     def lost(self) -> list[int]:
         """The members marked dead (a process of their incarnation exited, froze or left)."""
-        return [b for b in self.members if self.store.check([dead_key(b, self.incs[b])])]
+        return [b for b in self.members if is_dead(self.store, b, self.incs[b])]
 
     def leave(self) -> BundleLeft:
         """This process leaves with its bundle: marked, so that no one waits for it."""
@@ -173,9 +178,8 @@ class Membership:
         checked in (this process's view; the step's vote takes the minimum over the job)."""
         out = [0] * self.job.num_bundles
         for b in range(self.job.num_bundles):
-            if b in self.members or not self.store.check([healing_key(b)]):
+            if b in self.members or (inc := control.read_int(self.store, healing_key(b))) is None:
                 continue
-            inc = int(self.store.get(healing_key(b)).decode())
             count = self.store.add(f"{_join_key(b, inc)}/count", 0)
             out[b] = int(count >= self.job.bundle_width)
         return out
@@ -184,8 +188,8 @@ class Membership:
         """Take ``bundles`` in after step ``step`` (every member calls it, with the same list):
         the next epoch, whose members the new processes read at their join key."""
         self.epoch += 1
-        for b in bundles:
-            self.incs[b] = int(self.store.get(healing_key(b)).decode())
+        for b in bundles:  # every member voted for it: its mark was there and checked
+            self.incs[b] = control.read_int(self.store, healing_key(b)) or 0
         self.members = tuple(sorted({*self.members, *bundles}))
         self.heals += len(bundles)
         told = _admission(self.epoch, self.members, self.incs, step)
@@ -220,7 +224,7 @@ class Membership:
         while True:
             # A process of this bundle failed: leave at once, so that this process's connections
             # close and the peers still waiting on it fail over now, not after --timeout.
-            if self.store.check([dead_key(mine, self.incarnation)]):
+            if is_dead(self.store, mine, self.incarnation):
                 self.epoch += 1
                 raise self.leave()
             complete = [b for b in self.members if self.store.add(f"{key}/count/{b}", 0) >= width]

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from bundle.launch.heal import Healer
 from bundle.launch.membership import lost_node_key
+from bundle.runtime import control
 from bundle.runtime.store import post_abort, read_abort
 
 POLL_S = 0.5
@@ -81,7 +82,9 @@ def wait_done(
     that went silent is found here too."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        keys = [f"bundle/done/{i}" for i in range(nodes) if not store.check([lost_node_key(i)])]
+        keys = [
+            f"bundle/done/{i}" for i in range(nodes) if not control.read(store, lost_node_key(i))
+        ]
         if store.check(keys):
             return None
         if (msg := check() or read_abort(store)) is not None:

@@ -223,7 +223,7 @@ def _job_store(
     host_store: bool = False,
 ) -> dist.Store:
     timeout = cfg.launch.init_timeout
-    base = open_store(host, port, server=host_store, timeout=timeout)
+    base = open_store(host, port, server=host_store, timeout=timeout, nodes=cfg.launch.num_nodes)
     if not cfg.launch.torchrun:
         # Every attempt of a restarted job keeps its keys apart: the store outlives the attempts.
         return dist.PrefixStore(attempt_prefix(attempt), base)

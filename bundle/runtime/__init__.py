@@ -5,7 +5,10 @@ stop and restart. The launching side (processes started, supervised, restarted) 
 Modules, from the data up:
 
 - ``devices``: the backend a run uses, this node's devices, per-process settings;
-- ``store``: the job's TCPStore: rendezvous, the nodes' settings compared, barriers, abort;
+- ``control``: the store's control keys (abort, dead marks): checked before they act, sealed with
+  a job secret;
+- ``store``: the job's TCPStore, listening where asked: rendezvous, the nodes' settings compared,
+  barriers, abort;
 - ``groups``: ``ProcessGroups``, every process group of a rank, built once, collectively;
 - ``phase``: what a process is doing now, for its watchdog and its error reports;
 - ``preemption``: stop signals (SIGTERM/SIGINT), the stop vote and the ``BUNDLE_FAULT`` hook;

@@ -1,17 +1,24 @@
 """The job's store (a TCPStore on node 0): rendezvous, the nodes' settings compared field by
 field, start-up barriers, and the abort protocol.
 
+The store listens at the address the job names (``--IP``; ``BUNDLE_STORE_BIND`` overrides) and
+nowhere else: a single-node job on 127.0.0.1 cannot be reached from the network.
+
 Failure path: a worker that raises writes ``abort`` (rank, stage, step, error) to the store; a
 worker that dies is reported by its supervisor; a node that stops heart-beating is reported by
 node 0. Every worker polls ``abort`` and exits non-zero; supervisors kill what is left by pid.
+The abort is a control key (``bundle.runtime.control``): written sealed, read checked.
 Each attempt of a restarted job keeps its keys under its own prefix (``attempt_prefix``); under
 torchrun, each group of workers the agents start takes a fresh one (``open_generation``).
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -22,26 +29,74 @@ import torch.distributed as dist
 from bundle import log
 from bundle.config import DEFAULT_PORT, LaunchConfig, RunConfig
 from bundle.errors import LaunchError, PeerFailure
+from bundle.runtime import control
 
 ABORT_KEY = "bundle/abort"
 GENERATION_KEY = "bundle/generation"
+BIND_ENV = "BUNDLE_STORE_BIND"  # where the store listens instead of --IP (0.0.0.0: everywhere)
 _POLL_S = 0.5
 _JOIN_POLL_S = 0.02
 
 
-def open_store(host: str, port: int, *, server: bool, timeout: float) -> dist.TCPStore:
+def open_store(
+    host: str, port: int, *, server: bool, timeout: float, nodes: int = 1
+) -> dist.TCPStore:
+    """A client of the store at ``host``:``port``, or (``server``) the store itself, listening
+    there only (``listen``); ``nodes``: how many nodes must reach it."""
+    listening = listen(host, port, nodes=nodes) if server else None
     try:
         return dist.TCPStore(
-            host, port, is_master=server, timeout=timedelta(seconds=timeout), wait_for_workers=False
+            host,
+            listening.getsockname()[1] if listening is not None else port,
+            is_master=server,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+            master_listen_fd=listening.detach() if listening is not None else None,
         )
     except (RuntimeError, OSError) as exc:
         if server:
-            raise LaunchError(
-                f"--portNum {port}: cannot listen on port {port} ({exc}); is it in use?"
-            ) from exc
+            raise LaunchError(f"--portNum {port}: cannot serve the job's store ({exc})") from exc
         raise LaunchError(
             f"cannot reach the master at {host}:{port} within {timeout:.0f}s ({exc})"
         ) from exc
+
+
+def listen(host: str, port: int, *, nodes: int = 1) -> socket.socket:
+    """A socket listening at ``host``:``port`` (or ``BUNDLE_STORE_BIND``) and at no other address
+    of this machine (TCPStore's own server listens on every interface, whatever host it is given).
+    An address that is not this machine's is refused in one line; a job of several nodes on a
+    loopback address is said to be one only nodes on this machine can join."""
+    bind = os.environ.get(BIND_ENV) or host
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise LaunchError(f"--IP {bind}: cannot resolve it on node 0 ({exc})") from None
+    address = where[0]
+    if nodes > 1 and ipaddress.ip_address(address).is_loopback:
+        # Nodes that share this machine (tests, one host with network namespaces) meet there.
+        log.notice(
+            f"the job's store listens on {address} (--IP {bind}), a loopback address: only "
+            f"nodes on this machine can join; give node 0's address on the network the nodes "
+            f"share, or set {BIND_ENV}=ADDR"
+        )
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT
+        sock.bind(where)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise LaunchError(
+                f"--IP {bind} ({address}) is not an address of this machine, where node 0 serves "
+                f"the job's store: give node 0's own address, or set {BIND_ENV}=ADDR to listen "
+                "there (0.0.0.0: every interface)"
+            ) from None
+        raise LaunchError(
+            f"--portNum {port}: cannot listen on port {port} at {address} ({exc.strerror}); "
+            "is it in use?"
+        ) from None
+    return sock
 
 
 def open_job_store(launch: LaunchConfig, *, node: int, nodes: int) -> tuple[dist.TCPStore, int]:
@@ -53,7 +108,9 @@ def open_job_store(launch: LaunchConfig, *, node: int, nodes: int) -> tuple[dist
     given = launch.master_port
     port = DEFAULT_PORT if given is None else given
     try:
-        store = open_store(launch.master_addr, port, server=node == 0, timeout=launch.init_timeout)
+        store = open_store(
+            launch.master_addr, port, server=node == 0, timeout=launch.init_timeout, nodes=nodes
+        )
         return store, port
     except LaunchError:
         if given is not None or nodes > 1:
@@ -69,12 +126,12 @@ def open_job_store(launch: LaunchConfig, *, node: int, nodes: int) -> tuple[dist
 
 
 def read_abort(store: dist.Store) -> str | None:
-    return store.get(ABORT_KEY).decode() if store.check([ABORT_KEY]) else None
+    return control.read(store, ABORT_KEY)
 
 
 def post_abort(store: dist.Store, message: str) -> str:
-    """Record the job's first failure; returns whichever message won."""
-    return store.compare_set(ABORT_KEY, "", message).decode() or message
+    """Record the job's first failure; returns whichever message won (as one printable line)."""
+    return control.put_first(store, ABORT_KEY, message)
 
 
 def _differences(mine: dict, theirs: dict, prefix: str = "") -> list[str]:
@@ -94,7 +151,8 @@ def exchange_config(store: dist.Store, cfg: RunConfig, me: int, peers: int, time
     Node 0 hosts the store, so it waits until every node has read the others before it goes on
     (or exits with the error), and every node reports the same mismatch.
     """
-    mine = cfg.shared_view()
+    # Not the secret: a digest that tells whether two nodes were given the same one.
+    mine = {**cfg.shared_view(), "job_secret": control.fingerprint()}
     store.set(f"bundle/config/{me}", json.dumps(mine))
     try:
         store.wait([f"bundle/config/{i}" for i in range(peers)], timedelta(seconds=timeout))

@@ -236,8 +236,14 @@ def test_run_the_bundle_container(docker, data, tmp_path):
                     env=clean_env(
                         docker.bin_dir,
                         **container_env,
-                        BUNDLE_PYTHON=sys.executable,
-                        BUNDLE_MAIN=str(REPO / "main.py"),
+                        # The image's python is the entrypoint's: here, this test's own.
+                        PATH=os.pathsep.join(
+                            (
+                                str(docker.bin_dir),
+                                str(Path(sys.executable).parent),
+                                os.environ["PATH"],
+                            )
+                        ),
                         # The two containers' shared network is this machine's loopback.
                         GLOO_SOCKET_IFNAME="lo",
                         NCCL_SOCKET_IFNAME="lo",
