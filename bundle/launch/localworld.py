@@ -1,16 +1,15 @@
 """Run a function on N loopback processes, gloo/CPU or NCCL/CUDA: the test and benchmark harness.
 
 Every child is joined or, past the timeout, killed by its own handle; a child's exception comes
-back to the caller with its traceback.
+back to the caller with its traceback. Results come back through a pipe of each child's own,
+never through a file.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import pickle
 import socket
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -56,12 +55,13 @@ def _entry(
     rank: int,
     world: int,
     port: int,
-    out_dir: str,
+    out: Any,
     args: tuple,
     backend: str,
     device: str | None,
 ) -> None:
-    """One child: one thread, a process group, ``fn``, its result pickled to disk."""
+    """One child: one thread, a process group, ``fn``, its result sent to the parent (``out``:
+    the sending end of its pipe)."""
     import torch
     import torch.distributed as dist
 
@@ -85,8 +85,12 @@ def _entry(
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = ("error", traceback.format_exc())
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    try:  # plain pickle (Connection.send would share tensors through this child, which ends)
+        sent = pickle.dumps(result)
+    except Exception:  # noqa: BLE001 - a result that does not pickle: say so instead
+        sent = pickle.dumps(("error", f"its result does not pickle:\n{traceback.format_exc()}"))
+    out.send_bytes(sent)
+    out.close()
 
 
 def run_world(
@@ -118,59 +122,71 @@ def run_world(
         start_method if start_method in mp.get_all_start_methods() else "spawn"
     )
     port = free_port()
-    with tempfile.TemporaryDirectory() as out:
-        procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, port, out, args, backend, device))
-            for r in range(world)
-        ]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # (receiving, sending) per child
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, pipes[r][1], args, backend, device))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for _, sending in pipes:
+        sending.close()  # the child holds its own: a child gone without a word ends its pipe
+    found: dict[int, tuple | None] = {}
+    receiving = [conn for conn, _ in pipes]
+    try:
+        _join_or_first_failure(procs, receiving, found, time.monotonic() + timeout)
+    finally:
         for p in procs:
-            p.start()
+            if p.is_alive():
+                p.kill()
+                p.join()
+        _collect(receiving, found)
+        for conn in receiving:
+            conn.close()
+    return _results(procs, found)
+
+
+def _collect(receiving: list, found: dict[int, tuple | None]) -> None:
+    """Take every result that has arrived (a child blocks in its send until it is read); a pipe
+    that ended without one is None."""
+    for r, conn in enumerate(receiving):
+        if r in found:
+            continue
         try:
-            _join_or_first_failure(procs, out, time.monotonic() + timeout)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        return _results(procs, out)
+            if conn.poll():  # this parent's own child, through the pipe it made
+                found[r] = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            found[r] = None
 
 
-def _failed(r: int, proc: Any, out: str) -> bool:
-    """Whether child ``r`` ended without success: a non-zero exit, or an error result."""
-    if proc.is_alive():
-        return False
-    if proc.exitcode != 0:
-        return True
-    path = os.path.join(out, f"{r}.pkl")
-    if not os.path.exists(path):
-        return True
-    with open(path, "rb") as f:
-        return pickle.load(f)[0] != "ok"
+def _failed(r: int, proc: Any, found: dict[int, tuple | None]) -> bool:
+    """Whether child ``r`` ended without success: an error result, or it ended without an ``ok``."""
+    if r in found:
+        return found[r] is None or found[r][0] != "ok"  # type: ignore[index]
+    return not proc.is_alive() and proc.exitcode != 0
 
 
-def _join_or_first_failure(procs: list, out: str, deadline: float) -> None:
+def _join_or_first_failure(
+    procs: list, receiving: list, found: dict[int, tuple | None], deadline: float
+) -> None:
     """Wait until every child ended, one failed, or the deadline passed."""
     pause = 0.01
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if any(_failed(r, p, out) for r, p in enumerate(procs)):
+        _collect(receiving, found)
+        if any(_failed(r, p, found) for r, p in enumerate(procs)):
             return
         time.sleep(pause)
         pause = min(2 * pause, 0.2)
 
 
-def _results(procs: list, out: str) -> list:
+def _results(procs: list, found: dict[int, tuple | None]) -> list:
     """The children's results in rank order. A rank that reported an error is raised before one
     without a result (killed for the first, or dead without a word)."""
-    found: dict[int, tuple] = {}
-    for r in range(len(procs)):
-        path = os.path.join(out, f"{r}.pkl")
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                found[r] = pickle.load(f)
-    for r, (status, value) in sorted(found.items()):
+    got = {r: v for r, v in found.items() if v is not None}
+    for r, (status, value) in sorted(got.items()):
         if status != "ok":
             raise RuntimeError(f"rank {r} failed:\n{value}")
     for r, p in enumerate(procs):
-        if r not in found:
+        if r not in got:
             raise RuntimeError(f"rank {r} produced no result (exit code {p.exitcode})")
-    return [found[r][1] for r in range(len(procs))]
+    return [got[r][1] for r in range(len(procs))]
