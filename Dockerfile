@@ -1,7 +1,9 @@
 # Bundle training image: the PyTorch CUDA runtime image plus this source tree at /app.
 #   docker build -t bundle:latest .
 #   docker build --build-arg PYTORCH_IMAGE=pytorch/pytorch:<tag> -t bundle:latest .
-ARG PYTORCH_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# torch 2.10.0 is requirements.txt's floor (earlier torch.load(weights_only=True) had published
+# bypasses); a base image below it fails the build at the pip step below.
+ARG PYTORCH_IMAGE=pytorch/pytorch:2.10.0-cuda12.8-cudnn9-runtime
 FROM ${PYTORCH_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 \

@@ -9,12 +9,16 @@
 #   NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME  kept as they are when already set
 #   BUNDLE_SUBNET        IPv4 CIDR of the overlay network (e.g. 10.10.0.0/16); when unset the
 #                        first non-loopback interface with an IPv4 address is used
-#   BUNDLE_IP_ADDR_CMD   command printing `ip -o -4 addr show` style lines
-#                        (default: `ip -o -4 addr show` when `ip` exists)
-#   BUNDLE_ROUTE_FILE    route table read when `ip` is missing (default: /proc/net/route)
-#   BUNDLE_PYTHON        interpreter to exec (default: python)
-#   BUNDLE_MAIN          script to exec (default: /app/main.py)
+#   BUNDLE_ROUTE_FILE    route table read when `ip` is missing or fails (default: /proc/net/route)
+#
+# What runs is fixed: `ip -o -4 addr show` (when `ip` exists), then `python` on the main.py in
+# the folder above this script's (/app/main.py in the image). No BUNDLE_ variable names a command
+# (PATH still finds `python`, as for any image's command): on a shared cluster whoever may set a
+# pod's environment (a ConfigMap, say) must not thereby choose what the image executes. The
+# former test hooks BUNDLE_IP_ADDR_CMD, BUNDLE_PYTHON and BUNDLE_MAIN are ignored, with a warning.
 set -euo pipefail
+
+readonly IGNORED_VARIABLES=(BUNDLE_IP_ADDR_CMD BUNDLE_PYTHON BUNDLE_MAIN)
 
 log() {
   printf '[entrypoint] %s\n' "$*" >&2
@@ -61,15 +65,8 @@ in_subnet() {
 
 # Lines of `ip -o -4 addr show`: "2: eth0    inet 10.10.0.5/16 brd ... scope global eth0 ...".
 ip_addr_lines() {
-  if [[ -n ${BUNDLE_IP_ADDR_CMD:-} ]]; then
-    local -a cmd
-    read -r -a cmd <<<"$BUNDLE_IP_ADDR_CMD"
-    "${cmd[@]}"
-  elif command -v ip >/dev/null 2>&1; then
-    ip -o -4 addr show
-  else
-    return 1
-  fi
+  command -v ip >/dev/null 2>&1 || return 1
+  ip -o -4 addr show
 }
 
 # Interface from `ip -o -4 addr` output: the one on the subnet, else the first non-loopback one.
@@ -157,5 +154,24 @@ choose_socket_ifname() {
   log "socket interface $ifname ($why): NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME"
 }
 
+warn_ignored_variables() {
+  local name
+  for name in "${IGNORED_VARIABLES[@]}"; do
+    if [[ -n ${!name+set} ]]; then
+      log "warning: $name is not read (it named a command to run); ignored"
+    fi
+  done
+}
+
+# The folder above this script's, from where the script lives (not from the environment):
+# /app in the image, the checkout when a test runs the script in place.
+app_dir() {
+  local here=${BASH_SOURCE[0]%/*}
+  [[ $here != "${BASH_SOURCE[0]}" ]] || here=.
+  CDPATH='' cd -P -- "$here/.." && pwd -P
+}
+
+warn_ignored_variables
 choose_socket_ifname
-exec "${BUNDLE_PYTHON:-python}" "${BUNDLE_MAIN:-/app/main.py}" "$@"
+main=$(app_dir)/main.py
+exec python "$main" "$@"

@@ -3,6 +3,10 @@
 #
 # Every node runs this script once with its own rank; rank 0 creates the overlay network when it
 # is missing (never removes one) and its container, named bundle-rank0, is the rendezvous master.
+# The network is encrypted (IPsec between the nodes): the store and NCCL/gloo traffic have no
+# encryption of their own, and an unencrypted overlay's VXLAN packets cross the hosts' network in
+# clear text. Rank 0 refuses an existing network that is not encrypted, unless allowed to
+# (--allow-unencrypted).
 set -euo pipefail
 
 readonly PROG=${0##*/}
@@ -13,8 +17,8 @@ usage() {
 usage: $PROG [options] [batch_size rank shape num_bundle world_size model data_path itr] [-- main.py args...]
        $PROG [options] batch_size rank shape num_bundle IP portNum world_size model data_path itr [-- ...]
 
-Runs one Bundle container for this node on an attachable overlay network. With no positional
-arguments every value is asked on stdin.
+Runs one Bundle container for this node on an encrypted attachable overlay network. With no
+positional arguments every value is asked on stdin.
 
 positional arguments (all eight, in this order; or the original's ten, with IP and portNum):
   batch_size   global batch per step, over all bundles (positive integer)
@@ -29,10 +33,13 @@ positional arguments (all eight, in this order; or the original's ten, with IP a
 
 options (before the positional arguments; each also read from the environment variable shown):
   --image IMAGE      container image                 [BUNDLE_IMAGE, default bundle:latest]
-  --network NAME     attachable overlay network      [BUNDLE_NETWORK, default bundle-net]
+  --network NAME     encrypted attachable overlay    [BUNDLE_NETWORK, default bundle-net]
   --subnet CIDR      subnet of a network rank 0 creates [BUNDLE_SUBNET, default 10.10.0.0/16]
   --port PORT        rendezvous port on rank 0       [BUNDLE_PORT, default 29500]
   --gpus VALUE       value of docker run --gpus; none omits the flag [BUNDLE_GPUS, default all]
+  --allow-unencrypted
+                     let rank 0 use an existing network made without --opt encrypted
+                     (rank 0 refuses it otherwise)   [BUNDLE_ALLOW_UNENCRYPTED=1, default 0]
   --dry-run          print the docker commands instead of running them
   -h, --help         show this help
   -- ARGS...         extra main.py arguments, appended after BUNDLE_EXTRA_ARGS (split on spaces)
@@ -56,6 +63,7 @@ network=${BUNDLE_NETWORK:-bundle-net}
 subnet=${BUNDLE_SUBNET:-10.10.0.0/16}
 port=${BUNDLE_PORT:-29500}
 gpus=${BUNDLE_GPUS:-all}
+allow_unencrypted=${BUNDLE_ALLOW_UNENCRYPTED:-0}
 dry_run=0
 master=""
 extra=()
@@ -74,6 +82,7 @@ while [[ $# -gt 0 ]]; do
     --subnet) need_value "$@"; subnet=$2; shift 2 ;;
     --port) need_value "$@"; port=$2; shift 2 ;;
     --gpus) need_value "$@"; gpus=$2; shift 2 ;;
+    --allow-unencrypted) allow_unencrypted=1; shift ;;
     --dry-run) dry_run=1; shift ;;
     -h | --help) usage; exit 0 ;;
     --) break ;;
@@ -146,10 +155,12 @@ fi
 [[ -n $image && $image =~ ^[^[:space:]]+$ ]] || die_usage "bad image '$image'"
 [[ $gpus =~ ^[^[:space:]]+$ ]] || die_usage "bad --gpus value '$gpus'"
 [[ $master =~ ^[A-Za-z0-9][A-Za-z0-9_.:-]*$ ]] || die_usage "bad IP '$master'"
+[[ $allow_unencrypted =~ ^[01]$ ]] \
+  || die_usage "BUNDLE_ALLOW_UNENCRYPTED must be 0 or 1, got '$allow_unencrypted'"
 
 readonly name=bundle-rank${rank}
 
-# The docker flag order is fixed (tests/test_containers.py compares the exact command):
+# The docker flag order is fixed (tests/integration/test_containers.py compares the command):
 #   run --rm --name --hostname --network --ipc=host [--gpus] -e BUNDLE_SUBNET -v DATA:/data:ro
 # --ipc=host gives PyTorch's shared-memory tensors (DataLoader workers) the host's /dev/shm.
 run_cmd=(docker run --rm --name "$name" --hostname "$name" --network "$network" --ipc=host)
@@ -159,8 +170,15 @@ run_cmd+=(--batch-size "$batch_size" --rank "$rank" --bundle-shape "$shape")
 run_cmd+=(--num-bundle "$num_bundle" --world-size "$world_size" --model "$model" --itr "$itr")
 run_cmd+=(--IP "$master" --portNum "$port" /data ${extra[@]+"${extra[@]}"})
 
-inspect_cmd=(docker network inspect "$network")
-create_cmd=(docker network create --driver overlay --attachable --subnet "$subnet" "$network")
+# The network's option names, one a line. `{{index .Options "encrypted"}}` cannot tell a network
+# made with `--opt encrypted` (value "") from one without it, and the overlay driver encrypts
+# whenever the name is present, whatever its value.
+# shellcheck disable=SC2016 # a Go template for docker, not a shell expansion
+readonly OPTION_NAMES='{{range $k, $v := .Options}}{{println $k}}{{end}}'
+inspect_cmd=(docker network inspect --format "$OPTION_NAMES" "$network")
+# Attachable: `docker run --network` (below) joins only attachable overlays.
+create_cmd=(docker network create --driver overlay --attachable --opt encrypted
+  --subnet "$subnet" "$network")
 
 # Words of a command, space separated, single-quoted only where the shell needs it (--dry-run).
 quoted() {
@@ -185,9 +203,27 @@ fi
 
 command -v docker >/dev/null 2>&1 || { echo "$PROG: docker not found on PATH" >&2; exit 1; }
 
+# An existing network must carry the encrypted option, or be allowed without it.
+check_encrypted() {
+  local names=$1
+  [[ $'\n'$names$'\n' == *$'\n'encrypted$'\n'* ]] && return 0
+  if ((allow_unencrypted)); then
+    printf '%s: warning: overlay network %s is not encrypted; using it as it is (%s)\n' \
+      "$PROG" "$network" "--allow-unencrypted" >&2
+    return 0
+  fi
+  local recreate="docker network rm $network, then run this again (it adds --opt encrypted)"
+  printf '%s: error: overlay network %s is not encrypted (%s); to recreate it: %s; or pass %s\n' \
+    "$PROG" "$network" "the job's traffic would cross between nodes in clear text" "$recreate" \
+    "--allow-unencrypted (BUNDLE_ALLOW_UNENCRYPTED=1) to use it as it is" >&2
+  exit 2
+}
+
 if ((rank == 0)); then
-  if ! "${inspect_cmd[@]}" >/dev/null 2>&1; then
-    echo "$PROG: creating overlay network $network ($subnet)" >&2
+  if option_names=$("${inspect_cmd[@]}" 2>/dev/null); then
+    check_encrypted "$option_names"
+  else
+    echo "$PROG: creating encrypted overlay network $network ($subnet)" >&2
     "${create_cmd[@]}" >/dev/null || {
       echo "$PROG: could not create $network; is this node a swarm manager (docker swarm init)?" >&2
       exit 1

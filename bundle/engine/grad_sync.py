@@ -34,7 +34,7 @@ from bundle.engine.hops import Hop, Wire, done
 # Buffers (BatchNorm's statistics) are per replica after the start, as in every pipeline system:
 # DDP must not broadcast them before each forward. torch 2.13 renamed the switch; the old name
 # (which also skips the start-up broadcast of buffers, harmless: replicas build them alike) is what
-# torch 2.4-2.12 accept.
+# torch 2.10-2.12 accept.
 _NO_FORWARD_BUFFER_SYNC: dict[str, Any] = (
     {"forward_sync_buffers": False}
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from tests.support.docker import (
     ENTRYPOINT,
@@ -21,10 +25,42 @@ from tests.support.docker import (
     clean_env,
 )
 
+# The support fake, grown by what the encryption check reads: `network create` keeps the names of
+# its --opt options and `network inspect --format ...` prints them one a line, as the script's
+# template does. FAKE_DOCKER_NETWORK_EXISTS=1 stands for a network made elsewhere, whose option
+# names are FAKE_DOCKER_NETWORK_OPTIONS (separated by spaces; none by default).
+OVERLAY_FAKE_DOCKER = f"""#!{sys.executable}
+import json, os, sys
+from pathlib import Path
+
+args = sys.argv[1:]
+with open(os.environ["FAKE_DOCKER_LOG"], "a") as log:
+    log.write(json.dumps(args) + "\\n")
+created = Path(os.environ["FAKE_DOCKER_LOG"] + ".network-options")
+if args[:2] == ["network", "inspect"]:
+    if created.exists():
+        options = created.read_text().split()
+    elif os.environ.get("FAKE_DOCKER_NETWORK_EXISTS") == "1":
+        options = os.environ.get("FAKE_DOCKER_NETWORK_OPTIONS", "").split()
+    else:
+        sys.exit(1)
+    if "--format" in args:
+        print("\\n".join(options))
+if args[:2] == ["network", "create"]:
+    opts = [b.split("=", 1)[0] for a, b in zip(args, args[1:]) if a in ("--opt", "-o")]
+    created.write_text(" ".join(opts))
+"""
+
+
+class OverlayFakeDocker(FakeDocker):
+    def __init__(self, tmp_path: Path) -> None:
+        super().__init__(tmp_path)
+        (self.bin_dir / "docker").write_text(OVERLAY_FAKE_DOCKER)
+
 
 @pytest.fixture
 def docker(tmp_path: Path) -> FakeDocker:
-    return FakeDocker(tmp_path)
+    return OverlayFakeDocker(tmp_path)
 
 
 @pytest.fixture
@@ -34,9 +70,12 @@ def data_dir(tmp_path: Path) -> Path:
     return path
 
 
-INSPECT = ["network", "inspect", "bundle-net"]
-CREATE = ["network", "create", "--driver", "overlay", "--attachable", "--subnet", "10.10.0.0/16",
-          "bundle-net"]  # fmt: skip
+# The network's option names, one a line: the overlay driver encrypts when "encrypted" is among
+# them, whatever its value ("" after `--opt encrypted`).
+OPTION_NAMES = "{{range $k, $v := .Options}}{{println $k}}{{end}}"
+INSPECT = ["network", "inspect", "--format", OPTION_NAMES, "bundle-net"]
+CREATE = ["network", "create", "--driver", "overlay", "--attachable", "--opt", "encrypted",
+          "--subnet", "10.10.0.0/16", "bundle-net"]  # fmt: skip
 
 
 def run_call(
@@ -92,8 +131,41 @@ def test_rank0_creates_missing_network_then_runs(docker: FakeDocker, data_dir: P
 
 
 def test_rank0_never_recreates_an_existing_network(docker: FakeDocker, data_dir: Path) -> None:
-    assert docker.run(*positionals(0, data_dir), FAKE_DOCKER_NETWORK_EXISTS="1").returncode == 0
+    existing = {"FAKE_DOCKER_NETWORK_EXISTS": "1", "FAKE_DOCKER_NETWORK_OPTIONS": "encrypted"}
+    assert docker.run(*positionals(0, data_dir), **existing).returncode == 0
     assert docker.calls() == [INSPECT, run_call(0, data_dir)]
+
+
+def test_rank0_refuses_an_existing_unencrypted_network(docker: FakeDocker, data_dir: Path) -> None:
+    result = docker.run(*positionals(0, data_dir), FAKE_DOCKER_NETWORK_EXISTS="1")
+    assert result.returncode == 2
+    assert docker.calls() == [INSPECT]  # nothing runs on it
+    (line,) = result.stderr.splitlines()
+    assert "bundle-net" in line and "not encrypted" in line
+    # How to recreate it, and the opt-out.
+    assert "docker network rm bundle-net" in line and "--opt encrypted" in line
+    assert "--allow-unencrypted" in line and "BUNDLE_ALLOW_UNENCRYPTED=1" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [(["--allow-unencrypted"], {}), ([], {"BUNDLE_ALLOW_UNENCRYPTED": "1"})],
+    ids=["flag", "environment"],
+)
+def test_an_unencrypted_network_is_used_when_allowed(
+    docker: FakeDocker, data_dir: Path, args: list[str], env: dict[str, str]
+) -> None:
+    result = docker.run(*args, *positionals(0, data_dir), FAKE_DOCKER_NETWORK_EXISTS="1", **env)
+    assert result.returncode == 0, result.stderr
+    assert docker.calls() == [INSPECT, run_call(0, data_dir)]
+    assert "warning: overlay network bundle-net is not encrypted" in result.stderr
+
+
+def test_the_opt_out_takes_only_0_or_1(docker: FakeDocker, data_dir: Path) -> None:
+    result = docker.run(*positionals(0, data_dir), BUNDLE_ALLOW_UNENCRYPTED="yes")
+    assert result.returncode == 2
+    assert "BUNDLE_ALLOW_UNENCRYPTED must be 0 or 1, got 'yes'" in result.stderr
+    assert docker.calls() == []
 
 
 def test_second_rank0_run_reuses_the_network_it_created(docker: FakeDocker, data_dir: Path) -> None:
@@ -116,9 +188,9 @@ def test_options_and_extra_args(docker: FakeDocker, data_dir: Path) -> None:
     result = docker.run(*options, *positionals(0, data_dir), "--", *extra)
     assert result.returncode == 0, result.stderr
     assert docker.calls() == [
-        ["network", "inspect", "hp-net"],
-        ["network", "create", "--driver", "overlay", "--attachable", "--subnet", "10.20.0.0/16",
-         "hp-net"],
+        ["network", "inspect", "--format", OPTION_NAMES, "hp-net"],
+        ["network", "create", "--driver", "overlay", "--attachable", "--opt", "encrypted",
+         "--subnet", "10.20.0.0/16", "hp-net"],
         run_call(0, data_dir, network="hp-net", gpus=None, subnet="10.20.0.0/16",
                  image="reg.example/bundle:v2", port="30000", extra=extra),
     ]  # fmt: skip
@@ -159,8 +231,9 @@ def test_dry_run_prints_commands_and_runs_nothing(docker: FakeDocker, data_dir: 
     assert result.returncode == 0, result.stderr
     assert docker.calls() == []
     assert result.stdout.splitlines() == [
-        "docker network inspect bundle-net >/dev/null 2>&1 || docker network create --driver "
-        "overlay --attachable --subnet 10.10.0.0/16 bundle-net",
+        f"docker network inspect --format '{OPTION_NAMES}' bundle-net >/dev/null 2>&1 || "
+        "docker network create --driver overlay --attachable --opt encrypted "
+        "--subnet 10.10.0.0/16 bundle-net",
         f"docker run --rm --name bundle-rank0 --hostname bundle-rank0 --network bundle-net "
         f"--ipc=host --gpus all -e BUNDLE_SUBNET=10.10.0.0/16 -v {data_dir}:/data:ro "
         "bundle:latest --batch-size 32 --rank 0 --bundle-shape 4,2 --num-bundle 1 "
@@ -236,10 +309,14 @@ print(json.dumps({{
     "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
 }}))
 """
+BASH = shutil.which("bash") or "/bin/bash"  # by path: some tests leave PATH without it
+MAIN = str(REPO / "main.py")  # main.py beside the entrypoint's folder (/app/main.py in the image)
 
 
 @pytest.fixture
 def entry_bin(tmp_path: Path) -> Path:
+    """A folder for the front of PATH: `python` (prints what it was given) and `ip` (prints
+    IP_ADDR_OUTPUT for `ip -o -4 addr show`)."""
     bin_dir = tmp_path / "entry-bin"
     bin_dir.mkdir()
     (tmp_path / "ip-output.txt").write_text(IP_ADDR_OUTPUT)
@@ -249,7 +326,7 @@ def entry_bin(tmp_path: Path) -> Path:
         '[ "$*" = "-o -4 addr show" ] || { echo "unexpected ip args: $*" >&2; exit 1; }\n'
         f'cat "{tmp_path / "ip-output.txt"}"\n'
     )
-    fake_python = bin_dir / "fake-python"
+    fake_python = bin_dir / "python"
     fake_python.write_text(FAKE_PYTHON)
     for exe in (fake_ip, fake_python):
         exe.chmod(0o755)
@@ -258,12 +335,10 @@ def entry_bin(tmp_path: Path) -> Path:
 
 def run_entrypoint(bin_dir: Path, *args: str, **env: str) -> tuple[dict, str]:
     result = subprocess.run(
-        ["bash", str(ENTRYPOINT), *args],
+        [BASH, str(ENTRYPOINT), *args],
         capture_output=True,
         text=True,
-        env=clean_env(
-            bin_dir, BUNDLE_PYTHON=str(bin_dir / "fake-python"), BUNDLE_MAIN="/app/main.py", **env
-        ),
+        env=clean_env(bin_dir, **env),
         timeout=TIMEOUT,
     )
     assert result.returncode == 0, result.stderr
@@ -273,7 +348,7 @@ def run_entrypoint(bin_dir: Path, *args: str, **env: str) -> tuple[dict, str]:
 def test_entrypoint_picks_the_interface_on_the_subnet(entry_bin: Path) -> None:
     out, err = run_entrypoint(entry_bin, "--rank", "1", "/data dir", BUNDLE_SUBNET="10.10.0.0/16")
     assert out == {
-        "argv": ["/app/main.py", "--rank", "1", "/data dir"],
+        "argv": [MAIN, "--rank", "1", "/data dir"],
         "nccl": "eth1",
         "gloo": "eth1",
     }
@@ -304,27 +379,49 @@ def test_entrypoint_fills_only_the_unset_variable(entry_bin: Path) -> None:
     assert (out["nccl"], out["gloo"]) == ("ib0", "eth1")
 
 
+@pytest.mark.parametrize("ip", ["fails", "missing"])
 @pytest.mark.parametrize(("subnet", "expected"), [("10.10.0.0/16", "eth0"), (None, "eth1")])
-def test_entrypoint_reads_the_route_table_without_ip(
-    entry_bin: Path, tmp_path: Path, subnet: str | None, expected: str
+def test_entrypoint_reads_the_route_table_when_ip_fails_or_is_missing(
+    entry_bin: Path, tmp_path: Path, ip: str, subnet: str | None, expected: str
 ) -> None:
     route = tmp_path / "route"
     route.write_text(ROUTE_TABLE)
-    env = {"BUNDLE_IP_ADDR_CMD": "false", "BUNDLE_ROUTE_FILE": str(route)}
+    env = {"BUNDLE_ROUTE_FILE": str(route)}
+    if ip == "fails":
+        (entry_bin / "ip").write_text("#!/bin/sh\nexit 1\n")
+    else:  # the stock PyTorch images: no iproute2 anywhere on PATH
+        (entry_bin / "ip").unlink()
+        env["PATH"] = str(entry_bin)
     if subnet:
         env["BUNDLE_SUBNET"] = subnet
     out, _ = run_entrypoint(entry_bin, **env)
     assert (out["nccl"], out["gloo"]) == (expected, expected)
 
 
+@pytest.mark.parametrize("variable", ["BUNDLE_IP_ADDR_CMD", "BUNDLE_PYTHON", "BUNDLE_MAIN"])
+def test_entrypoint_runs_no_command_named_in_the_environment(
+    entry_bin: Path, tmp_path: Path, variable: str
+) -> None:
+    marker = tmp_path / "ran"
+    hook = tmp_path / "hook.py"  # would create the marker, if anything ran it
+    hook.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    hook.chmod(0o755)
+    value = f"touch {marker}" if variable == "BUNDLE_IP_ADDR_CMD" else str(hook)
+    out, err = run_entrypoint(
+        entry_bin, "--rank", "0", BUNDLE_SUBNET="10.10.0.0/16", **{variable: value}
+    )
+    assert not marker.exists()
+    # The image's main.py ran, by the python on PATH, on the interface `ip` reported.
+    assert out == {"argv": [MAIN, "--rank", "0"], "nccl": "eth1", "gloo": "eth1"}
+    assert f"{variable} is not read" in err
+
+
 def test_entrypoint_rejects_a_malformed_subnet(entry_bin: Path) -> None:
     result = subprocess.run(
-        ["bash", str(ENTRYPOINT)],
+        [BASH, str(ENTRYPOINT)],
         capture_output=True,
         text=True,
-        env=clean_env(
-            entry_bin, BUNDLE_PYTHON=str(entry_bin / "fake-python"), BUNDLE_SUBNET="10.10.0/16"
-        ),
+        env=clean_env(entry_bin, BUNDLE_SUBNET="10.10.0/16"),
         timeout=TIMEOUT,
     )
     assert result.returncode == 2
@@ -386,6 +483,14 @@ def test_docker_stack_config_accepts_stack_file() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_stack_network_is_encrypted_and_only_its_services_join_it() -> None:
+    stack = yaml.safe_load(STACK_FILE.read_text())
+    (network,) = stack["networks"].values()
+    assert network["driver"] == "overlay" and "encrypted" in network["driver_opts"]
+    # Not attachable: a `docker run` container on any node could join it and reach the store.
+    assert not network.get("attachable", False)
+
+
 def test_image_runs_the_entrypoint_as_non_root() -> None:
     lines = [line.strip() for line in (REPO / "Dockerfile").read_text().splitlines()]
     assert 'ENTRYPOINT ["/app/docker/entrypoint.sh"]' in lines
@@ -395,14 +500,16 @@ def test_image_runs_the_entrypoint_as_non_root() -> None:
     assert {".git", "tests", "**/__pycache__"} <= set(ignored)
 
 
-def test_image_pins_fall_inside_the_requirement_ranges() -> None:
-    from packaging.requirements import Requirement
-
-    ranges = {
+def requirement_ranges() -> dict[str, SpecifierSet]:
+    return {
         Requirement(line).name.lower(): Requirement(line).specifier
         for line in (REPO / "requirements.txt").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     }
+
+
+def test_image_pins_fall_inside_the_requirement_ranges() -> None:
+    ranges = requirement_ranges()
     pins = [
         Requirement(line)
         for line in (REPO / "docker" / "constraints.txt").read_text().splitlines()
@@ -412,3 +519,16 @@ def test_image_pins_fall_inside_the_requirement_ranges() -> None:
     for pin in pins:
         (version,) = [s.version for s in pin.specifier]
         assert pin.name.lower() in ranges and ranges[pin.name.lower()].contains(version), pin
+
+
+def test_the_torch_floor_excludes_weights_only_bypasses_and_the_base_image_meets_it() -> None:
+    ranges = requirement_ranges()
+    # torch.load(weights_only=True), which reads checkpoints and weights, had published bypasses:
+    # GHSA-53q9-r3pm-6pq6 (remote code execution, fixed in 2.6.0) and GHSA-63cw-57p8-fm3p (heap
+    # corruption, fixed in 2.10.0). The last releases before each fix stay out.
+    assert not ranges["torch"].contains("2.5.1") and not ranges["torch"].contains("2.9.1")
+    # torchvision 0.25 is the one built for torch 2.10; an older one would want an older torch.
+    assert not ranges["torchvision"].contains("0.24.1")
+    dockerfile = (REPO / "Dockerfile").read_text()
+    (base,) = re.findall(r"^ARG PYTORCH_IMAGE=pytorch/pytorch:(\d+\.\d+\.\d+)-", dockerfile, re.M)
+    assert ranges["torch"].contains(base), base
