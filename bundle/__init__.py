@@ -8,10 +8,9 @@ From the data up:
   in, and the command line and YAML that build it;
 - ``topology``, ``row_weights``: the job's ranks, groups and row plans as one pure value; the
   ``--row-weights`` spelling of each replica's share of a micro-batch;
-- ``partition``, ``samples``, ``data``, ``tokenizer``, ``loader``, ``lr_schedule``: where stages
-  begin, how one sample is read (seeded augmentations, samples that cannot be read), the datasets
-  and their deterministic shards, text to tokens (bytes or ``--tokenizer DIR``), a stage's
-  micro-batches read in order (loader workers), the learning rate of every step;
+- ``partition``, ``lr_schedule``: where stages begin; the learning rate of every step;
+- ``data/``: the datasets, text to tokens, how one sample is read, the order samples are trained
+  in (the same under any shape), a stage's micro-batches read in order (loader workers);
 - ``models/``: models by name, a user's factory, ``transformers`` classes, and their cut into
   blocks (the layout's top-level ``models/`` folder, imported as ``bundle.models`` only, so a
   user's own ``models`` package never meets it);

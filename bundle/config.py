@@ -238,7 +238,7 @@ class DataConfig:
     tokenizer: str | None = field(
         default=None, metadata=MappingProxyType({"nodes": "local", "recorded": "tokenizer"})
     )
-    # A sample that cannot be read is replaced (bundle.samples.Guarded) instead of failing the run.
+    # A sample that cannot be read is replaced (bundle.data.samples.Guarded) instead of failing the run.
     skip_bad_samples: bool = False
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from bundle import loader, samples
+from bundle.data import loader, samples
 from bundle.engine.loss import EVAL_COUNTS, eval_rows
 from bundle.engine.stage_engine import MicroBatch, StageEngine
 from bundle.observe.metrics import Reporter, Validation

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bundle import tokenizer
 from bundle.checkpoint import format as ckpt
 from bundle.config import is_reference, parse_model_args
+from bundle.data import tokenizer
 from bundle.errors import BundleError, ConfigError, positive
 
 PROG = "python -m bundle.generate"

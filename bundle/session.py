@@ -9,10 +9,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from bundle import data, loader, partition
+from bundle import data, partition
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig, parse_bundle_sync
+from bundle.data import loader
 from bundle.engine import aggregate, device_audit, nccl_emu, precision, ties
 from bundle.engine.comm import Collectives, Comm
 from bundle.engine.grad_sync import FlatSync, GradSync, HierarchicalSync

@@ -11,10 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bundle import data, log, samples
+from bundle import data, log
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig, parse_bundle_sync
+from bundle.data import samples
 from bundle.engine import optim, precision
 from bundle.engine.stage_engine import MicroBatch
 from bundle.errors import DataError

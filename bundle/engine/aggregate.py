@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from bundle.config import parse_aggregate
+from bundle.data.samples import step_seed
 from bundle.engine.comm import Comm
 from bundle.errors import ConfigError
-from bundle.samples import step_seed
 
 BYZANTINE_ENV = "BUNDLE_BYZANTINE"
 FAULT_MODES = ("noise", "flip", "scale")

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from bundle import cli, data, loader, preflight, samples
+from bundle import cli, data, preflight
 from bundle.config import DataConfig
+from bundle.data import loader, order, samples, sources
 from bundle.errors import DataError
 from tests.support.processes import ROOT
 
@@ -58,7 +59,7 @@ def test_the_digits_read_from_scikit_learns_file_are_load_digits_own(monkeypatch
     assert images.dtype == digits.images.dtype and labels.dtype == digits.target.dtype
     assert np.array_equal(images, digits.images) and np.array_equal(labels, digits.target)
     # Where the file is not found, load_digits itself.
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
     images, labels = data.digits_arrays()
     assert np.array_equal(images, digits.images) and np.array_equal(labels, digits.target)
 
@@ -136,7 +137,7 @@ def test_replica_indices_resume_at_any_step_without_replaying_earlier_epochs(mon
     drawn = []
     real_order = data.epoch_order
     monkeypatch.setattr(
-        data,
+        order,
         "epoch_order",
         lambda n, seed, epoch: drawn.append(epoch) or real_order(n, seed, epoch),
     )
@@ -331,7 +332,7 @@ def test_a_sample_that_cannot_be_read_fails_as_one_line_naming_index_and_path(wo
 
 _KEEPS_A_FAILED_LOADER = """
 import torch
-from bundle import loader, samples
+from bundle.data import loader, samples
 from bundle.errors import DataError
 from tests.unit.test_data import _Flaky
 

@@ -9,9 +9,10 @@ import shutil
 import pytest
 import torch
 
-from bundle import data, generate, models, tokenizer
+from bundle import data, generate, models
 from bundle.checkpoint import format as ckpt
 from bundle.config import DataConfig
+from bundle.data import tokenizer
 from bundle.errors import ConfigError, DataError
 
 TEXT = "the quick brown fox jumps over the lazy dog; a lazy dog sleeps in the sun. " * 60

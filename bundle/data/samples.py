@@ -1,6 +1,6 @@
 """How one sample is read: by key, with seeded augmentations (``SeededAugment``), and through
 ``Guarded``, where a sample that cannot be read names itself or, with ``--skip-bad-samples``, is
-replaced by a stand-in chosen from the dataset and the key alone (see ``bundle.data`` for keys).
+replaced by a stand-in chosen from the dataset and the key alone (see ``bundle.data.order`` for keys).
 """
 
 from __future__ import annotations

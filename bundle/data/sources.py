@@ -1,14 +1,10 @@
-"""Datasets (digits, ImageFolder, synthetic, text, a user's) and the deterministic per-replica
-sharding of batches; ``bundle.loader`` reads the micro-batches this names.
+"""The datasets by name (digits, ImageFolder, synthetic, text, a user's): ``SOURCES``, ``load``,
+and what a model must be built for (``input_spec``) without reading the data.
 
-Every step draws one global batch from a permutation of the epoch seeded by ``(seed, epoch)``;
-the batch is cut into bundles, micro-batches and replica rows exactly as the topology cuts it, so a
-single process reading the same global batches sees the same samples in the same rows.
-
-The training stream names samples by *key* ``epoch * n + index``: a stream can start at any step,
-and the random augmentations of the ImageFolder training split (``SeededAugment``) are seeded by
-``(seed, epoch, index)`` alone, so a resumed run, any number of loader workers and an uninterrupted
-run all see the same crops. Every other dataset reads sample ``key % n``; plain indices are keys too.
+Samples are read by *key* ``epoch * n + index`` (``bundle.data.order``): the random augmentations
+of the ImageFolder training split (``SeededAugment``) are seeded by ``(seed, epoch, index)``
+alone, so a resumed run, any number of loader workers and an uninterrupted run all see the same
+crops. Every other dataset reads sample ``key % n``; plain indices are keys too.
 
 Datasets that decode files (ImageFolder, a user's) are read through ``Guarded``: a sample that
 cannot be read fails as one line naming its split, index and path, or, with
@@ -21,9 +17,8 @@ import functools
 import gzip
 import importlib.util
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,15 +26,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from bundle import tokenizer
 from bundle.config import DataConfig, is_reference
+from bundle.data import tokenizer
+from bundle.data.samples import Guarded, SeededAugment, size
 from bundle.errors import ConfigError, DataError
-from bundle.samples import (
-    Guarded,
-    SeededAugment,
-    size,
-)
-from bundle.topology import replica_rows
 
 # The digits train/val split is fixed so accuracy is comparable across seeds.
 _DIGITS_SPLIT_SEED = 1234
@@ -321,72 +311,6 @@ SOURCES: dict[str, Callable[[DataConfig, int, bool], DataSplits]] = {
     "synthetic": lambda cfg, seed, needs_val: _synthetic(cfg, seed),
     "text": lambda cfg, seed, needs_val: _text(cfg),
 }
-
-
-def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """The sample order of one epoch; the same on every process."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=gen)
-
-
-def steps_per_epoch(n: int, batch: int) -> int:
-    return n // batch
-
-
-def global_batch(n: int, batch: int, seed: int, step: int) -> torch.Tensor:
-    """Indices of the global batch of training ``step`` (epochs follow each other)."""
-    spe = steps_per_epoch(n, batch)
-    if spe == 0:
-        raise DataError(f"the training set has {n} samples, fewer than one batch of {batch}")
-    epoch, t = divmod(step, spe)
-    return epoch_order(n, seed, epoch)[t * batch : (t + 1) * batch]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Shard:
-    """Which rows of each batch one stage-0 replica reads."""
-
-    num_bundles: int
-    micro_batches: int
-    width: int | tuple[Fraction, ...]  # replicas of the stage, or their row weights
-    bundle: int
-    replica: int
-
-    def rows(self, batch_len: int, micro: int) -> tuple[int, int]:
-        return replica_rows(
-            batch_len,
-            self.num_bundles,
-            self.micro_batches,
-            self.width,
-            self.bundle,
-            micro,
-            self.replica,
-        )
-
-    def micro_indices(self, batch: torch.Tensor) -> list[torch.Tensor]:
-        return [batch[slice(*self.rows(len(batch), k))] for k in range(self.micro_batches)]
-
-
-def replica_indices(
-    shard: Shard, n: int, batch: int, seed: int, steps: int, *, start: int = 0
-) -> Iterator[torch.Tensor]:
-    """This replica's key list of every micro-batch of steps ``start .. steps-1``, lazily.
-
-    A key is ``epoch * n + index`` (``index`` from ``global_batch``); starting at ``start`` yields
-    exactly the tail of the stream from step 0, without drawing the earlier epochs' permutations.
-    """
-    spe = steps_per_epoch(n, batch)
-    if spe == 0:
-        raise DataError(f"the training set has {n} samples, fewer than one batch of {batch}")
-    if start < 0:
-        raise ValueError(f"start must be >= 0, got {start}")
-    keys, epoch = torch.empty(0, dtype=torch.long), -1
-    for step in range(start, steps):
-        if step // spe != epoch:
-            epoch = step // spe
-            keys = epoch_order(n, seed, epoch) + epoch * n
-        t = step % spe
-        yield from shard.micro_indices(keys[t * batch : (t + 1) * batch])
 
 
 def input_spec(cfg: DataConfig) -> tuple[int, tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""Reading a stage's micro-batches in order: each key list (``bundle.data.Shard``) fetched as one
+"""Reading a stage's micro-batches in order: each key list (``bundle.data.order.Shard``) fetched as one
 (inputs, labels) batch, in this process or with ``--workers`` loader workers prefetching; the last
 stage reads labels only. A sample that cannot be read reaches the trainer as one ``DataError``
 line, from a worker too; ``Guarded``'s replacements travel with their batch to be counted.
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from bundle.data.samples import Guarded, SeededAugment, known_labels, size, take_noted
 from bundle.errors import DataError
-from bundle.samples import Guarded, SeededAugment, known_labels, size, take_noted
 
 
 def _fetch(dataset: Dataset[Any], keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

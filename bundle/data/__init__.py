@@ -1,0 +1,52 @@
+"""The data: datasets by name, a corpus prepared once into token shards, and the order every
+sample is read in, the same under any shape.
+
+Modules, from the data up:
+
+- ``tokenizer``: text to token ids and back (bytes, or ``--tokenizer DIR``);
+- ``samples``: how one sample is read: by key, seeded augmentations, samples that cannot be read;
+- ``order``: which samples each step trains on, and each stage-0 replica's rows of them: a pure
+  function of ``(seed, epoch, global index)``;
+- ``sources``: the datasets by name (``SOURCES``), their splits, and what a model is built for;
+- ``loader``: a stage's micro-batches read in order, with loader workers prefetching.
+
+The names most callers use are here: ``data.load``, ``data.input_spec``, ``data.global_batch``.
+"""
+
+from bundle.data.order import (
+    Shard,
+    epoch_order,
+    global_batch,
+    replica_indices,
+    steps_per_epoch,
+)
+from bundle.data.samples import size
+from bundle.data.sources import (
+    SOURCES,
+    SYNTHETIC_CLASSES,
+    TEXT_VOCAB,
+    DataSplits,
+    check_data,
+    digits_arrays,
+    input_spec,
+    load,
+    train_size,
+)
+
+__all__ = [
+    "SOURCES",
+    "SYNTHETIC_CLASSES",
+    "TEXT_VOCAB",
+    "DataSplits",
+    "Shard",
+    "check_data",
+    "digits_arrays",
+    "epoch_order",
+    "global_batch",
+    "input_spec",
+    "load",
+    "replica_indices",
+    "size",
+    "steps_per_epoch",
+    "train_size",
+]
