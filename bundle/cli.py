@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import yaml  # type: ignore[import-untyped,unused-ignore]
 
 from bundle import config as C
-from bundle import options
+from bundle import options, yaml_input
 from bundle.errors import BundleError, ConfigError
 
 # main.py's first docstring line: the command's --help says what it is.
@@ -50,8 +50,8 @@ def _merge_yaml(args: argparse.Namespace, explicit: set[str]) -> set[str]:
     """--config: the file's values where the command line gives none; returns the dests it names."""
     try:
         with open(args.config) as f:
-            values = options.load_yaml(f) or {}
-    except options.ExpandingAlias as exc:
+            values = yaml_input.load_yaml(f) or {}
+    except yaml_input.ExpandingAlias as exc:
         raise ConfigError("--config", args.config, str(exc)) from None
     except (OSError, ValueError, yaml.YAMLError) as exc:
         raise ConfigError(

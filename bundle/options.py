@@ -8,9 +8,7 @@ import types
 import typing
 from dataclasses import KW_ONLY, dataclass
 from operator import attrgetter
-from typing import IO, Any
-
-import yaml  # type: ignore[import-untyped,unused-ignore]
+from typing import Any
 
 from bundle import config as C
 from bundle import lr_schedule
@@ -35,41 +33,6 @@ def _scalar(annotation: Any) -> type:
         (annotation,) = (a for a in typing.get_args(annotation) if a is not type(None))
     scalar: type = typing.get_origin(annotation) or annotation
     return scalar
-
-
-class ExpandingAlias(yaml.composer.ComposerError):
-    """A YAML alias of a list or mapping: every use repeats the whole of it, so a few hundred
-    bytes of nested ones stand for billions of values (the "billion laughs")."""
-
-    def __init__(self, name: str, kind: str, mark: Any) -> None:
-        super().__init__(problem=f"the alias *{name} repeats a {kind}", problem_mark=mark)
-        self.line = mark.line + 1
-
-    def __str__(self) -> str:
-        return (
-            f"line {self.line}: {self.problem}; only an alias of one value is read "
-            "(write the list or mapping out)"
-        )
-
-
-class _UserYaml(yaml.SafeLoader):
-    """``yaml.safe_load`` that refuses an alias which expands (``ExpandingAlias``)."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()  # type: ignore[no-untyped-call,unused-ignore]
-            node = self.anchors.get(event.anchor)
-            if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)):
-                kind = "list" if isinstance(node, yaml.SequenceNode) else "mapping"
-                raise ExpandingAlias(event.anchor, kind, event.start_mark)
-        return super().compose_node(parent, index)
-
-
-def load_yaml(stream: str | IO[str]) -> Any:
-    """A YAML file a user gives (``--config``, ``--cluster``, ``--partition``), as
-    ``yaml.safe_load`` reads it; an alias of a list or mapping is refused (``ExpandingAlias``,
-    a ``yaml.YAMLError``), one of a single value is read."""
-    return yaml.load(stream, Loader=_UserYaml)  # noqa: S506 - a SafeLoader
 
 
 @dataclass(frozen=True)
@@ -328,15 +291,25 @@ OPTIONS: tuple[Option, ...] = (
     # Unset, the data set follows DATA_DIR (cli.to_config), so the field's default cannot stand.
     Option(MODEL, "--dataset", "data.dataset", default=None,
            metavar="{" + ",".join(C.DATASETS) + "}|package.module:function",
-           help="default: imagefolder when DATA_DIR is given, else digits; text: byte-level "
-                "tokens of --data-file; or a function of your own, f(split) -> Dataset"),
+           help="default: imagefolder when DATA_DIR is given, else digits; text: the tokens "
+                "of --data-file; tokens: a corpus prepared by python -m bundle.data prepare "
+                "(--data-dir); hf: JSON lines or Parquet streamed (--data-files); or a function "
+                "of your own, f(split) -> Dataset"),
     Option(MODEL, "--data-file", "data.data_file", metavar="FILE",
            help="--dataset text: any UTF-8 text file (its last tenth is the validation set)"),
+    Option(MODEL, "--data-dir", "data.data_dir", metavar="DIR",
+           help="--dataset tokens: what python -m bundle.data prepare wrote (memory-mapped)"),
+    Option(MODEL, "--data-files", "data.data_files", metavar="GLOB",
+           help="--dataset hf: JSON lines (.jsonl, .jsonl.gz) or Parquet files, streamed in "
+                "order through the datasets library"),
+    Option(MODEL, "--text-field", "data.text_field", metavar="NAME",
+           help="--dataset hf: the field holding a document's text"),
     Option(MODEL, "--tokenizer", "data.tokenizer", metavar="DIR",
-           help="--dataset text: a tokenizer saved on disk (tokenizer.json, or what "
-                "transformers' save_pretrained writes); default: byte-level tokens"),
+           help="token datasets: a tokenizer saved on disk (tokenizer.json, or what "
+                "transformers' save_pretrained writes); default: byte-level tokens, or the "
+                "one --dataset tokens was prepared with (which this must match if given)"),
     Option(MODEL, "--seq-len", "data.seq_len", metavar="T",
-           help="--dataset text: tokens per sample (the model's context)"),
+           help="token datasets: tokens per sample (the model's context)"),
     Option(MODEL, "--image-size", "data.image_size",
            help="input side for imagefolder and synthetic data"),
     Option(MODEL, "--num-classes", "data.num_classes",

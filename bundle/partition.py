@@ -33,7 +33,7 @@ from bundle.config import ModelConfig
 from bundle.engine.memory import run_recomputed
 from bundle.errors import ConfigError, PartitionError
 from bundle.models import Block, apply_blocks, graph, is_known
-from bundle.options import load_yaml
+from bundle.yaml_input import load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PARTITIONS_DIR = REPO_ROOT / "partitions"

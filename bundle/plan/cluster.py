@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 from bundle.errors import ConfigError
-from bundle.options import load_yaml
+from bundle.yaml_input import load_yaml
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
