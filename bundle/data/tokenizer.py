@@ -101,3 +101,25 @@ def load(path: str | None) -> Tokenizer:
     except Exception as exc:  # noqa: BLE001 - transformers' reasons are long: their first line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise DataError(f"--tokenizer {path!r}: no tokenizer can be read there ({first})") from None
+
+
+# The end-of-text tokens a tokenizer.json may name, the usual first: GPT-2's (and most BPEs'),
+# Llama 3's, SentencePiece's, Gemma's.
+_END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+def end_of_text(tok: Tokenizer) -> int | None:
+    """The id that ends a document in a prepared corpus: byte 0 (NUL, which text does not hold)
+    for bytes, a transformers tokenizer's ``eos_token_id``, else the first of ``_END_OF_TEXT``
+    that a tokenizer.json has; None when there is none."""
+    if isinstance(tok, Bytes):
+        return 0
+    if isinstance(tok, _Auto):
+        eos = tok.tok.eos_token_id
+        return eos if isinstance(eos, int) else None
+    if isinstance(tok, _Saved):
+        for name in _END_OF_TEXT:
+            found = tok.tok.token_to_id(name)
+            if found is not None:
+                return int(found)
+    return None
