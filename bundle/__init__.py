@@ -4,8 +4,9 @@ From the data up:
 
 - ``errors``, ``log``: typed errors carrying the offending value; one rank-prefixed logger;
 - ``sync_options``: the data-parallel options' spellings and the combinations refused;
-- ``config``, ``options``, ``cli``: the frozen ``RunConfig``, the options table it is declared
-  in, and the command line and YAML that build it;
+- ``config``, ``options``, ``yaml_input``, ``cli``: the frozen ``RunConfig``, the options table
+  it is declared in, YAML read as data (no alias that expands), and the command line and YAML
+  that build it;
 - ``topology``, ``row_weights``: the job's ranks, groups and row plans as one pure value; the
   ``--row-weights`` spelling of each replica's share of a micro-batch;
 - ``partition``, ``lr_schedule``: where stages begin; the learning rate of every step;

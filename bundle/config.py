@@ -21,7 +21,9 @@ from bundle.sync_options import parse_bundle_sync as parse_bundle_sync
 BACKENDS = ("auto", "nccl", "gloo", "nccl-emu")
 GRAD_SYNCS = ("flat", "hierarchical")
 
-DATASETS = ("digits", "imagefolder", "synthetic", "text")
+DATASETS = ("digits", "imagefolder", "synthetic", "text", "tokens", "hf")
+# The ones made of tokens: --seq-len windows, a tokenizer (bundle.data).
+TOKEN_DATASETS = ("text", "tokens", "hf")
 OPTIMIZERS = ("sgd", "adamw", "adam")
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTES = ("never", "except-last", "always")
@@ -233,8 +235,12 @@ class DataConfig:
     num_classes: int | None = None
     synthetic_size: int = 4096
     data_file: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset text
-    seq_len: int = field(default=64, metadata=RECORDED)  # --dataset text: tokens per sample
-    # --dataset text: a tokenizer saved on disk (None: byte-level tokens); generation reads it back.
+    data_dir: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset tokens
+    data_files: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset hf: a glob
+    text_field: str = "text"  # --dataset hf: the field (column) holding a document's text
+    seq_len: int = field(default=64, metadata=RECORDED)  # token datasets: tokens per sample
+    # Token datasets: a tokenizer saved on disk (None: byte-level tokens, or the one --dataset
+    # tokens was prepared with); generation reads it back.
     tokenizer: str | None = field(
         default=None, metadata=MappingProxyType({"nodes": "local", "recorded": "tokenizer"})
     )
@@ -249,10 +255,15 @@ class DataConfig:
                 f"choose one of: {', '.join(DATASETS)}, or package.module:function",
             )
         positive("--seq-len", self.seq_len)
-        if self.dataset == "text" and not self.data_file:
-            raise ConfigError("--dataset", "text", "needs --data-file FILE (any UTF-8 text)")
-        if self.tokenizer and self.dataset != "text":
-            raise ConfigError("--tokenizer", self.tokenizer, "tokenizes --dataset text only")
+        needs = {"text": (self.data_file, "--data-file FILE (any UTF-8 text)"),
+                 "tokens": (self.data_dir, "--data-dir DIR (python -m bundle.data prepare)"),
+                 "hf": (self.data_files, "--data-files GLOB (JSON lines or Parquet)")}  # fmt: skip
+        if self.dataset in needs and not needs[self.dataset][0]:
+            raise ConfigError("--dataset", self.dataset, f"needs {needs[self.dataset][1]}")
+        if self.tokenizer and self.dataset not in TOKEN_DATASETS:
+            raise ConfigError(
+                "--tokenizer", self.tokenizer, f"tokenizes --dataset {', '.join(TOKEN_DATASETS)}"
+            )
         positive("--workers", self.workers, 0)
         positive("--image-size", self.image_size)
         if self.num_classes is not None:

@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -41,7 +41,14 @@ class LaunchPlan:
 
 def resolve(cfg: RunConfig) -> RunConfig:
     """The planner's choices for ``--bundle-shape auto`` / ``--partition auto`` (bundle.plan.auto),
-    else ``cfg``. The planner is imported only then: a third of a second of every other launch."""
+    else ``cfg``; a prepared corpus's tokenizer, which checkpoints record (generation reads it).
+    The planner is imported only when planning: a third of a second of every other launch."""
+    if cfg.data.dataset == "tokens":
+        from bundle.data import tokens
+
+        cfg = replace(cfg, data=replace(cfg.data, tokenizer=tokens.tokenizer_of(cfg.data)))
+    if cfg.data.dataset == "hf" and not cfg.train.steps:
+        raise ConfigError("--dataset", "hf", "is a stream without a length: give --itr STEPS")
     if not cfg.planned:
         return cfg
     from bundle.plan import auto
@@ -229,7 +236,9 @@ def check_lr_schedule(cfg: RunConfig) -> None:
     dropped, in one note: they change no step's rate, so a short run of a recipe just runs."""
     train = cfg.train
     if needs_epoch_length(train):
-        n, batch = data.train_size(cfg.data), train.batch_size
+        batch = train.batch_size
+        # A stream's one epoch is the run (bundle.data.epoch_steps).
+        n = train.steps * batch if cfg.data.dataset == "hf" else data.train_size(cfg.data)
         spe = data.steps_per_epoch(n, batch)
         if spe == 0:
             raise DataError(f"the training set has {n} samples, fewer than one batch of {batch}")

@@ -331,19 +331,30 @@ def train_stream(
     *,
     start: int = 0,
     device: torch.device | None = None,
+    position: dict | None = None,
 ) -> Iterator[list[MicroBatch] | None]:
     """Per step, this replica's M micro-batches: inputs on stage 0, labels on the last stage.
 
-    The loader pins its batches only for a CUDA ``device``.
+    The loader pins its batches only for a CUDA ``device``. A stream (``--dataset hf``) goes on
+    from ``position``, what the checkpoint resumed from recorded of it (None: from its start).
     """
     coord = session.coord
     if not reads_data(topo, coord):
         while True:
             yield None
-    n = data.size(session.splits.train)
-    lists = data.replica_indices(
-        shard(topo, coord, topo.micro_batches), n, topo.whole.global_batch, seed, total, start=start
+    train, rows, batch = (
+        session.splits.train,
+        shard(topo, coord, topo.micro_batches),
+        topo.whole.global_batch,
     )
+    if hasattr(train, "seek"):
+        train.seek(start * batch, position, batch)
+        lists = data.stream_indices(rows, batch, total, start=start)
+    else:
+        lazy = getattr(train, "lazy_order", False)
+        lists = data.replica_indices(
+            rows, data.size(train), batch, seed, total, start=start, lazy=lazy
+        )
     stream = loader.stage_micro_batches(
         session.splits.train,
         lists,
@@ -375,7 +386,7 @@ def make_checkpointer(
 ) -> Checkpointer:
     """This rank's checkpointer; ``total`` (the run's last step) is always saved when given."""
     scaler = session.engine.scaler
-    return Checkpointer(
+    checkpointer = Checkpointer(
         cfg.checkpoint,
         topo=topo,
         coord=session.coord,
@@ -385,7 +396,9 @@ def make_checkpointer(
         group=session.groups.control,
         stage_group=session.groups.stage,
         settings=checkpoint_settings(cfg, session),
-        steps_per_epoch=data.steps_per_epoch(data.size(session.splits.train), cfg.train.batch_size),
+        steps_per_epoch=data.epoch_steps(
+            session.splits.train, cfg.train.batch_size, cfg.train.steps
+        ),
         total=total,
         async_group=session.groups.async_save,
         extra=scaler.state() if scaler else None,
@@ -394,3 +407,8 @@ def make_checkpointer(
         hop=session.engine.sync.hop,
         comm=session.comm,
     )
+    train = session.splits.train
+    if rank == 0 and hasattr(train, "position"):  # rank 0 reads the stream: it says where it is
+        rows = topo.whole.global_batch
+        checkpointer.records.append(lambda step: {"data_position": train.position(step * rows)})
+    return checkpointer

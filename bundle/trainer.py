@@ -3,6 +3,7 @@ whose ``train()`` runs the steps and lets each component act when it is due."""
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class Trainer:
         # Steps whose update this process took (--fault-tolerance bundle carries it over a
         # change of members), and the bundles that left the job so far (its summary).
         self.committed = run.start
+        self.data_wait = 0.0  # seconds the steps waited for their micro-batches
         self.bundle_failures: int | None = None
         self.heals: int | None = None
 
@@ -123,7 +125,9 @@ class Trainer:
         self.profiler.before(step)
         timer.lap(Mark.OTHER)
         self.phase.enter(f"data loading (step {step + 1})")
+        waited = time.perf_counter()
         micro_data = next(self.batches)
+        self.data_wait += time.perf_counter() - waited
         self.phase.training()
         timer.lap(Mark.DATA)
         loss = self.engine.train_step(step, micro_data)
@@ -178,8 +182,16 @@ class Trainer:
         dist.all_reduce(count, group=self.session.groups.control)
         return int(count.item())
 
+    def _most(self) -> tuple[float, float]:
+        """The largest data wait (s) and peak resident memory (MiB) over the job (collective)."""
+        rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        most = torch.tensor([self.data_wait, rss_mib], dtype=torch.float64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.session.groups.control)
+        return round(float(most[0]), 3), round(float(most[1]), 1)
+
     def _facts(self, elapsed: float, replaced_samples: int | None = None) -> RunFacts:
         cfg, topo, engine = self.run.cfg, self.run.topo, self.engine
+        data_wait, rss = self._most()
         scaler, device = engine.scaler, engine.device
         # The reporting process's own peak (make gpu-check reads it).
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -203,6 +215,8 @@ class Trainer:
             save_stall_s=self.checkpointer.stalls,
             peak_in_flight=engine.peak_in_flight,
             optimizer_bytes=optim.state_bytes(self.session.optimizer),
+            data_wait_s=data_wait,
+            peak_rss_mib=rss,
             grad_wire_ratio=round(engine.sync.wire.ratio, 4),
             skipped_steps=scaler.skipped if scaler else None,
             loss_scale=scaler.scale if scaler else None,
@@ -251,6 +265,24 @@ def _mixed(cfg: RunConfig, topo: Topology) -> str:
     return "".join(f"{x}, " for x in said)
 
 
+def _epoch_steps(cfg: RunConfig, session: Session) -> int:
+    """Steps in an epoch; a training set smaller than one batch is one line."""
+    batch = cfg.train.batch_size
+    spe = data.epoch_steps(session.splits.train, batch, cfg.train.steps)
+    if spe == 0:
+        raise DataError(
+            f"the training set has {data.size(session.splits.train)} samples, fewer than one "
+            f"batch of {batch}"
+        )
+    return spe
+
+
+def data_position(resume: str | None) -> dict | None:
+    """Where a stream stood at the checkpoint ``resume`` (its ``bundle.json``), if recorded."""
+    got = ckpt.read_info(resume).get("data_position") if resume else None
+    return got if isinstance(got, dict) else None
+
+
 def build_trainer(
     cfg: RunConfig,
     topo: Topology,
@@ -268,13 +300,7 @@ def build_trainer(
 ) -> Trainer:
     """The loop's components for this rank; restores ``resume`` (collective) to learn the start,
     unless ``start`` is given (the state is carried in memory: --fault-tolerance bundle)."""
-    batch = cfg.train.batch_size
-    spe = data.steps_per_epoch(data.size(session.splits.train), batch)
-    if spe == 0:
-        raise DataError(
-            f"the training set has {data.size(session.splits.train)} samples, fewer than one batch of "
-            f"{batch}"
-        )
+    batch, spe = cfg.train.batch_size, _epoch_steps(cfg, session)
     total = cfg.train.steps or cfg.train.epochs * spe
     checkpointer = make_checkpointer(cfg, topo, rank, session, total=total)
     if start is None:
@@ -310,7 +336,14 @@ def build_trainer(
         run,
         session,
         batches=train_stream(
-            session, topo, cfg.train.seed, total, cfg.data.workers, start=start, device=device
+            session,
+            topo,
+            cfg.train.seed,
+            total,
+            cfg.data.workers,
+            start=start,
+            device=device,
+            position=data_position(resume),
         ),
         lr_schedule=LRSchedule.of(cfg.train, steps_per_epoch=spe, total=total),
         checkpointer=checkpointer,

@@ -116,12 +116,14 @@ class Checkpointer:
         self.every = cfg.save_every or steps_per_epoch
         self.total = total
         self.before_save: list[Callable[[int], None]] = []
+        # What else bundle.json records of step N, on rank 0 (a stream's position: bundle.data).
+        self.records: list[Callable[[int], dict]] = []
         self.canonical = coord.bundle == 0 and coord.replica == 0
         self.async_group = async_group
         # Entries the same on every rank (the loss scale), saved and restored in place.
         self.extra = extra or {}
-        # An asynchronous save in flight: its future (DCP's), step-N.tmp, step-N, N.
-        self.pending: tuple[Any, str, str, int] | None = None
+        # An asynchronous save in flight: its future (DCP's), step-N.tmp, step-N, N, records.
+        self.pending: tuple[Any, str, str, int, dict] | None = None
         self.stalls: list[float] = []
         self.last_saved: str | None = None
         # The size of the last checkpoint written (known to rank 0, which publishes; 0 elsewhere):
@@ -235,6 +237,7 @@ class Checkpointer:
         state = self.state()
         self._agree(state, step)
         self._check_room(state, final)
+        notes = {k: v for record in self.records for k, v in record(step).items()}
         failure: BaseException | None = None
         if self.rank == 0:
             try:
@@ -249,7 +252,7 @@ class Checkpointer:
         if self.async_group is None:
             try:  # DCP raises on every rank when one rank's writes failed
                 dcp.save(state, storage_writer=writer, process_group=self.group)
-                self._publish(tmp, final, step)
+                self._publish(tmp, final, step, notes)
             except _save_errors() as exc:
                 failure = exc
             self._all_or_none(failure, tmp, final)
@@ -257,7 +260,7 @@ class Checkpointer:
             future = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
             if self.rank == 0:  # the checksums too are computed off the training thread
                 future = _then(future, lambda: ckpt.file_records(tmp))
-            self.pending = (future, tmp, final, step)
+            self.pending = (future, tmp, final, step, notes)
         self.stalls.append(round(time.perf_counter() - t0, 4))
         if block:
             self.wait()
@@ -330,11 +333,11 @@ class Checkpointer:
         """
         if self.pending is None:
             return
-        future, tmp, final, step = self.pending
+        future, tmp, final, step, notes = self.pending
         self.pending = None
         try:
             files = future.result()  # raises what the writer raised (on every rank: DCP gathers)
-            self._publish(tmp, final, step, files)
+            self._publish(tmp, final, step, notes, files)
         except _save_errors() as exc:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -342,10 +345,12 @@ class Checkpointer:
                 f"cannot save {final}: {ckpt.cause_of(exc)}; earlier checkpoints untouched"
             ) from exc
 
-    def _publish(self, tmp: str, final: str, step: int, files: dict | None = None) -> None:
+    def _publish(
+        self, tmp: str, final: str, step: int, notes: dict, files: dict | None = None
+    ) -> None:
         """Rank 0 adds bundle.json and renames step-N.tmp to step-N; older ones are pruned."""
         if self.rank == 0:
-            ckpt.publish(tmp, final, {**self.settings, "step": step}, files)
+            ckpt.publish(tmp, final, {**self.settings, **notes, "step": step}, files)
             self.last_bytes = ckpt.size_of(final)
             ckpt.prune(self._save_dir, self.cfg.keep)
         self.last_saved = final

@@ -8,10 +8,19 @@ Modules, from the data up:
 - ``order``: which samples each step trains on, and each stage-0 replica's rows of them: a pure
   function of ``(seed, epoch, global index)``;
 - ``sources``: the datasets by name (``SOURCES``), their splits, and what a model is built for;
+- ``prepare``: ``python -m bundle.data prepare``: text, .jsonl(.gz), .parquet or a saved dataset
+  tokenized once into token shards (imported by that command only: numpy, tqdm, a pool);
+- ``shards``: those shards on disk: their ``index.json`` (checked, verified) and one split read as
+  one memory-mapped sequence of tokens (``TokenStream``);
+- ``tokens``: ``--dataset tokens``: such a corpus's windows, in an order drawn without a table;
+- ``stream``: ``--dataset hf``: .jsonl(.gz)/.parquet files streamed with ``datasets``, tokenized
+  and packed as they are read (prepare's split and encoder), resumed from a recorded position;
 - ``loader``: a stage's micro-batches read in order, with loader workers prefetching.
 
 The names most callers use are here: ``data.load``, ``data.input_spec``, ``data.global_batch``.
 """
+
+from typing import Any
 
 from bundle.data.order import (
     Shard,
@@ -19,6 +28,7 @@ from bundle.data.order import (
     global_batch,
     replica_indices,
     steps_per_epoch,
+    stream_indices,
 )
 from bundle.data.samples import size
 from bundle.data.sources import (
@@ -41,12 +51,19 @@ __all__ = [
     "Shard",
     "check_data",
     "digits_arrays",
+    "epoch_steps",
     "epoch_order",
     "global_batch",
     "input_spec",
     "load",
     "replica_indices",
+    "stream_indices",
     "size",
     "steps_per_epoch",
     "train_size",
 ]
+
+
+def epoch_steps(train: Any, batch: int, steps: int) -> int:
+    """Steps in an epoch of ``train``: a stream (``--dataset hf``, no length) has one, the run."""
+    return steps if getattr(train, "endless", False) else steps_per_epoch(size(train), batch)

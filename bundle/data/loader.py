@@ -2,6 +2,10 @@
 (inputs, labels) batch, in this process or with ``--workers`` loader workers prefetching; the last
 stage reads labels only. A sample that cannot be read reaches the trainer as one ``DataError``
 line, from a worker too; ``Guarded``'s replacements travel with their batch to be counted.
+
+A dataset that reads whole batches itself (``fetch``, ``fetch_labels``: the token corpora) and
+draws nothing at random (``thread_safe``) is read ahead of the step by a thread of this process
+when there are no loader workers, so a step never waits for a page of the corpus to come in.
 """
 
 from __future__ import annotations
@@ -9,7 +13,9 @@ from __future__ import annotations
 import atexit
 import functools
 import multiprocessing
+import queue
 import signal
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +26,13 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from bundle.data.samples import Guarded, SeededAugment, known_labels, size, take_noted
 from bundle.errors import DataError
 
+AHEAD = 8  # micro-batches a read-ahead thread keeps ready
+
 
 def _fetch(dataset: Dataset[Any], keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The (inputs, labels) of the samples named by ``keys`` (see ``bundle.data`` for keys)."""
+    if hasattr(dataset, "fetch"):
+        return dataset.fetch(keys)
     if isinstance(dataset, TensorDataset):
         x, y = dataset.tensors
         idx = keys % len(y)
@@ -108,6 +118,10 @@ def micro_batches(
     cuda:0) in a process that may never use the GPU, such as a gloo run on a GPU host.
     """
     guarded = dataset if isinstance(dataset, Guarded) else None
+    if getattr(dataset, "thread_safe", False) and (workers == 0 or hasattr(dataset, "seek")):
+        # A stream (seek) reads in order in one place: loader workers would each need their own.
+        yield from ahead(_fetch(dataset, idx) for idx in index_lists)
+        return
     if workers == 0:
         for idx in index_lists:
             batch = _fetch(dataset, idx)
@@ -137,6 +151,32 @@ def micro_batches(
         yield x, y
 
 
+@dataclass(frozen=True)
+class _Raised:
+    error: BaseException
+
+
+def ahead(items: Iterator[Any], depth: int = AHEAD) -> Iterator[Any]:
+    """``items``, made by a daemon thread up to ``depth`` ahead of the caller; what the thread
+    raises is raised here, where its item would have come."""
+    made: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    end = object()
+
+    def make() -> None:
+        try:
+            for item in items:
+                made.put(item)
+            made.put(end)
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            made.put(_Raised(exc))
+
+    threading.Thread(target=make, name="bundle-data-ahead", daemon=True).start()
+    while (item := made.get()) is not end:
+        if isinstance(item, _Raised):
+            raise item.error
+        yield item
+
+
 def labels_of(dataset: Dataset[Any]) -> torch.Tensor:
     """Every label of ``dataset``, without decoding a single image where the dataset allows."""
     labels = known_labels(dataset)
@@ -157,6 +197,9 @@ def stage_micro_batches(
     """Stage 0 reads (inputs, labels); the last stage reads only the labels of its own rows."""
     if first:
         yield from micro_batches(dataset, index_lists, workers=workers, pin_memory=pin_memory)
+        return
+    if hasattr(dataset, "fetch_labels"):  # a corpus: its windows' labels, never all of them
+        yield from ahead((None, dataset.fetch_labels(keys)) for keys in index_lists)
         return
     labels = labels_of(dataset)
     for keys in index_lists:

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from bundle.config import DataConfig, is_reference
-from bundle.data import tokenizer
+from bundle.data import tokenizer, tokens
 from bundle.data.samples import Guarded, SeededAugment, size
 from bundle.errors import ConfigError, DataError
 
@@ -153,6 +153,12 @@ def _image_folder(cfg: DataConfig, seed: int, needs_val: bool = True) -> DataSpl
 def check_data(cfg: DataConfig, *, needs_val: bool = True) -> None:
     """Cheap checks done before any process starts (directory exists and is not empty);
     ``needs_val``: the run evaluates, so ``val/`` must be there too (``--no-eval``: not)."""
+    if cfg.dataset == "tokens":
+        tokens.check(cfg, needs_val=needs_val)
+    if cfg.dataset == "hf":
+        from bundle.data import stream  # datasets and prepare's encoder: only for a stream
+
+        stream.check(cfg, needs_val=needs_val)
     if cfg.dataset != "imagefolder":
         return
     if not cfg.root:
@@ -177,6 +183,10 @@ def train_size(cfg: DataConfig) -> int:
         return size(_digits().train)
     if cfg.dataset == "text":
         return size(_text(cfg).train)
+    if cfg.dataset == "tokens":
+        return len(tokens.windows(cfg, "train"))
+    if cfg.dataset == "hf":
+        raise DataError("--dataset hf is a stream: it has no size (the run is --itr steps long)")
     if cfg.dataset != "imagefolder":
         return size(_custom(cfg).train)
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
@@ -246,6 +256,20 @@ def _text(cfg: DataConfig) -> DataSplits:
     )
 
 
+def _tokens(cfg: DataConfig, needs_val: bool) -> DataSplits:
+    """A prepared corpus (``bundle.data.tokens``): its train and validation splits, memory-mapped."""
+    vocab, shape = tokens.spec(cfg)
+    val = tokens.windows(cfg, "val") if needs_val else TensorDataset(torch.empty(0, 0))
+    return DataSplits(tokens.windows(cfg, "train"), val, vocab, shape)
+
+
+def _hf(cfg: DataConfig, needs_val: bool) -> DataSplits:
+    """JSON lines or Parquet, tokenized and packed as they are read (``bundle.data.stream``)."""
+    from bundle.data import stream
+
+    return stream.splits(cfg, needs_val)
+
+
 def _custom(cfg: DataConfig) -> DataSplits:
     """A user's ``module:function``, called as ``function(split)`` for "train" and "val"."""
     from bundle.models import load_callable
@@ -310,6 +334,8 @@ SOURCES: dict[str, Callable[[DataConfig, int, bool], DataSplits]] = {
     "imagefolder": _image_folder,
     "synthetic": lambda cfg, seed, needs_val: _synthetic(cfg, seed),
     "text": lambda cfg, seed, needs_val: _text(cfg),
+    "tokens": lambda cfg, seed, needs_val: _tokens(cfg, needs_val),
+    "hf": lambda cfg, seed, needs_val: _hf(cfg, needs_val),
 }
 
 
@@ -320,6 +346,12 @@ def input_spec(cfg: DataConfig) -> tuple[int, tuple[int, ...]]:
     if cfg.dataset == "text":
         _text_bytes(cfg)  # the file is there (and, byte-level, long enough)
         return tokenizer.load(cfg.tokenizer).vocab, (cfg.seq_len,)
+    if cfg.dataset == "tokens":
+        return tokens.spec(cfg)
+    if cfg.dataset == "hf":
+        from bundle.data import stream
+
+        return stream.spec(cfg)
     if cfg.dataset not in ("synthetic", "imagefolder"):
         splits = _custom(cfg)
         return splits.num_classes, splits.input_shape

@@ -108,6 +108,10 @@ class RunFacts:
     save_stall_s: list[float]
     peak_in_flight: int
     optimizer_bytes: int  # the optimizer state the reporting process holds at the end
+    # The largest over the job's processes: seconds its steps waited for their data, and its peak
+    # resident memory (MiB; the corpus of --dataset tokens is mapped, not read into it).
+    data_wait_s: float
+    peak_rss_mib: float
     # Gradient (and, meeting every H steps, parameter) bytes the reporting process sent in its
     # stage's sync over the run, against the same sync in fp32 every step: 1.0 exact, 0.5 bf16.
     grad_wire_ratio: float
