@@ -9,8 +9,9 @@ Corpora are JSON lines made of the text files on this machine (this repository's
 own sources, repeated to size): ``--small-mb`` and ``--big-mb`` of text. Three parts, one at a
 time, nothing else of this script running beside them:
 
-- ``prepare``: ``python -m bundle.data prepare`` of the big corpus, byte-level, with
-  ``--workers 1`` and ``--workers 2``: MB/s and tokens/s of each (a fresh output each time);
+- ``prepare``: ``python -m bundle.data prepare`` of a ``--prepare-mb`` corpus, byte-level and
+  with ``--tokenizer DIR`` where given, with ``--workers 1`` and ``--workers 2``: MB/s and
+  tokens/s of each (a fresh output each time; the seconds include the command's start-up);
 - ``loader``: the training split read as a stage-0 replica reads it (``--dataset tokens``, the
   order of ``--seed``, batches of ``--batch-size`` windows of ``--seq-len`` tokens, through the
   read-ahead thread): tokens/s, against what the small GPT consumes in ``main.py`` at shape 1,1
@@ -58,16 +59,17 @@ def make_corpus(path: Path, megabytes: float) -> int:
     return docs
 
 
-def prepare(corpus: Path, out: Path, workers: int) -> dict:
+def prepare(corpus: Path, out: Path, workers: int, tokenizer: str | None = None) -> dict:
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "bundle.data", "prepare", str(corpus), "--out", str(out)]
-    cmd += ["--workers", str(workers)]
+    cmd += ["--workers", str(workers), *(["--tokenizer", tokenizer] if tokenizer else [])]
     subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     index = json.loads((out / "index.json").read_text())
     tokens = sum(s["tokens"] for s in index["splits"].values())
     mb = corpus.stat().st_size / 1e6
     return {
+        "tokenizer": tokenizer or "bytes",
         "workers": workers,
         "seconds": round(seconds, 2),
         "mb_per_s": round(mb / seconds, 2),
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--small-mb", type=float, default=3.0)
     p.add_argument("--big-mb", type=float, default=300.0)
+    p.add_argument("--prepare-mb", type=float, default=50.0)
+    p.add_argument("--tokenizer", help="also prepare with this tokenizer (a directory)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=60, help="main.py steps of each memory run")
@@ -121,12 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, mb in (("small", a.small_mb), ("big", a.big_mb)):
             make_corpus(root / f"{name}.jsonl", mb)
             corpora[name] = root / f"{name}.tokens"
+        make_corpus(root / "prepare.jsonl", a.prepare_mb)
+        workers = (1, 2)[: 1 + (not a.quick)]
         report["prepare"] = [
-            prepare(root / "big.jsonl", root / f"big-w{w}.tokens", w)
-            for w in (1, 2)[: 1 + (not a.quick)]
+            prepare(root / "prepare.jsonl", root / f"p-{i}-{w}.tokens", w, tok)
+            for i, tok in enumerate([None, a.tokenizer] if a.tokenizer else [None])
+            for w in workers
         ]
-        (root / "big-w1.tokens").rename(corpora["big"])
-        prepare(root / "small.jsonl", corpora["small"], 1)
+        for name in corpora:
+            prepare(root / f"{name}.jsonl", corpora[name], 2)
         read = loader_rate(corpora["big"], a.seq_len, a.batch_size, 200)
         runs = {
             name: train(path, a.seq_len, a.batch_size, a.steps) for name, path in corpora.items()

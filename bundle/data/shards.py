@@ -359,8 +359,9 @@ class Index:
 class TokenStream:
     """One split's shards as one sequence of tokens, read through memory maps.
 
-    Each shard is mapped on its first read; the maps are dropped when pickled, so a DataLoader
-    worker maps the files itself.
+    A shard is mapped for one read and unmapped after it: a map kept open keeps every page it
+    touched in the process's resident memory, which then grows with the corpus as training draws
+    windows from all over it (nanoGPT maps its file anew for every batch for the same reason).
     """
 
     def __init__(self, index: Index, split: str) -> None:
@@ -369,7 +370,7 @@ class TokenStream:
         self.paths = [os.path.join(index.directory, s["file"]) for s in shards]
         self.starts = list(itertools.accumulate([0] + [s["tokens"] for s in shards[:-1]]))
         self.total = int(sum(s["tokens"] for s in shards))
-        self._maps: list[np.memmap[Any, Any] | None] = [None] * len(shards)
+        self.shard_tokens = [int(s["tokens"]) for s in shards]
 
     def __len__(self) -> int:
         return self.total
@@ -382,19 +383,23 @@ class TokenStream:
         done = 0
         shard = bisect.bisect_right(self.starts, start) - 1
         while done < length:
-            tokens = self._map(shard)
             at = start + done - self.starts[shard]
-            n = min(length - done, len(tokens) - at)
-            out[done : done + n] = tokens[at : at + n]
+            n = min(length - done, self.shard_tokens[shard] - at)
+            out[done : done + n] = self._read(shard, at, n)
             done += n
             shard += 1
         return out
 
-    def _map(self, shard: int) -> np.memmap[Any, Any]:
-        mapped = self._maps[shard]
-        if mapped is None:
-            mapped = self._maps[shard] = np.memmap(self.paths[shard], dtype=self.dtype, mode="r")
-        return mapped
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_maps": [None] * len(self._maps)}
+    def _read(self, shard: int, at: int, n: int) -> np.ndarray:
+        """Tokens ``at .. at + n - 1`` of one shard, through a map of just them, closed after."""
+        mapped = np.memmap(
+            self.paths[shard],
+            dtype=self.dtype,
+            mode="r",
+            offset=at * self.dtype.itemsize,
+            shape=(n,),
+        )
+        try:
+            return np.array(mapped)
+        finally:
+            mapped._mmap.close()  # type: ignore[attr-defined]  # now, not when collected

@@ -100,41 +100,39 @@ def _merged(results) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_a_prepared_corpus_resumes_exactly_and_under_another_shape(corpus, tmp_path):
-    save_dir = str(tmp_path / "ckpt")
-    whole = run_world(6, _run, _cfg(corpus, (2, 1), 2, save_dir), None, SAVED_AT)
+# Saved at 1,1 x 2 bundles (4 processes); resumed there, and as one process (shape 1, 1 bundle).
+SAVED, OTHER = ((1, 1), 2), ((1,), 1)
+
+
+def _resumes(cfg_at) -> str:
+    """Train at SAVED, saving after SAVED_AT; resume at SAVED (bit-identical) and at OTHER
+    (within TOL). Returns the checkpoint."""
+    whole = run_world(4, _run, cfg_at(*SAVED), None, SAVED_AT)
     path = whole[0][0]
     assert path.endswith(f"step-{SAVED_AT}")
     want = _merged(whole)
-    again = _merged(run_world(6, _run, _cfg(corpus, (2, 1), 2, save_dir), path, None))
+    again = _merged(run_world(4, _run, cfg_at(*SAVED), path, None))
     assert set(again) == set(want)
     for name, value in again.items():
         assert torch.equal(value, want[name]), f"{name}: not bit-identical after resuming"
-    other = _merged(run_world(3, _run, _cfg(corpus, (1, 1, 1), 1, save_dir), path, None))
+    other = _merged(run_world(1, _run, cfg_at(*OTHER), path, None))
     assert set(other) == set(want)
     for name, value in other.items():
         err = (value - want[name]).abs().max().item()
-        assert err <= TOL, f"{name} off by {err:.2e} resumed at 1,1,1 x 1 bundle"
+        assert err <= TOL, f"{name} off by {err:.2e} resumed as one process"
+    return path
+
+
+def test_a_prepared_corpus_resumes_exactly_and_under_another_shape(corpus, tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    _resumes(lambda shape, bundles: _cfg(corpus, shape, bundles, save_dir))
 
 
 def test_a_stream_of_json_lines_and_parquet_resumes_exactly_and_under_another_shape(
     jsonl, tmp_path
 ):
     save_dir = str(tmp_path / "ckpt")
-    cfg = _cfg(jsonl, (2, 1), 2, save_dir, "hf")
-    whole = run_world(6, _run, cfg, None, SAVED_AT)
-    path = whole[0][0]
-    assert path.endswith(f"step-{SAVED_AT}")
+    path = _resumes(lambda shape, bundles: _cfg(jsonl, shape, bundles, save_dir, "hf"))
     position = ckpt.read_info(path)["data_position"]
-    assert position["window"] == SAVED_AT * cfg.train.batch_size
+    assert position["window"] == SAVED_AT * _cfg(jsonl, *SAVED, save_dir, "hf").train.batch_size
     assert position["file"] > 0  # past the first file: the resumed run opens another at a row
-    want = _merged(whole)
-    again = _merged(run_world(6, _run, cfg, path, None))
-    assert set(again) == set(want)
-    for name, value in again.items():
-        assert torch.equal(value, want[name]), f"{name}: not bit-identical after resuming"
-    other = _merged(run_world(3, _run, _cfg(jsonl, (1, 1, 1), 1, save_dir, "hf"), path, None))
-    assert set(other) == set(want)
-    for name, value in other.items():
-        err = (value - want[name]).abs().max().item()
-        assert err <= TOL, f"{name} off by {err:.2e} resumed at 1,1,1 x 1 bundle"
