@@ -237,7 +237,7 @@ class DataConfig:
     data_file: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset text
     data_dir: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset tokens
     data_files: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset hf: a glob
-    text_field: str = "text"  # --dataset hf: the field (column) holding a document's text
+    text_field: str = field(default="text", metadata=RECORDED)  # --dataset hf: the text field
     seq_len: int = field(default=64, metadata=RECORDED)  # token datasets: tokens per sample
     # Token datasets: a tokenizer saved on disk (None: byte-level tokens, or the one --dataset
     # tokens was prepared with); generation reads it back.

@@ -186,7 +186,8 @@ class Trainer:
         """The largest data wait (s) and peak resident memory (MiB) over the job (collective)."""
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         most = torch.tensor([self.data_wait, rss_mib], dtype=torch.float64)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.session.groups.control)
+        if dist.is_initialized():  # (a lone Trainer, as some tests build one, reports its own)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.session.groups.control)
         return round(float(most[0]), 3), round(float(most[1]), 1)
 
     def _facts(self, elapsed: float, replaced_samples: int | None = None) -> RunFacts:

@@ -3,11 +3,17 @@
 Every child is joined or, past the timeout, killed by its own handle; a child's exception comes
 back to the caller with its traceback. Results come back through a pipe of each child's own,
 never through a file.
+
+Children are forked from a forkserver that has imported torch and the engine once (``PRELOAD``):
+a spawned child spends a second or two of CPU importing them, every world again. Each child
+takes the caller's environment and working directory as they are when the world starts, as a
+spawned one would.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import socket
 import time
@@ -18,6 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+
+# Imported once by the forkserver (never run: no torch op, no thread pool, no CUDA), so that its
+# children start with them.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "bundle.session",
+    "bundle.trainer",
+]
 
 
 def free_port() -> int:
@@ -59,9 +76,14 @@ def _entry(
     args: tuple,
     backend: str,
     device: str | None,
+    place: tuple[dict[str, str], str],
 ) -> None:
     """One child: one thread, a process group, ``fn``, its result sent to the parent (``out``:
-    the sending end of its pipe)."""
+    the sending end of its pipe; ``place``: the caller's environment and working directory)."""
+    environ, cwd = place
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     import torch
     import torch.distributed as dist
 
@@ -98,14 +120,14 @@ def run_world(
     fn: Callable,
     *args,
     timeout: float = 600.0,
-    start_method: str = "spawn",
+    start_method: str = "forkserver",
     backend: str = "gloo",
     device: str | None = None,
 ) -> list:
     """``fn(rank, world, *args)`` on ``world`` processes; their results in rank order, or an error.
 
-    ``start_method="fork"`` saves re-importing torch in every child (seconds each on a loaded
-    machine); only use it from a parent that has run no torch op and holds no process group.
+    ``start_method``: "forkserver" (children of one that imported ``PRELOAD``), "spawn", or
+    "fork", only from a parent that has run no torch op and holds no process group.
 
     ``backend="nccl"`` binds each child to a CUDA device before its group is created: ``device``
     (e.g. ``"cuda:0"``, every child on one GPU) or round-robin over the visible GPUs; ``fn``
@@ -121,10 +143,15 @@ def run_world(
     ctx: Any = mp.get_context(
         start_method if start_method in mp.get_all_start_methods() else "spawn"
     )
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first world's
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # (receiving, sending) per child
+    place = (dict(os.environ), os.getcwd())
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, pipes[r][1], args, backend, device))
+        ctx.Process(
+            target=_entry, args=(fn, r, world, port, pipes[r][1], args, backend, device, place)
+        )
         for r in range(world)
     ]
     for p in procs:

@@ -23,7 +23,6 @@ whoever waited first), and compares the nodes' settings field by field.
 from __future__ import annotations
 
 import enum
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -32,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait as wait_sentinels
-from multiprocessing.context import SpawnContext, SpawnProcess
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,7 +45,7 @@ from bundle.launch import nodes
 from bundle.launch.handoff import EXIT_HANDOFF, file_of, handoff_directory
 from bundle.launch.heal import Healer
 from bundle.launch.membership import EXIT_LEFT
-from bundle.launch.process import spawned
+from bundle.launch.process import spawned, where_we_are, worker_context
 from bundle.launch.throttle import NodeQuotas, ThrottleError, cpu_shares
 from bundle.partition import Capture
 from bundle.runtime.devices import resolve_backend, torch_backend
@@ -107,8 +106,8 @@ def supervise(
     logger = log.setup(f"[node {node}]")
     store, port = open_job_store(lc, node=node, nodes=topo.num_nodes)
     exchange_config(store, cfg, node, topo.num_nodes, lc.init_timeout)
-    ctx = mp.get_context("spawn")
-    running: dict[int, SpawnProcess] = {}
+    ctx = worker_context()
+    running: dict[int, BaseProcess] = {}
 
     def kill_now(signum: int) -> None:
         for p in running.values():
@@ -163,11 +162,11 @@ def _attempt(
     topo: Topology,
     base: dist.Store,
     port: int,
-    ctx: SpawnContext,
+    ctx: Any,  # a multiprocessing context (process.worker_context)
     attempt: int,
     start: tuple[str | None, Capture | None],
     stop: StopRequest,
-    running: dict[int, SpawnProcess],
+    running: dict[int, BaseProcess],
 ) -> Outcome:
     """Run one attempt of this node's workers until they are done, stopped, or one failed;
     ``start``: the checkpoint they resume from and the model's graph split (``supervise``)."""
@@ -194,7 +193,7 @@ def _attempt(
     healer = None
     if lc.fault_tolerance == "bundle":
 
-        def start_again(rank: int, incarnation: int, handed: bool = False) -> SpawnProcess:
+        def start_again(rank: int, incarnation: int, handed: bool = False) -> BaseProcess:
             p = procs[rank] = running[rank] = process(rank, incarnation, handed)
             p.start()
             quotas.admit({rank: p.pid})
@@ -259,19 +258,19 @@ def _factory(
     cfg: RunConfig,
     topo: Topology,
     port: int,
-    ctx: SpawnContext,
+    ctx: Any,  # a multiprocessing context (process.worker_context)
     attempt: int,
     start: tuple[str | None, Capture | None],
     stop: StopRequest,
     step_now: Mapping[int, Any],
     alive: Mapping[int, Any],
     handoffs: Path | None = None,
-) -> Callable[..., SpawnProcess]:
+) -> Callable[..., BaseProcess]:
     """``process(rank, incarnation=0, handed=False)``: a new (unstarted) worker for one of this
     node's ranks (``handed``: it reads the state its previous process left in ``handoffs``)."""
     lc, (resume, capture) = cfg.launch, start
 
-    def process(rank: int, incarnation: int = 0, handed: bool = False) -> SpawnProcess:
+    def process(rank: int, incarnation: int = 0, handed: bool = False) -> BaseProcess:
         here = str(file_of(handoffs, rank)) if handoffs else None
         alive[rank].value = 0.0  # a new worker is not watched for beats before its first
         return ctx.Process(
@@ -284,6 +283,7 @@ def _factory(
                 capture=capture,
                 stop_shared=stop.shared,
                 alive=alive[rank],
+                place=where_we_are(),
                 ft=dict(
                     incarnation=incarnation,
                     handoff_to=here,
@@ -455,7 +455,7 @@ def _stopped(cfg: RunConfig, signum: int) -> int:
     return exit_code(signum)
 
 
-def _stop(procs: Iterable[SpawnProcess], *, grace: float) -> None:
+def _stop(procs: Iterable[BaseProcess], *, grace: float) -> None:
     """Join every child; after ``grace`` seconds kill the ones still running, by pid.
 
     Not SIGTERM first: a worker takes SIGTERM as a request to finish its step and save.

@@ -97,6 +97,7 @@ def shared(**sections):
             "image_size": 224,
             "num_classes": None,
             "synthetic_size": 4096,
+            "text_field": "text",
             "seq_len": 64,
             "skip_bad_samples": False,
         },
@@ -182,6 +183,7 @@ RECORDED_DEFAULT = {
     "model_args": None,
     "loss": None,
     "model_output": None,
+    "text_field": "text",
     "seq_len": 64,
     "tokenizer": None,
 }

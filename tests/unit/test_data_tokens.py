@@ -116,3 +116,24 @@ def test_another_tokenizer_or_a_split_without_a_window_is_one_line(corpus, tmp_p
     long = DataConfig(dataset="tokens", data_dir=corpus, seq_len=100_000)
     with pytest.raises(DataError, match="train split holds no window of --seq-len 100000"):
         tokens.check(long, needs_val=False)
+
+
+def test_a_run_takes_the_corpus_tokenizer_so_its_checkpoints_record_it(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from bundle import cli, preflight
+
+    vocab = {w: i for i, w in enumerate(["<|endoftext|>", "[UNK]", "a", "b", "c"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text(" ".join("abc"[i % 3] for i in range(500)))
+    out = tmp_path / "corpus"
+    argv = ["prepare", str(tmp_path / "a.txt"), "--out", str(out), "--val-fraction", "0"]
+    assert data_command([*argv, "--tokenizer", str(tmp_path / "tok")]) == 0
+    cfg = cli.parse(["--model", "gpt", "--dataset", "tokens", "--data-dir", str(out)], {})
+    resolved = preflight.resolve(cfg)
+    assert resolved.data.tokenizer == str(tmp_path / "tok")
+    assert resolved.run_settings()["tokenizer"] == str(tmp_path / "tok")  # bundle.json's
+    assert tokens.spec(resolved.data) == (5, (64,))

@@ -79,7 +79,7 @@ def test_bad_tokenizers_are_one_line(trained, tmp_path):
     with pytest.raises(DataError, match="tokenizer.json is not a tokenizer") as bad:
         tokenizer.load(str(tmp_path / "junk"))
     assert "\n" not in str(bad.value)
-    with pytest.raises(ConfigError, match="tokenizes --dataset text only"):
+    with pytest.raises(ConfigError, match="tokenizes --dataset text, tokens, hf"):
         DataConfig(dataset="synthetic", tokenizer=str(trained / "fast"))
     short = tmp_path / "short.txt"
     short.write_text(TEXT[:900])  # enough bytes, too few tokens for --seq-len 16
