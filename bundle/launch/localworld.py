@@ -76,14 +76,16 @@ def _entry(
     args: tuple,
     backend: str,
     device: str | None,
-    place: tuple[dict[str, str], str],
+    place: tuple[dict[str, str], str, str],
 ) -> None:
     """One child: one thread, a process group, ``fn``, its result sent to the parent (``out``:
-    the sending end of its pipe; ``place``: the caller's environment and working directory)."""
-    environ, cwd = place
+    the sending end of its pipe; ``place``: the caller's environment, working directory and
+    default start method, bundle.launch.process.where_we_are)."""
+    environ, cwd, method = place
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    mp.set_start_method(method, force=True)
     import torch
     import torch.distributed as dist
 
@@ -147,7 +149,7 @@ def run_world(
         ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first world's
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # (receiving, sending) per child
-    place = (dict(os.environ), os.getcwd())
+    place = (dict(os.environ), os.getcwd(), mp.get_start_method())
     procs = [
         ctx.Process(
             target=_entry, args=(fn, r, world, port, pipes[r][1], args, backend, device, place)

@@ -321,18 +321,29 @@ def worker_context() -> Any:
     return ctx
 
 
-def where_we_are() -> tuple[dict[str, str], str]:
-    """This process's environment and working directory, for a worker to take (a forked one
-    would have the forkserver's, as they were when it started)."""
-    return dict(os.environ), os.getcwd()
+Place = tuple[dict[str, str], str, str]
 
 
-def spawned(*args, place: tuple[dict[str, str], str] | None = None, **kwargs) -> None:
+def where_we_are() -> Place:
+    """This process's environment, working directory and default start method, for a child of a
+    forkserver to take: it would have the forkserver's, as they were when it started, and the
+    forkserver as its own default, under which the loader workers it starts would outlive it
+    (torch's loader workers watch for their parent's death, and the forkserver is theirs)."""
+    return dict(os.environ), os.getcwd(), mp.get_start_method()
+
+
+def take_place(place: Place) -> None:
+    environ, cwd, method = place
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    mp.set_start_method(method, force=True)
+
+
+def spawned(*args, place: Place | None = None, **kwargs) -> None:
     """Entry of a worker process started by the node supervisor (``place``: ``where_we_are()``)."""
     if place is not None:
-        os.environ.clear()
-        os.environ.update(place[0])
-        os.chdir(place[1])
+        take_place(place)
     os._exit(worker_main(*args, **kwargs))
 
 

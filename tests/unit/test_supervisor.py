@@ -119,3 +119,20 @@ def test_a_job_stopped_and_continued_as_a_whole_is_not_a_frozen_worker():
         now[0] = t
         look()
     assert calls == [0.5, 1.0, 60.5]
+
+
+def _start_method(rank: int, world: int) -> str:
+    import multiprocessing
+
+    return multiprocessing.get_start_method()
+
+
+def test_a_forked_worker_starts_its_own_children_as_its_parent_would():
+    """A child of the forkserver would start its loader workers through the forkserver too, and
+    they would outlive it (torch's loader workers watch for their parent's death): it takes the
+    start method, environment and directory of the process that asked for it."""
+    import multiprocessing
+
+    from bundle.launch.localworld import run_world
+
+    assert run_world(1, _start_method) == [multiprocessing.get_start_method()]
