@@ -21,6 +21,7 @@ from bundle.data.__main__ import main
 from bundle.data.prepare import Options, is_val, prepare
 from bundle.data.shards import Index, TokenStream
 from bundle.errors import ConfigError
+from tests.support.tokenizers import byte_level_bpe
 
 SENTENCE = "the quick brown fox jumps over the lazy dog and a lazy dog sleeps in the sun"
 WORDS = SENTENCE.split()
@@ -59,21 +60,7 @@ def inputs(tmp_path):
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     """A byte-level BPE of 300 tokens trained on the test text, ``<|endoftext|>`` among them."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
-    from tokenizers import models as tm
-
-    tok = Tokenizer(tm.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(texts(30, 0), trainer)
-    root = tmp_path_factory.mktemp("bpe")
-    tok.save(str(root / "tokenizer.json"))
-    return str(root)
+    return byte_level_bpe(tmp_path_factory.mktemp("bpe"), texts(30, 0))
 
 
 def expected(docs, fraction, tok=None):

@@ -19,6 +19,7 @@ from bundle.config import DataConfig
 from bundle.data import stream, tokenizer
 from bundle.data.prepare import is_val
 from bundle.errors import DataError
+from tests.support.tokenizers import byte_level_bpe
 
 T = 8
 FRACTION = 0.2  # a fifth held out, so a few dozen documents hold some (the run's is 0.001)
@@ -57,21 +58,7 @@ def corpus(tmp_path):
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     """A byte-level BPE of 300 tokens with ``<|endoftext|>``, trained on the test's words."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
-    from tokenizers import models as tm
-
-    tok = Tokenizer(tm.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(texts(40), trainer)
-    root = tmp_path_factory.mktemp("bpe")
-    tok.save(str(root / "tokenizer.json"))
-    return str(root)
+    return byte_level_bpe(tmp_path_factory.mktemp("bpe"), texts(40))
 
 
 def cfg_of(files: str, tok: str | None = None) -> DataConfig:
