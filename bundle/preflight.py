@@ -306,6 +306,7 @@ def check_resume(cfg: RunConfig, shapes: dict, attempt: int) -> str | None:
     if path is None:
         return None
     info = ckpt.check_fits(path, cfg.model.name, shapes)
+    data.check_position(cfg.data, info.get("data_position"))
     # Training settings may change on resume; say which did.
     for key, value in ckpt.run_settings(cfg).items():
         # (A setting older checkpoints did not record is not reported.)

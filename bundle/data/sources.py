@@ -175,6 +175,14 @@ def check_data(cfg: DataConfig, *, needs_val: bool = True) -> None:
             )
 
 
+def check_position(cfg: DataConfig, position: object) -> None:
+    """Before any process starts: the data position a checkpoint recorded fits this run's data."""
+    if cfg.dataset == "hf" and position is not None:
+        from bundle.data import stream
+
+        stream.check_position(cfg, position)
+
+
 def train_size(cfg: DataConfig) -> int:
     """Samples in the training split, without reading them (ImageFolder's own scan of DIR/train)."""
     if cfg.dataset == "synthetic":

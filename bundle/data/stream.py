@@ -111,6 +111,18 @@ def files_digest(files: list[str]) -> str:
     return hashlib.blake2b(json.dumps(named).encode(), digest_size=8).hexdigest()
 
 
+def check_position(cfg: DataConfig, position: Any) -> None:
+    """Before any process starts: a checkpoint's stream position was counted in the files
+    ``--data-files`` matches now (what the position holds is checked when it is read)."""
+    if not isinstance(position, dict) or "files" not in position:
+        return
+    if position["files"] != files_digest(files_of(cfg.data_files or "")):
+        raise DataError(
+            f"{OTHER_FILES}: give it the files it was saved with (names under their common "
+            "directory, and sizes), or start afresh without --resume"
+        )
+
+
 def _first(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
