@@ -306,7 +306,8 @@ def check_resume(cfg: RunConfig, shapes: dict, attempt: int) -> str | None:
     if path is None:
         return None
     info = ckpt.check_fits(path, cfg.model.name, shapes)
-    data.check_position(cfg.data, info.get("data_position"))
+    for note in data.check_resume(cfg.data, info):
+        print(f"main.py: note: {note}", file=sys.stderr)
     # Training settings may change on resume; say which did.
     for key, value in ckpt.run_settings(cfg).items():
         # (A setting older checkpoints did not record is not reported.)

@@ -373,6 +373,7 @@ def checkpoint_settings(cfg: RunConfig, session: Session) -> dict[str, object]:
     """What a checkpoint records of the run that wrote it (checked again on resume)."""
     return {
         **ckpt.run_settings(cfg),
+        **data.identity(cfg.data),
         "format": ckpt.FORMAT,
         "num_classes": session.splits.num_classes,
         "input_shape": list(session.splits.input_shape),

@@ -175,12 +175,25 @@ def check_data(cfg: DataConfig, *, needs_val: bool = True) -> None:
             )
 
 
-def check_position(cfg: DataConfig, position: object) -> None:
-    """Before any process starts: the data position a checkpoint recorded fits this run's data."""
-    if cfg.dataset == "hf" and position is not None:
+def identity(cfg: DataConfig) -> dict[str, str]:
+    """What a checkpoint records of the data beyond its settings: a prepared corpus's digest."""
+    return {"corpus": tokens.corpus_digest(cfg)} if cfg.dataset == "tokens" else {}
+
+
+def check_resume(cfg: DataConfig, info: dict) -> list[str]:
+    """Before any process starts: a stream position a checkpoint recorded must be counted in
+    this run's files (else refused); what differs from the checkpoint's data, as notes."""
+    if cfg.dataset == "hf" and info.get("data_position") is not None:
         from bundle.data import stream
 
-        stream.check_position(cfg, position)
+        stream.check_position(cfg, info["data_position"])
+    return [
+        f"resuming on another corpus than the checkpoint's (--data-dir {cfg.data_dir} is "
+        f"{value[:19]}..., it was written on {str(info[key])[:19]}...): the order goes on at the "
+        "next sample index"
+        for key, value in identity(cfg).items()
+        if key in info and info[key] != value
+    ]
 
 
 def train_size(cfg: DataConfig) -> int:

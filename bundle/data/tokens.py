@@ -59,6 +59,11 @@ def _index(cfg: DataConfig) -> Any:
     return shards.Index.read(cfg.data_dir or "")
 
 
+def corpus_digest(cfg: DataConfig) -> str:
+    """The prepared corpus's identity: its index's digest (its shards' checksums among it)."""
+    return str(_index(cfg).digest)
+
+
 def tokenizer_of(cfg: DataConfig) -> str | None:
     """The tokenizer a run of ``--dataset tokens`` reads text with (the one its corpus was
     prepared with): ``--tokenizer`` where given, which must be the same tokenizer, else the one

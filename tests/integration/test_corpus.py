@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bundle import data
 from bundle.checkpoint import format as ckpt
 from bundle.config import CheckpointConfig, RunConfig
 from bundle.data.__main__ import main as data_command
@@ -125,7 +126,9 @@ def _resumes(cfg_at) -> str:
 
 def test_a_prepared_corpus_resumes_exactly_and_under_another_shape(corpus, tmp_path):
     save_dir = str(tmp_path / "ckpt")
-    _resumes(lambda shape, bundles: _cfg(corpus, shape, bundles, save_dir))
+    path = _resumes(lambda shape, bundles: _cfg(corpus, shape, bundles, save_dir))
+    cfg = _cfg(corpus, *SAVED, save_dir)
+    assert ckpt.read_info(path)["corpus"] == data.identity(cfg.data)["corpus"]
 
 
 def test_a_stream_of_json_lines_and_parquet_resumes_exactly_and_under_another_shape(

@@ -187,14 +187,15 @@ def test_a_position_from_other_files_is_refused_in_one_line(corpus, tmp_path):
     train = stream.StreamWindows(cfg_of(files))
     train.seek(0, None, 1)
     position = train.position(5)
-    data.check_position(cfg_of(files), position)  # before any process starts: the same files
+    info = {"data_position": position}
+    assert data.check_resume(cfg_of(files), info) == []  # before any process starts: the same files
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": "one more"}) + "\n")
     more = stream.StreamWindows(cfg_of(f"{files},{tmp_path}/d.jsonl"))
     with pytest.raises(DataError) as err:
         more.seek(5, position, 1)
     assert str(err.value) == stream.OTHER_FILES
     with pytest.raises(DataError, match=stream.OTHER_FILES):
-        data.check_position(cfg_of(f"{files},{tmp_path}/d.jsonl"), position)
+        data.check_resume(cfg_of(f"{files},{tmp_path}/d.jsonl"), info)
 
 
 @pytest.mark.parametrize(

@@ -137,3 +137,18 @@ def test_a_run_takes_the_corpus_tokenizer_so_its_checkpoints_record_it(tmp_path)
     assert resolved.data.tokenizer == str(tmp_path / "tok")
     assert resolved.run_settings()["tokenizer"] == str(tmp_path / "tok")  # bundle.json's
     assert tokens.spec(resolved.data) == (5, (64,))
+
+
+def test_a_checkpoint_records_its_corpus_and_resuming_on_another_says_so(corpus, tmp_path):
+    from bundle import data
+
+    (tmp_path / "a.txt").write_text("another corpus " * 50)
+    other = tmp_path / "other"
+    assert data_command(["prepare", str(tmp_path / "a.txt"), "--out", str(other)]) == 0
+    cfg = DataConfig(dataset="tokens", data_dir=corpus)
+    info = data.identity(cfg)  # what bundle.json records beside the settings
+    assert info == {"corpus": tokens.corpus_digest(cfg)} and info["corpus"].startswith("sha256:")
+    assert data.check_resume(cfg, info) == []
+    (note,) = data.check_resume(DataConfig(dataset="tokens", data_dir=str(other)), info)
+    assert note.startswith(f"resuming on another corpus than the checkpoint's (--data-dir {other}")
+    assert data.check_resume(cfg, {}) == []  # a checkpoint that recorded none: nothing to say
