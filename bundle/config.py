@@ -80,8 +80,9 @@ class ParallelConfig:
     num_bundles: int = 1
     micro_batches: int = field(default=1, metadata=RECORDED)
     schedule: str = "1f1b"
-    # Model chunks per stage (interleaved schedules): the model is cut into stages x V pieces.
-    virtual_stages: int = 1
+    # Model chunks per stage (interleaved schedules): the model is cut into stages x V pieces;
+    # 0: the schedule's own (zbv's 2, else 1).
+    virtual_stages: int = 0
     grad_sync: str = "flat"
     bucket_mb: float = 25.0  # gradient bucket size of either sync strategy (DDP's default)
     # The data-parallel side (docs/data-parallel.md): all opt-in, the defaults are exact.
@@ -120,6 +121,8 @@ class ParallelConfig:
     def _check_chunks(self) -> None:
         """What --virtual-stages needs: a schedule that interleaves, stages to interleave over,
         micro-batches in whole rounds, and one gradient state per chunk that a checkpoint holds."""
+        if self.virtual_stages == 0:
+            object.__setattr__(self, "virtual_stages", REGISTRY[self.schedule].fixed_chunks or 1)
         V = self.virtual_stages
         positive("--virtual-stages", V)
         try:

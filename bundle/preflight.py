@@ -18,7 +18,7 @@ from bundle.config import RunConfig, parse_steps
 from bundle.data import input_spec
 from bundle.engine import aggregate
 from bundle.engine.precision import DTYPES
-from bundle.errors import BundleError, ConfigError, DataError
+from bundle.errors import BundleError, ConfigError, DataError, PartitionError
 from bundle.launch import throttle
 from bundle.lr_schedule import LRSchedule, needs_epoch_length, past_the_run, spell
 from bundle.runtime import control, devices
@@ -72,7 +72,7 @@ def check_all(
     topo = Topology.from_config(cfg)
     devices.check_devices(cfg, topo)
     check_cpu_shares(cfg, topo)
-    shapes, capture = check_model(cfg, topo.num_stages)
+    shapes, capture = check_pieces(cfg, topo.num_stages)
     check_precision(cfg, devices.resolve_backend(cfg))
     check_fault_tolerance(cfg, devices.resolve_backend(cfg))
     check_lr_schedule(cfg)
@@ -98,6 +98,24 @@ def check_cpu_shares(cfg: RunConfig, topo: Topology) -> None:
     raise ConfigError(
         "placement cpu", ranks, f"emulating slower devices needs CPU quota cgroups ({why})"
     )
+
+
+def check_pieces(
+    cfg: RunConfig, num_stages: int
+) -> tuple[dict[str, tuple[int, ...]], partition.Capture | None]:
+    """``check_model`` on the pieces the job cuts: stages x ``--virtual-stages`` chunks."""
+    V = cfg.parallel.virtual_stages
+    if V == 1:
+        return check_model(cfg, num_stages)
+    try:
+        return check_model(cfg, num_stages * V)
+    except PartitionError as exc:
+        raise ConfigError(
+            "--virtual-stages",
+            V,
+            f"{num_stages} stages x {V} chunks is {num_stages * V} model pieces: "
+            + str(exc).replace("stages", "pieces"),
+        ) from None
 
 
 def check_model(

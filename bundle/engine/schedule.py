@@ -334,7 +334,7 @@ class Schedule:
 
     def check_chunks(self, chunks: int) -> None:
         """Refuse a number of chunks per stage this schedule cannot run, in one line."""
-        if self.chunks and chunks < 2:
+        if self.chunks and chunks < 2 and not self.fixed_chunks:
             raise ScheduleError(
                 f"--schedule {self.name} runs several model chunks per stage: "
                 f"give --virtual-stages 2 or more (got {chunks})"
