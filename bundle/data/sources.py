@@ -28,7 +28,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from bundle.config import DataConfig, is_reference
 from bundle.data import tokenizer, tokens
-from bundle.data.samples import Guarded, SeededAugment, size
+from bundle.data.samples import Guarded, SeededAugment, known_labels, size
 from bundle.errors import ConfigError, DataError
 
 # The digits train/val split is fixed so accuracy is comparable across seeds.
@@ -322,8 +322,10 @@ def _custom(cfg: DataConfig) -> DataSplits:
 
 def _classes(cfg: DataConfig, ds: object) -> int:
     """How many classes a dataset has: what it declares (``num_classes``, or the length of
-    ``classes`` as torchvision's datasets and ImageFolder have), else ``--num-classes``, else 10;
-    a ``--num-classes`` the data contradicts is refused in one line."""
+    ``classes`` as torchvision's datasets and ImageFolder have), else ``--num-classes``, else
+    one more than the largest of the labels it holds apart from its samples (``targets``, a
+    TensorDataset's); a ``--num-classes`` the data contradicts, or none to be found, is refused
+    in one line."""
     declared = getattr(ds, "num_classes", None)
     if not isinstance(declared, int):
         names = getattr(ds, "classes", None)
@@ -333,7 +335,20 @@ def _classes(cfg: DataConfig, ds: object) -> int:
             f"--num-classes {cfg.num_classes}: --dataset {cfg.dataset} has {declared} classes; "
             "leave --num-classes out to use them"
         )
-    return declared or cfg.num_classes or SYNTHETIC_CLASSES
+    found = declared or cfg.num_classes
+    if found:
+        return found
+    try:
+        labels = known_labels(ds)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):  # targets that are not numbers
+        labels = None
+    indices = labels is not None and labels.dim() == 1 and labels.numel() > 0
+    if indices and not labels.is_floating_point() and int(labels.min()) >= 0:
+        return int(labels.max()) + 1
+    raise DataError(
+        f"--dataset {cfg.dataset} declares no number of classes (num_classes, classes, or "
+        "targets holding one class index per sample): give --num-classes N"
+    )
 
 
 def load(cfg: DataConfig, seed: int, *, needs_val: bool = True) -> DataSplits:

@@ -289,7 +289,11 @@ def test_a_dataset_that_declares_its_classes_tells_the_model_and_a_contradiction
     declared = "tests.support.user_data:tiny_declared"
     assert data.load(DataConfig(dataset=declared), seed=0).num_classes == 3
     assert data.input_spec(DataConfig(dataset=declared))[0] == 3
-    assert data.load(DataConfig(dataset="tests.support.user_data:tiny"), seed=0).num_classes == 10
+    # Declaring none: the labels it holds apart say how many (not a silent 10-way head).
+    two = DataConfig(dataset="tests.support.user_data:two_classes")
+    assert data.load(two, seed=0).num_classes == 2
+    with pytest.raises(DataError, match="declares no number of classes.*give --num-classes N"):
+        data.load(DataConfig(dataset="tests.support.user_data:tiny"), seed=0)
     with pytest.raises(DataError, match="--num-classes 5: --dataset .* has 3 classes"):
         data.load(DataConfig(dataset=declared, num_classes=5), seed=0)
 
