@@ -30,6 +30,7 @@ if __name__ == "__main__":
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--shape", default="2,1", help="bundle shape, e.g. 2,1 or 1,1,1")
+    parser.add_argument("--port", type=int, default=29500, help="the job's rendezvous port")
     args = parser.parse_args()
     cls, fields = MODELS[args.model]
     result = train(
@@ -44,5 +45,6 @@ if __name__ == "__main__":
         optimizer="adamw",
         lr=3e-4,
         itr=args.steps,
+        portNum=args.port,
     )
     print("exit", result.exit_code, "final loss", (result.summary or {}).get("final_loss"))

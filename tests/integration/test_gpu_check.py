@@ -291,3 +291,14 @@ def test_run_command_notes_and_kills_what_a_finished_child_left_running():
     assert _gone(int(outcome.stdout.strip()))
     clean = gpu_check.run_command(("-c", "print('done')"), timeout_s=30.0)
     assert (clean.returncode, clean.stdout, clean.left_running) == (0, "done\n", False)
+
+
+def test_a_smoke_on_the_cpu_is_not_graded():
+    import torch
+
+    bench_gpu = _load("bench_gpu", REPO / "scripts" / "bench_gpu.py")
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert bench_gpu.grade(2.0, cpu) is None and bench_gpu.grade(0.1, cpu) is None
+    assert bench_gpu.grade(bench_gpu.TARGET_RATIO, gpu) is True
+    assert bench_gpu.grade(bench_gpu.TARGET_RATIO - 0.01, gpu) is False
+    assert bench_gpu.GRADES[None].startswith("not graded")

@@ -195,6 +195,22 @@ def test_every_relative_link_and_anchor_resolves(page):
     assert broken_links(page, page.read_text()) == []
 
 
+def resuming_without_a_save_dir(text: str) -> list[str]:
+    """main.py command lines in code blocks that resume the newest checkpoint (``--resume auto``)
+    without naming the save directory it is in: copied, they cannot run."""
+    return [
+        line.strip()
+        for block in blocks(text)
+        for line in block.splitlines()
+        if "main.py" in line and "--resume auto" in line and "--save-dir" not in line
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_command_that_resumes_the_newest_checkpoint_names_its_save_dir(page):
+    assert resuming_without_a_save_dir(page.read_text()) == []
+
+
 def test_the_checks_catch_what_they_are_for():
     page = ROOT / "docs" / "example.md"
     bad = (
@@ -208,3 +224,7 @@ def test_the_checks_catch_what_they_are_for():
     assert missing_paths(bad) == ["scripts/no_such.py", "bundle/gone.py"]
     assert broken_links(page, bad) == ["nope.md", "design.md#no-such-anchor", "#nowhere"]
     assert slug("On a GPU: `make gpu-check`") == "on-a-gpu-make-gpu-check"
+    resumes = (
+        "```bash\npython main.py ... --resume auto\npython main.py --save-dir d --resume auto\n```"
+    )
+    assert resuming_without_a_save_dir(resumes) == ["python main.py ... --resume auto"]
