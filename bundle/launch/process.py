@@ -233,7 +233,7 @@ def _job_store(
     generation = open_generation(base, rank, topo.world_size, timeout)
     store = dist.PrefixStore(generation_prefix(generation), base)
     # No node supervisor compared settings: every process compares its own.
-    exchange_config(store, cfg, rank, topo.world_size, timeout)
+    exchange_config(store, cfg, rank, topo.world_size, timeout, what="rank")
     return store
 
 

@@ -44,6 +44,8 @@ def open_store(
     """A client of the store at ``host``:``port``, or (``server``) the store itself, listening
     there only (``listen``); ``nodes``: how many nodes must reach it."""
     listening = listen(host, port, nodes=nodes) if server else None
+    if not server:
+        timeout = _await_server(host, port, timeout)
     try:
         return dist.TCPStore(
             host,
@@ -59,6 +61,33 @@ def open_store(
         raise LaunchError(
             f"cannot reach the master at {host}:{port} within {timeout:.0f}s ({exc})"
         ) from exc
+
+
+def _await_server(host: str, port: int, timeout: float) -> float:
+    """Wait until something accepts connections at ``host``:``port`` (node 0's store), saying
+    whom this node waits for after ``SAY_AFTER_S`` and every ``SAY_EVERY_S`` after; returns
+    what is left of ``timeout``. Plain connects, so that no refused one prints c10d's traces."""
+    start = time.monotonic()
+    said = start + SAY_AFTER_S
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return max(1.0, timeout - (time.monotonic() - start))
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+        now = time.monotonic()
+        if now - start > timeout:
+            raise LaunchError(
+                f"cannot reach the master at {host}:{port} within {timeout:.0f}s ({reason}): "
+                "is node 0 started, and --IP its address on a network this node shares?"
+            )
+        if now >= said:
+            log.notice(
+                f"waiting for node 0's store at {host}:{port} to answer ({now - start:.0f}s of "
+                f"--init-timeout {timeout:.0f}s; {reason})"
+            )
+            said = now + SAY_EVERY_S
+        time.sleep(0.25)
 
 
 def listen(host: str, port: int, *, nodes: int = 1) -> socket.socket:
@@ -145,31 +174,67 @@ def _differences(mine: dict, theirs: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def exchange_config(store: dist.Store, cfg: RunConfig, me: int, peers: int, timeout: float) -> None:
+# When a start-up wait on peers first says who it waits for, and how often it says it again.
+SAY_AFTER_S, SAY_EVERY_S = 2.0, 15.0
+
+
+def wait_joined(
+    store: dist.Store, prefix: str, peers: int, timeout: float, *, say: str | None = None
+) -> None:
+    """Wait until keys ``prefix/0`` .. ``prefix/{peers-1}`` are all set. ``say`` (what a peer is,
+    and where they meet: "node", "at 10.0.0.1:29500"): after ``SAY_AFTER_S`` and every
+    ``SAY_EVERY_S`` after, one line names the peers not there yet; after ``timeout`` seconds,
+    a LaunchError names them."""
+    keys = [f"{prefix}/{i}" for i in range(peers)]
+    start = time.monotonic()
+    said = start + SAY_AFTER_S
+    while not store.check(keys):
+        now = time.monotonic()
+        if now - start > timeout or (say is not None and now >= said):
+            missing = [i for i, key in enumerate(keys) if not store.check([key])]
+            if not missing:
+                return
+            what, where = (say or "process at the store").split(" ", 1)
+            who = f"{what} {_listed(missing)} of {peers}"
+            if now - start > timeout:
+                raise LaunchError(f"{who} did not join the job {where} within {timeout:.0f}s")
+            log.notice(
+                f"waiting for {who} to join {where} ({now - start:.0f}s of --init-timeout "
+                f"{timeout:.0f}s)"
+            )
+            said = now + SAY_EVERY_S
+        time.sleep(0.2 if now - start < SAY_AFTER_S else min(1.0, SAY_EVERY_S / 3))
+
+
+def _listed(numbers: list[int]) -> str:
+    """``[1]`` -> "1"; ``[1, 2, 3, 7]`` -> "1, 2, 3, 7"; more than eight: the first and a count."""
+    shown = ", ".join(map(str, numbers[:8]))
+    return shown if len(numbers) <= 8 else f"{shown} and {len(numbers) - 8} more"
+
+
+def exchange_config(
+    store: dist.Store, cfg: RunConfig, me: int, peers: int, timeout: float, *, what: str = "node"
+) -> None:
     """Every node publishes its config; any difference is reported by field, not left to hang.
 
     Node 0 hosts the store, so it waits until every node has read the others before it goes on
-    (or exits with the error), and every node reports the same mismatch.
+    (or exits with the error), and every node reports the same mismatch. Node 0 (``what``: the
+    peers, "node" or "rank") says which peers it still waits for while it waits.
     """
     # Not the secret: a digest that tells whether two nodes were given the same one.
     mine = {**cfg.shared_view(), "job_secret": control.fingerprint()}
     store.set(f"bundle/config/{me}", json.dumps(mine))
-    try:
-        store.wait([f"bundle/config/{i}" for i in range(peers)], timedelta(seconds=timeout))
-        problems = []
-        for i in range(peers):
-            diff = _differences(mine, json.loads(store.get(f"bundle/config/{i}")))
-            if diff:
-                problems.append(f"node {me} vs node {i}: {'; '.join(diff)}")
-        store.set(f"bundle/config-read/{me}", "1")
-        if me == 0:
-            store.wait(
-                [f"bundle/config-read/{i}" for i in range(peers)], timedelta(seconds=timeout)
-            )
-    except RuntimeError as exc:
-        raise LaunchError(
-            f"not every node joined the job at the master within {timeout:.0f}s ({exc})"
-        ) from exc
+    where = f"at {cfg.launch.master_addr}:{cfg.launch.master_port or DEFAULT_PORT}"
+    say = f"{what} {where}" if me == 0 else None
+    wait_joined(store, "bundle/config", peers, timeout, say=say)
+    problems = []
+    for i in range(peers):
+        diff = _differences(mine, json.loads(store.get(f"bundle/config/{i}")))
+        if diff:
+            problems.append(f"node {me} vs node {i}: {'; '.join(diff)}")
+    store.set(f"bundle/config-read/{me}", "1")
+    if me == 0:
+        wait_joined(store, "bundle/config-read", peers, timeout, say=say)
     if problems:
         raise LaunchError(f"the nodes were started with different settings: {problems[0]}")
 

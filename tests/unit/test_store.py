@@ -104,3 +104,46 @@ def test_a_multi_node_job_on_a_loopback_address_says_who_can_join(capsys):
 def test_an_address_that_is_not_this_machines_is_one_line():
     with pytest.raises(LaunchError, match=r"--IP 198.51.100.7 \(198.51.100.7\) is not an address"):
         job_store.open_store("198.51.100.7", 0, server=True, timeout=5, nodes=2)
+
+
+def _said(capsys) -> list[str]:
+    return [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+
+
+def test_node_0_says_which_nodes_it_waits_for_then_names_them_at_the_timeout(capsys, monkeypatch):
+    monkeypatch.setattr(job_store, "SAY_AFTER_S", 0.05)
+    monkeypatch.setattr(job_store, "SAY_EVERY_S", 0.3)
+    log.setup("[node 0]")
+    store = job_store.open_store("127.0.0.1", 0, server=True, timeout=5)
+    store.set("bundle/config/0", "x")
+    store.set("bundle/config/2", "x")
+    with pytest.raises(LaunchError) as err:
+        job_store.wait_joined(store, "bundle/config", 4, 1.0, say="node at 127.0.0.1:1")
+    assert str(err.value) == "node 1, 3 of 4 did not join the job at 127.0.0.1:1 within 1s"
+    lines = _said(capsys)
+    assert 2 <= len(lines) <= 5, lines  # within the first second, then every 0.3 s
+    assert lines[0].startswith("[node 0] waiting for node 1, 3 of 4 to join at 127.0.0.1:1 (0s")
+    store.set("bundle/config/1", "x")
+    store.set("bundle/config/3", "x")
+    job_store.wait_joined(store, "bundle/config", 4, 1.0, say="node at 127.0.0.1:1")  # all there
+
+
+def test_a_joining_node_says_it_waits_for_node_0_and_reaches_it_once_it_listens(
+    capsys, monkeypatch
+):
+    monkeypatch.setattr(job_store, "SAY_AFTER_S", 0.05)
+    log.setup("[node 1]")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused, as a node 0 not started yet
+        with pytest.raises(
+            LaunchError, match=f"cannot reach the master at 127.0.0.1:{port} within"
+        ):
+            job_store.open_store("127.0.0.1", port, server=False, timeout=0.6)
+    lines = _said(capsys)
+    assert lines and lines[0].startswith(f"[node 1] waiting for node 0's store at 127.0.0.1:{port}")
+    assert not any("c10d" in ln for ln in lines)  # no C++ trace of a refused connect
+    served = job_store.open_store("127.0.0.1", 0, server=True, timeout=5)
+    client = job_store.open_store("127.0.0.1", served.port, server=False, timeout=5)
+    client.set("k", "v")
+    assert served.get("k") == b"v"
