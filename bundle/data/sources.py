@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
@@ -342,13 +342,19 @@ def _classes(cfg: DataConfig, ds: object) -> int:
         labels = known_labels(ds)  # type: ignore[arg-type]
     except (TypeError, ValueError, RuntimeError):  # targets that are not numbers
         labels = None
-    indices = labels is not None and labels.dim() == 1 and labels.numel() > 0
-    if indices and not labels.is_floating_point() and int(labels.min()) >= 0:
+    if _class_indices(labels):
         return int(labels.max()) + 1
     raise DataError(
         f"--dataset {cfg.dataset} declares no number of classes (num_classes, classes, or "
         "targets holding one class index per sample): give --num-classes N"
     )
+
+
+def _class_indices(labels: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
+    """Whether ``labels`` is one class index per sample: integers >= 0, in one dimension."""
+    if labels is None or labels.dim() != 1 or labels.numel() == 0:
+        return False
+    return not labels.is_floating_point() and int(labels.min()) >= 0
 
 
 def load(cfg: DataConfig, seed: int, *, needs_val: bool = True) -> DataSplits:
