@@ -43,6 +43,7 @@ def split_sizes(total: int, parts: int) -> tuple[int, ...]:
     return tuple(base + 1 if i < extra else base for i in range(parts))
 
 
+@lru_cache(maxsize=1 << 14)  # the planner asks for the same splits tens of thousands of times
 def weighted_sizes(total: int, weights: tuple[Fraction, ...]) -> tuple[int, ...]:
     """Sizes of contiguous pieces of ``total`` in proportion to ``weights`` (largest remainder:
     each piece gets the floor of its exact share, then the rows left go one each to the largest

@@ -170,10 +170,10 @@ def plan(args: argparse.Namespace) -> dict:
     planner.check(request, cluster)
     off = args.profile_cache in ("", "off")
     cache = prof.ProfileCache(None if off else args.profile_cache, refresh=args.reprofile)
-    cost = planner.cost_model(request, cluster=cluster, cache=cache)
+    cost = planner.cost_model(request, cluster=cluster, cache=cache, progress=_say)
     for note in cache.notes:  # which cached profiles were used (age, conditions), which were not
         print(f"plan.py: {note}", file=sys.stderr, flush=True)
-    mixed = planner.plan_mixed(request, cost) if cost.cluster.mixed else None
+    mixed = planner.plan_mixed(request, cost, progress=_say) if cost.cluster.mixed else None
     ranked = mixed.ranked if mixed else planner.plan(request, cost, progress=_say)
     data = _data(args)
     extra = ["--dataset", "synthetic", "--image-size", str(args.image_size)]
@@ -190,7 +190,7 @@ def plan(args: argparse.Namespace) -> dict:
         extra=tuple(extra) if request.model != "digits_cnn" else (),
         data=data,
     )
-    top = ranked[: args.top]
+    top = report.distinct(ranked)[: args.top]
     rows = [report.row(e, job, cost) for e in top]
     if mixed:
         dp = mixed.data_parallel

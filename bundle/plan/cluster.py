@@ -341,7 +341,7 @@ def counted(cluster: Cluster, nodes: int | None, per_node: int | None) -> tuple[
     asked += [f"--gpus-per-node {per_node}"] if per_node != cluster.devices_per_node else []
     was = f"{cluster.nodes} node(s) of {cluster.devices_per_node or '(not given)'}"
     note = (
-        f"{' and '.join(asked)} in place of the cluster '{cluster.name}''s {was}: its "
+        f"{' and '.join(asked)} in place of {was} that the cluster '{cluster.name}' gives: its "
         f"{cluster.device_name} and links stand for every node"
     )
     return replace(cluster, nodes=nodes, devices_per_node=per_node), note

@@ -21,6 +21,7 @@ import heapq
 import itertools
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -306,8 +307,15 @@ def mixed_search(
     schedules: tuple[str, ...] = ONE_CHUNK,
     syncs: tuple[str, ...] = SYNCS,
     dp: DataParallel = EXACT,
+    progress: Callable[[str], None] | None = None,
 ) -> MixedResult:
-    """Plans on every device of the first ``nodes`` nodes of a mixed cluster, best first."""
+    """Plans on every device of the first ``nodes`` nodes of a mixed cluster, best first;
+    ``progress``: told what the search is doing as it starts each part."""
+    say = progress or (lambda line: None)
+    say(
+        f"searching placements x stage widths x split points x row weights x micro-batches for "
+        f"{nodes * per_node} devices of {len(cost.cluster.types)} types (tens of seconds)"
+    )
     best = _candidates(
         cost,
         nodes=nodes,
@@ -343,7 +351,9 @@ def mixed_search(
     uniform = run(natural(assumed.plan, cost.cluster))
     even = run(data_parallel(cost, nodes, per_node, batch, weighted=False))
     weighted = run(data_parallel(cost, nodes, per_node, batch, weighted=True))
-    found = {v: run(v) for v in _variants({c.plan for c in best}, schedules, syncs)}
+    variants = _variants({c.plan for c in best}, schedules, syncs)
+    say(f"simulating the {len(variants)} best plans step by step, with their links shared")
+    found = {v: run(v) for v in variants}
     # The alternatives are plans on these devices too: the search never reports worse.
     for e in (uniform, weighted):
         found.setdefault(e.plan, e)

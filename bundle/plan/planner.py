@@ -197,6 +197,7 @@ def cost_model(
     start_method: str = "spawn",
     device_type: str | None = None,
     timeout: float = PROFILE_TIMEOUT_S,
+    progress: Callable[[str], None] | None = None,
 ) -> CostModel:
     """The cost model of ``request``: on a cluster file's device, or on this machine measured
     (its block timings, engine overheads and links, each cached).
@@ -219,6 +220,14 @@ def cost_model(
         # host-side overheads (measured on this CPU) are not counted, nothing is measured here.
         return common(cluster=cluster)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if progress is not None:
+        links = "" if cluster is not None else ", the links between processes"
+        progress(
+            f"profiling {request.model} on this machine's {device_type}: each block's forward "
+            f"and backward at {len(prof.row_grid(request.batch))} batch sizes x {repeats} "
+            f"repeats, the engine's overheads{links} (up to a minute or two; what "
+            "--profile-cache holds from an earlier run is read instead)"
+        )
     measured = isolate.run_in_child(
         measure,
         request,
@@ -259,6 +268,9 @@ def plan(
     return search(cost, **_bounds(request), progress=progress)
 
 
-def plan_mixed(request: Request, cost: CostModel) -> MixedResult:
-    """A cluster of several device types: placement, widths, split and row weights searched."""
-    return mixed_search(cost, **_bounds(request))
+def plan_mixed(
+    request: Request, cost: CostModel, progress: Callable[[str], None] | None = None
+) -> MixedResult:
+    """A cluster of several device types: placement, widths, split and row weights searched;
+    ``progress`` is told what it is doing."""
+    return mixed_search(cost, **_bounds(request), progress=progress)

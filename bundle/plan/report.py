@@ -115,6 +115,20 @@ def command(plan: Plan, job: Job, cost: CostModel) -> str:
     return shlex.join([*args, *job.extra])
 
 
+def distinct(ranked: list[Evaluated]) -> list[Evaluated]:
+    """The best plan of each kind, best first: plans alike in everything but how the devices
+    are shared among the stages (410,350,164,100 and 410,350,166,98) are one alternative."""
+    seen: set[tuple[int, ...] | tuple[object, ...]] = set()
+    out = []
+    for e in ranked:
+        p = e.plan
+        kind = (len(p.shape), p.num_bundles, p.micro_batches, p.schedule, p.grad_sync, p.chunks)
+        if kind not in seen:
+            seen.add(kind)
+            out.append(e)
+    return out
+
+
 def row(e: Evaluated, job: Job, cost: CostModel) -> dict[str, Any]:
     """One plan as plain JSON types."""
     p = e.plan

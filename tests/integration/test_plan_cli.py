@@ -124,12 +124,13 @@ def test_the_counts_asked_for_widen_a_cluster_file_with_a_note(tmp_path, capsys)
     assert PLAN.main([*argv, "--cluster", path]) == 0
     assert json.loads(out.read_text())["devices"] == 6
     err = capsys.readouterr().err
-    assert "plan.py: --nodes 3 and --gpus-per-node 2 in place of the cluster" in err, err
-    assert "1 node(s) of (not given)" in err and "stand for every node" in err
+    assert "plan.py: --nodes 3 and --gpus-per-node 2 in place of 1 node(s)" in err, err
+    assert "1 node(s) of (not given) that the cluster" in err and "stand for every node" in err
+    assert "''s" not in err  # a quote doubled: "cluster 'name''s"
     argv[5] = "5"  # --nodes 5 of the shipped file's 4 (of 4 devices; 2 asked for)
     assert PLAN.main([*argv, "--cluster", str(CLUSTERS[1])]) == 0
     assert json.loads(out.read_text())["devices"] == 10
-    assert "--nodes 5 in place of the cluster" in capsys.readouterr().err
+    assert "--nodes 5 in place of 4 node(s) of 4 that the cluster" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -242,14 +243,23 @@ def test_plans_for_a_mixed_cluster(tmp_path, capsys):
     report = json.loads(out.read_text())
     best = _check_mixed_report(report, 16, out)
     assert {p["type"] for p in best["placement"]} == {"A100", "V100"}
-    text = capsys.readouterr().out
-    assert "as if every device were alike" in text and "stage 0:" in text
+    said = capsys.readouterr()
+    assert "as if every device were alike" in said.out and "stage 0:" in said.out
+    # Never silent while it searches: what it searches, then what it simulates.
+    lines = [ln for ln in said.err.splitlines() if ln.startswith("plan.py: s")]
+    assert (
+        lines[0].startswith("plan.py: searching placements x stage widths")
+        and "16 devices" in lines[0]
+    )
+    assert lines[1].startswith("plan.py: simulating the") and "links shared" in lines[1]
 
 
-def test_plans_for_emulated_cpu_devices_carry_cpu_shares(tmp_path):
+def test_plans_for_emulated_cpu_devices_carry_cpu_shares(tmp_path, capsys):
     out = tmp_path / "plans.json"
     argv = ["--model", "digits_cnn", "--batch-size", "64", "--cluster", str(MIXED[1])]
     assert PLAN.main([*argv, "--json", str(out), "--profile-cache", str(tmp_path)]) == 0
+    err = capsys.readouterr().err  # what it measures before it measures it
+    assert "plan.py: profiling digits_cnn on this machine's cpu: each block's forward" in err
     report = json.loads(out.read_text())
     best = _check_mixed_report(report, 4, out)
     assert sorted(p["cpu"] for p in best["placement"]) == [0.2, 0.2, 0.5, 0.5]

@@ -155,3 +155,21 @@ def test_a_thousand_devices_are_planned_in_seconds_within_memory():
     assert {replace(p, schedule="1f1b") for p in others} == leaders
     assert len(others) == len(leaders) * (len(ONE_CHUNK) - 1)
     assert ranked[0].samples_per_s >= first[0].samples_per_s
+    # The table shows alternatives: of plans alike but for how the devices are shared among the
+    # stages, only the best (the 1,024-GPU table was eight near-identical widths).
+    from bundle.plan.report import distinct
+
+    def at(widths, bundles=1):
+        return replace(ranked[0], plan=replace(ranked[0].plan, shape=widths, num_bundles=bundles))
+
+    first, alike, other = (
+        at((410, 350, 164, 100)),
+        at((410, 350, 166, 98)),
+        at((205, 175, 82, 50), 2),
+    )
+    assert distinct([first, alike, other, at((400, 360, 164, 100))]) == [first, other]
+    shown = distinct(ranked)
+    assert shown[0] is ranked[0]
+    kinds = [(len(e.plan.shape), e.plan.num_bundles, e.plan.micro_batches, e.plan.schedule,
+              e.plan.grad_sync, e.plan.chunks) for e in shown]  # fmt: skip
+    assert len(set(kinds)) == len(kinds)
