@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 
@@ -30,8 +31,18 @@ def torch_backend(backend: str) -> str:
 
 def check_devices(cfg: RunConfig, topo: Topology) -> None:
     """More processes per node than devices is an input error, found before anything starts,
-    unless ``--share-gpus`` asks for several processes on one device (for testing)."""
+    unless ``--share-gpus`` asks for several processes on one device (for testing). A plan
+    made for GPUs run on a node without any is said to run on its CPUs instead."""
     if resolve_backend(cfg) != "nccl":
+        gpus = sorted({p[2] for p in cfg.parallel.placement if p[1] is not None})
+        if gpus and not torch.cuda.is_available():
+            print(
+                f"main.py: note: --plan was made for {topo.num_nodes} node(s) of "
+                f"{topo.procs_per_node} {'/'.join(gpus)} GPU(s); this node has no CUDA device, "
+                f"so its {topo.procs_per_node} processes run on its CPUs (backend "
+                f"{resolve_backend(cfg)})",
+                file=sys.stderr,
+            )
         return
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found == 0 or (topo.procs_per_node > found and not cfg.launch.share_gpus):

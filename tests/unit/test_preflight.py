@@ -213,3 +213,18 @@ def test_more_pieces_than_blocks_are_refused_before_start_and_zbv_takes_its_two_
     with pytest.raises(ConfigError) as err:
         cfg("--schedule", "zbv", "--virtual-stages", "3")
     assert "exactly 2" in str(err.value) and "or more" not in str(err.value)
+
+
+def test_a_plan_made_for_gpus_says_it_runs_on_the_cpus_of_a_node_without_any(capsys, monkeypatch):
+    from bundle.runtime import devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    c = cfg("--bundle-shape", "1,1")
+    placed = ((0, 0, "A100", None), (0, 1, "V100", None))
+    c = replace(c, parallel=replace(c.parallel, placement=placed))
+    devices.check_devices(c, Topology.from_config(c))
+    err = capsys.readouterr().err
+    assert err.startswith("main.py: note: --plan was made for 1 node(s) of 2 A100/V100 GPU(s)")
+    assert "this node has no CUDA device" in err and err[-1] == "\n" and err.count("\n") == 1
+    devices.check_devices(cfg("--bundle-shape", "1,1"), Topology.from_config(c))  # no plan
+    assert capsys.readouterr().err == ""
