@@ -19,19 +19,28 @@ the top level of a module or of the script, and start training under ``if __name
 "__main__":`` (processes are spawned; under torchrun or Slurm every process runs the script).
 Options are the long command-line options with ``_`` for ``-`` (``micro_batches=4``,
 ``bundle_shape="2,1"``, ``no_eval=True``); ``docs/models.md`` has the rules for each function.
+
+``export_hf(step, out)`` writes a ``transformers`` model's step as the directory
+``from_pretrained`` reads (``docs/hub.md``).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from bundle import cli
-from bundle.errors import ConfigError
+from bundle.errors import ConfigError, LaunchError
+
+if TYPE_CHECKING:
+    from bundle.checkpoint.hf_export import HFExport
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,49 @@ def argv_of(options: dict[str, Any]) -> list[str]:
     return argv
 
 
+def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    if not isinstance(test, ast.Compare) or len(test.ops) != 1:
+        return False
+    sides = [test.left, *test.comparators]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    texts = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return isinstance(test.ops[0], ast.Eq) and names == ["__name__"] and texts == ["__main__"]
+
+
+def check_guarded(caller: FrameType) -> None:
+    """Refuse a call from a script's top level outside ``if __name__ == "__main__":``: every
+    process of the job imports the script again, and each would start a job of its own."""
+    frame: FrameType | None = caller
+    while frame is not None and not (
+        frame.f_code.co_name == "<module>"
+        and frame.f_globals.get("__name__") in ("__main__", "__mp_main__")
+    ):
+        frame = frame.f_back  # the script's own top-level line that led here
+    if frame is None:
+        return
+    script = frame.f_globals.get("__file__")
+    if not isinstance(script, str) or not os.path.isfile(script):
+        return  # python -c or a notebook: no file to import again
+    try:
+        with open(script, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return
+    line = frame.f_lineno
+    guarded = [
+        (node.lineno, node.end_lineno or node.lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and _is_main_test(node.test)
+    ]
+    if not any(first <= line <= last for first, last in guarded):
+        raise LaunchError(
+            f"{script}:{line} runs bundle.api.train outside 'if __name__ == \"__main__\":'; "
+            "every process of the job imports the script again and would start a job of its "
+            "own: put the call under it"
+        )
+
+
 def train(
     model: str | Callable[..., Any],
     *,
@@ -83,6 +135,7 @@ def train(
     **options: Any,
 ) -> RunResult:
     """Train ``model`` (a factory or a model name) as ``main.py`` would; see the module doc."""
+    check_guarded(sys._getframe(1))
     given = {
         "model": reference(model, "model"),
         "dataset": reference(dataset, "dataset") if dataset is not None else None,
@@ -99,3 +152,27 @@ def train(
                 lines = [json.loads(line) for line in f if line.strip()]
             summary = next((r for r in reversed(lines) if r.get("summary")), None)
     return RunResult(code, summary)
+
+
+def export_hf(
+    checkpoint: str,
+    out: str,
+    *,
+    max_shard_size: str | int = "5GB",
+    force: bool = False,
+    model_config: str | None = None,
+    tokenizer: str | None = None,
+) -> HFExport:
+    """A ``transformers`` model's step directory as the directory ``from_pretrained`` reads,
+    as ``python -m bundle.checkpoint export STEP --hf OUT`` writes it (docs/hub.md); raises a
+    ``BundleError`` naming what is wrong."""
+    from bundle.checkpoint.hf_export import export_hf as export
+
+    return export(
+        checkpoint,
+        out,
+        max_shard_size=max_shard_size,
+        force=force,
+        model_config=model_config,
+        tokenizer=tokenizer,
+    )

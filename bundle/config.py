@@ -6,6 +6,7 @@ import ast
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import Field, dataclass, field, fields, is_dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -200,6 +201,17 @@ def parse_betas(text: str) -> tuple[float, ...]:
     return betas
 
 
+def _architecture(directory: str) -> str | None:
+    """``transformers:CLASS`` for a save_pretrained directory's config.json (None: unreadable,
+    which ``--pretrained``'s checks before launch then say)."""
+    try:
+        names = json.loads((Path(directory) / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    ok = isinstance(names, list) and names and isinstance(names[0], str)
+    return f"transformers:{names[0]}" if ok else None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = field(default="digits_cnn", metadata=recorded("model"))
@@ -217,9 +229,25 @@ class ModelConfig:
     output: str | None = field(default=None, metadata=recorded("model_output"))
     # A transformers model's config (config.json or its directory); --model-args override it.
     config_file: str | None = field(default=None, metadata=NODE_LOCAL)
+    # A save_pretrained directory: its class, config and safetensors weights (models.pretrained);
+    # recorded, so a checkpoint says what it started from; paths may differ between nodes.
+    pretrained: str | None = field(default=None, metadata={**RECORDED, **NODE_LOCAL})
 
     def __post_init__(self) -> None:
         parse_model_args(self.args)
+        if self.pretrained is not None:
+            for flag, given, what in (
+                ("--weights", self.weights, "weights"),
+                ("--model-config", self.config_file, "config"),
+            ):
+                if given:
+                    raise ConfigError(
+                        "--pretrained",
+                        self.pretrained,
+                        f"holds the model's {what}: leave {flag} out",
+                    )
+            if self.name == fields(self)[0].default:  # no --model: the class config.json names
+                object.__setattr__(self, "name", _architecture(self.pretrained) or self.name)
         if self.loss is not None and not is_reference(self.loss):
             raise ConfigError("--loss", self.loss, "name a function as package.module:function")
 
@@ -488,9 +516,12 @@ class RunConfig:
     predicted_samples_per_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.train.eval_only and not (self.checkpoint.resume or self.model.weights):
+        given = self.checkpoint.resume or self.model.weights or self.model.pretrained
+        if self.train.eval_only and not given:
             raise ConfigError(
-                "--eval-only", True, "needs a model to evaluate: --resume or --weights"
+                "--eval-only",
+                True,
+                "needs a model to evaluate: --resume, --weights or --pretrained",
             )
         if self.train.eval_only and not self.train.eval:
             raise ConfigError("--eval-only", True, "evaluates: leave --no-eval out")

@@ -1,23 +1,29 @@
 """Sample text from a trained language model, the step after training.
 
     python -m bundle.generate SAVE_DIR/step-N --prompt "Once upon" --max-new-tokens 200
+    python -m bundle.generate SAVE_DIR --prompt "Once upon"     # its newest whole step
+    python -m bundle.generate EXPORT_DIR --prompt "Once upon"   # export --hf, save_pretrained
     python -m bundle.generate weights.pt --model gpt --model-args layers=6,width=384,heads=6 \\
         --seq-len 256 --prompt "Once upon"
 
 CHECKPOINT is a ``--save-dir`` step directory (it records the model, its arguments, the
-vocabulary and the context length; it is verified before it is read) or a ``--checkpoint``
-weights file, with the ``--model`` and ``--model-args`` it was trained with. Text is tokenized as
-``--dataset text`` read it: byte-level (256 tokens), or by the ``--tokenizer`` the step directory
-records (or given here). Sampling: ``--temperature`` (0: always the likeliest
-token), ``--top-k``; the same ``--seed`` gives the same text. The context is the last
-``--seq-len`` tokens (the model's training context by default, and at most that). Errors are one
-line on stderr, exit code 2 (as main.py's input errors).
+vocabulary and the context length; it is verified before it is read), a save directory (its
+newest whole step), a ``transformers`` ``save_pretrained`` directory (``export --hf``: the class
+its ``config.json`` names, weights from safetensors files only, its tokenizer when it holds one)
+or a ``--checkpoint`` weights file, with the ``--model`` and ``--model-args`` it was trained
+with. Text is tokenized as ``--dataset text`` read it: byte-level (256 tokens), or by the
+``--tokenizer`` the step directory records (or given here). Sampling: ``--temperature`` (0:
+always the likeliest token), ``--top-k``; the same ``--seed`` gives the same text. The context is
+the last ``--seq-len`` tokens (the model's training context by default, and at most that; an
+export's: its position table). Errors are one line on stderr, exit code 2 (as main.py's input
+errors).
 
 What a step directory records is data, checked before use: it may name a model shipped here or in
 torchvision, or ``transformers:ClassName``; a factory it names (``package.module:function``, a
 ``file.py``) is code the checkpoint chose and runs only with ``--trust-checkpoint-code``. The
 model is built on the meta device and its tensors' shapes compared with the checkpoint's before
-the model is allocated.
+the model is allocated. A ``transformers`` model's step records its config (``hf_config``): the
+model is rebuilt from it unless ``--model``, ``--model-args`` or ``--model-config`` is given.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from bundle.checkpoint import format as ckpt
+from bundle.checkpoint import hf_export
 from bundle.config import is_reference, parse_model_args
 from bundle.data import tokenizer
 from bundle.errors import BundleError, ConfigError, positive
@@ -55,11 +62,14 @@ class Source:
     context: int  # the tokens each step sees
     trained: int | None  # the context it was trained on (a step directory records it)
     state: Callable[[], dict[str, torch.Tensor]]  # read once the model is known on meta
+    hf: dict[str, Any] | None = None  # a transformers model's class and config (hf_export)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", help="a --save-dir step directory, or a --checkpoint file")
+    p.add_argument("checkpoint",
+                   help="a --save-dir step directory or save directory, an export --hf "
+                        "directory, or a --checkpoint file")  # fmt: skip
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=100, metavar="N")
     p.add_argument("--temperature", type=float, default=1.0, metavar="T")
@@ -169,6 +179,13 @@ def _recorded(info: dict, path: str, args: argparse.Namespace) -> dict[str, Any]
     out["model"] = args.model or recorded_model(
         info.get("model"), f"{where} model", trust=args.trust_checkpoint_code
     )
+    out["hf"] = None
+    # A recorded transformers config rebuilds the model as trained, unless flags here describe it.
+    if hf_export.RECORD in info and not (args.model or args.model_args or args.model_config):
+        cls, _ = hf_export.config_from(info[hf_export.RECORD], f"{where} {hf_export.RECORD}")
+        if out["model"] != f"transformers:{cls.__name__}":
+            raise ConfigError(f"{where} {hf_export.RECORD} class", cls.__name__, "not its model")
+        out["hf"] = info[hf_export.RECORD]
     return out
 
 
@@ -190,6 +207,7 @@ def _step_source(path: str, args: argparse.Namespace) -> Source:
         context=args.seq_len or trained,
         trained=trained,
         state=lambda: ckpt.weights(path),
+        hf=info["hf"],
     )
 
 
@@ -217,11 +235,56 @@ def _file_source(path: str, args: argparse.Namespace) -> Source:
     )
 
 
+def _pretrained_source(path: str, args: argparse.Namespace) -> Source:
+    """A ``save_pretrained`` directory: its ``config.json`` names and sizes the model."""
+    described = (args.model, args.model_args, args.model_config)
+    for flag, value in zip(("--model", "--model-args", "--model-config"), described, strict=True):
+        if value:
+            raise ConfigError(flag, value, f"{path}/config.json describes the model: leave it out")
+    pre = hf_export.read_pretrained(path)
+    cls, config = hf_export.config_from(pre.record, os.path.join(path, "config.json"))
+    vocab: Any = getattr(config, "vocab_size", None)
+    if not _count(vocab):
+        raise ConfigError(f"{path}/config.json vocab_size", vocab, "a language model has one")
+    sizes: list[Any] = [
+        getattr(config, k, None) for k in ("n_positions", "max_position_embeddings")
+    ]
+    positions: int = next((n for n in sizes if _count(n)), DEFAULT_CONTEXT)
+    if args.seq_len is not None and args.seq_len > positions:
+        raise ConfigError("--seq-len", args.seq_len, f"the model holds {positions} positions")
+    return Source(
+        model=f"transformers:{cls.__name__}",
+        args={},
+        output=None,
+        vocab=vocab,
+        tokenizer=args.tokenizer or pre.tokenizer,
+        context=args.seq_len or positions,
+        trained=positions,
+        state=pre.state,
+        hf=pre.record,
+    )
+
+
+def _newest(save_dir: str) -> str:
+    """The newest whole step of a save directory, each newer one passed over said on stderr."""
+    path, notes = ckpt.latest(save_dir)
+    for note in notes:
+        print(f"{PROG}: note: {note}", file=sys.stderr)
+    if path is None:
+        raise ConfigError("CHECKPOINT", save_dir, "holds no whole checkpoint")
+    print(f"{PROG}: note: {path} (the newest whole checkpoint)", file=sys.stderr)
+    return path
+
+
 def source(args: argparse.Namespace) -> Source:
-    """The model's description and its weights, from a step directory or a weights file."""
+    """The model's description and its weights, from a step directory (or the newest of a save
+    directory), a ``save_pretrained`` directory, or a weights file."""
     path = args.checkpoint
     if os.path.isdir(path):
-        return _step_source(path, args)
+        if hf_export.is_pretrained(path):
+            return _pretrained_source(path, args)
+        step = any(os.path.exists(os.path.join(path, f)) for f in (ckpt.INFO, ".metadata"))
+        return _step_source(path if step or not ckpt.checkpoints(path) else _newest(path), args)
     if not os.path.isfile(path):
         raise ConfigError("CHECKPOINT", path, "no such step directory or weights file")
     return _file_source(path, args)
@@ -264,6 +327,8 @@ def build(src: Source, config_file: str | None, where: str = "") -> nn.Module:
     nothing)."""
     from bundle import models
 
+    if src.hf is not None:
+        return _build_hf(src, where or src.model)
     length = src.trained or src.context  # the model is built as trained, then fed less
     kwargs: dict[str, Any] = dict(
         num_classes=src.vocab, input_shape=(length,), args=src.args, config_file=config_file
@@ -273,6 +338,20 @@ def build(src: Source, config_file: str | None, where: str = "") -> nn.Module:
     state = src.state()
     check_fits(src, own, {k: tuple(v.shape) for k, v in state.items()}, where or src.model)
     model = models.build(src.model, **kwargs)
+    model.load_state_dict({k: state[k] for k in own})
+    return model.eval()
+
+
+def _build_hf(src: Source, where: str) -> nn.Module:
+    """A ``transformers`` model from its recorded config: on meta first, as ``build``; the tied
+    copies an export leaves out are the weights they are tied to."""
+    assert src.hf is not None
+    cls, config = hf_export.config_from(src.hf, where)
+    meta = hf_export.on_meta(cls, config)
+    own = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+    state = hf_export.with_tied(meta, dict(src.state()))
+    check_fits(src, own, {k: tuple(v.shape) for k, v in state.items()}, where)
+    model: nn.Module = cls(config)
     model.load_state_dict({k: state[k] for k in own})
     return model.eval()
 

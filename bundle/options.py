@@ -278,9 +278,14 @@ OPTIONS: tuple[Option, ...] = (
     Option(MODEL, "--weights", "model.weights", metavar="FILE",
            help="load this full-model state dict (torch.save of model.state_dict()) before the "
                 "model is cut: fine-tuning from a local file"),
+    Option(MODEL, "--pretrained", "model.pretrained", metavar="DIR",
+           help="a save_pretrained directory (config.json, safetensors weights, sharded or "
+                "not): builds its class (config.json's architectures, or --model "
+                "transformers:CLASS) with its config and loads its weights, each process only "
+                "its own stages'; --model-args override the config (docs/models.md)"),
     Option(MODEL, "--weights-strict", "model.weights_strict",
-           help="refuse --weights unless every tensor fits the model (default: load what fits, "
-                "initialise the rest, say which in one line)"),
+           help="refuse --weights or --pretrained unless every tensor fits the model (default: "
+                "load what fits, initialise the rest, say which in one line)"),
     Option(MODEL, "--loss", "model.loss", metavar="package.module:function",
            help="loss(outputs, labels) -> the mean over the micro-batch's rows "
                 "(default: cross-entropy over the last dimension, per row or per token)"),

@@ -259,8 +259,22 @@ def joined(pieces: Sequence[Stage]) -> Stage:
     return Stage([(n, m) for p in pieces for n, m in zip(p.names, p.blocks, strict=True)])
 
 
-def build_model(cfg: ModelConfig, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
-    """``--model`` built for the data (``--model-args`` passed), ``--weights`` loaded."""
+def build_model(
+    cfg: ModelConfig, num_classes: int, input_shape: Sequence[int], *, seed: int = 0
+) -> nn.Module:
+    """``--model`` built for the data (``--model-args`` passed), ``--weights`` loaded; a
+    ``--pretrained`` model with all its weights read (its tensors the checkpoint lacks seeded
+    from ``seed``; ``build_stages`` reads only a process's own stages')."""
+    if cfg.pretrained:
+        model = models.pretrained.build_empty(
+            cfg.name,
+            cfg.pretrained,
+            num_classes=num_classes,
+            input_shape=input_shape,
+            args=cfg.kwargs,
+        )
+        models.pretrained.load(model, cfg.pretrained, seed=seed, strict=cfg.weights_strict)
+        return model
     model = models.build(
         cfg.name,
         num_classes=num_classes,
@@ -286,8 +300,8 @@ class Capture:
 def capture_key(cfg: ModelConfig, input_shape: Sequence[int]) -> str:
     """What a capture depends on: the model as built, its cut points, its output and input."""
     return repr(
-        (cfg.name, sorted(cfg.kwargs.items()), cfg.config_file, cfg.partition, cfg.output)
-        + (tuple(input_shape),)
+        (cfg.name, sorted(cfg.kwargs.items()), cfg.config_file, cfg.pretrained, cfg.partition)
+        + (cfg.output, tuple(input_shape))
     )
 
 

@@ -136,14 +136,26 @@ def check_model(
     if cfg.model.loss:
         models.load_callable(cfg.model.loss, "--loss")
     num_classes, input_shape = input_spec(cfg.data)
+    if cfg.model.pretrained:  # its files, from their headers: refused before anything is built
+        models.pretrained.read(cfg.model.pretrained)
     try:
-        model = models.build_on_meta(
-            cfg.model.name,
-            num_classes=num_classes,
-            input_shape=input_shape,
-            args=cfg.model.kwargs,
-            config_file=cfg.model.config_file,
-        )
+        if cfg.model.pretrained:
+            with torch.device("meta"):
+                model = models.pretrained.build(
+                    cfg.model.name,
+                    cfg.model.pretrained,
+                    num_classes=num_classes,
+                    input_shape=input_shape,
+                    args=cfg.model.kwargs,
+                )
+        else:
+            model = models.build_on_meta(
+                cfg.model.name,
+                num_classes=num_classes,
+                input_shape=input_shape,
+                args=cfg.model.kwargs,
+                config_file=cfg.model.config_file,
+            )
     except BundleError:
         raise
     except Exception as exc:  # noqa: BLE001 - a model's constructor refused the data: one line
@@ -153,6 +165,12 @@ def check_model(
         if cfg.model.weights:
             note = models.load_weights(
                 model, cfg.model.weights, strict=cfg.model.weights_strict, check_only=True
+            )
+            if note:
+                print(f"main.py: note: {note}", file=sys.stderr)
+        if cfg.model.pretrained:
+            note = models.pretrained.check(
+                model, cfg.model.pretrained, strict=cfg.model.weights_strict
             )
             if note:
                 print(f"main.py: note: {note}", file=sys.stderr)

@@ -93,9 +93,10 @@ def build_session(
     coord = topo.coord(rank)
     S, V = topo.num_stages, cfg.parallel.virtual_stages
     splits = data.load(cfg.data, cfg.train.seed, needs_val=cfg.train.eval)
-    # The model in S x V pieces; this rank runs pieces stage, stage + S, ... (its chunks).
-    stages = build_stages(cfg, S * V, splits.input_shape, splits.num_classes, capture)
+    # The model in S x V pieces; this rank runs (and gives memory to) its chunks' pieces only.
     pipe = REGISTRY[cfg.parallel.schedule].pipe(S, V)
+    keep = {pipe.piece(coord.stage, c) for c in range(V)}
+    stages = build_stages(cfg, S * V, splits.input_shape, splits.num_classes, capture, keep=keep)
     tied = ties.find(stages)
     tied = tied if V == 1 else ties.by_stage(tied, lambda j: pipe.place(j)[0])
     policy = Policy.of(cfg.compute, device)
@@ -370,7 +371,24 @@ def train_stream(
 
 
 def checkpoint_settings(cfg: RunConfig, session: Session) -> dict[str, object]:
-    """What a checkpoint records of the run that wrote it (checked again on resume)."""
+    """What a checkpoint records of the run that wrote it (checked again on resume).
+
+    A ``transformers`` model's class and config are recorded as data (``hf_config``), so the
+    step alone rebuilds it (``--hf`` export, ``bundle.generate``). The stages hold pieces of the
+    model's graph, not the model: it is built again here on the meta device (no memory), as
+    the run built it, once per process and only when the run saves."""
+    hf = None
+    if cfg.checkpoint.save_dir and cfg.model.name.startswith("transformers:"):
+        from bundle.checkpoint import hf_export
+
+        hf = hf_export.record_for(
+            cfg.model.name,
+            num_classes=session.splits.num_classes,
+            input_shape=tuple(session.splits.input_shape),
+            args=cfg.model.kwargs,
+            config_file=cfg.model.config_file,
+            pretrained=cfg.model.pretrained,
+        )
     return {
         **ckpt.run_settings(cfg),
         **data.identity(cfg.data),
@@ -379,6 +397,7 @@ def checkpoint_settings(cfg: RunConfig, session: Session) -> dict[str, object]:
         "input_shape": list(session.splits.input_shape),
         "layout": session.layout.as_dict(),
         "torch": torch.__version__,
+        **({"hf_config": hf} if hf else {}),
     }
 
 

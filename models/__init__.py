@@ -10,6 +10,9 @@
 - a ``transformers`` model class, ``transformers:GPT2LMHeadModel``, built from its config with
   random weights (``models.hf``).
 
+``--pretrained DIR`` builds a ``save_pretrained`` directory's class with its config and loads its
+safetensors weights, each process only its own stages' (``models.pretrained``).
+
 ``blocks(model, input_shape)`` gives the ordered (name, module) pairs whose chained application
 equals ``model(x)``: a model's own chain where it has one (the small models, ResNets, VGG,
 ``nn.Sequential``), else a split of its captured graph (``models.graph``: torch.fx, or
@@ -33,7 +36,7 @@ import torch.nn as nn
 
 from bundle.config import is_reference
 from bundle.errors import ConfigError, PartitionError
-from bundle.models import graph, hf
+from bundle.models import graph, hf, pretrained
 from bundle.models.gpt import GPT
 from bundle.models.outputs import Whole, call_kwargs, check_forward, select
 from bundle.models.small import (
@@ -59,6 +62,7 @@ __all__ = [
     "input_dtype",
     "is_known",
     "load_weights",
+    "pretrained",
     "whole",
 ]
 

@@ -6,6 +6,8 @@ Modules, from the data up:
 - ``format``: the final weights file, resumable ``step-N`` directories (DCP), their settings and
   checksums, re-saves that keep a whole copy and what a kill left put right, resolving
   ``--resume`` past damaged ones, export (``python -m bundle.checkpoint export``);
+- ``hf_export``: a ``transformers`` model's step as a ``from_pretrained`` directory (``export
+  --hf``), and such a directory read back as data (``bundle.generate``);
 - ``lock``: ``DirLock``, one job per save directory;
 - ``manager``: ``Checkpointer``, the loop's component: when a save is due, what one rank saves,
   asynchronous writes, saves that cannot complete, pruning, and restoring under any shape.

@@ -3,12 +3,12 @@ calls they make, the gradient sync and the optimizer step; and the stages it run
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from bundle import partition
+from bundle import models, partition
 from bundle.config import RunConfig
 from bundle.engine.grad_sync import GradSync
 from bundle.engine.loss import EVAL_COUNTS, Loss, as_float, classifies, cross_entropy, top_k_correct
@@ -39,12 +39,36 @@ def build_stages(
     input_shape: tuple[int, ...],
     num_classes: int,
     capture: Capture | None = None,
+    *,
+    keep: Collection[int] | None = None,
 ) -> list[Stage]:
     """The full model, seeded identically on every process (``--weights`` loaded), cut into
-    stages (from ``capture`` where the launch's checks made the model's graph split)."""
+    stages (from ``capture`` where the launch's checks made the model's graph split).
+
+    ``--pretrained``: the model is built with its parameters on the meta device and cut, and
+    only the stages in ``keep`` (None: all) are given memory and read from the checkpoint; the
+    others keep meta tensors (a weight tied to a kept stage's is that stage's tensor)."""
     torch.manual_seed(cfg.train.seed)
-    model = partition.build_model(cfg.model, num_classes, input_shape)
-    return partition.cut(model, cfg.model, num_stages, input_shape, capture)
+    if not cfg.model.pretrained:
+        model = partition.build_model(cfg.model, num_classes, input_shape)
+        return partition.cut(model, cfg.model, num_stages, input_shape, capture)
+    model = models.pretrained.build_empty(
+        cfg.model.name,
+        cfg.model.pretrained,
+        num_classes=num_classes,
+        input_shape=input_shape,
+        args=cfg.model.kwargs,
+    )
+    stages = partition.cut(model, cfg.model, num_stages, input_shape, capture)
+    models.pretrained.load(
+        model,
+        cfg.model.pretrained,
+        seed=cfg.train.seed,
+        strict=cfg.model.weights_strict,
+        pieces=stages,
+        keep=keep,
+    )
+    return stages
 
 
 @torch.no_grad()
@@ -54,10 +78,18 @@ def boundary_metas(
     """What crosses each stage boundary: shapes from one dummy row on the CPU, once; dtype and
     layout from the precision policy, which every rank holds alike."""
     modes = [s.training for s in stages]
-    metas, x = [], (torch.zeros(1, *input_shape, dtype=stages[0].input_dtype),)
+    # Pieces another process runs may hold no memory (--pretrained): then all run on meta.
+    on_meta = any(t.is_meta for s in stages for t in s.state_dict(keep_vars=True).values())
+    first = torch.zeros(1, *input_shape, dtype=stages[0].input_dtype)
+    metas: list[tuple[TensorMeta, ...]] = []
+    x: tuple[torch.Tensor, ...] = (first.to("meta") if on_meta else first,)
     try:
         for s in stages[:-1]:
-            x = s.eval()(*x)
+            if on_meta:
+                state = {k: v.to("meta") for k, v in s.state_dict(keep_vars=True).items()}
+                x = torch.func.functional_call(s.eval(), state, x)
+            else:
+                x = s.eval()(*x)
             metas.append(tuple(policy.boundary(TensorMeta.of(t)) for t in x))
     finally:
         for s, mode in zip(stages, modes, strict=True):

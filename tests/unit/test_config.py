@@ -183,6 +183,7 @@ RECORDED_DEFAULT = {
     "model_args": None,
     "loss": None,
     "model_output": None,
+    "pretrained": None,
     "text_field": "text",
     "seq_len": 64,
     "tokenizer": None,
@@ -273,7 +274,9 @@ def test_an_evaluation_only_run_needs_a_model_to_evaluate_and_validation():
     from bundle.errors import ConfigError
 
     only = C.TrainConfig(eval_only=True)
-    with pytest.raises(ConfigError, match="needs a model to evaluate: --resume or --weights"):
+    with pytest.raises(
+        ConfigError, match="needs a model to evaluate: --resume, --weights or --pretrained"
+    ):
         C.RunConfig(train=only)
     with pytest.raises(ConfigError, match="leave --no-eval out"):
         C.RunConfig(
