@@ -154,25 +154,11 @@ def train(
     return RunResult(code, summary)
 
 
-def export_hf(
-    checkpoint: str,
-    out: str,
-    *,
-    max_shard_size: str | int = "5GB",
-    force: bool = False,
-    model_config: str | None = None,
-    tokenizer: str | None = None,
-) -> HFExport:
+def export_hf(checkpoint: str, out: str, **options: Any) -> HFExport:
     """A ``transformers`` model's step directory as the directory ``from_pretrained`` reads,
-    as ``python -m bundle.checkpoint export STEP --hf OUT`` writes it (docs/hub.md); raises a
+    as ``python -m bundle.checkpoint export STEP --hf OUT`` writes it (docs/hub.md); options:
+    ``max_shard_size`` ("5GB"), ``force``, ``model_config``, ``tokenizer``. Raises a
     ``BundleError`` naming what is wrong."""
     from bundle.checkpoint.hf_export import export_hf as export
 
-    return export(
-        checkpoint,
-        out,
-        max_shard_size=max_shard_size,
-        force=force,
-        model_config=model_config,
-        tokenizer=tokenizer,
-    )
+    return export(checkpoint, out, **options)
