@@ -20,6 +20,11 @@ VENV ?= .venv
 ARGS ?=
 
 BIN := $(VENV)/bin
+# The oldest transformers release models are cut with (models/hf.py SUPPORTED), with the
+# huggingface-hub and tokenizers it needs, in a directory of its own that
+# tests/unit/test_hf_releases.py puts first on PYTHONPATH: the environment keeps the newest.
+HF_OLDEST := 4.56.2
+HF_OLDEST_DIR := $(VENV)/transformers-$(HF_OLDEST)
 # The linters pip installs (hadolint, shellcheck) are found on PATH, by the tests too.
 WITH_VENV := PATH="$(abspath $(BIN)):$$PATH"
 RUN := $(WITH_VENV) $(BIN)/python
@@ -29,7 +34,7 @@ RUN := $(WITH_VENV) $(BIN)/python
 run: $(VENV)/.runtime
 	$(RUN) main.py $(ARGS)
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev $(HF_OLDEST_DIR)/.installed
 	$(RUN) -m pytest -q -ra $(ARGS)
 
 gpu-check: $(VENV)/.gpu
@@ -61,6 +66,12 @@ $(VENV)/.gpu: requirements-test.txt requirements.txt pyproject.toml | $(BIN)/pyt
 	$(BIN)/python -m pip install -q -r requirements-test.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@ $(VENV)/.runtime
+
+$(HF_OLDEST_DIR)/.installed: | $(BIN)/python
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(HF_OLDEST_DIR) \
+	  transformers==$(HF_OLDEST) huggingface-hub==0.36.2 tokenizers==0.22.2
+	PYTHONPATH=$(HF_OLDEST_DIR) $(BIN)/python -c "import transformers; transformers.GPT2Config()"
+	touch $@
 
 $(VENV)/.dev: requirements-dev.txt requirements-test.txt requirements.txt pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -r requirements-dev.txt

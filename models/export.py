@@ -7,6 +7,13 @@ model does. Export's capture is made in training mode with the batch dynamic; dr
 attention dropout's and batch norm's training flag then reads the segment's own mode, export's
 guards and checks are dropped, and a weight the model ties under several names is fetched under
 the name of the module using it.
+
+What export makes that the model does not hold becomes part of the graph itself: a tensor it lifted
+out of the forward (``torch.tensor(1.0)``, older releases' ``lifted_tensor_0``) is a constant the
+graph carries (``CONSTANT`` in its node's meta), read by every segment using it; a forward whose
+capture holds higher-order operators (``wrap_with_set_grad_enabled`` over a ``submod_N``) or
+functorch's ``vmap`` (older ``transformers``' masks) is lowered to plain ATen operators first
+(export's own ``run_decompositions({})``, which keeps every operator it need not lower).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 import re
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -31,6 +39,8 @@ def fetch(model: nn.Module, target: str) -> object:
 
 
 WRAPPER = "m"  # the traced root is Selected(model): its paths are the model's under "m."
+# The key, in a get_attr node's meta, of the tensor export lifted, which the graph carries.
+CONSTANT = "bundle_constant"
 
 
 def own(path: str) -> str:
@@ -71,6 +81,7 @@ def module_of(node: fx.Node) -> str:
 # Operators whose training flag export records as a constant: (operator, the flag's position).
 _MODE_ARGS = {
     torch.ops.aten.dropout.default: 2,
+    torch.ops.aten.native_dropout.default: 2,  # dropout, once lowered (_lowered)
     torch.ops.aten.feature_dropout.default: 2,
     torch.ops.aten.alpha_dropout.default: 2,
     torch.ops.aten.feature_alpha_dropout.default: 2,
@@ -90,7 +101,7 @@ def exported(model: nn.Module, example: torch.Tensor, key: str | None, fx_reason
     was = model.training
     model.train()
     try:
-        with _quiet():
+        with _quiet(), _as_processes_run():
             program = torch.export.export(
                 Selected(model, key), (example,), dynamic_shapes=({0: batch},), strict=False
             )
@@ -102,11 +113,82 @@ def exported(model: nn.Module, example: torch.Tensor, key: str | None, fx_reason
         ) from None
     finally:
         model.train(was)
-    graph = program.module().graph
+    module = _lowered(model, program)
     # The graph's new attributes are the model's (its segments'), not the exported module's.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _tied_names(model, owned(_own_mode(graph)))
+        return _tied_names(model, owned(_own_mode(_constants(model, module))))
+
+
+def _foreign(model: nn.Module, module: fx.GraphModule) -> list[str]:
+    """What the exported module holds that a graph over the model's tensors cannot: higher-order
+    operators and their subgraphs, functorch's transforms (vmap), objects other than tensors."""
+    out: list[str] = []
+    for n in module.graph.nodes:
+        if n.op == "call_function" and (
+            isinstance(n.target, torch._ops.HigherOrderOperator)
+            or str(getattr(n.target, "__module__", "")).startswith("torch._functorch")
+        ):
+            out.append(getattr(n.target, "__name__", str(n.target)))
+        elif n.op == "get_attr" and not _owned_by(model, str(n.target)):
+            value = fetch(module, str(n.target))
+            if not isinstance(value, torch.Tensor):
+                out.append(f"{n.target} (a {type(value).__name__})")
+    return out
+
+
+def _owned_by(model: nn.Module, target: str) -> bool:
+    try:
+        fetch(model, own(target))
+    except AttributeError:
+        return False
+    return True
+
+
+def _lowered(model: nn.Module, program: torch.export.ExportedProgram) -> fx.GraphModule:
+    """The exported module, lowered to ATen operators where export left anything else in it."""
+    module = program.module()
+    if not _foreign(model, module):
+        return module
+    try:
+        with _quiet():
+            lowered = program.run_decompositions({}).module()
+    except Exception as exc:  # noqa: BLE001 - said below, with what could not be lowered
+        reason = plain(first_line(exc))
+    else:
+        left = _foreign(model, lowered)
+        if not left:
+            return lowered
+        reason = f"it still holds {', '.join(sorted(set(left)))}"
+    raise PartitionError(
+        f"cannot cut {type(model).__name__} into stages: its captured forward holds "
+        f"{', '.join(sorted(set(_foreign(model, module))))}, which cannot be lowered to ATen "
+        f"operators ({reason}); it trains whole at one-stage shapes (data parallelism)"
+    )
+
+
+def _constants(model: nn.Module, module: fx.GraphModule) -> fx.Graph:
+    """Tensors export lifted out of the forward (its ``lifted_tensor_N``, held by the exported
+    module, not the model) carried by the graph itself: each such get_attr gets a name no
+    attribute of the model has and its tensor in ``meta[CONSTANT]``."""
+    graph = module.graph
+    taken: dict[str, str] = {}
+    for n in graph.nodes:
+        if n.op != "get_attr" or _owned_by(model, str(n.target)):
+            continue
+        if str(n.target) not in taken:
+            name = f"_constant_{len(taken)}"
+            while hasattr(model, name):
+                name = f"_{name}"
+            taken[str(n.target)] = name
+        n.meta[CONSTANT] = fetch(module, str(n.target))
+        n.target = WRAPPER + "." + taken[str(n.target)]  # owned() reads it as the model's root
+    return graph
+
+
+def is_constant(n: fx.Node) -> bool:
+    """Whether a get_attr node reads a tensor the graph carries (``CONSTANT``)."""
+    return n.op == "get_attr" and CONSTANT in n.meta
 
 
 @contextlib.contextmanager
@@ -126,6 +208,28 @@ def _quiet() -> Iterator[None]:
 
 
 _EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+
+
+@contextlib.contextmanager
+def _as_processes_run() -> Iterator[None]:
+    """A capture made on the meta device (the launch's checks) made as the job's processes run
+    the forward: tensors it makes without a device (``torch.tensor(1.0)``, which export lifts
+    out) on the CPU, so they have values to hand on, not on the meta device the checks made the
+    default; and ``torch.autocast(device_type=x.device.type, enabled=False)`` (older
+    transformers' rotary tables) taken as the CPU's, since autocast knows no meta device (it
+    records nothing either way: the region runs outside any autocast)."""
+    original = torch.autocast.__init__
+
+    def init(self: torch.autocast, device_type: str, *args: Any, **kwargs: Any) -> None:
+        original(self, "cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    device = torch.device("cpu") if torch.get_default_device().type == "meta" else None
+    torch.autocast.__init__ = init  # type: ignore[method-assign]
+    try:
+        with device if device is not None else contextlib.nullcontext():
+            yield
+    finally:
+        torch.autocast.__init__ = original  # type: ignore[method-assign]
 
 
 def _own_mode(graph: fx.Graph) -> fx.Graph:
@@ -164,7 +268,7 @@ def _tied_names(model: nn.Module, graph: fx.Graph) -> fx.Graph:
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    for n in [n for n in graph.nodes if n.op == "get_attr"]:
+    for n in [n for n in graph.nodes if n.op == "get_attr" and not is_constant(n)]:
         candidates = names.get(id(fetch(model, str(n.target))), [])
         if len(candidates) < 2:
             continue

@@ -23,6 +23,8 @@ the module doing so is kept whole instead (found by tracing in both modes and co
 A split is made once per job (by the launch's checks, on the meta device): ``dump`` writes its
 segments' graphs, ``load`` rebuilds them over another instance of the model, and devices the
 capture wrote as constants read the segment's input instead, so a segment runs wherever it is put.
+Tensors the capture lifted out of the forward travel with the graph as data (``torch.save``,
+read back with ``weights_only=True``).
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ import torch.nn as nn
 
 from bundle.errors import PartitionError
 from bundle.models.export import (
+    CONSTANT,
     WRAPPER,
     exported,
     fetch,
     first_line,
+    is_constant,
     module_of,
     owned,
     plain,
@@ -58,9 +62,41 @@ _ROWS = 3
 
 
 class Segment(fx.GraphModule):
-    """One block of a graph split; its parameters are named as in the full model."""
+    """One block of a graph split; its parameters are named as in the full model. A tensor the
+    capture lifted out of the forward (``export.CONSTANT``) is a plain attribute: in no state
+    dict and never synced (it is no parameter or buffer of the model), moved with the segment."""
 
     named_fully = True
+
+    def __init__(self, model: nn.Module, graph: fx.Graph, class_name: str = "Segment") -> None:
+        constants = {str(n.target): n.meta[CONSTANT] for n in graph.nodes if is_constant(n)}
+        super().__init__(_Root(model, constants) if constants else model, graph, class_name)
+        for name, value in constants.items():
+            self._buffers.pop(name, None)
+            self._non_persistent_buffers_set.discard(name)
+            self.__dict__[name] = value
+        self._bundle_constants = tuple(constants)  # a name no model's attribute takes
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Segment:
+        super()._apply(fn, recurse)
+        for (
+            name
+        ) in self._bundle_constants:  # .to(device) moves the constants as it moves the weights
+            self.__dict__[name] = fn(self.__dict__[name])
+        return self
+
+
+class _Root(nn.Module):
+    """The model, seen with the capture's constants at its root (what ``Segment`` copies from)."""
+
+    def __init__(self, model: nn.Module, constants: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.training = model.training
+        self.__dict__.update(constants, _model=model)
+        self.__dict__["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_model"], name)
 
 
 # Operators a stage must not run again (a recomputed value must be the same value).
@@ -210,7 +246,7 @@ class _Analysis:
     def _constant(self, n: fx.Node) -> bool:
         if n.op != "get_attr":
             return False
-        if n.target == "training":
+        if n.target == "training" or is_constant(n):
             return True
         value = fetch(self.model, str(n.target))
         return not (isinstance(value, torch.Tensor) and value.requires_grad)
@@ -236,12 +272,12 @@ class _Analysis:
         self.model.eval()
         try:
             with torch.random.fork_rng(devices=[]):
-                _interpret(Probe(fx.GraphModule(self.model, self.graph)), example)
+                _interpret(Probe(Segment(self.model, self.graph)), example)
         except Exception as exc:  # noqa: BLE001 - reported as the model's own failure
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = plain(first_line(exc)).rstrip(".")
             raise PartitionError(
                 f"{type(self.model).__name__} fails on an input of shape "
-                f"{tuple(example.shape[1:])}: {reason}"
+                f"{tuple(example.shape[1:])}: {reason}{built_for(self.model)}"
             ) from None
         finally:
             self.model.train(was)
@@ -280,6 +316,22 @@ class _Analysis:
         except AttributeError:
             raise PartitionError(f"unknown split point {point!r}: no such module") from None
         raise PartitionError(f"cannot cut at {point!r}: the model's forward never calls it")
+
+
+def built_for(model: nn.Module) -> str:
+    """What input ``model`` says it was built for (timm's ``pretrained_cfg``, a transformers
+    config's ``image_size``), as the end of a message ('' where it says nothing)."""
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
+    size = cfg.get("input_size") if isinstance(cfg, dict) else None
+    if size is None:
+        image = getattr(getattr(model, "config", None), "image_size", None)
+        size = (image, image) if isinstance(image, int) else None
+    if not isinstance(size, (tuple, list)) or not size:
+        return "; give it the input it was built for (--image-size, --seq-len) or build it for this one"
+    return (
+        f"; it was built for inputs of {'x'.join(map(str, size))}: give --image-size "
+        f"{size[-1]}, or build it for this input (--model-args, e.g. img_size or image_size)"
+    )
 
 
 def _interpret(probe: fx.Interpreter, example: torch.Tensor) -> None:
@@ -377,6 +429,8 @@ def _segment(a: _Analysis, lo: int, hi: int) -> Segment:
                     env[n] = graph.node_copy(n, arg)
             elif n.op == "get_attr":
                 env[n] = graph.get_attr(str(n.target))
+                if is_constant(n):
+                    env[n].meta[CONSTANT] = n.meta[CONSTANT]
             else:
                 raise AssertionError(f"{n.name} is neither crossing nor computed here")
         return env[n]
@@ -388,7 +442,7 @@ def _segment(a: _Analysis, lo: int, hi: int) -> Segment:
     else:
         outs = [arg(n) for n in a.sent(hi)]
         graph.output(outs[0] if len(outs) == 1 else tuple(outs))
-    return Segment(a.model, _on_input_device(graph, batch), class_name="Segment")
+    return Segment(a.model, _on_input_device(graph, batch))
 
 
 def _on_input_device(graph: fx.Graph, batch: fx.Node) -> fx.Graph:
@@ -457,18 +511,39 @@ def dump(blocks: Sequence[Block]) -> bytes | None:
             fx.node.map_aggregate(n.kwargs, ref),
         )
 
+    # The capture's constants as data, apart from the graphs: keyed "segment/node".
+    constants = {
+        f"{i}/{n.name}": n.meta[CONSTANT]
+        for i, (_, m) in enumerate(segments)
+        for n in m.graph.nodes
+        if is_constant(n)
+    }
+    if any(t.device.type == "meta" and t.numel() for t in constants.values()):
+        return None  # a constant made on the meta device has no values: captured again
+    tensors = io.BytesIO()
+    torch.save({k: _values(t) for k, t in constants.items()}, tensors)
     out = io.BytesIO()
     try:
-        _Pickler(out).dump([(name, [row(n) for n in m.graph.nodes]) for name, m in segments])
+        rows = [(name, [row(n) for n in m.graph.nodes]) for name, m in segments]
+        _Pickler(out).dump((rows, tensors.getvalue()))
     except (pickle.PicklingError, TypeError, AttributeError, RuntimeError):
         return None  # an operation only this process can name: every process captures its own
     return out.getvalue()
 
 
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A constant as data (an empty one made on the meta device, a cache's, has all its values)."""
+    if t.device.type == "meta":
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    return t.detach().cpu()
+
+
 def load(model: nn.Module, dumped: bytes) -> list[Block]:
     """``dump``'s blocks, over ``model``'s own parameters and buffers."""
     out: list[Block] = []
-    for name, rows in pickle.loads(dumped):  # noqa: S301 - written by this job's own launcher
+    segments, tensors = pickle.loads(dumped)  # noqa: S301 - written by this job's own launcher
+    constants = torch.load(io.BytesIO(tensors), weights_only=True)
+    for i, (name, rows) in enumerate(segments):
         graph = fx.Graph()
         env: dict[str, fx.Node] = {}
 
@@ -483,5 +558,7 @@ def load(model: nn.Module, dumped: bytes) -> list[Block]:
                 fx.node.map_aggregate(kwargs, get),
                 name=node_name,
             )
-        out.append((name, Segment(model, graph, class_name="Segment")))
+            if f"{i}/{node_name}" in constants:
+                env[node_name].meta[CONSTANT] = constants[f"{i}/{node_name}"]
+        out.append((name, Segment(model, graph)))
     return out

@@ -6,10 +6,15 @@ read from ``--model-config`` (a ``config.json`` or a directory holding one) if g
 model's vocabulary (``...LMHeadModel``, ``...ForCausalLM``, ``...ForMaskedLM``) or a classifier's
 ``num_labels`` is the number of classes; an image model's ``image_size`` and ``num_channels``
 come from the input shape, a text model's positions cover the sequence.
+
+Only the ``transformers`` releases whose models this tool is tested to cut into stages are taken
+(``SUPPORTED``; tests/unit/test_hf_releases.py runs the oldest and the installed one): another is
+refused when such a model is built, in one line saying which releases work.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,26 @@ from bundle.errors import ConfigError
 
 _LM = ("LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForPreTraining")
 _POSITIONS = ("n_positions", "max_position_embeddings")
+# The releases taken: from the oldest (major, minor) to the first one not taken.
+SUPPORTED = ((4, 56), (6, 0))
+
+
+def supported_range() -> str:
+    (a, b), (c, d) = SUPPORTED
+    return f">={a}.{b},<{c}" + (f".{d}" if d else "")
+
+
+def check_release(version: str) -> None:
+    """Refuse a ``transformers`` release outside ``SUPPORTED``, saying which releases work."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    release = (int(match[1]), int(match[2])) if match else None
+    if release is None or not SUPPORTED[0] <= release < SUPPORTED[1]:
+        raise ConfigError(
+            "transformers",
+            version,
+            f"the releases that work are transformers{supported_range()} "
+            f"(pip install 'transformers{supported_range()}')",
+        )
 
 
 def is_pretrained_class(obj: Any) -> bool:
@@ -54,6 +79,9 @@ def build(
     config_file: str | None = None,
 ) -> nn.Module:
     """The model ``cls`` from its config (random weights), sized for the data."""
+    import transformers
+
+    check_release(transformers.__version__)
     config = _config(cls, name, config_file)
     unknown = sorted(k for k in args if not hasattr(config, k))
     if unknown:
