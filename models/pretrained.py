@@ -161,6 +161,9 @@ def build(
             f"{FLAG} builds a transformers class: give --model transformers:CLASS, or leave "
             f"--model out to build the {CONFIG}'s architectures",
         )
+    import transformers
+
+    hf.check_release(transformers.__version__)
     try:
         config = cls.config_class.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - unreadable in any way: one line

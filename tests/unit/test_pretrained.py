@@ -299,3 +299,17 @@ def test_buffers_the_checkpoint_does_not_hold_are_computed_as_the_constructor_do
     ids = torch.randint(0, VOCAB, (2, SEQ))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, original(ids).logits)
+
+
+def test_a_transformers_release_outside_the_range_is_refused_for_pretrained_too(
+    tmp_path, monkeypatch
+):
+    import sys
+
+    directory, _ = _saved(tmp_path, "gpt2")
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.55.4")
+    with pytest.raises(ConfigError) as exc:
+        pretrained.build(
+            "transformers:GPT2LMHeadModel", directory, num_classes=256, input_shape=(8,), args={}
+        )
+    assert "the releases that work are transformers>=4.56" in _one_line(exc)
