@@ -169,6 +169,38 @@ def checks_its_rows(num_classes: int) -> nn.Module:
 UNCAPTURABLE = [f"tests.unit.test_preflight:{name}" for name in ("row_by_row", "checks_its_rows")]
 
 
+class _SizeChecked(nn.Module):
+    """A model that checks its input's height with a message formatted from it, as timm's
+    ViT does, and says what it was built for (``pretrained_cfg``)."""
+
+    pretrained_cfg = {"input_size": (3, 8, 8)}
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(192, 16), nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        height = x.shape[-2]
+        torch._assert(height == 8, f"Input height ({height}) doesn't match model (8).")
+        return self.b(self.a(x.flatten(1)))
+
+
+def size_checked(num_classes: int) -> nn.Module:
+    return _SizeChecked(num_classes)
+
+
+def test_a_models_own_size_check_says_what_input_it_takes_not_fxs_proxy():
+    c = cfg("--model", "tests.unit.test_preflight:size_checked", "--dataset", "synthetic",
+            "--image-size", "4")  # fmt: skip
+    with pytest.raises(BundleError) as err:
+        preflight.check_model(c, 2)
+    text = str(err.value)
+    assert "Proxy" not in text and "\n" not in text, text
+    assert "fails on an input of shape (3, 4, 4): Input height (a traced value)" in text
+    assert text.endswith("it was built for inputs of 3x8x8: give --image-size 8, or build it "
+                         "for this input (--model-args, e.g. img_size or image_size)")  # fmt: skip
+
+
 @pytest.mark.parametrize("model", UNCAPTURABLE)
 def test_a_model_no_capture_takes_cannot_be_cut_in_one_line(model):
     with pytest.raises(BundleError) as err:
