@@ -23,8 +23,10 @@ import torch.nn as nn
 
 from bundle.errors import ConfigError
 
-_LM = ("LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForPreTraining")
-_POSITIONS = ("n_positions", "max_position_embeddings")
+# A language model's class name ends so (its vocabulary is the data's classes), and a text model's
+# config names its positions so.
+LANGUAGE_MODELS = ("LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForPreTraining")
+POSITION_FIELDS = ("n_positions", "max_position_embeddings")
 # The releases taken: from the oldest (major, minor) to the first one not taken.
 SUPPORTED = ((4, 56), (6, 0))
 
@@ -91,14 +93,14 @@ def build(
             f"{type(config).__name__} has no field(s) {unknown}",
         )
     data: dict[str, Any] = {}
-    if cls.__name__.endswith(_LM):
+    if cls.__name__.endswith(LANGUAGE_MODELS):
         data["vocab_size"] = num_classes
     else:
         data["num_labels"] = num_classes
     if getattr(config, "image_size", None) is not None and len(shape) == 3:
         data["image_size"], data["num_channels"] = shape[-1], shape[0]
     elif len(shape) == 1:
-        for key in _POSITIONS:
+        for key in POSITION_FIELDS:
             if isinstance(getattr(config, key, None), int) and getattr(config, key) < shape[0]:
                 data[key] = shape[0]
     for key, value in {**data, **args}.items():
@@ -106,7 +108,7 @@ def build(
     if hasattr(config, "use_cache"):
         config.use_cache = False  # training never reuses it
     if (
-        cls.__name__.endswith(_LM)
+        cls.__name__.endswith(LANGUAGE_MODELS)
         and isinstance(getattr(config, "vocab_size", None), int)
         and config.vocab_size < num_classes
     ):

@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from bundle.errors import ConfigError
 from bundle.models import hf
-from bundle.models.hf import _LM, _POSITIONS
+from bundle.models.hf import LANGUAGE_MODELS, POSITION_FIELDS
 
 FLAG = "--pretrained"
 CONFIG = "config.json"
@@ -192,7 +192,7 @@ def _fit_data(
     shape: tuple[int, ...],
     args: Mapping[str, Any],
 ) -> None:
-    if cls_name.endswith(_LM):
+    if cls_name.endswith(LANGUAGE_MODELS):
         vocab = getattr(config, "vocab_size", None)
         if isinstance(vocab, int) and vocab < num_classes:
             raise _refuse(
@@ -203,7 +203,7 @@ def _fit_data(
     elif "num_labels" not in args and getattr(config, "num_labels", num_classes) != num_classes:
         config.num_labels = num_classes  # the data's classes; the head is noted as fresh
     if len(shape) == 1:
-        for key in _POSITIONS:
+        for key in POSITION_FIELDS:
             have = getattr(config, key, None)
             if key not in args and isinstance(have, int) and have < shape[0]:
                 raise _refuse(directory, f"its {key}={have} is shorter than --seq-len {shape[0]}")
