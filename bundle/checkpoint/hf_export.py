@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import stat
 from collections.abc import Callable, Iterator, Mapping
@@ -51,9 +50,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
-INDEX = "model.safetensors.index.json"
-WEIGHTS = "model.safetensors"
-_SHARD = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors$")
 
 
 @dataclass(frozen=True)
@@ -418,42 +414,25 @@ def read_pretrained(path: str) -> Pretrained:
         raise ConfigError(f"{where} architectures", arch, "must name the model class")
     rec = {"class": arch[0], "config": config}
     config_from(rec, where)  # checked before anything else is read
-    files = _shards(path)
+    from bundle.models import pretrained  # the same reader --pretrained uses: headers checked
+
+    try:
+        spans = pretrained.read(path).spans
+    except ConfigError as exc:
+        raise ConfigError("CHECKPOINT", path, exc.allowed) from None
+    files = sorted({span.path for span in spans.values()})
     has_tokenizer = any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES)
-    return Pretrained(rec, lambda: _read_shards(path, files), path if has_tokenizer else None)
+    return Pretrained(rec, lambda: _read_shards(files), path if has_tokenizer else None)
 
 
-def _shards(path: str) -> list[str]:
-    """The safetensors files of ``path``: its index's, or ``model.safetensors``."""
-    index = os.path.join(path, INDEX)
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigError("CHECKPOINT", index, f"cannot read it ({exc})") from None
-        bad = [n for n in names if not (isinstance(n, str) and _SHARD.match(n))]
-        if bad or not names:
-            raise ConfigError("CHECKPOINT", index, f"names {bad[:1] or 'no'} safetensors file")
-        return names
-    if os.path.isfile(os.path.join(path, WEIGHTS)):
-        return [WEIGHTS]
-    raise ConfigError(
-        "CHECKPOINT", path, f"holds no {WEIGHTS} or {INDEX} (other weight files are not read)"
-    )
-
-
-def _read_shards(path: str, names: list[str]) -> dict[str, torch.Tensor]:
+def _read_shards(files: list[str]) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
-    for name in names:
+    for file in files:
         try:
-            state.update(load_file(os.path.join(path, name)))
-        except Exception as exc:  # noqa: BLE001 - missing, cut short, not safetensors: one line
+            state.update(load_file(file))
+        except Exception as exc:  # noqa: BLE001 - changed since its header was read: one line
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-            raise ConfigError(
-                "CHECKPOINT", os.path.join(path, name), f"cannot read it ({why})"
-            ) from None
+            raise ConfigError("CHECKPOINT", file, f"cannot read it ({why})") from None
     return state

@@ -164,7 +164,7 @@ def test_a_small_max_shard_size_writes_shards_and_an_index_that_load(tmp_path):
     out = str(tmp_path / "hf")
     done = api.export_hf(step, out, max_shard_size="20KB")
     shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
-    assert done.shards == len(shards) > 1 and hf_export.INDEX in os.listdir(out)
+    assert done.shards == len(shards) > 1 and "model.safetensors.index.json" in os.listdir(out)
     assert done.tokenizer == () and "lm_head.weight" not in safetensors_keys(out)
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
@@ -294,10 +294,11 @@ def test_generate_reads_weights_of_an_export_from_safetensors_only(tmp_path, cap
     build(*GPT2).save_pretrained(str(out))
     os.replace(out / "model.safetensors", out / "pytorch_model.bin")
     assert generate.main([str(out), "--prompt", "x"]) == 2
-    assert "other weight files are not read" in capsys.readouterr().err
-    (out / hf_export.INDEX).write_text(json.dumps({"weight_map": {"a": "../x.safetensors"}}))
+    assert "holds pytorch_model.bin, not safetensors" in capsys.readouterr().err
+    index = out / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "../x.safetensors"}}))
     assert generate.main([str(out), "--prompt", "x"]) == 2
-    assert "names ['../x.safetensors']" in capsys.readouterr().err
+    assert "weight_map is no mapping of tensor names to file names" in capsys.readouterr().err
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "architectures": ["os.system"]}))
     assert generate.main([str(out), "--prompt", "x"]) == 2
