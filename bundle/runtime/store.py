@@ -15,6 +15,7 @@ torchrun, each group of workers the agents start takes a fresh one (``open_gener
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import json
 import os
@@ -179,22 +180,28 @@ SAY_AFTER_S, SAY_EVERY_S = 2.0, 15.0
 
 
 def wait_joined(
-    store: dist.Store, prefix: str, peers: int, timeout: float, *, say: str | None = None
+    store: dist.Store,
+    prefix: str,
+    peers: int,
+    timeout: float,
+    *,
+    what: str = "process",
+    where: str = "at the store",
+    say: bool = False,
 ) -> None:
-    """Wait until keys ``prefix/0`` .. ``prefix/{peers-1}`` are all set. ``say`` (what a peer is,
-    and where they meet: "node", "at 10.0.0.1:29500"): after ``SAY_AFTER_S`` and every
-    ``SAY_EVERY_S`` after, one line names the peers not there yet; after ``timeout`` seconds,
-    a LaunchError names them."""
+    """Wait until keys ``prefix/0`` .. ``prefix/{peers-1}`` are all set by the ``peers`` (each
+    a ``what``, meeting ``where``). ``say``: after ``SAY_AFTER_S`` and every ``SAY_EVERY_S``
+    after, one line names the peers not there yet. After ``timeout`` seconds, a LaunchError
+    names them."""
     keys = [f"{prefix}/{i}" for i in range(peers)]
     start = time.monotonic()
     said = start + SAY_AFTER_S
     while not store.check(keys):
         now = time.monotonic()
-        if now - start > timeout or (say is not None and now >= said):
+        if now - start > timeout or (say and now >= said):
             missing = [i for i, key in enumerate(keys) if not store.check([key])]
             if not missing:
                 return
-            what, where = (say or "process at the store").split(" ", 1)
             who = f"{what} {_listed(missing)} of {peers}"
             if now - start > timeout:
                 raise LaunchError(f"{who} did not join the job {where} within {timeout:.0f}s")
@@ -225,8 +232,8 @@ def exchange_config(
     mine = {**cfg.shared_view(), "job_secret": control.fingerprint()}
     store.set(f"bundle/config/{me}", json.dumps(mine))
     where = f"at {cfg.launch.master_addr}:{cfg.launch.master_port or DEFAULT_PORT}"
-    say = f"{what} {where}" if me == 0 else None
-    wait_joined(store, "bundle/config", peers, timeout, say=say)
+    joined = functools.partial(wait_joined, store, what=what, where=where, say=me == 0)
+    joined("bundle/config", peers, timeout)
     problems = []
     for i in range(peers):
         diff = _differences(mine, json.loads(store.get(f"bundle/config/{i}")))
@@ -234,7 +241,7 @@ def exchange_config(
             problems.append(f"node {me} vs node {i}: {'; '.join(diff)}")
     store.set(f"bundle/config-read/{me}", "1")
     if me == 0:
-        wait_joined(store, "bundle/config-read", peers, timeout, say=say)
+        joined("bundle/config-read", peers, timeout)
     if problems:
         raise LaunchError(f"the nodes were started with different settings: {problems[0]}")
 

@@ -110,6 +110,9 @@ def _said(capsys) -> list[str]:
     return [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
 
 
+AT = {"what": "node", "where": "at 127.0.0.1:1", "say": True}
+
+
 def test_node_0_says_which_nodes_it_waits_for_then_names_them_at_the_timeout(capsys, monkeypatch):
     monkeypatch.setattr(job_store, "SAY_AFTER_S", 0.05)
     monkeypatch.setattr(job_store, "SAY_EVERY_S", 0.3)
@@ -118,14 +121,14 @@ def test_node_0_says_which_nodes_it_waits_for_then_names_them_at_the_timeout(cap
     store.set("bundle/config/0", "x")
     store.set("bundle/config/2", "x")
     with pytest.raises(LaunchError) as err:
-        job_store.wait_joined(store, "bundle/config", 4, 1.0, say="node at 127.0.0.1:1")
+        job_store.wait_joined(store, "bundle/config", 4, 1.0, **AT)
     assert str(err.value) == "node 1, 3 of 4 did not join the job at 127.0.0.1:1 within 1s"
     lines = _said(capsys)
     assert 2 <= len(lines) <= 5, lines  # within the first second, then every 0.3 s
     assert lines[0].startswith("[node 0] waiting for node 1, 3 of 4 to join at 127.0.0.1:1 (0s")
     store.set("bundle/config/1", "x")
     store.set("bundle/config/3", "x")
-    job_store.wait_joined(store, "bundle/config", 4, 1.0, say="node at 127.0.0.1:1")  # all there
+    job_store.wait_joined(store, "bundle/config", 4, 1.0, **AT)  # all there
 
 
 def test_a_joining_node_says_it_waits_for_node_0_and_reaches_it_once_it_listens(
