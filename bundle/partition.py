@@ -32,7 +32,7 @@ from bundle import log, models
 from bundle.config import ModelConfig
 from bundle.engine.memory import run_recomputed
 from bundle.errors import ConfigError, PartitionError
-from bundle.models import Block, apply_blocks, graph, is_known
+from bundle.models import Block, apply_blocks, is_known, split_io
 from bundle.yaml_input import load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -311,7 +311,7 @@ def capture_of(
     """The graph split behind ``cut``'s stages, for the job's other processes (None: the model
     was not cut by its graph, or holds an operation that cannot be handed on)."""
     blocks = [(n, m) for s in stages for n, m in zip(s.names, s.blocks, strict=True)]
-    dumped = graph.dump(blocks)
+    dumped = split_io.dump(blocks)
     return Capture(capture_key(cfg, input_shape), dumped) if dumped is not None else None
 
 
@@ -331,7 +331,7 @@ def cut(
         return stages
     try:
         if capture is not None and capture.key == capture_key(cfg, input_shape):
-            blocks = graph.load(model, capture.blocks)
+            blocks = split_io.load(model, capture.blocks)
         else:
             blocks = _captured(model, spec, cfg, num_stages, input_shape)
         stages = split_model(blocks, resolve(spec, blocks, num_stages, cfg.name))

@@ -16,7 +16,8 @@ safetensors weights, each process only its own stages' (``models.pretrained``).
 ``blocks(model, input_shape)`` gives the ordered (name, module) pairs whose chained application
 equals ``model(x)``: a model's own chain where it has one (the small models, ResNets, VGG,
 ``nn.Sequential``), else a split of its captured graph (``models.graph``: torch.fx, or
-torch.export where fx cannot trace). ``whole(model)`` is the one block of a one-stage shape,
+torch.export where fx cannot trace; made once and handed to the job's other processes as bytes
+by ``models.split_io``). ``whole(model)`` is the one block of a one-stage shape,
 never traced.
 """
 

@@ -19,7 +19,7 @@ import torch
 from bundle import models, partition
 from bundle.config import ModelConfig
 from bundle.errors import ConfigError
-from bundle.models import graph, hf
+from bundle.models import hf, split_io
 from bundle.models.graph import Segment
 from tests.support import hf_release_check as check
 
@@ -106,7 +106,7 @@ def test_tensors_a_capture_lifted_are_carried_by_its_graph_and_handed_on_as_data
     assert all(s.full_name(n) in names for s in stages for n, _ in s.named_buffers())
     capture = partition.capture_of(stages, cfg, shape)
     assert capture is not None
-    blocks = graph.load(model, capture.blocks)
+    blocks = split_io.load(model, capture.blocks)
     loaded = partition.split_model(blocks, partition.auto_starts(blocks, 3))
     x = torch.randint(0, check.VOCAB, (2, check.SEQ))
     h: tuple[torch.Tensor, ...] = (x,)
