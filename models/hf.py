@@ -10,6 +10,9 @@ come from the input shape, a text model's positions cover the sequence.
 Only the ``transformers`` releases whose models this tool is tested to cut into stages are taken
 (``SUPPORTED``; tests/unit/test_hf_releases.py runs the oldest and the installed one): another is
 refused when such a model is built, in one line saying which releases work.
+
+``current_name``: a tensor's name in a saved checkpoint as transformers renames it on load (BERT's
+``LayerNorm.gamma``), for ``--pretrained`` to match it as ``from_pretrained`` does.
 """
 
 from __future__ import annotations
@@ -124,3 +127,25 @@ def build(
         raise ConfigError(
             "--model", name, f"{cls.__name__}({type(config).__name__}): {reason}"
         ) from None
+
+
+# The renames transformers applies to a checkpoint's names on load, in turn, each at its first
+# match, and only these (its "legacy" conversions; before 5.0 ``_fix_state_dict_key_on_load``):
+# early BERT-like models' LayerNorm gamma/beta, weight norm's weight_g/weight_v (a parametrization
+# now), and the doubled ``.model`` of checkpoints saved by transformers 5.10 to 5.23. Patterns as
+# transformers spells them; each ends where a name does, as transformers ends them (``(?!\w)``).
+_LEGACY = (
+    ("LayerNorm.gamma", "LayerNorm.weight"),
+    ("LayerNorm.beta", "LayerNorm.bias"),
+    (".weight_g", ".parametrizations.weight.original0"),
+    (".weight_v", ".parametrizations.weight.original1"),
+    (r"^model\.language_model\.model|^language_model\.model\.model", "model.language_model"),
+)
+_RENAMES = tuple((re.compile(f"(?:{old})(?!\\w)"), new) for old, new in _LEGACY)
+
+
+def current_name(saved: str) -> str:
+    """A tensor's name in a checkpoint as transformers loads it (most are unchanged)."""
+    for pattern, new in _RENAMES:
+        saved = pattern.sub(new, saved, count=1)
+    return saved

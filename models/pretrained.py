@@ -11,7 +11,8 @@ whose name and shape fit is loaded, the rest keep their initialisation and one n
 ``--weights-strict`` refuses. A parameter left at its initialisation is initialised by its own
 module's ``_init_weights`` (``reset_parameters`` outside ``transformers``), seeded from (seed,
 module name), so it is the same whatever the shape. A weight tied to another (GPT-2's ``lm_head``
-to its token embedding) is saved once and loaded from that one copy into both names.
+to its token embedding) is saved once and loaded from that one copy into both names. A name an
+old release saved (BERT's ``LayerNorm.gamma``) matches as transformers renames it on load.
 Pickled checkpoints (``pytorch_model.bin``) are refused, never unpickled.
 """
 
@@ -31,7 +32,7 @@ from safetensors import safe_open
 
 from bundle.errors import ConfigError
 from bundle.models import hf
-from bundle.models.hf import LANGUAGE_MODELS, POSITION_FIELDS
+from bundle.models.hf import LANGUAGE_MODELS, POSITION_FIELDS, current_name
 
 FLAG = "--pretrained"
 CONFIG = "config.json"
@@ -253,9 +254,13 @@ class Match:
 def match(model: nn.Module, ckpt: Checkpoint, *, strict: bool = False) -> Match:
     """The checkpoint's tensor for each entry of the model's state dict, by name and shape: its
     own name, a name tied to it (the copy transformers did not save), or either with or without
-    the model's ``base_model_prefix`` (a ``GPT2Model`` saved, a ``GPT2LMHeadModel`` loaded).
-    Refused (``strict``: anything that does not fit; else nothing fits) in one line."""
+    the model's ``base_model_prefix`` (a ``GPT2Model`` saved, a ``GPT2LMHeadModel`` loaded); a
+    checkpoint's name as transformers renames it on load (``current_name``), the source being the
+    name it is saved under. Refused (``strict``: anything that does not fit; else nothing fits)
+    in one line."""
     own = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    # the saved names by their current ones; a tensor saved under its current name comes last: wins
+    saved = {current_name(n): n for n in sorted(ckpt.spans, key=lambda n: current_name(n) == n)}
     tied = _tied(model)
     prefix = getattr(model, "base_model_prefix", "") or ""
     sources: dict[str, str | None] = {}
@@ -265,7 +270,7 @@ def match(model: nn.Module, ckpt: Checkpoint, *, strict: bool = False) -> Match:
         if prefix:  # a base model's checkpoint in a model with a head, or the other way round
             head = f"{prefix}."
             names += [n.removeprefix(head) if n.startswith(head) else head + n for n in names]
-        found = [n for n in names if n in ckpt.spans]
+        found = [saved[n] for n in names if n in saved]
         fit = next((n for n in found if ckpt.spans[n].shape == shape), None)
         sources[key] = fit
         if fit is None and found:
@@ -273,7 +278,8 @@ def match(model: nn.Module, ckpt: Checkpoint, *, strict: bool = False) -> Match:
         elif fit is None:
             missing.append(key)
     used = {n for n in sources.values() if n is not None}
-    unexpected = sorted(n for n in ckpt.spans if n not in used and n not in own)
+    mine = {saved[k] for k in own if k in saved}  # the model's names, of any shape
+    unexpected = sorted(n for n in ckpt.spans if n not in used and n not in mine)
     problems = [
         f"{len(shapes)} of another shape (e.g. {shapes[0]})" if shapes else "",
         f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",

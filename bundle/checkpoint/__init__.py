@@ -8,6 +8,8 @@ Modules, from the data up:
   ``--resume`` past damaged ones, export (``python -m bundle.checkpoint export``);
 - ``hf_export``: a ``transformers`` model's step as a ``from_pretrained`` directory (``export
   --hf``), and such a directory read back as data (``bundle.generate``);
+- ``hf_files``: what goes into an export beside the weights, read as data: the run's tokenizer
+  files (an exact list of names) and a ``--pretrained`` directory's generation config;
 - ``lock``: ``DirLock``, one job per save directory;
 - ``manager``: ``Checkpointer``, the loop's component: when a save is due, what one rank saves,
   asynchronous writes, saves that cannot complete, pruning, and restoring under any shape.

@@ -8,9 +8,11 @@ written before that is rebuilt as ``bundle.generate`` rebuilds it: the recorded 
 and ``--model-config``). The export builds the model on the meta device, takes the checkpoint's
 verified tensors (no copy), and lets the model's own ``save_pretrained`` write ``config.json``,
 ``generation_config.json`` (a class that generates), and safetensors shards (an index when more
-than one): a weight tied to another is written once, as ``transformers`` writes it. The run's
-tokenizer is copied beside them: plain files of an exact list of names. Everything is written to
-``OUT.partial`` and renamed, so a half-written export is never taken for a whole one.
+than one): a weight tied to another is written once, as ``transformers`` writes it. A run
+started from ``--pretrained DIR`` carries DIR's own ``generation_config.json`` instead, read as
+data (``hf_files``). The run's tokenizer is copied beside them: plain files of an exact list of
+names. Everything is written to ``OUT.partial`` and renamed, so a half-written export is never
+taken for a whole one.
 
 ``read_pretrained`` reads such a directory back as data: the class its ``config.json`` names
 (a model class of ``transformers``, nothing else), the weights from safetensors files only.
@@ -22,7 +24,6 @@ import contextlib
 import json
 import os
 import shutil
-import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,24 +32,11 @@ import torch
 from torch import nn
 
 from bundle.checkpoint import format as ckpt
+from bundle.checkpoint import hf_files
+from bundle.checkpoint.hf_files import TOKENIZER_FILES, copy_tokenizer
 from bundle.errors import BundleError, CheckpointError, ConfigError
 
 RECORD = "hf_config"  # bundle.json's key: {"class": "GPT2LMHeadModel", "config": {...}}
-# What a tokenizer directory may hold, as transformers and tokenizers save it: copied, nothing else.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
 
@@ -317,11 +305,17 @@ def export_hf(
         config.use_cache = True  # off for training only; inference reuses it
     model = _loaded(cls, config, state, path)
     source = tokenizer or info.get("tokenizer")
+    pretrained = info.get("pretrained")  # a run from --pretrained DIR: DIR's, checked first
+    generation = None
+    if isinstance(pretrained, str) and model.can_generate():  # type: ignore[operator]
+        generation = hf_files.generation_config(pretrained)
     partial = f"{out}.partial"
     _remove(partial)
     try:
         with _quiet():
             model.save_pretrained(partial, max_shard_size=limit)  # type: ignore[operator]
+            if generation is not None:  # instead of the one made from the model's config
+                generation.save_pretrained(partial)
         copied = copy_tokenizer(source, partial) if isinstance(source, str) else ()
         _swap_in(partial, out)
     except BaseException:
@@ -354,31 +348,6 @@ def _swap_in(partial: str, out: str) -> None:
         os.replace(out, aside)
     os.replace(partial, out)
     _remove(aside)
-
-
-def copy_tokenizer(source: str, out: str) -> tuple[str, ...]:
-    """Copy the tokenizer saved at ``source`` (a directory, or its ``tokenizer.json``) into
-    ``out``: regular files of ``TOKENIZER_FILES`` only (no link, no directory); their names."""
-    if os.path.isfile(source):
-        files = {"tokenizer.json": source}
-    elif os.path.isdir(source):
-        files = {name: os.path.join(source, name) for name in TOKENIZER_FILES}
-    else:
-        raise ConfigError(
-            "--tokenizer", source, "no such tokenizer (the run's): give --tokenizer DIR"
-        )
-    copied = []
-    for name, file in files.items():
-        try:
-            if not stat.S_ISREG(os.lstat(file).st_mode):
-                continue
-        except FileNotFoundError:
-            continue
-        shutil.copyfile(file, os.path.join(out, name), follow_symlinks=False)
-        copied.append(name)
-    if not copied:
-        raise ConfigError("--tokenizer", source, "holds no tokenizer file to copy")
-    return tuple(copied)
 
 
 # -- reading an export back --------------------------------------------------------------------

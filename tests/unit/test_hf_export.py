@@ -1,13 +1,15 @@
 """A transformers model's step out to the Hub's format and back (``export --hf``): the step
 records the built config, the export loads in ``from_pretrained`` with no missing or unexpected
 key and the same logits, tied weights written once as ``save_pretrained`` writes them, shards
-with an index, the run's tokenizer copied by an exact list; written whole or not at all; and
-``bundle.generate`` reads a save directory and an export (safetensors only)."""
+with an index, the run's tokenizer copied by an exact list, a --pretrained directory's own
+generation config carried over; written whole or not at all; and ``bundle.generate`` reads a
+save directory and an export (safetensors only)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -254,6 +256,75 @@ def test_a_step_without_the_record_is_rebuilt_from_its_arguments_and_model_confi
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "b-hf"))
     ids = torch.arange(SEQ).unsqueeze(0)
     assert torch.allclose(logits(loaded, ids), logits(sized, ids), atol=1e-5, rtol=0)
+
+
+def pretrained_step(tmp_path: Path, **generation) -> tuple[str, Path]:
+    """A step of a run from --pretrained HUB, recorded as checkpoint_settings records it; HUB a
+    GPT-2's save_pretrained directory with a generation_config.json of its own (``generation``)."""
+    hub = tmp_path / "hub"
+    model = build(*GPT2)
+    model.save_pretrained(str(hub))
+    transformers.GenerationConfig(**generation).save_pretrained(str(hub))
+    cfg = make_config(
+        model={"pretrained": str(hub)}, checkpoint={"save_dir": str(tmp_path / "ckpt")}
+    )
+    session = SimpleNamespace(
+        splits=SimpleNamespace(num_classes=VOCAB, input_shape=(SEQ,)),
+        layout=SimpleNamespace(as_dict=lambda: {}),
+    )
+    settings = json.loads(json.dumps(checkpoint_settings(cfg, session)))
+    assert settings["pretrained"] == str(hub)
+    step = write_step(
+        tmp_path / "ckpt", 1, model, *GPT2, pretrained=str(hub), hf_config=settings["hf_config"]
+    )
+    return step, hub
+
+
+def test_a_pretrained_run_exports_its_directory_s_own_generation_config(tmp_path, capsys):
+    step, hub = pretrained_step(tmp_path, do_sample=True, top_k=7, max_length=33, eos_token_id=5)
+    capsys.readouterr()
+    out = str(tmp_path / "hf")
+    assert export_command(["export", step, "--hf", out]) == 0
+    assert capsys.readouterr().err == ""
+    got = transformers.GenerationConfig.from_pretrained(out)
+    assert (got.do_sample, got.top_k, got.max_length, got.eos_token_id) == (True, 7, 33, 5)
+    written = Path(out, "generation_config.json").read_text()
+    assert written == (hub / "generation_config.json").read_text()  # as transformers writes it
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert (loaded.generation_config.top_k, loaded.generation_config.max_length) == (7, 33)
+    capsys.readouterr()
+    # The directory gone since: the model config's, as before, and one line says so.
+    shutil.rmtree(hub)
+    assert export_command(["export", step, "--hf", out, "--force"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{hub} (the run's --pretrained) is gone" in err[0], err
+    got = transformers.GenerationConfig.from_pretrained(out)
+    assert (got.top_k, got.max_length) != (7, 33)
+
+
+def test_a_pretrained_generation_config_is_read_as_json_data_only(tmp_path, capsys):
+    step, hub = pretrained_step(tmp_path, do_sample=True, top_k=7)
+    capsys.readouterr()
+    mine = hub / "generation_config.json"
+    mine.unlink()
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"do_sample": True, "top_k": 3}))
+    mine.symlink_to(tmp_path / "elsewhere.json")
+    out = str(tmp_path / "hf")
+    assert "is no regular file" in refused(capsys, step, "--hf", out)
+    mine.unlink()
+    for text, why in [
+        ("[1, 2]", "not a JSON object"),
+        ("{not json", "cannot read it"),
+        (" " * (1 << 20) + "{}", "larger than"),
+        (json.dumps({"max_new_tokens": 0}), "GenerationConfig refuses it"),
+    ]:
+        mine.write_text(text)
+        line = refused(capsys, step, "--hf", out)
+        assert str(mine) in line and why in line, line
+    assert not os.path.exists(out) and not os.path.exists(f"{out}.partial")
+    mine.unlink()  # none: the model config's, as a run not from --pretrained
+    assert export_command(["export", step, "--hf", out]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_only_regular_tokenizer_files_of_known_names_are_copied(tokenizer, tmp_path):

@@ -1,20 +1,23 @@
-"""--pretrained DIR: a save_pretrained directory (sharded safetensors, tied weights saved once)
-builds its class and loads its weights exactly, each stage reading only its own tensors; what
-the checkpoint lacks is initialised alike at every shape and noted; what cannot load is one line."""
+"""--pretrained DIR: a save_pretrained directory (sharded safetensors, tied weights saved once,
+legacy names as old releases saved them) builds its class and loads its weights exactly, each
+stage reading only its own tensors; what the checkpoint lacks is initialised alike at every
+shape and noted; what cannot load is one line."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from bundle import preflight
 from bundle.config import ModelConfig
 from bundle.engine.stage_engine import build_stages
 from bundle.errors import ConfigError
 from bundle.models import pretrained
+from bundle.models.hf import current_name
 from tests.support.config import make_config
 
 transformers = pytest.importorskip("transformers")
@@ -313,3 +316,79 @@ def test_a_transformers_release_outside_the_range_is_refused_for_pretrained_too(
             "transformers:GPT2LMHeadModel", directory, num_classes=256, input_shape=(8,), args={}
         )
     assert "the releases that work are transformers>=4.56" in _one_line(exc)
+
+
+def _legacy(name: str) -> str:
+    """BERT's LayerNorm parameters as its original checkpoints (old releases) name them."""
+    return name.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+        "LayerNorm.bias", "LayerNorm.beta"
+    )
+
+
+def test_legacy_layernorm_names_load_as_transformers_renames_them(tmp_path, counting):
+    directory, state = _saved(tmp_path, "bert")
+    root = Path(directory)
+    for shard in root.glob("*.safetensors"):  # rewritten under the old names, index too
+        save_file({_legacy(k): v for k, v in load_file(shard).items()}, shard, {"format": "pt"})
+    index = json.loads((root / pretrained.INDEX).read_text())
+    index["weight_map"] = {_legacy(k): v for k, v in index["weight_map"].items()}
+    (root / pretrained.INDEX).write_text(json.dumps(index))
+    on_disk = _on_disk(directory)
+    assert "bert.embeddings.LayerNorm.gamma" in on_disk and not any(
+        "LayerNorm.w" in k for k in on_disk
+    )
+    cfg = _cfg(tmp_path, directory)
+    with torch.device("meta"):
+        meta = pretrained.build(
+            cfg.model.name, directory, num_classes=3, input_shape=(SEQ,), args={}
+        )
+    assert pretrained.check(meta, directory, strict=True) is None  # all fit, nothing unused
+    (whole,) = build_stages(cfg, 1, (SEQ,), 3)
+    got = whole.full_state_dict()
+    assert set(got) == set(state)
+    for name, value in state.items():
+        assert torch.equal(got[name], value), name
+    assert sorted(counting) == sorted(on_disk)  # each read once, by the name it is saved under
+    reference = transformers.BertForSequenceClassification.from_pretrained(directory)
+    for name, value in reference.state_dict().items():  # what transformers loads from it
+        assert torch.equal(got[name], value), name
+    _, capture = preflight.check_model(cfg, 2)
+    for k in range(2):  # and each stage reads only its own, by their old names
+        counting.clear()
+        own = build_stages(cfg, 2, (SEQ,), 3, capture, keep={k})[k].full_state_dict()
+        for name, value in own.items():
+            assert torch.equal(value, state[name]), (k, name)
+        assert sorted(counting) == sorted({_legacy(n) for n in own} & on_disk), k
+
+
+def test_only_the_names_transformers_renames_on_load_are_renamed():
+    assert current_name("bert.encoder.layer.0.output.LayerNorm.gamma") == (
+        "bert.encoder.layer.0.output.LayerNorm.weight"
+    )
+    kept = ["encoder.layer_scale.gamma", "norm.beta", "LayerNorm.gammas", "conv.weight_gain"]
+    assert [current_name(k) for k in kept] == kept
+    try:  # transformers' own renames (5.x; before, PreTrainedModel._fix_state_dict_key_on_load)
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import apply_renamings
+    except ImportError:
+        pytest.skip("this transformers release renames by _fix_state_dict_key_on_load")
+    legacy = get_checkpoint_conversion_mapping("legacy")
+    keys = [
+        *kept,
+        "bert.embeddings.LayerNorm.gamma",
+        "bert.embeddings.LayerNorm.beta",
+        "roberta.encoder.layer.3.attention.output.LayerNorm.beta",
+        "a.final_LayerNorm.gamma",
+        "LayerNorm.gamma",
+        "encoder.pos_conv_embed.conv.weight_g",
+        "encoder.pos_conv_embed.conv.weight_v",
+        "encoder.pos_conv_embed.conv.parametrizations.weight.original0",
+        "weight_g",
+        "model.language_model.model.layers.0.mlp.up_proj.weight",
+        "language_model.model.model.norm.weight",
+        "x.model.language_model.model.norm.weight",
+        "model.language_model.layers.0.mlp.up_proj.weight",
+        "transformer.h.0.ln_1.weight",
+    ]
+    for key in keys:
+        assert current_name(key) == apply_renamings(key, legacy), key
