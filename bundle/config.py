@@ -269,6 +269,8 @@ class DataConfig:
     data_dir: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset tokens
     data_files: str | None = field(default=None, metadata=NODE_LOCAL)  # --dataset hf: a glob
     text_field: str = field(default="text", metadata=RECORDED)  # --dataset hf: the text field
+    # --dataset hf: the field holding a row's class; set, each row is one classification sample.
+    label_field: str | None = field(default=None, metadata=RECORDED)
     seq_len: int = field(default=64, metadata=RECORDED)  # token datasets: tokens per sample
     # Token datasets: a tokenizer saved on disk (None: byte-level tokens, or the one --dataset
     # tokens was prepared with); generation reads it back.
@@ -277,6 +279,12 @@ class DataConfig:
     )
     # A sample that cannot be read is replaced (bundle.data.samples.Guarded) instead of failing the run.
     skip_bad_samples: bool = False
+
+    @property
+    def streams(self) -> bool:
+        """``--dataset hf`` packing documents into windows as it reads them: no length, and a
+        position to resume from (with ``--label-field`` its rows are samples instead)."""
+        return self.dataset == "hf" and not self.label_field
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS and not is_reference(self.dataset):
@@ -291,6 +299,11 @@ class DataConfig:
                  "hf": (self.data_files, "--data-files GLOB (JSON lines or Parquet)")}  # fmt: skip
         if self.dataset in needs and not needs[self.dataset][0]:
             raise ConfigError("--dataset", self.dataset, f"needs {needs[self.dataset][1]}")
+        if self.label_field is not None and (self.dataset != "hf" or not self.label_field):
+            why = f"it classifies the rows of --dataset hf, not {self.dataset}"
+            if self.dataset == "hf":
+                why = "name the field holding a row's class"
+            raise ConfigError("--label-field", self.label_field, why)
         if self.tokenizer and self.dataset not in TOKEN_DATASETS:
             raise ConfigError(
                 "--tokenizer", self.tokenizer, f"tokenizes --dataset {', '.join(TOKEN_DATASETS)}"

@@ -41,6 +41,7 @@ class Evaluator:
         device: torch.device,
     ) -> None:
         self.engine: StageEngine = session.engine
+        self.stage = session.stage  # the named inputs its pieces read (Stage.side)
         self.dataset: Any = session.splits.val
         self.num_classes = session.splits.num_classes
         self.coord, self.group = session.coord, session.groups.last_stage
@@ -104,7 +105,7 @@ class Evaluator:
         return kept[: self.limit] if self.limit else kept
 
     def _stream(self, batches: list[torch.Tensor]) -> Iterator[MicroBatch] | None:
-        if not reads_data(self.topo, self.coord):
+        if not reads_data(self.topo, self.coord, self.stage):
             return None
         mine = shard(self.topo, self.coord, 1, job_rows=False)  # every row, by those present
         lists = [mine.micro_indices(ix)[0] for ix in batches]
@@ -114,4 +115,5 @@ class Evaluator:
             first=self.coord.stage == 0,
             workers=self.workers,
             pin_memory=pins(self.device),
+            side=self.stage.side,
         )

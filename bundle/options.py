@@ -309,6 +309,10 @@ OPTIONS: tuple[Option, ...] = (
                 "order through the datasets library"),
     Option(MODEL, "--text-field", "data.text_field", metavar="NAME",
            help="--dataset hf: the field holding a document's text"),
+    Option(MODEL, "--label-field", "data.label_field", metavar="NAME",
+           help="--dataset hf: the field holding a row's class (an index >= 0, or a name: "
+                "indexed in sorted order); each row is then one sample, its text cut or padded "
+                "to --seq-len tokens with an attention mask, for text classification"),
     Option(MODEL, "--tokenizer", "data.tokenizer", metavar="DIR",
            help="token datasets: a tokenizer saved on disk (tokenizer.json, or what "
                 "transformers' save_pretrained writes); default: byte-level tokens, or the "

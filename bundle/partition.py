@@ -33,6 +33,7 @@ from bundle.config import ModelConfig
 from bundle.engine.memory import run_recomputed
 from bundle.errors import ConfigError, PartitionError
 from bundle.models import Block, apply_blocks, is_known, split_io
+from bundle.models.inputs import Inputs
 from bundle.yaml_input import load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -220,13 +221,23 @@ class Stage(nn.Module):
         self.recompute = False
         # What the model takes (token ids: long), for inputs made up before training.
         self.input_dtype = torch.float32
+        # The batch's named inputs (models.inputs), in the order the first stage takes them.
+        self.input_names: tuple[str, ...] = ()
 
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    @property
+    def side(self) -> tuple[str, ...]:
+        """The named inputs this stage's blocks read from the data besides what they receive."""
+        return tuple(dict.fromkeys(n for m in self.blocks for n in getattr(m, "side", ())))
+
+    def forward(
+        self, *inputs: torch.Tensor, side: Mapping[str, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """The blocks applied to ``inputs``; ``side``: the named inputs the blocks read."""
         blocks = list(zip(self.names, self.blocks, strict=True))
         if self.recompute and torch.is_grad_enabled():
-            out = run_recomputed(blocks, *inputs)
+            out = run_recomputed(blocks, *inputs, side=side)
         else:
-            out = apply_blocks(blocks, *inputs)
+            out = apply_blocks(blocks, *inputs, side=side)
         return out if isinstance(out, tuple) else (out,)
 
     def full_name(self, name: str) -> str:
@@ -297,22 +308,26 @@ class Capture:
     blocks: bytes
 
 
-def capture_key(cfg: ModelConfig, input_shape: Sequence[int]) -> str:
+def capture_key(cfg: ModelConfig, input_shape: Sequence[int], inputs: Inputs | None = None) -> str:
     """What a capture depends on: the model as built, its cut points, its output and input."""
     return repr(
         (cfg.name, sorted(cfg.kwargs.items()), cfg.config_file, cfg.pretrained, cfg.partition)
-        + (cfg.output, tuple(input_shape))
+        + (cfg.output, tuple(input_shape), inputs.key() if inputs else None)
     )
 
 
 def capture_of(
-    stages: Sequence[Stage], cfg: ModelConfig, input_shape: Sequence[int]
+    stages: Sequence[Stage],
+    cfg: ModelConfig,
+    input_shape: Sequence[int],
+    inputs: Inputs | None = None,
 ) -> Capture | None:
     """The graph split behind ``cut``'s stages, for the job's other processes (None: the model
     was not cut by its graph, or holds an operation that cannot be handed on)."""
     blocks = [(n, m) for s in stages for n, m in zip(s.names, s.blocks, strict=True)]
     dumped = split_io.dump(blocks)
-    return Capture(capture_key(cfg, input_shape), dumped) if dumped is not None else None
+    key = capture_key(cfg, input_shape, inputs)
+    return Capture(key, dumped) if dumped is not None else None
 
 
 def cut(
@@ -321,26 +336,29 @@ def cut(
     num_stages: int,
     input_shape: Sequence[int],
     capture: Capture | None = None,
+    inputs: Inputs | None = None,
 ) -> list[Stage]:
     """The model cut into ``num_stages`` stages at ``--partition`` (default: balanced); from
-    ``capture`` when it was made for the same model and input (``capture_of``)."""
+    ``capture`` when it was made for the same model and input (``capture_of``). ``inputs``:
+    the batch's named inputs (None: one tensor)."""
     spec = load_spec(cfg.partition) if cfg.partition else None
+    names = inputs.names if inputs is not None else ()
     if num_stages == 1 and spec is None:  # nothing to cut: never traced
-        stages = [Stage(models.whole(model, cfg.output))]
-        stages[0].input_dtype = models.input_dtype(model)
+        stages = [Stage(models.whole(model, cfg.output, inputs))]
+        stages[0].input_dtype, stages[0].input_names = models.input_dtype(model), names
         return stages
     try:
-        if capture is not None and capture.key == capture_key(cfg, input_shape):
+        if capture is not None and capture.key == capture_key(cfg, input_shape, inputs):
             blocks = split_io.load(model, capture.blocks)
         else:
-            blocks = _captured(model, spec, cfg, num_stages, input_shape)
+            blocks = _captured(model, spec, cfg, num_stages, input_shape, inputs)
         stages = split_model(blocks, resolve(spec, blocks, num_stages, cfg.name))
     except PartitionError as exc:
         if spec is None:
             raise
         raise PartitionError(f"--partition {cfg.partition}: {exc}") from None
     for stage in stages:
-        stage.input_dtype = models.input_dtype(model)
+        stage.input_dtype, stage.input_names = models.input_dtype(model), names
     return stages
 
 
@@ -350,6 +368,7 @@ def _captured(
     cfg: ModelConfig,
     num_stages: int,
     input_shape: Sequence[int],
+    inputs: Inputs | None,
 ) -> list[Block]:
     """The model's blocks from a capture of its forward made here, saying so when it runs long."""
     started = time.monotonic()
@@ -364,7 +383,8 @@ def _captured(
     said.daemon = True
     said.start()
     try:
-        blocks = models.blocks(model, input_shape, spec.starts if spec else (), cfg.output)
+        points = spec.starts if spec else ()
+        blocks = models.blocks(model, input_shape, points, cfg.output, inputs)
     finally:
         said.cancel()
     if time.monotonic() - started > _SAY_AFTER_S:

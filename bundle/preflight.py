@@ -15,7 +15,7 @@ from torch import nn
 from bundle import data, models, partition
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig, parse_steps
-from bundle.data import input_spec
+from bundle.data import input_spec, named_inputs
 from bundle.engine import aggregate
 from bundle.engine.precision import DTYPES
 from bundle.errors import BundleError, ConfigError, DataError, PartitionError
@@ -47,7 +47,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
         from bundle.data import tokens
 
         cfg = replace(cfg, data=replace(cfg.data, tokenizer=tokens.tokenizer_of(cfg.data)))
-    if cfg.data.dataset == "hf" and not cfg.train.steps:
+    if cfg.data.streams and not cfg.train.steps:
         raise ConfigError("--dataset", "hf", "is a stream without a length: give --itr STEPS")
     if not cfg.planned:
         return cfg
@@ -136,6 +136,7 @@ def check_model(
     if cfg.model.loss:
         models.load_callable(cfg.model.loss, "--loss")
     num_classes, input_shape = input_spec(cfg.data)
+    inputs = named_inputs(cfg.data)
     if cfg.model.pretrained:  # its files, from their headers: refused before anything is built
         models.pretrained.read(cfg.model.pretrained)
     try:
@@ -174,7 +175,7 @@ def check_model(
             )
             if note:
                 print(f"main.py: note: {note}", file=sys.stderr)
-        stages = partition.cut(model, cfg.model, num_stages, input_shape)
+        stages = partition.cut(model, cfg.model, num_stages, input_shape, inputs=inputs)
     if cfg.compute.channels_last and not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         raise ConfigError(
             "--channels-last with --model",
@@ -182,7 +183,7 @@ def check_model(
             "needs a CNN (a model with 2-d convolutions)",
         )
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    return shapes, partition.capture_of(stages, cfg.model, input_shape)
+    return shapes, partition.capture_of(stages, cfg.model, input_shape, inputs)
 
 
 def _unbuildable(
@@ -274,7 +275,7 @@ def check_lr_schedule(cfg: RunConfig) -> None:
     if needs_epoch_length(train):
         batch = train.batch_size
         # A stream's one epoch is the run (bundle.data.epoch_steps).
-        n = train.steps * batch if cfg.data.dataset == "hf" else data.train_size(cfg.data)
+        n = train.steps * batch if cfg.data.streams else data.train_size(cfg.data)
         spe = data.steps_per_epoch(n, batch)
         if spe == 0:
             raise DataError(f"the training set has {n} samples, fewer than one batch of {batch}")

@@ -64,6 +64,19 @@ class Session:
     comm: Comm  # the collectives of its NCCL groups (bundle.engine.comm)
 
 
+def _emulator(
+    cfg: RunConfig,
+    backend: str,
+    topo: Topology,
+    rank: int,
+    abort: Callable[[], str | None] | None,
+) -> nccl_emu.Emulator | None:
+    """Under nccl-emu, the session's emulated NCCL (its collectives, on an emulated device)."""
+    if backend != "nccl-emu":
+        return None
+    return nccl_emu.for_session(cfg.launch, rank, topo.describe, abort)
+
+
 def build_session(
     cfg: RunConfig,
     topo: Topology,
@@ -84,23 +97,22 @@ def build_session(
     """
     arrive = arrive or (lambda name: None)
     backend = resolve_backend(cfg)
-    emu = None
-    if backend == "nccl-emu":
-        emu = nccl_emu.for_session(cfg.launch, rank, topo.describe, abort)
-    if emu is not None:
-        device = device_audit.MARK
+    emu = _emulator(cfg, backend, topo, rank, abort)
     comm: Comm = emu if emu is not None else Collectives()
+    device = device_audit.MARK if emu is not None else device
     coord = topo.coord(rank)
     S, V = topo.num_stages, cfg.parallel.virtual_stages
     splits = data.load(cfg.data, cfg.train.seed, needs_val=cfg.train.eval)
     # The model in S x V pieces; this rank runs (and gives memory to) its chunks' pieces only.
     pipe = REGISTRY[cfg.parallel.schedule].pipe(S, V)
     keep = {pipe.piece(coord.stage, c) for c in range(V)}
-    stages = build_stages(cfg, S * V, splits.input_shape, splits.num_classes, capture, keep=keep)
+    stages = build_stages(
+        cfg, S * V, splits.input_shape, splits.num_classes, capture, keep=keep, inputs=splits.inputs
+    )
     tied = ties.find(stages)
     tied = tied if V == 1 else ties.by_stage(tied, lambda j: pipe.place(j)[0])
     policy = Policy.of(cfg.compute, device)
-    metas = boundary_metas(stages, splits.input_shape, policy)
+    metas = boundary_metas(stages, splits.input_shape, policy, splits.inputs)
     layout = Layout(list(topo.shape), topo.num_bundles, [s.names[0] for s in stages])
     mine = [policy.prepare_stage(stages[pipe.piece(coord.stage, c)].to(device)) for c in range(V)]
     # What the checkpoint and the optimizer see: every chunk's blocks (one of them, without
@@ -318,9 +330,10 @@ def pins(device: torch.device | None) -> bool:
     return device is not None and device.type == "cuda"
 
 
-def reads_data(topo: Topology, coord: Coord) -> bool:
-    """Stage 0 reads inputs (and labels), the loss's stage labels; the others read nothing."""
-    return coord.stage in (0, topo.loss_stage)
+def reads_data(topo: Topology, coord: Coord, stage: Stage) -> bool:
+    """Stage 0 reads inputs (and labels), the loss's stage labels, a stage whose pieces read
+    named inputs (models.inputs) those; the others read nothing."""
+    return coord.stage in (0, topo.loss_stage) or bool(stage.side)
 
 
 def train_stream(
@@ -340,7 +353,7 @@ def train_stream(
     from ``position``, what the checkpoint resumed from recorded of it (None: from its start).
     """
     coord = session.coord
-    if not reads_data(topo, coord):
+    if not reads_data(topo, coord, session.stage):
         while True:
             yield None
     train, rows, batch = (
@@ -362,6 +375,7 @@ def train_stream(
         first=coord.stage == 0,
         workers=workers,
         pin_memory=pins(device),
+        side=session.stage.side,
     )
     while True:
         yield [next(stream) for _ in range(topo.micro_batches)]

@@ -39,6 +39,7 @@ from bundle.config import is_reference
 from bundle.errors import ConfigError, PartitionError
 from bundle.models import graph, hf, pretrained
 from bundle.models.gpt import GPT
+from bundle.models.inputs import Batch, Inputs
 from bundle.models.outputs import Whole, call_kwargs, check_forward, select
 from bundle.models.small import (
     MLP,
@@ -341,6 +342,7 @@ def blocks(
     input_shape: Sequence[int] | None = None,
     points: Sequence[str] = (),
     output: str | None = None,
+    inputs: Inputs | None = None,
 ) -> list[Block]:
     """The model as ordered (dotted name, module) pairs whose chained application equals model(x).
 
@@ -348,8 +350,19 @@ def blocks(
     (a ``graph.Segment`` names them fully itself). The only invented name is a parameterless
     ``flatten`` standing in for torchvision's functional ``torch.flatten``. ``points`` are split
     points a graph split must cut at besides its own (other models take theirs as they are);
-    ``output``: which of the forward's outputs the loss takes (``--model-output``).
+    ``output``: which of the forward's outputs the loss takes (``--model-output``); ``inputs``:
+    the batch's named inputs (``models.inputs``; None: one tensor), which only a graph split
+    passes on.
     """
+    if inputs is not None:
+        if isinstance(model, (Chain, nn.Sequential)) or _zoo_chain(model) is not None:
+            raise PartitionError(
+                f"{type(model).__name__} takes one input, and the data names "
+                f"{len(inputs.names)} ({', '.join(inputs.names)})"
+            )
+        no_inplace(model)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        return graph.blocks(model, inputs.example(3, device), points, output, inputs.names)
     if isinstance(model, Chain):
         return model.blocks()
     own = _zoo_chain(model)
@@ -360,21 +373,26 @@ def blocks(
         return sequential_blocks(model)
     if input_shape is None:
         raise PartitionError(f"cutting a {type(model).__name__} needs the shape of its input")
-    return graph.blocks(model, example_input(model, input_shape, rows=3), points, output)
+    return graph.blocks(model, (example_input(model, input_shape, rows=3),), points, output)
 
 
-def forward(model: nn.Module, x: torch.Tensor, output: str | None = None) -> torch.Tensor:
-    """The unsplit model's output for the loss, as a stage's would be (``--model-output``)."""
+def forward(model: nn.Module, x: Batch, output: str | None = None) -> torch.Tensor:
+    """The unsplit model's output for the loss, as a stage's would be (``--model-output``);
+    named inputs are passed by name."""
+    if isinstance(x, dict):
+        return select(model(**x, **call_kwargs(model)), output)
     return select(model(x, **call_kwargs(model)), output)
 
 
-def whole(model: nn.Module, output: str | None = None) -> list[Block]:
+def whole(model: nn.Module, output: str | None = None, inputs: Inputs | None = None) -> list[Block]:
     """The model as one block, never traced (a one-stage shape): a model's own chain where it
-    has one, else the model itself, its output taken by ``--model-output``'s rule."""
-    if isinstance(model, (Chain, nn.Sequential)) or _zoo_chain(model) is not None:
+    has one, else the model itself, its output taken by ``--model-output``'s rule; ``inputs``:
+    the batch's named inputs, passed by name."""
+    names = inputs.names if inputs is not None else ()
+    if not names and (isinstance(model, (Chain, nn.Sequential)) or _zoo_chain(model) is not None):
         return blocks(model)
-    check_forward(model)
-    return [(type(model).__name__, Whole(model, output))]
+    check_forward(model, names)
+    return [(type(model).__name__, Whole(model, output, names))]
 
 
 def sequential_blocks(model: nn.Sequential, prefix: str = "") -> list[Block]:

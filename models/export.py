@@ -30,7 +30,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from bundle.errors import PartitionError
-from bundle.models.outputs import Selected
+from bundle.models.outputs import selected
 
 
 def fetch(model: nn.Module, target: str) -> object:
@@ -94,16 +94,25 @@ _DROPOUT_P = {torch.ops.aten.scaled_dot_product_attention.default: 4}
 _CHECKS = ("_assert", "sym_constrain")
 
 
-def exported(model: nn.Module, example: torch.Tensor, key: str | None, fx_reason: str) -> fx.Graph:
+def exported(
+    model: nn.Module,
+    example: tuple[torch.Tensor, ...],
+    key: str | None,
+    fx_reason: str,
+    names: tuple[str, ...] = (),
+) -> fx.Graph:
     """The forward captured by ``torch.export`` with the batch dynamic, in training mode; a
-    dropout's or batch norm's training flag then follows the segment's own mode."""
+    dropout's or batch norm's training flag then follows the segment's own mode. ``names``:
+    the batch's named inputs, in the order of ``example``."""
     batch = torch.export.Dim("batch", min=1)
+    # A named forward takes *inputs: their shapes are given as one tuple.
+    dims = ((({0: batch},) * len(example)),) if names else ({0: batch},)
     was = model.training
     model.train()
     try:
         with _quiet(), _as_processes_run():
             program = torch.export.export(
-                Selected(model, key), (example,), dynamic_shapes=({0: batch},), strict=False
+                selected(model, key, names), example, dynamic_shapes=dims, strict=False
             )
     except Exception as exc:  # noqa: BLE001 - neither capture works: both reasons, one line
         raise PartitionError(

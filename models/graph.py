@@ -48,7 +48,7 @@ from bundle.models.export import (
     owned,
     plain,
 )
-from bundle.models.outputs import Selected, check_forward
+from bundle.models.outputs import check_forward, selected
 
 Block = tuple[str, nn.Module]
 
@@ -60,13 +60,22 @@ _ROWS = 3
 class Segment(fx.GraphModule):
     """One block of a graph split; its parameters are named as in the full model. A tensor the
     capture lifted out of the forward (``export.CONSTANT``) is a plain attribute: in no state
-    dict and never synced (it is no parameter or buffer of the model), moved with the segment."""
+    dict and never synced (it is no parameter or buffer of the model), moved with the segment.
+    ``side``: the named inputs it reads from the data (``models.inputs``), taken after the
+    values it receives."""
 
     named_fully = True
 
-    def __init__(self, model: nn.Module, graph: fx.Graph, class_name: str = "Segment") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        graph: fx.Graph,
+        class_name: str = "Segment",
+        side: tuple[str, ...] = (),
+    ) -> None:
         constants = {str(n.target): n.meta[CONSTANT] for n in graph.nodes if is_constant(n)}
         super().__init__(_Root(model, constants) if constants else model, graph, class_name)
+        self.side = side
         for name, value in constants.items():
             self._buffers.pop(name, None)
             self._non_persistent_buffers_set.discard(name)
@@ -97,6 +106,9 @@ class _Root(nn.Module):
 
 # Operators a stage must not run again (a recomputed value must be the same value).
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential")
+# In-place operators that change no value (only autograd's view of it): run again freely, as
+# BERT's mask before transformers 5 is made (``detach_`` of a tensor made from the mask).
+_KEEP_VALUES = (torch.ops.aten.detach_.default,)
 
 
 class _Tracer(fx.Tracer):
@@ -112,10 +124,14 @@ class _Tracer(fx.Tracer):
         )
 
 
-def _trace(model: nn.Module, leaves: frozenset[str], key: str | None) -> fx.Graph:
+def _trace(
+    model: nn.Module, leaves: frozenset[str], key: str | None, names: tuple[str, ...]
+) -> fx.Graph:
     tracer = _Tracer(frozenset(f"{WRAPPER}.{leaf}" for leaf in leaves))
     try:
-        graph = tracer.trace(Selected(model, key))
+        # Named inputs: the root takes *inputs, one placeholder each, in order.
+        concrete: Any = (fx.PH,) * len(names) if names else None  # fx takes a tuple too
+        graph = tracer.trace(selected(model, key, names), concrete_args=concrete)
     except Exception as exc:  # noqa: BLE001 - any tracing failure: the capture by export next
         raise _Untraceable(plain(first_line(exc))) from None
     return owned(graph)
@@ -129,26 +145,31 @@ def _signature(graph: fx.Graph) -> list[str]:
     return [f"{n.op} {n.target} {n.args} {n.kwargs}" for n in graph.nodes]
 
 
-def trace(model: nn.Module, example: torch.Tensor, key: str | None = None) -> fx.Graph:
+Example = tuple[torch.Tensor, ...]  # a few rows of each of the forward's inputs, in order
+
+
+def trace(
+    model: nn.Module, example: Example, key: str | None = None, names: tuple[str, ...] = ()
+) -> fx.Graph:
     """The model's graph, the same in training and in evaluation mode: torch.fx's where it can
     trace the forward, else ``torch.export``'s (control flow on shapes and configs, as in
-    Hugging Face models)."""
-    check_forward(model)
+    Hugging Face models). ``names``: the batch's named inputs (``models.inputs``), () for one."""
+    check_forward(model, names)
     try:
-        return _fx_trace(model, key)
+        return _fx_trace(model, key, names)
     except _Untraceable as exc:
-        return exported(model, example, key, str(exc))
+        return exported(model, example, key, str(exc), names)
 
 
-def _fx_trace(model: nn.Module, key: str | None) -> fx.Graph:
+def _fx_trace(model: nn.Module, key: str | None, names: tuple[str, ...]) -> fx.Graph:
     leaves: set[str] = set()
     was = model.training
     try:
         for _ in range(len(list(model.modules())) + 1):
             model.train()
-            train = _trace(model, frozenset(leaves), key)
+            train = _trace(model, frozenset(leaves), key, names)
             model.eval()
-            evaluation = _trace(model, frozenset(leaves), key)
+            evaluation = _trace(model, frozenset(leaves), key, names)
             a, b = _signature(train), _signature(evaluation)
             if a == b:
                 return train
@@ -194,10 +215,12 @@ def _differing_modules(train: fx.Graph, evaluation: fx.Graph) -> set[str]:
 class _Analysis:
     """The traced graph in order, with where each module begins and what each value is."""
 
-    def __init__(self, model: nn.Module, graph: fx.Graph, example: torch.Tensor) -> None:
+    def __init__(self, model: nn.Module, graph: fx.Graph, example: Example, named: bool) -> None:
         self.model, self.graph = model, graph
-        # The data input: the traced Selected(model) takes it alone (defaults are inlined).
+        # The data inputs: the traced Selected(model) takes them alone (defaults are inlined).
         self.inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        # Named inputs after the primary: every stage reads them from the data, never received.
+        self.side = set(self.inputs[1:]) if named else set()
         self.output = next(n for n in graph.nodes if n.op == "output")
         self.body = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
         self.index = {n: i for i, n in enumerate(self.body)}
@@ -233,9 +256,10 @@ class _Analysis:
                 continue
             schema = getattr(n.target, "_schema", None)
             name = getattr(n.target, "__name__", str(n.target))
-            if schema is None or schema.is_mutable or any(w in name for w in _RANDOM):
+            mutates = schema is not None and schema.is_mutable and n.target not in _KEEP_VALUES
+            if schema is None or mutates or any(w in name for w in _RANDOM):
                 continue
-            if all(i in out or self._constant(i) for i in n.all_input_nodes):
+            if all(i in out or i in self.side or self._constant(i) for i in n.all_input_nodes):
                 out.add(n)
         return out
 
@@ -248,10 +272,10 @@ class _Analysis:
         return not (isinstance(value, torch.Tensor) and value.requires_grad)
 
     @torch.no_grad()
-    def _run(self, example: torch.Tensor) -> dict[fx.Node, str]:
+    def _run(self, example: Example) -> dict[fx.Node, str]:
         """Per value, '' if it is a tensor with the batch first, else what it is instead."""
         kinds: dict[fx.Node, str] = {}
-        rows = example.shape[0]
+        rows = example[0].shape[0]
 
         class Probe(fx.Interpreter):
             def run_node(self, n: fx.Node) -> Any:
@@ -273,7 +297,7 @@ class _Analysis:
             reason = plain(first_line(exc)).rstrip(".")
             raise PartitionError(
                 f"{type(self.model).__name__} fails on an input of shape "
-                f"{tuple(example.shape[1:])}: {reason}{built_for(self.model)}"
+                f"{tuple(example[0].shape[1:])}: {reason}{built_for(self.model)}"
             ) from None
         finally:
             self.model.train(was)
@@ -285,7 +309,28 @@ class _Analysis:
 
     def sent(self, at: int) -> list[fx.Node]:
         """The crossing values sent to the stage beginning at body[at] (the rest it recomputes)."""
-        return [n for n in self.crossing(at) if n not in self.recomputable]
+        return [n for n in self.crossing(at) if n not in self.recomputable and n not in self.side]
+
+    def reads(self, lo: int, hi: int) -> list[fx.Node]:
+        """The named inputs the stage over body[lo:hi] reads from the data: used by its nodes,
+        by what it returns, or by what it computes again."""
+        seen: set[fx.Node] = set()
+        used: set[fx.Node] = set()
+
+        def visit(n: fx.Node) -> None:
+            if n in seen:
+                return
+            seen.add(n)
+            if n in self.side:
+                used.add(n)
+            elif n in self.recomputable and self.index[n] < lo:
+                for i in n.all_input_nodes:
+                    visit(i)
+
+        ends = self.output.all_input_nodes if hi == len(self.body) else self.sent(hi)
+        for n in [*ends, *(i for m in self.body[lo:hi] for i in m.all_input_nodes)]:
+            visit(n)
+        return [n for n in self.inputs if n in used]
 
     def why_not(self, at: int) -> str:
         """'' if a stage can begin at body[at], else why not."""
@@ -330,10 +375,10 @@ def built_for(model: nn.Module) -> str:
     )
 
 
-def _interpret(probe: fx.Interpreter, example: torch.Tensor) -> None:
-    """``probe.run(example)`` without its progress bar (whose lock outlives a worker process),
+def _interpret(probe: fx.Interpreter, example: Example) -> None:
+    """``probe.run(*example)`` without its progress bar (whose lock outlives a worker process),
     each value dropped after its last use."""
-    probe.env, probe.args_iter = {}, iter([example])
+    probe.env, probe.args_iter = {}, iter(example)
     for node in probe.graph.nodes:
         probe.env[node] = probe.run_node(node)
         for dead in probe.user_to_last_uses.get(node, []):
@@ -383,11 +428,16 @@ def default_points(model: nn.Module, a: _Analysis) -> list[tuple[str, int]]:
 
 
 def blocks(
-    model: nn.Module, example: torch.Tensor, points: Sequence[str] = (), key: str | None = None
+    model: nn.Module,
+    example: Example,
+    points: Sequence[str] = (),
+    key: str | None = None,
+    names: tuple[str, ...] = (),
 ) -> list[Block]:
     """The model cut at its default points and ``points`` (each checked), as ``Segment`` blocks;
-    ``key``: which of the forward's outputs the last one returns (models.outputs.select)."""
-    a = _Analysis(model, trace(model, example, key), example)
+    ``key``: which of the forward's outputs the last one returns (models.outputs.select);
+    ``names``: the batch's named inputs, in the order of ``example`` (() for one input)."""
+    a = _Analysis(model, trace(model, example, key, names), example, bool(names))
     if not a.body:
         raise PartitionError(f"{type(model).__name__}'s forward computes nothing")
     starts: dict[int, str] = {}
@@ -404,17 +454,20 @@ def blocks(
         starts[0] = module_of(a.body[0]) or a.body[0].name
     bounds = sorted(starts)
     return [
-        (starts[lo], _segment(a, lo, hi))
+        (starts[lo], _segment(a, lo, hi, names))
         for lo, hi in zip(bounds, [*bounds[1:], len(a.body)], strict=True)
     ]
 
 
-def _segment(a: _Analysis, lo: int, hi: int) -> Segment:
+def _segment(a: _Analysis, lo: int, hi: int, names: tuple[str, ...]) -> Segment:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in a.sent(lo) if lo else a.inputs:
         env[n] = graph.placeholder(n.name)
     batch = next(iter(env.values()))  # a batched input: its first dimension is the batch size
+    side = tuple(names[a.inputs.index(n)] for n in a.reads(lo, hi)) if lo else ()
+    for n, name in zip(a.reads(lo, hi) if lo else (), side, strict=True):
+        env[n] = graph.placeholder(name)
 
     def arg(n: fx.Node) -> fx.Node:
         if n not in env:
@@ -438,7 +491,7 @@ def _segment(a: _Analysis, lo: int, hi: int) -> Segment:
     else:
         outs = [arg(n) for n in a.sent(hi)]
         graph.output(outs[0] if len(outs) == 1 else tuple(outs))
-    return Segment(a.model, _on_input_device(graph, batch))
+    return Segment(a.model, _on_input_device(graph, batch), side=side)
 
 
 def _on_input_device(graph: fx.Graph, batch: fx.Node) -> fx.Graph:

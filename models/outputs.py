@@ -37,11 +37,25 @@ def _inputs(model: nn.Module) -> tuple[list[inspect.Parameter], bool]:
     return named, var_kw
 
 
-def check_forward(model: nn.Module) -> None:
-    """One input: the forward's other named arguments need defaults (``**kwargs`` is fine)."""
-    named, _ = _inputs(model)
+def check_forward(model: nn.Module, names: tuple[str, ...] = ()) -> None:
+    """One input: the forward's other named arguments need defaults (``**kwargs`` is fine).
+    Named inputs (``names``): each is an argument of the forward (or ``**kwargs`` takes it), and
+    every argument without a default is one of them."""
+    named, var_kw = _inputs(model)
     required = [p.name for p in named if p.default is inspect.Parameter.empty]
-    if len(required) > 1 or (not named and not _inputs(model)[1]):
+    if names:
+        unknown = [n for n in names if n not in {p.name for p in named}] if not var_kw else []
+        lacking = [n for n in required if n not in names]
+        if unknown or lacking:
+            raise ConfigError(
+                "--model",
+                type(model).__name__,
+                f"its forward takes no {unknown[0]!r}, which the data names"
+                if unknown
+                else f"its forward needs {lacking[0]!r}, which the data does not name",
+            )
+        return
+    if len(required) > 1 or (not named and not var_kw):
         raise ConfigError(
             "--model",
             type(model).__name__,
@@ -99,14 +113,33 @@ class Selected(nn.Module):
         return select(self.m(x, **self.kwargs), self.key)
 
 
+class _Named(Selected):
+    """``Selected`` over named inputs: called with them in order, it passes them by name."""
+
+    def __init__(self, model: nn.Module, key: str | None, names: tuple[str, ...]) -> None:
+        super().__init__(model, key)
+        self.names = names
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return select(self.m(**dict(zip(self.names, inputs, strict=True)), **self.kwargs), self.key)
+
+
+def selected(model: nn.Module, key: str | None = None, names: tuple[str, ...] = ()) -> Selected:
+    """The traced root: ``model`` called with one input, or with ``names`` in order."""
+    return _Named(model, key, names) if names else Selected(model, key)
+
+
 class Whole(nn.Module):
     """The whole model as one block, never traced or cut (one-stage shapes): its parameters and
     buffers keep the model's own names."""
 
     named_fully = True
 
-    def __init__(self, model: nn.Module, key: str | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, key: str | None = None, names: tuple[str, ...] = ()
+    ) -> None:
         super().__init__()
+        self.names = names  # the batch's named inputs, passed by name in this order
         # The model's own tables: state dicts, .parameters() and .to() see its names.
         self._modules, self._parameters, self._buffers = (
             model._modules,
@@ -125,5 +158,8 @@ class Whole(nn.Module):
         self.training = mode
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return select(self.whole_model(x, **self.kwargs), self.key)
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if self.names:
+            named = dict(zip(self.names, inputs, strict=True))
+            return select(self.whole_model(**named, **self.kwargs), self.key)
+        return select(self.whole_model(*inputs, **self.kwargs), self.key)

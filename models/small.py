@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from typing import cast
 
@@ -14,10 +14,20 @@ import torch.nn.functional as F
 Block = tuple[str, nn.Module]
 
 
-def apply_blocks(blocks: Sequence[Block], *inputs: torch.Tensor) -> torch.Tensor | tuple:
-    """Run blocks in order; a tuple returned by one block is unpacked into the next."""
+def apply_blocks(
+    blocks: Sequence[Block],
+    *inputs: torch.Tensor,
+    side: Mapping[str, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple:
+    """Run blocks in order; a tuple returned by one block is unpacked into the next, followed by
+    the named inputs the block reads (its ``side``, from ``side``)."""
     x: torch.Tensor | tuple = inputs if len(inputs) > 1 else inputs[0]
     for _, block in blocks:
+        names = getattr(block, "side", ())
+        if names:
+            if side is None:
+                raise ValueError(f"a block reads the batch's {', '.join(names)}, given none")
+            x = (*(x if isinstance(x, tuple) else (x,)), *(side[n] for n in names))
         x = block(*x) if isinstance(x, tuple) else block(x)
     return x
 

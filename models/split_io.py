@@ -73,7 +73,7 @@ def dump(blocks: Sequence[Block]) -> bytes | None:
     torch.save({k: _values(t) for k, t in constants.items()}, tensors)
     out = io.BytesIO()
     try:
-        rows = [(name, [row(n) for n in m.graph.nodes]) for name, m in segments]
+        rows = [(name, m.side, [row(n) for n in m.graph.nodes]) for name, m in segments]
         _Pickler(out).dump((rows, tensors.getvalue()))
     except (pickle.PicklingError, TypeError, AttributeError, RuntimeError):
         return None  # an operation only this process can name: every process captures its own
@@ -92,7 +92,7 @@ def load(model: nn.Module, dumped: bytes) -> list[Block]:
     out: list[Block] = []
     segments, tensors = pickle.loads(dumped)  # noqa: S301 - written by this job's own launcher
     constants = torch.load(io.BytesIO(tensors), weights_only=True)
-    for i, (name, rows) in enumerate(segments):
+    for i, (name, side, rows) in enumerate(segments):
         graph = fx.Graph()
         env: dict[str, fx.Node] = {}
 
@@ -109,5 +109,5 @@ def load(model: nn.Module, dumped: bytes) -> list[Block]:
             )
             if f"{i}/{node_name}" in constants:
                 env[node_name].meta[CONSTANT] = constants[f"{i}/{node_name}"]
-        out.append((name, Segment(model, graph)))
+        out.append((name, Segment(model, graph, side=side)))
     return out

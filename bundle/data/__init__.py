@@ -15,6 +15,8 @@ Modules, from the data up:
 - ``tokens``: ``--dataset tokens``: such a corpus's windows, in an order drawn without a table;
 - ``stream``: ``--dataset hf``: .jsonl(.gz)/.parquet files streamed with ``datasets``, tokenized
   and packed as they are read (prepare's split and encoder), resumed from a recorded position;
+- ``classify``: ``--dataset hf --label-field``: a row each, one text classification sample,
+  padded to ``--seq-len`` with its attention mask (named inputs, ``models.inputs``);
 - ``loader``: a stage's micro-batches read in order, with loader workers prefetching.
 
 The names most callers use are here: ``data.load``, ``data.input_spec``, ``data.global_batch``.
@@ -42,6 +44,7 @@ from bundle.data.sources import (
     identity,
     input_spec,
     load,
+    named_inputs,
     train_size,
 )
 
@@ -60,6 +63,7 @@ __all__ = [
     "identity",
     "input_spec",
     "load",
+    "named_inputs",
     "replica_indices",
     "stream_indices",
     "size",

@@ -25,12 +25,14 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from bundle.data.samples import Guarded, SeededAugment, known_labels, size, take_noted
 from bundle.errors import DataError
+from bundle.models.inputs import Batch, stack
 
 AHEAD = 8  # micro-batches a read-ahead thread keeps ready
 
 
-def _fetch(dataset: Dataset[Any], keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (inputs, labels) of the samples named by ``keys`` (see ``bundle.data`` for keys)."""
+def _fetch(dataset: Dataset[Any], keys: torch.Tensor) -> tuple[Batch, torch.Tensor]:
+    """The (inputs, labels) of the samples named by ``keys`` (see ``bundle.data`` for keys);
+    named inputs (``models.inputs``) are stacked name by name."""
     if hasattr(dataset, "fetch"):
         return dataset.fetch(keys)
     if isinstance(dataset, TensorDataset):
@@ -40,9 +42,7 @@ def _fetch(dataset: Dataset[Any], keys: torch.Tensor) -> tuple[torch.Tensor, tor
     if not isinstance(dataset, (SeededAugment, Guarded)):  # those two take keys
         keys = keys % size(dataset)
     xs, ys = zip(*(dataset[int(k)] for k in keys), strict=True)
-    return torch.stack([torch.as_tensor(x) for x in xs]), torch.stack(
-        [torch.as_tensor(y) for y in ys]
-    )
+    return stack(xs), torch.stack([torch.as_tensor(y) for y in ys])
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class _BatchFetch(Dataset[Any]):
     def __init__(self, dataset: Dataset[Any]) -> None:
         self.dataset = dataset
 
-    def __getitem__(self, keys: list[int]) -> tuple[torch.Tensor, torch.Tensor, Any] | _Failed:
+    def __getitem__(self, keys: list[int]) -> tuple[Batch, torch.Tensor, Any] | _Failed:
         try:
             x, y = _fetch(self.dataset, torch.tensor(keys, dtype=torch.long))
         except DataError as exc:
@@ -111,7 +111,7 @@ def micro_batches(
     *,
     workers: int,
     pin_memory: bool = False,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+) -> Iterator[tuple[Batch, torch.Tensor]]:
     """Fetch each key list as one (inputs, labels) pair, in order, with ``workers`` prefetching.
 
     ``pin_memory`` only when the process computes on CUDA: pinning opens a CUDA context (on
@@ -193,10 +193,20 @@ def stage_micro_batches(
     first: bool,
     workers: int,
     pin_memory: bool = False,
-) -> Iterator[tuple[torch.Tensor | None, torch.Tensor]]:
-    """Stage 0 reads (inputs, labels); the last stage reads only the labels of its own rows."""
+    side: tuple[str, ...] = (),
+) -> Iterator[tuple[Batch | None, torch.Tensor]]:
+    """Stage 0 reads (inputs, labels); the last stage reads only the labels of its own rows; a
+    stage that reads named inputs (``side``, models.inputs) reads those of its own rows too."""
     if first:
         yield from micro_batches(dataset, index_lists, workers=workers, pin_memory=pin_memory)
+        return
+    if side:
+        for x, y in micro_batches(dataset, index_lists, workers=workers, pin_memory=pin_memory):
+            if not isinstance(x, dict):
+                raise DataError(
+                    f"the model reads {', '.join(side)} from the data, which names none"
+                )
+            yield {n: x[n] for n in side}, y
         return
     if hasattr(dataset, "fetch_labels"):  # a corpus: its windows' labels, never all of them
         yield from ahead((None, dataset.fetch_labels(keys)) for keys in index_lists)

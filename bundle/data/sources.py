@@ -30,6 +30,7 @@ from bundle.config import DataConfig, is_reference
 from bundle.data import tokenizer, tokens
 from bundle.data.samples import Guarded, SeededAugment, known_labels, size
 from bundle.errors import ConfigError, DataError
+from bundle.models.inputs import Inputs, of_sample
 
 # The digits train/val split is fixed so accuracy is comparable across seeds.
 _DIGITS_SPLIT_SEED = 1234
@@ -51,7 +52,9 @@ class DataSplits:
     train: Dataset[Any]
     val: Dataset[Any]
     num_classes: int
-    input_shape: tuple[int, ...]
+    input_shape: tuple[int, ...]  # the primary input's, per row
+    # Named inputs (models.inputs): None where a sample's input is one tensor.
+    inputs: Inputs | None = None
 
 
 def digits_arrays() -> tuple[Any, Any]:
@@ -155,10 +158,14 @@ def check_data(cfg: DataConfig, *, needs_val: bool = True) -> None:
     ``needs_val``: the run evaluates, so ``val/`` must be there too (``--no-eval``: not)."""
     if cfg.dataset == "tokens":
         tokens.check(cfg, needs_val=needs_val)
-    if cfg.dataset == "hf":
+    if cfg.streams:
         from bundle.data import stream  # datasets and prepare's encoder: only for a stream
 
         stream.check(cfg, needs_val=needs_val)
+    elif cfg.dataset == "hf":
+        from bundle.data import classify
+
+        classify.check(cfg, needs_val=needs_val)
     if cfg.dataset != "imagefolder":
         return
     if not cfg.root:
@@ -183,7 +190,7 @@ def identity(cfg: DataConfig) -> dict[str, str]:
 def check_resume(cfg: DataConfig, info: dict) -> list[str]:
     """Before any process starts: a stream position a checkpoint recorded must be counted in
     this run's files (else refused); what differs from the checkpoint's data, as notes."""
-    if cfg.dataset == "hf" and info.get("data_position") is not None:
+    if cfg.streams and info.get("data_position") is not None:
         from bundle.data import stream
 
         stream.check_position(cfg, info["data_position"])
@@ -206,8 +213,12 @@ def train_size(cfg: DataConfig) -> int:
         return size(_text(cfg).train)
     if cfg.dataset == "tokens":
         return len(tokens.windows(cfg, "train"))
-    if cfg.dataset == "hf":
+    if cfg.streams:
         raise DataError("--dataset hf is a stream: it has no size (the run is --itr steps long)")
+    if cfg.dataset == "hf":
+        from bundle.data import classify
+
+        return classify.train_size(cfg)
     if cfg.dataset != "imagefolder":
         return size(_custom(cfg).train)
     from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
@@ -285,7 +296,12 @@ def _tokens(cfg: DataConfig, needs_val: bool) -> DataSplits:
 
 
 def _hf(cfg: DataConfig, needs_val: bool) -> DataSplits:
-    """JSON lines or Parquet, tokenized and packed as they are read (``bundle.data.stream``)."""
+    """JSON lines or Parquet, tokenized and packed as they are read (``bundle.data.stream``);
+    with ``--label-field``, a row each: text classification (``bundle.data.classify``)."""
+    if cfg.label_field is not None:
+        from bundle.data import classify
+
+        return classify.splits(cfg, needs_val)
     from bundle.data import stream
 
     return stream.splits(cfg, needs_val)
@@ -315,9 +331,25 @@ def _custom(cfg: DataConfig) -> DataSplits:
         raw = ds if split == "train" else raw
     x, _ = splits["train"][0]
     splits["train"].take()  # a stand-in for the shape alone is no sample trained on
-    return DataSplits(
-        splits["train"], splits["val"], _classes(cfg, raw), tuple(torch.as_tensor(x).shape)
-    )
+    inputs = of_sample(x, f"--dataset {cfg.dataset}")
+    shape = tuple((inputs.rows[0] if inputs else torch.as_tensor(x)).shape)
+    return DataSplits(splits["train"], splits["val"], _classes(cfg, raw), shape, inputs)
+
+
+@functools.lru_cache(maxsize=1)
+def _custom_spec(cfg: DataConfig) -> tuple[int, tuple[int, ...], Inputs | None]:
+    """A user's dataset's classes, input shape and named inputs, made once per process."""
+    splits = _custom(cfg)
+    return splits.num_classes, splits.input_shape, splits.inputs
+
+
+def named_inputs(cfg: DataConfig) -> Inputs | None:
+    """The named inputs of the data's samples (None: one tensor), as ``input_spec`` finds them."""
+    if cfg.dataset in SOURCES and cfg.dataset != "hf":
+        return None
+    if cfg.dataset == "hf":
+        return load(cfg, 0, needs_val=False).inputs if cfg.label_field else None
+    return _custom_spec(cfg)[2]
 
 
 def _classes(cfg: DataConfig, ds: object) -> int:
@@ -390,13 +422,16 @@ def input_spec(cfg: DataConfig) -> tuple[int, tuple[int, ...]]:
         return tokenizer.load(cfg.tokenizer).vocab, (cfg.seq_len,)
     if cfg.dataset == "tokens":
         return tokens.spec(cfg)
+    if cfg.dataset == "hf" and cfg.label_field is not None:
+        from bundle.data import classify  # the classes: the label column is read
+
+        return classify.spec(cfg)
     if cfg.dataset == "hf":
         from bundle.data import stream
 
         return stream.spec(cfg)
     if cfg.dataset not in ("synthetic", "imagefolder"):
-        splits = _custom(cfg)
-        return splits.num_classes, splits.input_shape
+        return _custom_spec(cfg)[:2]
     shape = (3, cfg.image_size, cfg.image_size)
     if cfg.dataset == "synthetic":
         return cfg.num_classes or SYNTHETIC_CLASSES, shape

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -60,13 +60,17 @@ class _StatisticsFrozen:
                 n.copy_(count)
 
 
-def run_recomputed(blocks: Sequence[Block], *inputs: torch.Tensor) -> torch.Tensor | tuple:
-    """Apply ``blocks`` as one checkpointed unit: keep the stage's inputs, recompute the rest."""
+def run_recomputed(
+    blocks: Sequence[Block], *inputs: torch.Tensor, side: Mapping[str, torch.Tensor] | None = None
+) -> torch.Tensor | tuple:
+    """Apply ``blocks`` as one checkpointed unit: keep the stage's inputs (and the named inputs
+    ``side`` it reads), recompute the rest."""
     norms = [m for _, block in blocks for m in block.modules() if isinstance(m, _NormBase)]
     return checkpoint(
         apply_blocks,
         blocks,
         *inputs,
+        side=side,
         use_reentrant=False,
         context_fn=lambda: (contextlib.nullcontext(), _StatisticsFrozen(norms)),
     )

@@ -28,6 +28,7 @@ from bundle.engine.schedule import (
 from bundle.engine.split_backward import Held, input_half, weight_half
 from bundle.engine.ties import TiedGrads
 from bundle.engine.transport import Part, Pending, TensorMeta, Transport, post_call
+from bundle.models.inputs import Batch, Inputs
 from bundle.observe.timing import MARK_OF_OP, Mark, StepTimer
 from bundle.partition import Capture, Stage
 from bundle.topology import Coord, Topology
@@ -41,17 +42,19 @@ def build_stages(
     capture: Capture | None = None,
     *,
     keep: Collection[int] | None = None,
+    inputs: Inputs | None = None,
 ) -> list[Stage]:
     """The full model, seeded identically on every process (``--weights`` loaded), cut into
     stages (from ``capture`` where the launch's checks made the model's graph split).
 
     ``--pretrained``: the model is built with its parameters on the meta device and cut, and
     only the stages in ``keep`` (None: all) are given memory and read from the checkpoint; the
-    others keep meta tensors (a weight tied to a kept stage's is that stage's tensor)."""
+    others keep meta tensors (a weight tied to a kept stage's is that stage's tensor).
+    ``inputs``: the batch's named inputs (None: one tensor)."""
     torch.manual_seed(cfg.train.seed)
     if not cfg.model.pretrained:
         model = partition.build_model(cfg.model, num_classes, input_shape)
-        return partition.cut(model, cfg.model, num_stages, input_shape, capture)
+        return partition.cut(model, cfg.model, num_stages, input_shape, capture, inputs)
     model = models.pretrained.build_empty(
         cfg.model.name,
         cfg.model.pretrained,
@@ -59,7 +62,7 @@ def build_stages(
         input_shape=input_shape,
         args=cfg.model.kwargs,
     )
-    stages = partition.cut(model, cfg.model, num_stages, input_shape, capture)
+    stages = partition.cut(model, cfg.model, num_stages, input_shape, capture, inputs)
     models.pretrained.load(
         model,
         cfg.model.pretrained,
@@ -73,23 +76,31 @@ def build_stages(
 
 @torch.no_grad()
 def boundary_metas(
-    stages: Sequence[Stage], input_shape: tuple[int, ...], policy: Policy
+    stages: Sequence[Stage],
+    input_shape: tuple[int, ...],
+    policy: Policy,
+    inputs: Inputs | None = None,
 ) -> list[tuple[TensorMeta, ...]]:
-    """What crosses each stage boundary: shapes from one dummy row on the CPU, once; dtype and
-    layout from the precision policy, which every rank holds alike."""
+    """What crosses each stage boundary: shapes from one row on the CPU (dummy, or the data's
+    example of named ``inputs``), once; dtype and layout from the precision policy, which every
+    rank holds alike."""
     modes = [s.training for s in stages]
     # Pieces another process runs may hold no memory (--pretrained): then all run on meta.
     on_meta = any(t.is_meta for s in stages for t in s.state_dict(keep_vars=True).values())
-    first = torch.zeros(1, *input_shape, dtype=stages[0].input_dtype)
+    device = "meta" if on_meta else "cpu"
     metas: list[tuple[TensorMeta, ...]] = []
-    x: tuple[torch.Tensor, ...] = (first.to("meta") if on_meta else first,)
+    if inputs is not None:
+        x = inputs.example(1, device)
+        side = dict(zip(inputs.names, x, strict=True))
+    else:
+        x, side = (torch.zeros(1, *input_shape, dtype=stages[0].input_dtype, device=device),), {}
     try:
         for s in stages[:-1]:
             if on_meta:
                 state = {k: v.to("meta") for k, v in s.state_dict(keep_vars=True).items()}
-                x = torch.func.functional_call(s.eval(), state, x)
+                x = torch.func.functional_call(s.eval(), state, x, {"side": side})
             else:
-                x = s.eval()(*x)
+                x = s.eval()(*x, side=side)
             metas.append(tuple(policy.boundary(TensorMeta.of(t)) for t in x))
     finally:
         for s, mode in zip(stages, modes, strict=True):
@@ -99,11 +110,20 @@ def boundary_metas(
 
 # What the data pipeline hands a stage for one micro-batch: stage 0 gets the inputs, the last
 # stage the labels of its own rows (read from the same deterministic shard), middle stages None.
-MicroBatch = tuple[torch.Tensor | None, torch.Tensor | None]
+# Named inputs (models.inputs) come as a dict: the whole batch's on stage 0, on a later stage
+# the ones its pieces read.
+MicroBatch = tuple[Batch | None, torch.Tensor | None]
 
 
 def _given(t: torch.Tensor | None) -> torch.Tensor:
-    """A micro-batch's inputs (stage 0) or labels (the last stage): there, always present."""
+    """A micro-batch's labels (the last stage): there, always present."""
+    if t is None:
+        raise ValueError("this stage reads data but was handed none")
+    return t
+
+
+def _given_batch(t: Batch | None) -> Batch:
+    """A micro-batch's inputs (stage 0, or a stage reading named inputs): always present."""
     if t is None:
         raise ValueError("this stage reads data but was handed none")
     return t
@@ -305,7 +325,7 @@ class StageEngine:
         chunk, st, policy = self.chunks[c], sts[c], self.policy
         transport = chunk.transport
         if self.first[c]:
-            xs: tuple[torch.Tensor, ...] = (policy.prepare_input(_given(micro[0]), self.device),)
+            xs: tuple[torch.Tensor, ...] = self._batch_inputs(chunk.stage, micro)
             st.inputs[k] = xs
         else:
             prev = self.local_prev[c]
@@ -318,10 +338,11 @@ class StageEngine:
                 )
             xs = tuple(m.from_wire(x) for m, x in zip(transport.in_meta, st.inputs[k], strict=True))
         chunk.stage.recompute = self.recompute[c][k]
+        side = self._side(chunk.stage, micro, xs if self.first[c] else None)
         with chunk.sync.no_sync(), policy.autocast():
-            out = chunk.sync.module(*xs)
+            out = chunk.sync.module(*xs, side=side)
         if self.saved_bytes is not None and self.recompute[c][k]:
-            self._measure_recompute(self.saved_bytes, chunk.stage, k, xs)
+            self._measure_recompute(self.saved_bytes, chunk.stage, k, xs, side)
         if self.last[c]:
             labels = _given(micro[1]).to(self.device, non_blocking=True)
             # The loss in fp32, outside autocast.
@@ -416,14 +437,46 @@ class StageEngine:
             lap(Mark.SYNC)
 
     def _measure_recompute(
-        self, saved: SavedBytes, stage: Stage, k: int, xs: tuple[torch.Tensor, ...]
+        self,
+        saved: SavedBytes,
+        stage: Stage,
+        k: int,
+        xs: tuple[torch.Tensor, ...],
+        side: dict[str, torch.Tensor] | None,
     ) -> None:
         def plain() -> tuple[torch.Tensor, ...]:
             stage.recompute = False
             with self.policy.autocast():
-                return stage(*xs)
+                return stage(*xs, side=side)
 
         saved.recomputed_forward(k, stage, plain)
+
+    def _batch_inputs(self, stage: Stage, micro: MicroBatch) -> tuple[torch.Tensor, ...]:
+        """The first piece's inputs on the device: the batch, or its named inputs in order."""
+        batch = _given_batch(micro[0])
+        if not isinstance(batch, dict):
+            return (self.policy.prepare_input(batch, self.device),)
+        names = stage.input_names
+        return (
+            self.policy.prepare_input(batch[names[0]], self.device),
+            *(batch[n].to(self.device, non_blocking=True) for n in names[1:]),
+        )
+
+    def _side(
+        self, stage: Stage, micro: MicroBatch, first: tuple[torch.Tensor, ...] | None
+    ) -> dict[str, torch.Tensor] | None:
+        """The named inputs a piece reads from the data (models.inputs): on the first piece,
+        those of ``first`` already on the device; on the others, what the data handed this
+        stage for them (None where the piece reads none)."""
+        names = stage.side
+        if not names:
+            return None
+        if first is not None:
+            return dict(zip(stage.input_names, first, strict=True))
+        data = _given_batch(micro[0])
+        if not isinstance(data, dict):
+            raise ValueError(f"a piece reads the batch's {', '.join(names)}, but it names none")
+        return {n: data[n].to(self.device, non_blocking=True) for n in names}
 
     @torch.no_grad()
     def eval_batch(self, rows: int, micro: MicroBatch | None) -> torch.Tensor:
@@ -452,7 +505,7 @@ class StageEngine:
         xs: tuple[torch.Tensor, ...]
         prev = self.local_prev[c]
         if self.first[c]:
-            xs = (policy.prepare_input(_given(micro[0]), self.device),)
+            xs = self._batch_inputs(chunk.stage, micro)
         elif prev is not None:  # through the wire form, as a message would be
             xs = tuple(
                 m.from_wire(m.to_wire(o))
@@ -464,8 +517,9 @@ class StageEngine:
                 for m, x in zip(transport.in_meta, transport.recv_act(rows).wait()[0], strict=True)
             )
         chunk.stage.recompute = False
+        side = self._side(chunk.stage, micro, xs if self.first[c] else None)
         with policy.autocast():
-            out = chunk.sync.module(*xs)
+            out = chunk.sync.module(*xs, side=side)
         if self._sends[c]:
             transport.send_act(
                 rows, tuple(m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True))

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from bundle import models, partition
 from bundle.config import ModelConfig
+from bundle.models.inputs import Batch, Inputs
 
 SEQ, VOCAB, LABELS, ROWS = 8, 64, 4, 5
 _DECODER = (
@@ -52,6 +53,14 @@ CASES: dict[str, tuple[str, tuple[int, ...], int]] = {
     "ViTForImageClassification": (f"{_ENCODER},patch_size=4", (3, 8, 8), LABELS),
 }
 WRAPPER = "wrapped GPT2LMHeadModel"  # a user's module holding a transformers model
+# Classes fed several named inputs (models.inputs), padded rows masked: name -> (class, inputs).
+MASKED = {
+    "masked BertForSequenceClassification": (
+        "BertForSequenceClassification",
+        ("input_ids", "attention_mask", "token_type_ids"),
+    ),
+    "masked LlamaForCausalLM": ("LlamaForCausalLM", ("input_ids", "attention_mask")),
+}
 SHAPES = ("1", "1,1", "1,1,1")
 
 
@@ -83,16 +92,27 @@ def _model(name: str) -> tuple[nn.Module, ModelConfig, tuple[int, ...]]:
     torch.manual_seed(0)
     if name == WRAPPER:
         return WrappedGPT2(), ModelConfig(name="wrapped-gpt2"), (SEQ,)
-    args, shape, classes = CASES[name]
-    cfg = ModelConfig(name=f"transformers:{name}", args=args)
+    args, shape, classes = CASES[MASKED[name][0] if name in MASKED else name]
+    cfg = ModelConfig(name=f"transformers:{MASKED[name][0] if name in MASKED else name}", args=args)
     return partition.build_model(cfg, classes, shape), cfg, shape
 
 
-def _input(model: nn.Module, shape: tuple[int, ...]) -> torch.Tensor:
+def _input(model: nn.Module, shape: tuple[int, ...], name: str) -> Batch:
     g = torch.Generator().manual_seed(1)
+    if name in MASKED:  # rows padded to lengths 2 .. SEQ, a second token type from the middle
+        keep = torch.arange(SEQ) < torch.randint(2, SEQ + 1, (ROWS, 1), generator=g)
+        ids = torch.randint(1, LABELS, (ROWS, SEQ), generator=g) * keep
+        types = (torch.arange(SEQ) >= SEQ // 2).long().expand(ROWS, -1) * keep
+        given = {"input_ids": ids, "attention_mask": keep.long(), "token_type_ids": types}
+        return {n: given[n] for n in MASKED[name][1]}
     if models.input_dtype(model) == torch.long:
         return torch.randint(0, LABELS, (ROWS, *shape), generator=g)
     return torch.randn(ROWS, *shape, generator=g)
+
+
+def _inputs(x: Batch) -> Inputs | None:
+    """The named inputs of a batch, its first row as the example (None: one tensor)."""
+    return Inputs(tuple(x), tuple(v[0] for v in x.values())) if isinstance(x, dict) else None
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -106,15 +126,15 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 def _compare(
     model: nn.Module,
     stages: list[partition.Stage],
-    x: torch.Tensor,
+    x: Batch,
     want: torch.Tensor,
     grads: dict[str, torch.Tensor],
 ) -> str:
     """'' if the chain of stages computes the model's output and gradients, else the difference."""
     model.zero_grad(set_to_none=True)
-    h: tuple[torch.Tensor, ...] = (x,)
+    h: tuple[torch.Tensor, ...] = tuple(x.values()) if isinstance(x, dict) else (x,)
     for stage in stages:
-        h = stage(*h)
+        h = stage(*h, side=x if isinstance(x, dict) else None)
     if h[0].shape != want.shape or not torch.allclose(h[0], want, atol=1e-5, rtol=1e-4):
         return f"output differs from the model's by {(h[0] - want).abs().max().item():.3g}"
     h[0].pow(2).mean().backward()
@@ -140,7 +160,8 @@ def check(name: str) -> list[dict[str, Any]]:
         model, cfg, shape = _model(name)
     except Exception as exc:  # noqa: BLE001 - reported per case
         return [_result(name, s, transformers.__version__, f"build: {exc}", 0.0) for s in SHAPES]
-    x = _input(model, shape)
+    x = _input(model, shape, name)
+    inputs = _inputs(x)
     model.train(name != WRAPPER)  # the capture is made in training mode all the same
     model.zero_grad(set_to_none=True)
     want = models.forward(model, x, cfg.output)
@@ -153,8 +174,8 @@ def check(name: str) -> list[dict[str, Any]]:
         n = len(s.split(","))
         try:
             if n > 1 and capture is None:
-                capture = _launch_capture(name, cfg, n, shape)
-            stages = partition.cut(model, cfg, n, shape, capture)
+                capture = _launch_capture(name, cfg, n, shape, inputs)
+            stages = partition.cut(model, cfg, n, shape, capture, inputs)
             for stage in stages:
                 stage.train(model.training)
             error = _compare(model, stages, x, want, grads)
@@ -166,12 +187,13 @@ def check(name: str) -> list[dict[str, Any]]:
 
 
 def _launch_capture(
-    name: str, cfg: ModelConfig, stages: int, shape: tuple[int, ...]
+    name: str, cfg: ModelConfig, stages: int, shape: tuple[int, ...], inputs: Inputs | None
 ) -> partition.Capture:
     """The capture the launch's checks make (bundle.preflight): of the model on the meta device."""
     with torch.device("meta"):
         meta, _, _ = _model(name)
-        capture = partition.capture_of(partition.cut(meta, cfg, stages, shape), cfg, shape)
+        cut = partition.cut(meta, cfg, stages, shape, inputs=inputs)
+        capture = partition.capture_of(cut, cfg, shape, inputs)
     if capture is None:
         raise RuntimeError("the capture made on the meta device cannot be handed on")
     return capture
@@ -190,7 +212,7 @@ def _result(name: str, shape: str, release: str, error: str, seconds: float) -> 
 
 def main(argv: list[str], emit: Callable[[str], None] = print) -> int:
     torch.set_num_threads(1)
-    names = argv or [*CASES, WRAPPER]
+    names = argv or [*CASES, WRAPPER, *MASKED]
     failed = 0
     for name in names:
         for result in check(name):

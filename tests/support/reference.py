@@ -10,6 +10,7 @@ import torch
 
 from bundle import data, models, partition
 from bundle.config import RunConfig
+from bundle.data import loader
 from bundle.engine.optim import make_optimizer
 from bundle.lr_schedule import LRSchedule
 from bundle.session import make_loss
@@ -87,17 +88,19 @@ def reference(
         total=cfg.train.steps,
     )
     loss_fn = make_loss(cfg)
-    x, y = splits.train.tensors
+    n = data.size(splits.train)
     precision = cfg.compute.precision
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     for step in range(cfg.train.steps if steps is None else steps):
-        idx = data.global_batch(len(y), cfg.train.batch_size, cfg.train.seed, step)
+        idx = data.global_batch(n, cfg.train.batch_size, cfg.train.seed, step)
         idx = rows(step, idx) if rows is not None else idx
+        # The batch as a stage reads it: one tensor, or named inputs (models.inputs).
+        x, y = next(loader.micro_batches(splits.train, [idx], workers=0))
         schedule.apply(opt, step)
         opt.zero_grad()
         with torch.autocast("cpu", dtype=DTYPES.get(precision), enabled=precision in DTYPES):
-            out = models.forward(model, x[idx], cfg.model.output)
-        scaler.scale(loss_fn(out.float(), y[idx])).backward()
+            out = models.forward(model, x, cfg.model.output)
+        scaler.scale(loss_fn(out.float(), y)).backward()
         if grads is not None and step == 0:
             grads.update(
                 {k: p.grad.clone() for k, p in model.named_parameters(remove_duplicate=False)}

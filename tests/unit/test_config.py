@@ -98,6 +98,7 @@ def shared(**sections):
             "num_classes": None,
             "synthetic_size": 4096,
             "text_field": "text",
+            "label_field": None,
             "seq_len": 64,
             "skip_bad_samples": False,
         },
@@ -185,6 +186,7 @@ RECORDED_DEFAULT = {
     "model_output": None,
     "pretrained": None,
     "text_field": "text",
+    "label_field": None,
     "seq_len": 64,
     "tokenizer": None,
 }

@@ -248,7 +248,9 @@ def test_loader_pins_memory_only_for_a_cuda_process(device, pinned, monkeypatch)
     monkeypatch.setattr(loader, "DataLoader", fake_loader)
     topo = Topology(shape=(1,), num_bundles=1, procs_per_node=1, global_batch=2, micro_batches=1)
     train = torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.zeros(4, dtype=torch.long))
-    session = SimpleNamespace(coord=topo.coord(0), splits=SimpleNamespace(train=train))
+    session = SimpleNamespace(
+        coord=topo.coord(0), splits=SimpleNamespace(train=train), stage=SimpleNamespace(side=())
+    )
     stream = train_stream(session, topo, 0, 2, 1, device=torch.device(device))
     next(stream)
     assert [kw["pin_memory"] for kw in built] == [pinned]

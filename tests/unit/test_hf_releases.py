@@ -1,7 +1,8 @@
 """Hugging Face models are cut into exact stages under every supported ``transformers`` release:
 the oldest (``make test`` installs it into ``.venv/transformers-OLDEST``) and the installed one,
-each checked in a process of its own by tests/support/hf_release_check.py (eight classes and a
-user's wrapper, at shapes 1, 1,1 and 1,1,1: outputs and gradients against the unsplit model); a
+each checked in a process of its own by tests/support/hf_release_check.py (eight classes, a
+user's wrapper, and two classes fed masked named inputs, at shapes 1, 1,1 and 1,1,1: outputs and
+gradients against the unsplit model); a
 release outside the range is refused in one line."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 OLDEST = re.search(r"^HF_OLDEST := (\S+)$", (REPO / "Makefile").read_text(), re.M)[1]
 # Where the Makefile installs it: beside the environment running the tests ($(VENV)).
 OLDEST_DIR = Path(sys.prefix) / f"transformers-{OLDEST}"
-CASES = len(check.SHAPES) * (len(check.CASES) + 1)
+CASES = len(check.SHAPES) * (len(check.CASES) + 1 + len(check.MASKED))
 
 
 def _run_check(pythonpath: str | None) -> list[dict]:
