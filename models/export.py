@@ -86,7 +86,14 @@ _MODE_ARGS = {
     torch.ops.aten.alpha_dropout.default: 2,
     torch.ops.aten.feature_alpha_dropout.default: 2,
     torch.ops.aten.batch_norm.default: 5,
+    # batch norm, once lowered (_lowered): the running statistics it returns are written back
+    torch.ops.aten._native_batch_norm_legit_functional.default: 5,
+    torch.ops.aten._native_batch_norm_legit.default: 5,
+    torch.ops.aten.native_batch_norm.default: 5,
 }
+# Batch norm's count of the batches it saw, which the capture adds one to in every mode.
+_COUNTED = "num_batches_tracked"
+_ADDS = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
 # Operators taking a dropout probability that forwards set to 0 outside training.
 _DROPOUT_P = {torch.ops.aten.scaled_dot_product_attention.default: 4}
 # Checks export leaves in the graph, with no users: dropped (they would stretch their inputs'
@@ -250,6 +257,12 @@ def _own_mode(graph: fx.Graph) -> fx.Graph:
         check = n.op == "call_function" and not n.users and name.startswith(_CHECKS)
         if n.op == "call_module" or check:
             graph.erase_node(n)  # export's guards and checks
+        elif _counts_a_batch(n):
+            if training is None:
+                with graph.inserting_before(n):
+                    training = graph.get_attr("training")
+            with graph.inserting_before(n):
+                n.args = (n.args[0], graph.call_function(_one_in_training, (training,)))
         elif n.op == "call_function" and (n.target in _MODE_ARGS or n.target in _DROPOUT_P):
             if training is None:
                 with graph.inserting_before(n):
@@ -263,6 +276,22 @@ def _own_mode(graph: fx.Graph) -> fx.Graph:
                 args[_DROPOUT_P[n.target]] = p
             n.args = tuple(args)
     return graph
+
+
+def _counts_a_batch(n: fx.Node) -> bool:
+    """Whether ``n`` is batch norm's ``num_batches_tracked + 1``, which the module adds in
+    training only, and the capture in every mode."""
+    if n.op != "call_function" or n.target not in _ADDS or len(n.args) < 2:
+        return False
+    count, one = n.args[0], n.args[1]
+    if not isinstance(count, fx.Node) or count.op != "get_attr":
+        return False
+    return str(count.target).endswith(_COUNTED) and isinstance(one, int) and one == 1
+
+
+def _one_in_training(training: bool) -> int:
+    """A batch counted by batch norm: one in training, none in evaluation."""
+    return 1 if training else 0
 
 
 def _in_training(p: float, training: bool) -> float:

@@ -283,3 +283,48 @@ def test_timm_models_through_their_factory(name):
     assert isinstance(model, nn.Module) and model.num_classes == 5 and timm.__version__
     blocks, want, got = chained(model, (3, 32, 32))
     assert len(blocks) >= 4 and torch.equal(got, want)
+
+
+class _CapturedBatchNorm(nn.Module):
+    """A batch norm in a forward only torch.export captures (a loop over ``int`` of a shape);
+    ``lowered``: with ``torch.no_grad`` inside, which export records as a higher-order operator
+    that the capture lowers to ATen operators (batch norm then runs as its functional form)."""
+
+    def __init__(self, lowered: bool) -> None:
+        super().__init__()
+        self.l1, self.bn, self.l2 = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)
+        self.lowered = lowered
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(int(x.shape[0] > 0)):  # fx cannot trace int() of a shape
+            pass
+        if self.lowered:
+            with torch.no_grad():
+                shift = torch.arange(4, device=x.device).float()
+        else:
+            shift = torch.arange(4, device=x.device).float()
+        return self.l2(self.bn(self.l1(x) + shift))
+
+
+@pytest.mark.parametrize("lowered", [False, True])
+def test_a_captured_batch_norm_follows_the_segments_mode(lowered):
+    """Captured in training mode, a batch norm's segments still normalise by the running
+    statistics in evaluation, and leave them (and the count of batches) alone there."""
+    torch.manual_seed(0)
+    model = _CapturedBatchNorm(lowered)
+    blocks = graph.blocks(model, (torch.randn(3, 4),))
+    x = torch.randn(5, 4)
+    for mode in (True, False):
+        model.train(mode)
+        for _, block in blocks:
+            block.train(mode)
+        before = {k: v.clone() for k, v in model.bn.state_dict().items()}
+        out = apply_blocks(blocks, x)
+        out = out[0] if isinstance(out, tuple) else out
+        after = model.bn.state_dict()
+        changed = {k for k in before if not torch.equal(before[k], after[k])}
+        if mode:
+            assert changed == {"running_mean", "running_var", "num_batches_tracked"}
+        else:
+            assert changed == set()
+            assert torch.equal(out, model(x))
