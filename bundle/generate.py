@@ -265,15 +265,8 @@ def _pretrained_source(path: str, args: argparse.Namespace) -> Source:
     )
 
 
-def _newest(save_dir: str) -> str:
-    """The newest whole step of a save directory, each newer one passed over said on stderr."""
-    path, notes = ckpt.latest(save_dir)
-    for note in notes:
-        print(f"{PROG}: note: {note}", file=sys.stderr)
-    if path is None:
-        raise ConfigError("CHECKPOINT", save_dir, "holds no whole checkpoint")
-    print(f"{PROG}: note: {path} (the newest whole checkpoint)", file=sys.stderr)
-    return path
+def _note(text: str) -> None:
+    print(f"{PROG}: note: {text}", file=sys.stderr)
 
 
 def source(args: argparse.Namespace) -> Source:
@@ -283,8 +276,7 @@ def source(args: argparse.Namespace) -> Source:
     if os.path.isdir(path):
         if hf_export.is_pretrained(path):
             return _pretrained_source(path, args)
-        step = any(os.path.exists(os.path.join(path, f)) for f in (ckpt.INFO, ".metadata"))
-        return _step_source(path if step or not ckpt.checkpoints(path) else _newest(path), args)
+        return _step_source(ckpt.step_or_newest(path, _note), args)
     if not os.path.isfile(path):
         raise ConfigError("CHECKPOINT", path, "no such step directory or weights file")
     return _file_source(path, args)

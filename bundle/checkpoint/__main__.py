@@ -1,6 +1,7 @@
 """``python -m bundle.checkpoint export SAVE_DIR/step-N OUT.pt``: a checkpoint's weights as one file;
 ``... export SAVE_DIR/step-N --hf OUT``: a ``transformers`` model's step as the directory
-``from_pretrained`` reads (bundle.checkpoint.hf_export).
+``from_pretrained`` reads (bundle.checkpoint.hf_export). Given a save directory, the newest whole
+step in it is exported, and said.
 
 Says in one line on stdout what it wrote; a missing or damaged checkpoint, or a file that cannot
 be written, is one line on stderr and exit code 2 (as main.py's input errors)."""
@@ -54,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
         description="A checkpoint's weights as one file, or a transformers model's as the "
         "directory from_pretrained reads.",
     )
-    p.add_argument("checkpoint", metavar="SAVE_DIR/step-N")
+    p.add_argument("checkpoint", metavar="SAVE_DIR/step-N",
+                   help="a step directory, or a save directory (its newest whole step)")  # fmt: skip
     p.add_argument("out", nargs="?", metavar="OUT.pt", help="one weights file (torch.load)")
     p.add_argument("--hf", metavar="OUT", help="a transformers model's save_pretrained directory")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
@@ -97,12 +99,18 @@ def main(argv: list[str]) -> int:
     except SystemExit as exc:  # argparse said why: usage and one line, exit 2
         return exc.code if isinstance(exc.code, int) else 2
     try:
+        # A save directory: its newest whole step (bundle.generate reads one so too).
+        args.checkpoint = ckpt.step_or_newest(args.checkpoint, _note)
         line = _hf(args) if args.hf is not None else _pt(args.checkpoint, args.out)
     except BundleError as exc:
         print(f"python -m bundle.checkpoint: error: {exc}", file=sys.stderr)
         return 2
     print(line)
     return 0
+
+
+def _note(text: str) -> None:
+    print(f"python -m bundle.checkpoint: note: {text}", file=sys.stderr)
 
 
 def _pt(source: str, out: str) -> str:

@@ -38,6 +38,7 @@ import re
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -244,6 +245,21 @@ def latest(save_dir: str) -> tuple[str | None, list[str]]:
             return path, skipped
         skipped.append(f"skipping damaged checkpoint {path} ({why})")
     return None, skipped
+
+
+def step_or_newest(path: str, say: Callable[[str], None]) -> str:
+    """``path`` where it is a step directory (or no directory); a save directory's newest whole
+    step, each newer one passed over and the one chosen said through ``say``."""
+    is_step = any(os.path.exists(os.path.join(path, f)) for f in (INFO, ".metadata"))
+    if not os.path.isdir(path) or is_step or not checkpoints(path):
+        return path
+    found, notes = latest(path)
+    for note in notes:
+        say(note)
+    if found is None:
+        raise CheckpointError(f"{path}: holds no whole checkpoint")
+    say(f"{found} (the newest whole checkpoint)")
+    return found
 
 
 def resolve(resume: str | None, save_dir: str | None) -> tuple[str | None, list[str]]:

@@ -374,3 +374,14 @@ def test_generate_reads_weights_of_an_export_from_safetensors_only(tmp_path, cap
     (out / "config.json").write_text(json.dumps({**config, "architectures": ["os.system"]}))
     assert generate.main([str(out), "--prompt", "x"]) == 2
     assert "must name a transformers model class" in capsys.readouterr().err
+
+
+def test_export_of_a_save_dir_takes_its_newest_whole_step_and_says_so(tmp_path, capsys):
+    model = build(*GPT2)
+    save_dir = tmp_path / "ckpt"
+    step = write_step(save_dir, 4, model, *GPT2)
+    os.makedirs(save_dir / "step-9")  # a newer one, not whole: passed over
+    assert export_command(["export", str(save_dir), "--hf", str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err
+    assert "skipping damaged checkpoint" in err and f"{step} (the newest whole checkpoint)" in err
+    assert export_command(["export", str(tmp_path / "empty"), "--hf", str(tmp_path / "x")]) == 2
