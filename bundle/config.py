@@ -82,7 +82,7 @@ class ParallelConfig:
     micro_batches: int = field(default=1, metadata=RECORDED)
     schedule: str = "1f1b"
     # Model chunks per stage (interleaved schedules): the model is cut into stages x V pieces;
-    # 0: the schedule's own (zbv's 2, else 1).
+    # 0: the schedule's own (2 for the schedules that interleave, else 1).
     virtual_stages: int = 0
     grad_sync: str = "flat"
     bucket_mb: float = 25.0  # gradient bucket size of either sync strategy (DDP's default)
@@ -123,7 +123,8 @@ class ParallelConfig:
         """What --virtual-stages needs: a schedule that interleaves, stages to interleave over,
         micro-batches in whole rounds, and one gradient state per chunk that a checkpoint holds."""
         if self.virtual_stages == 0:
-            object.__setattr__(self, "virtual_stages", REGISTRY[self.schedule].fixed_chunks or 1)
+            own = REGISTRY[self.schedule]
+            object.__setattr__(self, "virtual_stages", own.fixed_chunks or (2 if own.chunks else 1))
         V = self.virtual_stages
         positive("--virtual-stages", V)
         try:

@@ -164,8 +164,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(PAR, "--schedule", "parallel.schedule", choices=C.SCHEDULES, help="pipeline schedule"),
     Option(PAR, "--virtual-stages", "parallel.virtual_stages", metavar="V", default=0,
            help="model chunks per stage: 2 or more for interleaved-1f1b (the model is cut into "
-                "stages x V pieces, piece j on stage j mod S), exactly 2 for zbv (placed as a V; its "
-                "default); 1 for the other schedules (their default; 0: the schedule's)"),
+                "stages x V pieces, piece j on stage j mod S; 2 by default), exactly 2 for zbv "
+                "(placed as a V); 1 for the other schedules (0: the schedule's default)"),
     Option(PAR, "--grad-sync", "parallel.grad_sync", choices=C.GRAD_SYNCS,
            help="flat: DDP allreduce per stage; "
                 "hierarchical: reduce in bundle, allreduce masters, broadcast"),

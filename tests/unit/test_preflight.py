@@ -234,7 +234,7 @@ def test_bundle_fault_tolerance_on_nccl_is_refused_unless_opted_in():
     preflight.check_fault_tolerance(cfg("--num-bundle", "2"), "nccl", environ={})  # restart
 
 
-def test_more_pieces_than_blocks_are_refused_before_start_and_zbv_takes_its_two_chunks():
+def test_more_pieces_than_blocks_are_refused_before_start_and_interleaving_takes_two_chunks():
     many = cfg("--schedule", "interleaved-1f1b", "--virtual-stages", "8", "--micro-batches", "4")
     with pytest.raises(ConfigError, match="2 stages x 8 chunks is 16 model pieces") as err:
         preflight.check_all(many, {})
@@ -242,6 +242,8 @@ def test_more_pieces_than_blocks_are_refused_before_start_and_zbv_takes_its_two_
     zbv = cfg("--schedule", "zbv", "--micro-batches", "4")
     assert zbv.parallel.virtual_stages == 2  # its only number of chunks: no flag needed
     assert cfg("--schedule", "1f1b").parallel.virtual_stages == 1
+    interleaved = cfg("--schedule", "interleaved-1f1b", "--micro-batches", "4")
+    assert interleaved.parallel.virtual_stages == 2  # runs as named, without the flag
     with pytest.raises(ConfigError) as err:
         cfg("--schedule", "zbv", "--virtual-stages", "3")
     assert "exactly 2" in str(err.value) and "or more" not in str(err.value)
