@@ -4,11 +4,14 @@ From the data up:
 
 - ``errors``, ``log``: typed errors carrying the offending value; one rank-prefixed logger;
 - ``sync_options``: the data-parallel options' spellings and the combinations refused;
-- ``config``, ``options``, ``yaml_input``, ``cli``: the frozen ``RunConfig``, the options table
-  it is declared in, YAML read as data (no alias that expands), and the command line and YAML
-  that build it;
-- ``topology``, ``row_weights``: the job's ranks, groups and row plans as one pure value; the
-  ``--row-weights`` spelling of each replica's share of a micro-batch;
+- ``config_fields``, ``config_job``, ``config``: how far each setting reaches beyond its
+  process; the sections of how a job runs (layout, compute, launch, checkpoints, observing); what
+  is trained and the frozen ``RunConfig`` gathering every section (all importable from ``config``);
+- ``options``, ``yaml_input``, ``cli``: the options table ``RunConfig`` is declared in, YAML read
+  as data (no alias that expands), and the command line and YAML that build it;
+- ``row_weights``, ``rows``, ``topology``: the ``--row-weights`` spelling of each replica's share
+  of a micro-batch; a micro-batch's rows cut among a stage's replicas and the rows that cross
+  between stages (pure arithmetic); the job's ranks, groups and row plans as one pure value;
 - ``partition``, ``lr_schedule``: where stages begin; the learning rate of every step;
 - ``data/``: the datasets, text to tokens, how one sample is read, the order samples are trained
   in (the same under any shape), a stage's micro-batches read in order (loader workers);

@@ -12,7 +12,8 @@ windows ``s*B .. (s+1)*B-1`` (``bundle.data.order.stream_indices``): the order i
 Where window ``w`` begins is a small cursor (pass, file, row, document, offset), recorded in each
 checkpoint by rank 0; a resumed run, of any shape, opens that file at that row (``.skip``: the
 rows before it are parsed, not tokenized) and goes on from there. Without one it reads the stream
-from its start, which gives the same windows, only slower.
+from its start, which gives the same windows, only slower. The files themselves (matched, read
+by ``datasets``, digested) are ``data.data_files``'.
 
 ::
 
@@ -23,11 +24,6 @@ from its start, which gives the same windows, only slower.
 
 from __future__ import annotations
 
-import glob
-import hashlib
-import importlib
-import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -40,16 +36,15 @@ from torch.utils.data import Dataset, TensorDataset
 from bundle import log
 from bundle.config import DataConfig
 from bundle.data import tokenizer
+from bundle.data.data_files import builder_of, datasets_package, files_digest, files_of
 from bundle.data.prepare import Encoder, is_val
-from bundle.data.sources import DataSplits
+from bundle.data.splits import DataSplits
 from bundle.errors import DataError, shown
 
 VAL_FRACTION = 0.001  # prepare's default: the same documents are held out
 VAL_WINDOWS = 256  # the validation split: this many windows at most, from the stream's start
 WAIT = 5.0  # seconds ``position`` waits for a fetch in progress before it gives up
 _KEPT = 4096  # window starts remembered: a checkpoint asks for one a few steps behind the reader
-# How each kind of file is read (datasets' packaged builders), longest ending first.
-BUILDERS = ((".jsonl.gz", "json"), (".jsonl", "json"), (".json", "json"), (".parquet", "parquet"))
 # A position's keys: all integers >= 0 but ``files``, the digest of the files it counts in.
 KEYS = ("window", "pass", "file", "row", "document", "offset", "files")
 OTHER_FILES = "--data-files matches other files than the run the checkpoint was saved from"
@@ -63,52 +58,6 @@ class Doc(NamedTuple):
     row: int
     document: int
     tokens: torch.Tensor
-
-
-def _datasets() -> Any:
-    try:
-        datasets = importlib.import_module("datasets")  # optional, and untyped: Any
-    except ImportError:
-        raise DataError(
-            "--dataset hf streams --data-files with the datasets package (pip install datasets)"
-        ) from None
-    # load_dataset pings the Hub to count a download of "json" or "parquet" at every call (a
-    # file opened, a seek): up to 3 s each where there is no network, and local files are read.
-    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
-    return datasets
-
-
-def builder_of(path: str) -> str:
-    """The ``datasets`` builder that reads ``path`` ("json" or "parquet"); one line if none."""
-    if not os.path.isfile(path):
-        raise DataError(f"--data-files: {path} is not a file")
-    for ending, builder in BUILDERS:
-        if path.endswith(ending):
-            return builder
-    raise DataError(f"--data-files: {path} is not .jsonl, .jsonl.gz, .json or .parquet")
-
-
-def files_of(globs: str) -> list[str]:
-    """Every path the comma-separated ``globs`` match, sorted: the order of the stream."""
-    found: set[str] = set()
-    for pattern in (g.strip() for g in globs.split(",")):
-        if pattern:
-            found.update(glob.glob(os.path.expanduser(pattern), recursive=True))
-    if not found:
-        raise DataError(f"--data-files {globs}: no file matches")
-    files = sorted(found)
-    for path in files:
-        builder_of(path)
-    return files
-
-
-def files_digest(files: list[str]) -> str:
-    """What a position is counted in: the files' names (under their common directory, so a
-    corpus moved whole still matches) and sizes, in order."""
-    paths = [os.path.abspath(f) for f in files]
-    root = os.path.commonpath([os.path.dirname(p) for p in paths])
-    named = [[os.path.relpath(p, root), os.path.getsize(p)] for p in paths]
-    return hashlib.blake2b(json.dumps(named).encode(), digest_size=8).hexdigest()
 
 
 def check_position(cfg: DataConfig, position: Any) -> None:
@@ -148,7 +97,7 @@ class Source:
         """The ``--text-field`` value of each row of file ``file`` from row ``start`` on."""
         path = self.files[file]
         try:
-            data = _datasets().load_dataset(
+            data = datasets_package().load_dataset(
                 builder_of(path), data_files=[path], split="train", streaming=True
             )
             if data.features is not None and self.field in data.features:
@@ -441,7 +390,7 @@ def splits(cfg: DataConfig, needs_val: bool) -> DataSplits:
 def check(cfg: DataConfig, *, needs_val: bool) -> None:
     """Before any process starts: ``datasets`` imports, the files match, the first training
     row has ``--text-field``, and (``needs_val``) a held-out window is there."""
-    _datasets()
+    datasets_package()
     source = Source(cfg)
     first = next(source.documents((0, 0, 0, 0), held_out=False, endless=False), None)
     if first is None:
