@@ -34,7 +34,7 @@ from bundle.plan import planner, report
 from bundle.plan import profile as prof
 from bundle.plan.cluster import counted, describe_nominal, load_cluster, nominal
 from bundle.plan.mixed import contended
-from bundle.plan.search import data_parallel, evaluate
+from bundle.plan.plans import data_parallel, evaluate
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

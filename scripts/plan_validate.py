@@ -263,7 +263,7 @@ def _round_calibration(results: dict, r: int):
 
 def predict(spec: Spec, results: dict) -> dict:
     """Per configuration: predicted and measured samples/s per round, and their medians."""
-    from bundle.plan.cost import CostModel
+    from bundle.plan.cost import CostModel, Execution
     from bundle.plan.simulate import Layout, simulate
 
     anatomies = {}
@@ -290,7 +290,8 @@ def predict(spec: Spec, results: dict) -> dict:
                 ),
                 timings=slowest_timings([case["profile"] for case in ranks]),
                 overheads=overheads,
-                overlap=False,  # gloo on the CPU: the sync takes the backward's cores
+                # Gloo on the CPU: the sync takes the backward's cores.
+                execution=Execution(overlap=False),
             )
             layout = Layout(c.shape, 1, starts, c.micro, c.schedule, "flat", batch, c.processes)
             predicted.append(batch / simulate(layout, cost).step_time)

@@ -3,7 +3,8 @@
 Modules, from the data up:
 
 - ``anatomy``: per-block parameters, boundary and saved bytes and FLOPs, counted on the meta device;
-- ``profile``: per-block timings measured on the local device, and the cache of profiles;
+- ``cache``: the cache of profiles, JSON files named by what they depend on;
+- ``profile``: per-block timings measured on the local device, read and kept through the cache;
 - ``conditions``: what a profile was measured under (load, CPU share, spread) and whether to trust it;
 - ``cluster``: the devices and links a plan runs on (YAML cluster files, or this machine);
 - ``isolate``: a measurement run in a spawned child process (no CUDA left in the caller);
@@ -12,6 +13,8 @@ Modules, from the data up:
 - ``cost``: seconds and bytes of a plan's pieces: stage compute, transfers, gradient sync, memory;
 - ``dataparallel``: the user's data-parallel options (compression, bundle sync, aggregation) costed;
 - ``simulate``: an event simulation of the engine's own schedule action lists;
+- ``split``: stage widths and split points: the dynamic program, widths coarse to fine;
+- ``plans``: one plan as a value, simulated with its memory counted, and plans ranked;
 - ``search``: enumerate plans, split by a dynamic program, rank by simulated throughput;
 - ``mixed``: the search on several device types: placement, widths, split and row weights;
 - ``planner``: one request's checks, cost model and search;

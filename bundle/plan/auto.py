@@ -34,7 +34,9 @@ from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import nominal
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import DataParallel
-from bundle.plan.search import Evaluated, Plan, Splitter, evaluate, search
+from bundle.plan.plans import Evaluated, Plan, evaluate
+from bundle.plan.search import search
+from bundle.plan.split import Splitter
 
 AUTO = "auto"
 
@@ -84,10 +86,7 @@ def _cost(cfg: RunConfig, request: planner.Request) -> tuple[CostModel, str]:
         cost = CostModel(
             anatomy=anatomy,
             cluster=cluster,
-            precision=request.precision,
-            recompute=request.recompute,
-            bucket_mb=request.bucket_mb,
-            overlap=kind != "cpu",
+            execution=request.execution(overlap=kind != "cpu"),
         )
         return cost, "FLOP and byte counts against nominal speeds, the same on every process"
     cache = prof.ProfileCache(prof.default_cache_dir())
@@ -117,14 +116,7 @@ def _plan_shape(cfg: RunConfig, request: planner.Request, cost: CostModel) -> Ev
             cfg.model.partition,
             "with --bundle-shape auto the planner chooses the split: leave --partition out",
         )
-    ranked = search(
-        cost,
-        nodes=request.nodes,
-        per_node=request.per_node,
-        batch=request.batch,
-        exact=True,
-        dp=request.dp,
-    )
+    ranked = search(cost, workload=request.workload, exact=True)
     fitting = [e for e in ranked if e.fits]
     if not fitting:
         raise ConfigError(

@@ -25,10 +25,11 @@ import torch.distributed as dist
 from bundle import models
 from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from bundle.engine.grad_sync import GradSync
+from bundle.engine.parts import Chunk, EngineParts, StepOptions
 from bundle.engine.precision import Policy
 from bundle.engine.schedule import ONE_CHUNK
 from bundle.engine.stage_engine import StageEngine
-from bundle.engine.transport import Transport
+from bundle.engine.transport import Boundaries, Transport
 from bundle.launch import localworld
 from bundle.partition import split_model
 from bundle.plan import profile as prof
@@ -134,25 +135,19 @@ class TinyStage:
             topo = Topology(
                 shape=(1,), num_bundles=1, procs_per_node=1, global_batch=m, micro_batches=m
             )
+            coord = Coord(0, 0, 0)
             transport = Transport(
-                topo=topo,
-                bundle=0,
-                stage=0,
-                replica=0,
-                in_meta=(),
-                out_meta=(),
-                device=_CPU,
-                timeout=30.0,
+                topo=topo, coord=coord, boundaries=Boundaries(), device=_CPU, timeout=30.0
             )
             runner = StageEngine(
                 topo=topo,
-                coord=Coord(0, 0, 0),
-                sync=GradSync(stage),
-                transport=transport,
-                optimizer=torch.optim.SGD(stage.parameters(), lr=1e-3, momentum=0.9),
-                schedule="1f1b",
+                coord=coord,
+                parts=EngineParts(
+                    chunks=(Chunk(stage, GradSync(stage), transport),),
+                    optimizer=torch.optim.SGD(stage.parameters(), lr=1e-3, momentum=0.9),
+                ),
+                options=StepOptions(schedule="1f1b"),
                 device=_CPU,
-                stage=stage,
             )
             data = [(torch.randn(1, *shape), torch.randint(0, classes, (1,))) for _ in range(m)]
             self.steps[m] = lambda i, runner=runner, data=data: runner.train_step(i, data)

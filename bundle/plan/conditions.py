@@ -5,7 +5,7 @@ and a cached one skews every later plan. So each measured profile records what i
 under: the 1-minute load average as it started, the share of the CPU its threads got while they
 were ready to run (Linux's per-thread ``schedstat``: time on a CPU against time waiting for one),
 the spread of its repetitions, and the torch version, device and thread count. ``trouble()`` says
-why not to trust it, or None; the profile cache (``bundle.plan.profile.ProfileCache``) measures
+why not to trust it, or None; the profile cache (``bundle.plan.cache.ProfileCache``) measures
 such an entry again rather than use it, and never keeps one.
 """
 

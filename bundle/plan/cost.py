@@ -50,6 +50,18 @@ class Overheads:
     copy_bandwidth: float = float("inf")  # bytes/s of a tensor copy (DDP's bucket copies)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Execution:
+    """How the job runs the model, as far as its costs go: the compute precision, what backward
+    recomputes, the gradient buckets' size, and whether the gradient sync runs beside the backward
+    (not with gloo on a CPU, which reduces on the cores the backward runs on)."""
+
+    precision: str = "fp32"
+    recompute: str = "never"
+    bucket_mb: float = 25.0
+    overlap: bool = True
+
+
 @dataclass(frozen=True)
 class Memory:
     """Bytes one device holds at its peak."""
@@ -134,10 +146,7 @@ class CostModel:
         cluster: Cluster,
         timings: Timings | None = None,
         overheads: Overheads | None = None,
-        precision: str = "fp32",
-        recompute: str = "never",
-        bucket_mb: float = 25.0,
-        overlap: bool = True,
+        execution: Execution | None = None,
         compute_scale: float = 1.0,
     ) -> None:
         if timings is None and cluster.speed is None:
@@ -146,17 +155,20 @@ class CostModel:
         self.timings = timings
         self.compute_scale = compute_scale  # compute seconds x this (1 / a CPU share)
         self.overheads = overheads or Overheads()
-        self.precision, self.recompute = precision, recompute
-        self.bucket_bytes = bucket_mb * 2**20
-        self.overlap = overlap
+        self.execution = execution = execution or Execution()
+        self.precision, self.recompute = execution.precision, execution.recompute
+        self.bucket_bytes = execution.bucket_mb * 2**20
+        self.overlap = execution.overlap
         self.n = len(anatomy.blocks)
         self._source = (
-            timings if timings is not None else _Roofline(anatomy, _speed(cluster), precision)
+            timings
+            if timings is not None
+            else _Roofline(anatomy, _speed(cluster), execution.precision)
         )
         self._times: dict[float, tuple[np.ndarray, np.ndarray, float]] = {}
         self._prefix: dict[float, np.ndarray] = {}
         self.params = np.array([b.params for b in anatomy.blocks], dtype=float)
-        self._act_scale = 0.5 if precision != "fp32" else 1.0
+        self._act_scale = 0.5 if self.precision != "fp32" else 1.0
         self._types = {t.key: self._for_type(t) for t in cluster.types}
 
     def like(self, cluster: Cluster, *, compute_scale: float = 1.0) -> CostModel:
@@ -166,10 +178,7 @@ class CostModel:
             cluster=cluster,
             timings=self.timings if cluster.speed is None else None,
             overheads=self.overheads,
-            precision=self.precision,
-            recompute=self.recompute,
-            bucket_mb=self.bucket_bytes / 2**20,
-            overlap=self.overlap,
+            execution=self.execution,
             compute_scale=compute_scale,
         )
 

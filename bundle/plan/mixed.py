@@ -31,21 +31,19 @@ from bundle.engine.schedule import ONE_CHUNK
 from bundle.errors import BundleError, ConfigError
 from bundle.plan.cluster import Cluster, Speed
 from bundle.plan.cost import CostModel
-from bundle.plan.dataparallel import EXACT, DataParallel, HopCost
+from bundle.plan.dataparallel import HopCost
+from bundle.plan.plans import Evaluated, Plan, evaluate, rank
 from bundle.plan.search import (
+    DEFAULT_LIMITS,
     SYNCS,
-    Evaluated,
-    Plan,
-    Splitter,
+    Limits,
+    Workload,
     _Candidate,
     _estimate,
     _variants,
-    compositions,
-    evaluate,
-    micro_counts,
-    rank,
     search,
 )
+from bundle.plan.split import Splitter, compositions, micro_counts
 from bundle.topology import Place
 
 _QUANTUM = 4  # row weights in quarters: 1, 1.25, ..., readable on a command line
@@ -164,17 +162,9 @@ def _orders(devs: list[Device], rate: dict[str, float]) -> list[list[int]]:
     return list(out.values())
 
 
-def _candidates(
-    cost: CostModel,
-    *,
-    nodes: int,
-    per_node: int,
-    batch: int,
-    max_stages: int,
-    max_micro: int,
-    keep: int,
-    dp: DataParallel,
-) -> list[_Candidate]:
+def _candidates(cost: CostModel, *, workload: Workload, limits: Limits) -> list[_Candidate]:
+    nodes, per_node, batch, dp = workload.nodes, workload.per_node, workload.batch, workload.dp
+    keep = limits.simulate_top
     cluster = cost.cluster
     kinds = sorted({cluster.kind_of(n, i) for n in range(nodes) for i in range(per_node)})
     rate = speeds(cost, kinds, max(1, batch // (nodes * per_node)))
@@ -190,12 +180,12 @@ def _candidates(
         width = len(bundles[0])
         for order in _orders(bundles[0], rate):
             row = [bundles[0][i].kind for i in order]
-            for stages in range(1, min(max_stages, width, cost.n) + 1):
+            for stages in range(1, min(limits.max_stages, width, cost.n) + 1):
                 for widths in compositions(width, stages):
                     if not dp.accepts(widths, b):
                         continue
                     places = placement(widths, bundles, order, cluster)
-                    for m in micro_counts(bundle_rows, max(widths), max_micro):
+                    for m in micro_counts(bundle_rows, max(widths), limits.max_micro):
                         plan = Plan(widths, b, (0,), m, per_node, dp=dp, placement=places)
                         item = _split(cost, splitter, hop, plan, row, batch)
                         if item is None:
@@ -298,34 +288,21 @@ class MixedResult:
 def mixed_search(
     cost: CostModel,
     *,
-    nodes: int,
-    per_node: int,
-    batch: int,
-    max_stages: int = 4,
-    max_micro: int = 64,
-    simulate_top: int = 48,
+    workload: Workload,
+    limits: Limits = DEFAULT_LIMITS,
     schedules: tuple[str, ...] = ONE_CHUNK,
     syncs: tuple[str, ...] = SYNCS,
-    dp: DataParallel = EXACT,
     progress: Callable[[str], None] | None = None,
 ) -> MixedResult:
-    """Plans on every device of the first ``nodes`` nodes of a mixed cluster, best first;
-    ``progress``: told what the search is doing as it starts each part."""
+    """Plans on every device of the first ``workload.nodes`` nodes of a mixed cluster, best first,
+    within ``limits``; ``progress``: told what the search is doing as it starts each part."""
+    nodes, per_node, batch = workload.nodes, workload.per_node, workload.batch
     say = progress or (lambda line: None)
     say(
         f"searching placements x stage widths x split points x row weights x micro-batches for "
         f"{nodes * per_node} devices of {len(cost.cluster.types)} types (tens of seconds)"
     )
-    best = _candidates(
-        cost,
-        nodes=nodes,
-        per_node=per_node,
-        batch=batch,
-        max_stages=max_stages,
-        max_micro=max_micro,
-        keep=simulate_top,
-        dp=dp,
-    )
+    best = _candidates(cost, workload=workload, limits=limits)
     if not best:
         raise ConfigError(
             "--batch-size",
@@ -334,15 +311,10 @@ def mixed_search(
         )
     assumed = search(
         uniform_cost(cost, nodes, per_node),
-        nodes=nodes,
-        per_node=per_node,
-        batch=batch,
-        max_stages=max_stages,
-        max_micro=max_micro,
-        simulate_top=simulate_top,
+        workload=workload,
+        limits=limits,
         schedules=schedules,
         syncs=syncs,
-        dp=dp,
     )[0]
 
     def run(plan: Plan) -> Evaluated:

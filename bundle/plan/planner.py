@@ -4,11 +4,9 @@ machine measured), and search."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -17,10 +15,11 @@ from bundle.errors import ConfigError
 from bundle.plan import calibrate, isolate, shares
 from bundle.plan import profile as prof
 from bundle.plan.cluster import NOMINAL, Cluster
-from bundle.plan.cost import CostModel, Overheads
+from bundle.plan.cost import CostModel, Execution, Overheads
 from bundle.plan.dataparallel import DataParallel
 from bundle.plan.mixed import MixedResult, mixed_search
-from bundle.plan.search import Evaluated, search
+from bundle.plan.plans import Evaluated
+from bundle.plan.search import Limits, Workload, search
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +41,31 @@ class Request:
     @property
     def devices(self) -> int:
         return self.nodes * self.per_node
+
+    @property
+    def spec(self) -> prof.ModelSpec:
+        """The model profiled: its name, input shape, classes and --model-args."""
+        return prof.ModelSpec(self.model, self.input_shape, self.num_classes, self.model_args)
+
+    def execution(self, *, overlap: bool = True) -> Execution:
+        """How the job runs, for its costs; ``overlap``: whether its gradient sync runs beside the
+        backward."""
+        return Execution(
+            precision=self.precision,
+            recompute=self.recompute,
+            bucket_mb=self.bucket_mb,
+            overlap=overlap,
+        )
+
+    @property
+    def workload(self) -> Workload:
+        """What the search plans for: the devices, the batch, the data-parallel options."""
+        return Workload(nodes=self.nodes, per_node=self.per_node, batch=self.batch, dp=self.dp)
+
+    @property
+    def limits(self) -> Limits:
+        """How far the search looks: --max-stages, --max-micro-batches."""
+        return Limits(max_stages=self.max_stages, max_micro=self.max_micro)
 
 
 def check(request: Request, cluster: Cluster | None) -> None:
@@ -136,15 +160,12 @@ def measure(
     threads = max(1, (os.cpu_count() or 1) // request.per_node)
     with _threads(threads if device.type == "cpu" else torch.get_num_threads()):
         timings = prof.timings(
-            request.model,
-            request.input_shape,
-            request.num_classes,
+            request.spec,
             cache,
             rows=prof.row_grid(request.batch),
             precision=request.precision,
             device=device,
             repeats=repeats,
-            args=request.model_args,
         )
     if (
         cluster is not None
@@ -205,20 +226,11 @@ def cost_model(
     The measuring runs in a child process (``isolate``): a CUDA profile leaves nothing behind in
     this one, which may be the supervisor of the job that runs the plan.
     """
-    anatomy = prof.anatomy(
-        request.model, request.input_shape, request.num_classes, cache, request.model_args
-    )
-    common = functools.partial(
-        CostModel,
-        anatomy=anatomy,
-        precision=request.precision,
-        recompute=request.recompute,
-        bucket_mb=request.bucket_mb,
-    )
+    anatomy = prof.anatomy(request.spec, cache)
     if cluster is not None and cluster.speed is not None:
         # An estimated accelerator runs its kernels behind the host, asynchronously: the engine's
         # host-side overheads (measured on this CPU) are not counted, nothing is measured here.
-        return common(cluster=cluster)
+        return CostModel(anatomy=anatomy, cluster=cluster, execution=request.execution())
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if progress is not None:
         links = "" if cluster is not None else ", the links between processes"
@@ -241,31 +253,20 @@ def cost_model(
     )
     cache.notes.extend(n for n in measured.notes if n not in cache.notes)
     # Gloo on the CPU reduces on the cores the backward runs on: no overlap to count on.
-    return common(
+    return CostModel(
+        anatomy=anatomy,
         cluster=measured.cluster,
         timings=measured.timings,
         overheads=measured.overheads,
-        overlap=device_type != "cpu",
+        execution=request.execution(overlap=device_type != "cpu"),
     )
-
-
-def _bounds(request: Request) -> dict[str, Any]:
-    """What a search is asked for: the devices, the batch, its limits, the data-parallel options."""
-    return {
-        "nodes": request.nodes,
-        "per_node": request.per_node,
-        "batch": request.batch,
-        "max_stages": request.max_stages,
-        "max_micro": request.max_micro,
-        "dp": request.dp,
-    }
 
 
 def plan(
     request: Request, cost: CostModel, progress: Callable[[str], None] | None = None
 ) -> list[Evaluated]:
     """Every plan the search simulated, best first; ``progress`` is told what it is doing."""
-    return search(cost, **_bounds(request), progress=progress)
+    return search(cost, workload=request.workload, limits=request.limits, progress=progress)
 
 
 def plan_mixed(
@@ -273,4 +274,4 @@ def plan_mixed(
 ) -> MixedResult:
     """A cluster of several device types: placement, widths, split and row weights searched;
     ``progress`` is told what it is doing."""
-    return mixed_search(cost, **_bounds(request), progress=progress)
+    return mixed_search(cost, workload=request.workload, limits=request.limits, progress=progress)

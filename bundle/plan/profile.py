@@ -4,24 +4,19 @@ Timings are measured on the local device: per block, forward and backward second
 row counts (warm-up, then the median of repeats), the loss's, and an SGD step's per parameter.
 Between grid points a time is interpolated linearly in rows.
 
-Timings and anatomies (``bundle.plan.anatomy``) are cached as JSON under a cache directory, keyed
-by (model, input, classes) for the anatomy and additionally by (device, dtype, threads, grid) for
-timings.
+Timings and anatomies (``bundle.plan.anatomy``) are cached as JSON under a cache directory
+(``bundle.plan.cache``), keyed by (model, input, classes) for the anatomy and additionally by
+(device, dtype, threads, grid) for timings.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import platform
-import re
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TextIO
 
 import numpy as np
@@ -32,11 +27,21 @@ from bundle import models
 from bundle.config import parse_model_args
 from bundle.engine.precision import Policy
 from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear, count_anatomy
+from bundle.plan.cache import NOT_CACHED as NOT_CACHED
+from bundle.plan.cache import ProfileCache
+from bundle.plan.cache import default_cache_dir as default_cache_dir
 from bundle.plan.conditions import Conditions, Watch
 
-# The note of a profile measured under conditions that cannot be trusted (a busy machine, or
-# repetitions that disagree): kept out of the cache. scripts/bench_hetero.py looks for it.
-NOT_CACHED = "not cached, and plans made from it may be off"
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model a profile is of: its name (``--model``), one row's input shape, its classes and
+    its ``--model-args``."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    args: str | None = None
 
 
 @dataclass(frozen=True)
@@ -123,9 +128,7 @@ class Progress:
 
 
 def measure_timings(
-    model_name: str,
-    input_shape,
-    num_classes: int,
+    spec: ModelSpec,
     *,
     rows: tuple[int, ...],
     precision: str = "fp32",
@@ -133,23 +136,24 @@ def measure_timings(
     warmup: int = 2,
     repeats: int = 5,
     progress: Progress | None = None,
-    args: str | None = None,
     watch: Watch | None = None,
 ) -> Timings:
-    """Forward and backward seconds of every block at each row count (median of ``repeats``).
+    """Forward and backward seconds of every block of ``spec``'s model at each row count (median
+    of ``repeats``).
 
     A profile that takes more than a few seconds says how far it is on stderr (``Progress``).
     ``watch`` is told the spread of each grid point's repetitions (``bundle.plan.conditions``).
     """
     device = device or torch.device("cpu")
-    progress = progress or Progress(f"profiling {model_name} on {device.type}")
+    progress = progress or Progress(f"profiling {spec.name} on {device.type}")
     policy = Policy(precision=precision, device_type=device.type)
+    input_shape, num_classes = spec.input_shape, spec.num_classes
     torch.manual_seed(0)
     model = models.build(
-        model_name,
+        spec.name,
         num_classes=num_classes,
         input_shape=input_shape,
-        args=parse_model_args(args),
+        args=parse_model_args(spec.args),
     ).to(device)
     blocks = models.blocks(model, input_shape)
     dtype = models.input_dtype(model)
@@ -284,89 +288,7 @@ def row_grid(max_rows: int) -> tuple[int, ...]:
     return (*grid, max_rows)
 
 
-# -- the cache -------------------------------------------------------------------------------
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "bundle" / "profiles"
-
-
-def slug(name: str, limit: int = 40) -> str:
-    """``name`` as a file name's part: ``[A-Za-z0-9._-]``, no leading dot, no ``..``, at most
-    ``limit`` characters. Only a reader's hint: the digest beside it tells entries apart
-    (``--model ../x.py:build`` must not leave the cache directory)."""
-    text = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9._-]+", "_", name))
-    return text.lstrip(".")[:limit] or "model"
-
-
-class ProfileCache:
-    """JSON files under one directory, named by a hash of what they depend on; ``None``: off.
-
-    A measured entry carries the conditions it was measured under (``bundle.plan.conditions``).
-    ``get`` passes over one that cannot be trusted (so it is measured again), ``put`` keeps none,
-    and ``refresh`` (``plan.py --reprofile``) measures everything afresh. ``notes`` says, for the
-    plan's output, which entries were used (with their age and conditions) and which were not.
-    """
-
-    FORMAT = 2  # raised whenever what an entry holds changes: older entries are measured again
-
-    def __init__(self, directory: str | Path | None, *, refresh: bool = False) -> None:
-        self.directory = Path(directory) if directory is not None else None
-        self.refresh = refresh
-        self.notes: list[str] = []
-
-    def _path(self, kind: str, key: dict) -> Path | None:
-        if self.directory is None:
-            return None
-        key = {**key, "format": self.FORMAT}
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-        return self.directory / f"{kind}-{slug(str(key.get('model', 'engine')))}-{digest}.json"
-
-    def get(self, kind: str, key: dict, *, now: float | None = None) -> dict | None:
-        path = self._path(kind, key)
-        if path is None or not path.is_file():
-            return None
-        if self.refresh:
-            self.notes.append(f"{kind} profile measured afresh (--reprofile), not read from {path}")
-            return None
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None  # a damaged entry is measured again
-        if doc.get("key") != key:
-            return None
-        if doc.get("conditions") is None:
-            return doc.get("value")  # counted, not timed (an anatomy): nothing to judge
-        seen = Conditions.from_json(doc["conditions"])
-        if (trouble := seen.trouble()) is not None:
-            self.notes.append(f"{kind} profile {path} not used: measured while {trouble}")
-            return None
-        self.notes.append(f"{kind} profile from the cache, {seen.describe(now)}: {path}")
-        return doc.get("value")
-
-    def put(self, kind: str, key: dict, value: dict, conditions: Conditions | None = None) -> None:
-        """Keep ``value``, unless it was measured under ``conditions`` that cannot be trusted."""
-        trouble = conditions.trouble() if conditions is not None else None
-        if trouble is not None:
-            self.notes.append(
-                f"{kind} profile measured now while {trouble}: {NOT_CACHED}; plan on a quiet machine"
-            )
-            return
-        path = self._path(kind, key)
-        if path is None:
-            return
-        if conditions is not None:
-            self.notes.append(
-                f"{kind} profile measured now, {conditions.describe(age=False)}: {path}"
-            )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        doc = {"key": key, "value": value}
-        if conditions is not None:
-            doc["conditions"] = conditions.to_json()
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(path)
+# -- through the cache (bundle.plan.cache) ----------------------------------------------------
 
 
 def _anatomy_from(doc: dict) -> Anatomy:
@@ -387,45 +309,40 @@ def _anatomy_from(doc: dict) -> Anatomy:
     return Anatomy(doc["model"], tuple(doc["input_shape"]), doc["num_classes"], blocks)
 
 
-def anatomy(
-    model: str, input_shape, num_classes: int, cache: ProfileCache, args: str | None = None
-) -> Anatomy:
+def anatomy(spec: ModelSpec, cache: ProfileCache) -> Anatomy:
     """The model's anatomy, from the cache or counted now (well under a second)."""
     key = {
-        "model": model,
-        "model_args": args,
-        "input": list(input_shape),
-        "classes": num_classes,
+        "model": spec.name,
+        "model_args": spec.args,
+        "input": list(spec.input_shape),
+        "classes": spec.num_classes,
         "torch": torch.__version__,
         "shapes": True,  # entries from before parameter shapes were counted are counted again
     }
     doc = cache.get("anatomy", key)
     if doc is None:
-        found = count_anatomy(model, tuple(input_shape), num_classes, args)
+        found = count_anatomy(spec.name, tuple(spec.input_shape), spec.num_classes, spec.args)
         cache.put("anatomy", key, asdict(found))
         return found
     return _anatomy_from(doc)
 
 
 def timings(
-    model: str,
-    input_shape,
-    num_classes: int,
+    spec: ModelSpec,
     cache: ProfileCache,
     *,
     rows: tuple[int, ...],
     precision: str = "fp32",
     device: torch.device | None = None,
     repeats: int = 5,
-    args: str | None = None,
 ) -> Timings:
     """Measured timings, from the cache when this device, dtype, thread count and grid were seen."""
     device = device or torch.device("cpu")
     key = {
-        "model": model,
-        "model_args": args,
-        "input": list(input_shape),
-        "classes": num_classes,
+        "model": spec.name,
+        "model_args": spec.args,
+        "input": list(spec.input_shape),
+        "classes": spec.num_classes,
         "device": device_name(device),
         "precision": precision,
         "rows": list(rows),
@@ -444,15 +361,7 @@ def timings(
         )
     with Watch() as watch:
         found = measure_timings(
-            model,
-            tuple(input_shape),
-            num_classes,
-            rows=rows,
-            precision=precision,
-            device=device,
-            repeats=repeats,
-            args=args,
-            watch=watch,
+            spec, rows=rows, precision=precision, device=device, repeats=repeats, watch=watch
         )
     cache.put("timings", key, asdict(found), watched(watch, device))
     return found

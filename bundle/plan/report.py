@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bundle.plan.cost import CostModel
-from bundle.plan.search import Evaluated, Plan
+from bundle.plan.plans import Evaluated, Plan
 from bundle.plan.simulate import COMPUTE, OPTIMIZER, SEND, SYNC, WAIT
 from bundle.row_weights import format_row_weights
 

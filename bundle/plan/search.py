@@ -1,18 +1,19 @@
 """Search plans: shapes, bundles, split points, micro-batches, schedules and sync strategies.
 
 For every bundle count ``b`` (all of them up to 64 devices; beyond, those dividing the devices
-or the batch: ``bundle_counts``) and stage count ``S`` (up to ``max_stages``), the compositions of
-the ``devices // b`` devices of a bundle into ``S`` stage widths (every one where there are at
-most ``EXHAUSTIVE``, else searched coarse to fine: ``search_widths``), and every micro-batch count
-that divides a bundle's batch and gives every replica a row, a dynamic program picks the split
-points that minimise the slowest stage (its forward + backward at the rows one replica holds, or
-its boundary transfer where that is slower). A closed form ranks those candidates (``(M + S - 1)``
-slowest stages, plus the largest gradient sync and optimizer step); the best ones are then
-simulated under 1F1B and each sync strategy, the ``SCHEDULE_LEADERS`` best of those under every
-other schedule too, and ranked by simulated throughput, plans that do not fit in device memory
-last. The data-parallel options (``DataParallel``:
-compression, bundle sync, aggregation) are the user's: every plan is costed under them, never
-under others, and only bundle counts they accept are planned.
+or the batch: ``bundle_counts``) and stage count ``S`` (up to ``Limits.max_stages``), the
+compositions of the ``devices // b`` devices of a bundle into ``S`` stage widths (every one where
+there are at most ``Limits.exhaustive``, else searched coarse to fine: ``split.search_widths``),
+and every micro-batch count that divides a bundle's batch and gives every replica a row, a dynamic
+program (``split.Splitter``) picks the split points that minimise the slowest stage (its forward +
+backward at the rows one replica holds, or its boundary transfer where that is slower). A closed
+form ranks those candidates (``(M + S - 1)`` slowest stages, plus the largest gradient sync and
+optimizer step); the best ones are then simulated under 1F1B and each sync strategy, the
+``SCHEDULE_LEADERS`` best of those under every other schedule too, and ranked by simulated
+throughput, plans that do not fit in device memory last (``plans.evaluate``, ``plans.rank``). The
+data-parallel options (``DataParallel``: compression, bundle sync, aggregation) are the user's:
+every plan is costed under them, never under others, and only bundle counts they accept are
+planned.
 """
 
 from __future__ import annotations
@@ -20,124 +21,50 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields, replace
-from fractions import Fraction
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
-from bundle.engine.precision import Policy
-from bundle.engine.schedule import REGISTRY, SCHEDULES, Action, actions
+from bundle.engine.schedule import REGISTRY, SCHEDULES, actions
 from bundle.errors import ConfigError, ScheduleError
-from bundle.plan.cost import CostModel, Memory
+from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import EXACT, DataParallel, HopCost
-from bundle.plan.simulate import Layout, SimResult, simulate
-from bundle.topology import Place, Topology
+from bundle.plan.plans import Evaluated, Plan, data_parallel, evaluate, rank
+from bundle.plan.split import EXHAUSTIVE, Splitter, micro_counts, search_widths
+from bundle.topology import Topology
 
 SYNCS = ("flat", "hierarchical")
-# Compositions of one bundle's devices scored one by one up to this many; beyond, coarse to fine.
-EXHAUSTIVE = 512
-_KEEP_COARSE = 6  # compositions refined from each level to the next
 SCHEDULE_LEADERS = 8  # plans simulated under every schedule, after all under 1F1B
 
 
-@dataclass(frozen=True)
-class Plan:
-    shape: tuple[int, ...]
-    num_bundles: int
-    starts: tuple[int, ...]
-    micro_batches: int
-    procs_per_node: int
-    schedule: str = "1f1b"
-    grad_sync: str = "flat"
-    dp: DataParallel = DataParallel()
-    row_weights: tuple[tuple[Fraction, ...], ...] = ()  # () : even rows (bundle.plan.mixed)
-    placement: tuple[Place, ...] = ()  # () : ranks fill the nodes in order
-    chunks: int = 1  # model chunks per stage; ``starts`` then holds stages x chunks pieces
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What a search plans for: ``nodes x per_node`` devices, the batch, and the data-parallel
+    options every plan is costed under (the user's: never searched)."""
+
+    nodes: int
+    per_node: int  # devices per node
+    batch: int
+    dp: DataParallel = EXACT
 
     @property
-    def processes(self) -> int:
-        return sum(self.shape) * self.num_bundles
-
-    def layout(self, batch: int) -> Layout:
-        return Layout(
-            shape=self.shape,
-            num_bundles=self.num_bundles,
-            starts=self.starts,
-            micro_batches=self.micro_batches,
-            schedule=self.schedule,
-            grad_sync=self.grad_sync,
-            batch=batch,
-            procs_per_node=self.procs_per_node,
-            dp=self.dp,
-            row_weights=self.row_weights,
-            placement=self.placement,
-            chunks=self.chunks,
-        )
+    def devices(self) -> int:
+        return self.nodes * self.per_node
 
 
-@dataclass
-class Evaluated:
-    plan: Plan
-    sim: SimResult
-    samples_per_s: float
-    memory: list[Memory]  # per stage, of its replica with the most rows
-    fits: bool
-    stage_compute: list[float]  # per stage: compute seconds per step of its busiest replica
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """How far a search looks: the most stages and micro-batches, how many of the best estimates
+    are simulated, and how many compositions of a bundle's devices into stage widths are scored
+    one by one before the widths are searched coarse to fine (``split.search_widths``)."""
+
+    max_stages: int = 4
+    max_micro: int = 64
+    simulate_top: int = 48
+    exhaustive: int = EXHAUSTIVE
 
 
-def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
-    """Every tuple of ``parts`` positive integers summing to ``total``."""
-    for cuts in itertools.combinations(range(1, total), parts - 1):
-        bounds = (0, *cuts, total)
-        yield tuple(b - a for a, b in itertools.pairwise(bounds))
-
-
-def micro_counts(bundle_rows: int, widest: int, limit: int) -> list[int]:
-    """Micro-batch counts that divide a bundle's rows and leave every replica a row."""
-    return [m for m in range(1, limit + 1) if bundle_rows % m == 0 and bundle_rows // m >= widest]
-
-
-class Splitter:
-    """The split points minimising the slowest stage, for given widths and micro-batch rows."""
-
-    def __init__(self, cost: CostModel, link_bandwidth: float, link_latency: float) -> None:
-        self.cost, self.n = cost, cost.n
-        self.bw, self.lat = link_bandwidth, link_latency
-        self._matrix: dict[int, np.ndarray] = {}
-
-    def matrix(self, rows: int) -> np.ndarray:
-        """``C[j, i]``: one micro-batch's cycle of a stage of blocks ``j..i-1`` at ``rows`` rows."""
-        if rows not in self._matrix:
-            cost, n = self.cost, self.n
-            p = cost.prefix(rows)
-            c = p[None, :] - p[:, None] + 2 * cost.overheads.compute_action
-            c[:, n] += cost.block_times(rows)[2]
-            xfer = np.array(
-                [0.0]
-                + [cost.boundary_bytes(i, rows) / self.bw + self.lat for i in range(1, n)]
-                + [0.0]
-            )
-            c = np.maximum(c, np.maximum(xfer[None, :], xfer[:, None]))
-            c[np.tril_indices(n + 1)] = np.inf
-            self._matrix[rows] = c
-        return self._matrix[rows]
-
-    def split(self, widths: tuple[int, ...], micro_rows: int) -> tuple[tuple[int, ...], float]:
-        """(start block of each stage, the slowest stage's cycle)."""
-        rows = [math.ceil(micro_rows / w) for w in widths]
-        f = self.matrix(rows[0])[0].copy()
-        back = []
-        for r in rows[1:]:
-            m = np.maximum(f[:, None], self.matrix(r))
-            back.append(m.argmin(axis=0))
-            f = m.min(axis=0)
-        starts, i = [], self.n
-        for arg in reversed(back):
-            i = int(arg[i])
-            starts.append(i)
-        return (0, *reversed(starts)), float(f[self.n])
+DEFAULT_LIMITS = Limits()
 
 
 @dataclass(frozen=True, order=True)
@@ -158,43 +85,26 @@ def placement(processes: int, nodes: int, per_node: int) -> int | None:
 def search(
     cost: CostModel,
     *,
-    nodes: int,
-    per_node: int,
-    batch: int,
-    max_stages: int = 4,
-    max_micro: int = 64,
-    simulate_top: int = 48,
+    workload: Workload,
+    limits: Limits = DEFAULT_LIMITS,
     schedules: tuple[str, ...] = SCHEDULES,
     syncs: tuple[str, ...] = SYNCS,
     exact: bool = False,
-    dp: DataParallel = EXACT,
-    exhaustive: int = EXHAUSTIVE,
     progress: Callable[[str], None] | None = None,
 ) -> list[Evaluated]:
-    """Plans for ``nodes x per_node`` devices, best first (those that fit in memory first);
-    ``exact``: only plans that use every device (a job whose processes are given); each costed
-    under ``dp``; ``exhaustive``: how many compositions of a bundle's devices into stage widths
-    are scored one by one before the widths are searched coarse to fine (``search_widths``);
-    ``progress``: told what the search is doing as it starts each part."""
-    devices = nodes * per_node
+    """Plans for ``workload``'s devices, best first (those that fit in memory first), within
+    ``limits``; ``exact``: only plans that use every device (a job whose processes are given);
+    each costed under ``workload.dp``; ``progress``: told what the search is doing as it starts
+    each part."""
+    nodes, per_node, batch, dp = workload.nodes, workload.per_node, workload.batch, workload.dp
+    devices = workload.devices
     say = progress or (lambda line: None)
     counts = bundle_counts(devices, batch, dp.min_bundles)
     say(
         f"searching {len(counts)} bundle count(s) x stage widths x split points x micro-batches "
         f"for {devices} devices"
     )
-    best = _best_estimates(
-        cost,
-        nodes=nodes,
-        per_node=per_node,
-        batch=batch,
-        max_stages=max_stages,
-        max_micro=max_micro,
-        keep=simulate_top,
-        exact=exact,
-        dp=dp,
-        exhaustive=exhaustive,
-    )
+    best = _best_estimates(cost, workload=workload, limits=limits, exact=exact)
     if not best and dp.flags():
         flag, value = dp.flags()[:2]
         raise ConfigError(flag, value, f"no plan on {devices} devices can run it")
@@ -270,20 +180,12 @@ def _bundle_layout(
 
 
 def _best_estimates(
-    cost: CostModel,
-    *,
-    nodes: int,
-    per_node: int,
-    batch: int,
-    max_stages: int,
-    max_micro: int,
-    keep: int,
-    exact: bool,
-    dp: DataParallel,
-    exhaustive: int = EXHAUSTIVE,
+    cost: CostModel, *, workload: Workload, limits: Limits, exact: bool
 ) -> list[_Candidate]:
-    """The ``keep`` plans with the best estimates, over bundles, stage widths and micro-batches."""
-    devices = nodes * per_node
+    """The ``limits.simulate_top`` plans with the best estimates, over bundles, stage widths and
+    micro-batches."""
+    nodes, per_node, batch, dp = workload.nodes, workload.per_node, workload.batch, workload.dp
+    devices, keep = workload.devices, limits.simulate_top
     link = cost.cluster.intra if nodes == 1 else cost.cluster.inter
     splitter = Splitter(cost, link.bandwidth, link.latency)
     hop = HopCost(cost, dp)
@@ -302,7 +204,7 @@ def _best_estimates(
             if not dp.accepts(widths, b):
                 return math.inf
             least = math.inf
-            for m in micro_counts(rows, max(widths), max_micro):
+            for m in micro_counts(rows, max(widths), limits.max_micro):
                 starts, slowest = splitter.split(widths, -(-rows // m))
                 plan = Plan(widths, b, starts, m, ppn, dp=dp)
                 estimate = _estimate(hop, plan, batch, slowest, tails)
@@ -314,62 +216,9 @@ def _best_estimates(
                     heapq.heapreplace(best, item)
             return least
 
-        for stages in range(1, min(max_stages, width, cost.n) + 1):
-            search_widths(width, stages, scored, exhaustive=exhaustive)
+        for stages in range(1, min(limits.max_stages, width, cost.n) + 1):
+            search_widths(width, stages, scored, exhaustive=limits.exhaustive)
     return best
-
-
-def search_widths(
-    width: int,
-    stages: int,
-    scored: Callable[[tuple[int, ...]], float],
-    *,
-    exhaustive: int = EXHAUSTIVE,
-) -> None:
-    """Score stage widths summing to ``width``: every composition where there are at most
-    ``exhaustive`` of them, else coarse to fine. Widths in steps of ``g`` (the smallest power of
-    two leaving at most ``exhaustive`` compositions, the remainder on the widest stage) are all
-    scored; then, halving ``g`` down to 1, the best few are refined by moving ``g`` devices from
-    one stage to another until none of those moves improves them. The pipeline's time falls
-    smoothly with a stage's width (its rows per replica), which is what makes this find what the
-    exhaustive search finds (tests/unit/test_plan_search.py compares them)."""
-    if math.comb(width - 1, stages - 1) <= exhaustive:
-        for widths in compositions(width, stages):
-            scored(widths)
-        return
-    g = 1
-    while math.comb(width // g - 1, stages - 1) > exhaustive:
-        g *= 2
-    score: dict[tuple[int, ...], float] = {}
-
-    def rate(widths: tuple[int, ...]) -> None:
-        if widths not in score:
-            score[widths] = scored(widths)
-
-    for coarse in compositions(width // g, stages):
-        stepped = [w * g for w in coarse]
-        stepped[stepped.index(max(stepped))] += width - g * (width // g)
-        rate(tuple(stepped))
-    frontier = sorted(score, key=score.__getitem__)[:_KEEP_COARSE]
-    while g > 1:
-        g //= 2
-        while True:
-            for widths in frontier:
-                for moved in _moves(widths, g):
-                    rate(moved)
-            better = sorted(score, key=score.__getitem__)[:_KEEP_COARSE]
-            if better == frontier:
-                break
-            frontier = better
-
-
-def _moves(widths: tuple[int, ...], g: int) -> Iterator[tuple[int, ...]]:
-    """``widths`` with ``g`` devices moved from one stage to another (each keeping one)."""
-    for i, j in itertools.permutations(range(len(widths)), 2):
-        if widths[j] > g:
-            moved = list(widths)
-            moved[i], moved[j] = moved[i] + g, moved[j] - g
-            yield tuple(moved)
 
 
 def bundle_counts(devices: int, batch: int, least: int) -> list[int]:
@@ -415,29 +264,6 @@ def _has_hierarchy(plan: Plan) -> bool:
     """Hierarchical sync differs from flat only where a stage has replicas in several bundles and
     more than one inside a bundle."""
     return plan.num_bundles > 1 and max(plan.shape) > 1
-
-
-def data_parallel(nodes: int, per_node: int) -> Plan:
-    """``--DP-ONLY`` on every device: one stage, one micro-batch, flat sync."""
-    return Plan((nodes * per_node,), 1, (0,), 1, per_node)
-
-
-def rank(evaluated: list[Evaluated]) -> list[Evaluated]:
-    """Fitting plans first, then by throughput (to 4 digits: the simulation's resolution); on a
-    tie the simpler plan: fewer processes, stages and bundles, 1F1B (less memory), flat sync."""
-
-    def key(e: Evaluated) -> tuple[bool, float, tuple[int, int, int, bool, bool]]:
-        p = e.plan
-        simpler = (
-            p.processes,
-            len(p.shape),
-            p.num_bundles,
-            p.schedule != "1f1b",
-            p.grad_sync != "flat",
-        )
-        return (not e.fits, -float(f"{e.samples_per_s:.4g}"), simpler)
-
-    return sorted(evaluated, key=key)
 
 
 def _estimate(
@@ -495,83 +321,3 @@ def _sync_estimate(
         return hop.between(nbytes, wire, flat)
     step = hop.between(nbytes, wire, masters) if plan.dp.per_step else 0.0
     return 2 * cost.reduce(nbytes, inner) + step + hop.meeting(a, b, masters, inner)
-
-
-def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False) -> Evaluated:
-    """Simulate one plan and count its memory."""
-    layout = plan.layout(batch)
-    sim = simulate(layout, cost, timeline=timeline)
-    topo = layout.topology()
-    S, M, V = len(plan.shape), plan.micro_batches, plan.chunks
-    ends = [*plan.starts[1:], cost.n]
-    bounds = list(zip(plan.starts, ends, strict=True))
-    pipe = layout.pipe
-    policy = Policy(recompute=cost.recompute)
-    hop = HopCost(cost, plan.dp)
-    ddp = not plan.dp.two_hops(plan.grad_sync)
-    memory, compute, fits = [], [], True
-    for s in range(S):
-        acts = actions(plan.schedule, s, S, M, V)
-        pieces = [bounds[pipe.piece(s, c)] for c in range(V)]
-        synced = len(topo.stage_group(s)) > 1
-        state = 0.0
-        if synced:
-            for a, b in pieces:
-                largest = max((n for _, n in cost.buckets(a, b, ddp=ddp)), default=0.0)
-                state += hop.state_bytes(a, b, largest_bucket=largest, bundles=plan.num_bundles)
-        # Each replica against its own device's memory (rows differ under row weights); the
-        # stage's figure is its replica with the most rows.
-        per_replica = []
-        for i in _distinct_replicas(plan, topo, s):
-            rows = [topo.stage_sizes(s, m)[i] for m in topo.micro_sizes(0)]
-            mem = _chunks_memory(cost, pieces, acts, rows, policy, synced=synced, ddp=ddp)
-            mem = replace(mem, data_parallel=state) if synced else mem
-            per_replica.append((rows[0], mem))
-            fits &= all(
-                mem.total <= _device_memory(cost, plan, topo.rank(bb, s, i))
-                for bb in range(plan.num_bundles if plan.placement else 1)
-            )
-        memory.append(max(per_replica, key=lambda x: x[0])[1])
-        compute.append(max(t for t, st in zip(sim.busy, sim.stage_of, strict=True) if st == s))
-    return Evaluated(plan, sim, batch / sim.step_time, memory, fits, compute)
-
-
-def _chunks_memory(
-    cost: CostModel,
-    pieces: list[tuple[int, int]],
-    acts: list[Action],
-    rows: list[int],
-    policy: Policy,
-    *,
-    synced: bool,
-    ddp: bool,
-) -> Memory:
-    """A replica's memory over its chunks: each chunk's pieces through that chunk's actions,
-    added up (their peaks taken as coinciding: an upper bound with several chunks)."""
-    parts = [
-        cost.memory(
-            a,
-            b,
-            acts=[x for x in acts if x.chunk == c],
-            rows=rows,
-            recomputed=policy.recomputes(acts, len(rows), c),
-            synced=synced,
-            ddp=ddp,
-        )
-        for c, (a, b) in enumerate(pieces)
-    ]
-    if len(parts) == 1:
-        return parts[0]
-    return Memory(*(sum(getattr(m, f.name) for m in parts) for f in fields(Memory)))
-
-
-def _distinct_replicas(plan: Plan, topo: Topology, s: int) -> list[int]:
-    """Replicas of stage ``s`` whose memory differs: one where rows are even on one device type."""
-    if not plan.row_weights and not plan.placement:
-        return [0]
-    return list(range(topo.shape[s]))
-
-
-def _device_memory(cost: CostModel, plan: Plan, rank: int) -> float:
-    kind = plan.placement[rank].kind if plan.placement else ""
-    return cost.on(kind).cluster.memory_bytes

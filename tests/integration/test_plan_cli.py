@@ -427,11 +427,7 @@ def test_auto_measures_in_a_child_process(monkeypatch, tmp_path):
 
     def run_in_child(fn, request, **kwargs):
         calls.append((fn, kwargs["device_type"], kwargs["what"]))
-        n = len(
-            prof.anatomy(
-                request.model, request.input_shape, request.num_classes, kwargs["cache"]
-            ).blocks
-        )
+        n = len(prof.anatomy(request.spec, kwargs["cache"]).blocks)
         link = Link(1e9, 1e-5)
         timings = prof.Timings(
             "cpu:canned",

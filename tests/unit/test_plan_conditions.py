@@ -105,7 +105,7 @@ def test_timings_measured_on_a_crowded_machine_are_measured_again_next_time(tmp_
     monkeypatch.setattr(prof, "measure_timings", counted)
     monkeypatch.setattr(prof, "Watch", lambda: Watch(load=lambda: 0.0, sched=lambda: next(busy)))
     cache = prof.ProfileCache(tmp_path)
-    args = ("mlp", (3, 2, 2), 10, cache)
+    args = (prof.ModelSpec("mlp", (3, 2, 2), 10), cache)
     for _ in range(2):  # crowded out (20% of the CPU): used for this plan, never kept
         prof.timings(*args, rows=(1,), repeats=1)
     assert len(calls) == 2 and not list(tmp_path.glob("timings-*"))

@@ -16,7 +16,8 @@ from bundle.options import BY_YAML_KEY
 from bundle.plan import planner, report
 from bundle.plan.cluster import DeviceType, load_cluster
 from bundle.plan.mixed import bundle_devices, mixed_search, natural, uniform_cost, weights_for
-from bundle.plan.search import Plan, evaluate
+from bundle.plan.plans import Plan, evaluate
+from bundle.plan.search import Workload
 from bundle.plan.simulate import cpu_slowdown
 from bundle.topology import Place, Topology
 from tests.support.plan_fixtures import literal_cost
@@ -181,7 +182,7 @@ def test_bundles_get_the_same_mix_of_devices():
 
 def test_the_search_beats_the_plan_chosen_as_if_devices_were_alike():
     cost = _two_speeds(slow=0.4, per_node=4, params=[100])
-    result = mixed_search(cost, nodes=1, per_node=4, batch=28)
+    result = mixed_search(cost, workload=Workload(nodes=1, per_node=4, batch=28))
     best = result.ranked[0]
     assert best.samples_per_s > 1.2 * result.uniform.samples_per_s
     assert best.samples_per_s > 1.2 * result.data_parallel.samples_per_s

@@ -16,7 +16,7 @@ from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import Cluster, Link, Speed
 from bundle.plan.conditions import Watch
-from bundle.plan.cost import CostModel
+from bundle.plan.cost import CostModel, Execution
 
 SHAPE = (3, 8, 8)
 
@@ -55,7 +55,7 @@ def _cost(anatomy, speed=None, precision="fp32") -> CostModel:
         intra=Link(1e9, 0.0),
         inter=Link(1e9, 0.0),
     )
-    return CostModel(anatomy=anatomy, cluster=cluster, precision=precision)
+    return CostModel(anatomy=anatomy, cluster=cluster, execution=Execution(precision=precision))
 
 
 def test_roofline_follows_the_device():
@@ -88,7 +88,7 @@ def test_measured_timings_are_cached_by_device_and_grid(tmp_path, monkeypatch):
     # A quiet machine, whatever runs beside the test (test_plan_conditions judges the readings).
     monkeypatch.setattr(prof, "Watch", lambda: Watch(load=lambda: 0.0, sched=lambda: None))
     cache = prof.ProfileCache(tmp_path)
-    args = ("mlp", (3, 2, 2), 10, cache)
+    args = (prof.ModelSpec("mlp", (3, 2, 2), 10), cache)
     first = prof.timings(*args, rows=(1, 2), repeats=1)
     assert len(first.fwd) == 2 and len(first.fwd[0]) == 6
     assert all(t >= 0 for row in first.fwd + first.bwd for t in row)
@@ -98,7 +98,7 @@ def test_measured_timings_are_cached_by_device_and_grid(tmp_path, monkeypatch):
         path.write_text("{not json")
     again = prof.timings(*args, rows=(1, 2), repeats=1)  # a damaged entry is measured again
     assert again.rows == (1, 2)
-    assert prof.anatomy("mlp", (3, 2, 2), 10, cache) == prof.anatomy("mlp", (3, 2, 2), 10, cache)
+    assert prof.anatomy(*args) == prof.anatomy(*args)
 
 
 def test_progress_is_silent_at_first_then_says_where_it_is_every_few_seconds():
@@ -143,7 +143,11 @@ def test_measure_timings_ticks_every_block_both_ways():
             ticks.append((self.at, phase, block, blocks))
 
     prof.measure_timings(
-        "mlp", (1, 4, 4), 3, rows=(2,), warmup=0, repeats=1, progress=Recorder("mlp")
+        prof.ModelSpec("mlp", (1, 4, 4), 3),
+        rows=(2,),
+        warmup=0,
+        repeats=1,
+        progress=Recorder("mlp"),
     )
     n = ticks[0][3]
     first = [t for t in ticks if t[0] == "2 rows (grid point 1/1), pass 1/1"]
@@ -167,7 +171,7 @@ def test_the_planner_counts_and_times_any_model(name, shape, classes, args):
     assert anatomy.names == [n for n, _ in blocks]
     assert sum(b.params for b in anatomy.blocks) == sum(p.numel() for p in model.parameters())
     timings = prof.measure_timings(
-        name, shape, classes, rows=(2, 4), warmup=0, repeats=1, args=args
+        prof.ModelSpec(name, shape, classes, args), rows=(2, 4), warmup=0, repeats=1
     )
     assert len(timings.fwd[0]) == len(blocks) and all(t >= 0 for t in timings.bwd[1])
 

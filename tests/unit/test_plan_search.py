@@ -10,17 +10,10 @@ import pytest
 from bundle.engine.schedule import ONE_CHUNK
 from bundle.errors import ConfigError
 from bundle.plan.cluster import Link
-from bundle.plan.search import (
-    SCHEDULE_LEADERS,
-    Plan,
-    Splitter,
-    bundle_counts,
-    compositions,
-    evaluate,
-    micro_counts,
-    search,
-    search_widths,
-)
+from bundle.plan.cost import Execution
+from bundle.plan.plans import Plan, evaluate
+from bundle.plan.search import SCHEDULE_LEADERS, Limits, Workload, bundle_counts, search
+from bundle.plan.split import Splitter, compositions, micro_counts, search_widths
 from tests.support.plan_fixtures import FREE, literal_cost
 
 
@@ -49,7 +42,7 @@ def test_search_finds_the_known_optimum():
     bubble but its first backward's wait (checked by hand: F0 0-3, F1 3-6, B0 6-12, F2 12-15,
     B1 15-21, B2 21-27)."""
     cost = literal_cost([3.0, 0.5], [6.0, 1.0], params=[0, 18], p2p=FREE, collective=Link(1.0, 0.0))
-    ranked = search(cost, nodes=1, per_node=3, batch=6)
+    ranked = search(cost, workload=Workload(nodes=1, per_node=3, batch=6))
     best = ranked[0]
     assert best.plan == Plan((2, 1), 1, (0, 1), 3, 3, "1f1b", "flat")
     assert best.sim.step_time == pytest.approx(27.0)
@@ -60,7 +53,7 @@ def test_search_finds_the_known_optimum():
 
 def test_plans_that_do_not_fit_rank_last():
     cost = literal_cost([1.0, 1.0], [1.0, 1.0], saved_per_row=1e9, memory_bytes=2.5e9)
-    ranked = search(cost, nodes=1, per_node=2, batch=4)
+    ranked = search(cost, workload=Workload(nodes=1, per_node=2, batch=4))
     fits = [e.fits for e in ranked]
     assert True in fits and False in fits
     assert fits == sorted(fits, reverse=True)
@@ -73,7 +66,9 @@ def test_plans_that_do_not_fit_rank_last():
 
 
 def test_recompute_keeps_inputs_and_adds_a_forward():
-    cost = literal_cost([1.0, 1.0], [2.0, 2.0], saved_per_row=1e6, recompute="always")
+    cost = literal_cost(
+        [1.0, 1.0], [2.0, 2.0], saved_per_row=1e6, execution=Execution(recompute="always")
+    )
     plain = literal_cost([1.0, 1.0], [2.0, 2.0], saved_per_row=1e6)
     plan = Plan((1, 1), 1, (0, 1), 4, 2, "gpipe")
     again, once = evaluate(cost, plan, 4), evaluate(plain, plan, 4)
@@ -86,7 +81,7 @@ def test_recompute_keeps_inputs_and_adds_a_forward():
 def test_a_batch_too_small_for_any_plan_is_an_input_error():
     cost = literal_cost([1.0], [1.0])
     with pytest.raises(ConfigError, match="--batch-size"):
-        search(cost, nodes=1, per_node=4, batch=0)
+        search(cost, workload=Workload(nodes=1, per_node=4, batch=0))
 
 
 def _random_case(rng: random.Random):
@@ -109,11 +104,12 @@ def test_the_coarse_to_fine_width_search_finds_what_the_exhaustive_one_finds(see
     # Under the schedules the closed form models (its bubble is 1F1B's); with every registered
     # schedule (zero-bubble's plans simulated too) never worse than that.
     cost, per_node, batch = _random_case(random.Random(seed))
-    kw = {"nodes": 1, "per_node": per_node, "batch": batch, "schedules": ("gpipe", "1f1b")}
-    every = search(cost, exhaustive=10**9, **kw)
-    coarse = search(cost, exhaustive=4, **kw)
+    job = Workload(nodes=1, per_node=per_node, batch=batch)
+    closed = ("gpipe", "1f1b")
+    every = search(cost, workload=job, limits=Limits(exhaustive=10**9), schedules=closed)
+    coarse = search(cost, workload=job, limits=Limits(exhaustive=4), schedules=closed)
     assert coarse[0].plan == every[0].plan or coarse[0].samples_per_s >= every[0].samples_per_s
-    widest = search(cost, nodes=1, per_node=per_node, batch=batch, exhaustive=4)
+    widest = search(cost, workload=job, limits=Limits(exhaustive=4))
     assert widest[0].samples_per_s >= every[0].samples_per_s
 
 
@@ -142,7 +138,12 @@ def test_a_thousand_devices_are_planned_in_seconds_within_memory():
         memory_bytes=2e9,
     )
     lines: list[str] = []
-    ranked = search(cost, nodes=128, per_node=8, batch=4096, simulate_top=8, progress=lines.append)
+    ranked = search(
+        cost,
+        workload=Workload(nodes=128, per_node=8, batch=4096),
+        limits=Limits(simulate_top=8),
+        progress=lines.append,
+    )
     assert ranked[0].fits and ranked[0].plan.processes <= 1024
     assert all(m.total <= 2e9 for e in ranked if e.fits for m in e.memory)
     assert lines[0].startswith("searching 11 bundle count(s)") and "1024 devices" in lines[0]

@@ -11,8 +11,9 @@ from bundle.launch import throttle
 from bundle.plan import mixed, shares
 from bundle.plan import profile as prof
 from bundle.plan.cluster import DeviceType
+from bundle.plan.conditions import Watch
 from bundle.plan.mixed import uniform_cost
-from bundle.plan.search import evaluate
+from bundle.plan.plans import evaluate
 from tests.support.plan_fixtures import literal_cost
 
 INF = float("inf")
@@ -56,6 +57,8 @@ def test_penalties_are_measured_once_per_set_of_shares_and_cached(tmp_path, monk
     cache, calls, fake = _cache_with(tmp_path, cluster, [1.1, 1.3])
     monkeypatch.setattr(shares, "measure", fake)
     monkeypatch.setattr(throttle, "find", lambda: throttle.Hierarchy(1, tmp_path))
+    # A quiet machine, whatever runs beside the test (test_plan_conditions judges the readings).
+    monkeypatch.setattr(shares, "Watch", lambda sched: Watch(load=lambda: 0.0, sched=sched))
     got = shares.with_penalties(cluster, cache)
     assert [t.penalty for t in got.types] == [1.1, 1.3]
     assert calls == [[0.5, 0.25]]

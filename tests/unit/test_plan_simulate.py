@@ -11,7 +11,8 @@ from bundle.errors import ConfigError, ScheduleError
 from bundle.plan.cluster import Link
 from bundle.plan.cost import Overheads
 from bundle.plan.dataparallel import EXACT, DataParallel, powersgd_elems
-from bundle.plan.search import Plan, evaluate, search
+from bundle.plan.plans import Plan, evaluate
+from bundle.plan.search import Workload, search
 from bundle.plan.simulate import COMPUTE, SEND, Layout, simulate
 from tests.support.plan_fixtures import literal_cost
 
@@ -94,7 +95,8 @@ def test_the_planner_cuts_pieces_for_the_schedules_with_chunks():
     """The leaders under interleaving get a split into S x V pieces at their widths (V = 2 and 3);
     ZBV none where it has too few micro-batches, and no chunks where the model has too few
     blocks."""
-    from bundle.plan.search import Splitter, _under
+    from bundle.plan.search import _under
+    from bundle.plan.split import Splitter
 
     cost = literal_cost([1.0] * 8, [2.0] * 8, params=[1] * 8)
     splitter = Splitter(cost, 1e12, 0.0)
@@ -228,8 +230,8 @@ def test_default_options_change_nothing(width, sync):
     # By hand: the ring over 2 nodes (2 replicas: 2 * 1/2 * 4000 / 4000) or 4 (2 * 3/4).
     flat = {1: 1.0, 2: 1.5}[width]
     assert _sync(layout, cost) == pytest.approx(flat if sync == "flat" else 1.0)
-    ranked = search(cost, nodes=2, per_node=2, batch=4)
-    again = search(cost, nodes=2, per_node=2, batch=4, dp=DataParallel())
+    ranked = search(cost, workload=Workload(nodes=2, per_node=2, batch=4))
+    again = search(cost, workload=Workload(nodes=2, per_node=2, batch=4, dp=DataParallel()))
     assert [(e.plan, e.sim.step_time, e.memory) for e in ranked] == [
         (e.plan, e.sim.step_time, e.memory) for e in again
     ]
@@ -288,12 +290,15 @@ def test_powersgd_sends_what_torch_would():
 def test_options_are_costed_never_searched():
     cost = _dp_cost()
     for dp in (DataParallel(bundle_sync="local:4"), DataParallel(aggregate="median")):
-        ranked = search(cost, nodes=2, per_node=2, batch=4, dp=dp)
+        ranked = search(cost, workload=Workload(nodes=2, per_node=2, batch=4, dp=dp))
         assert ranked and all(e.plan.dp == dp for e in ranked)
         assert min(e.plan.num_bundles for e in ranked) >= dp.min_bundles > 1
         assert {e.plan.grad_sync for e in ranked} == {"flat"}  # two hops under either name
     with pytest.raises(ConfigError, match="--aggregate"):
-        search(cost, nodes=1, per_node=2, batch=4, dp=DataParallel(aggregate="trimmed:1"))
+        search(
+            cost,
+            workload=Workload(nodes=1, per_node=2, batch=4, dp=DataParallel(aggregate="trimmed:1")),
+        )
     with pytest.raises(ConfigError, match="--grad-compression"):
         DataParallel(compression="bf16", bundle_sync="local:4")
 
