@@ -12,24 +12,21 @@ import torch.distributed as dist
 from bundle import data, partition
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
+from bundle.checkpoint.parts import RankParts, SaveSettings
 from bundle.config import RunConfig, parse_bundle_sync
 from bundle.data import loader
 from bundle.engine import aggregate, device_audit, nccl_emu, precision, ties
 from bundle.engine.comm import Collectives, Comm
 from bundle.engine.grad_sync import FlatSync, GradSync, HierarchicalSync
-from bundle.engine.hops import Hop, Wire, make_hop
+from bundle.engine.hops import Hop, HopGroups, Wire, make_hop
 from bundle.engine.loss import Loss, cross_entropy
 from bundle.engine.optim import make_optimizer
-from bundle.engine.outer import OuterSync
+from bundle.engine.outer import Meetings, OuterSync
+from bundle.engine.parts import Chunk, EngineParts, MicroBatch, StepOptions
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import REGISTRY, Pipe
-from bundle.engine.stage_engine import (
-    Chunk,
-    MicroBatch,
-    StageEngine,
-    boundary_metas,
-    build_stages,
-)
+from bundle.engine.schedule import REGISTRY
+from bundle.engine.stage_engine import StageEngine
+from bundle.engine.stages import Pieces, boundary_metas, build_stages
 from bundle.engine.transport import Transport, post_with_torch
 from bundle.observe import timing
 from bundle.partition import Capture, Stage
@@ -114,10 +111,10 @@ def build_session(
     policy = Policy.of(cfg.compute, device)
     metas = boundary_metas(stages, splits.input_shape, policy, splits.inputs)
     layout = Layout(list(topo.shape), topo.num_bundles, [s.names[0] for s in stages])
-    mine = [policy.prepare_stage(stages[pipe.piece(coord.stage, c)].to(device)) for c in range(V)]
+    own = [policy.prepare_stage(stages[pipe.piece(coord.stage, c)].to(device)) for c in range(V)]
     # What the checkpoint and the optimizer see: every chunk's blocks (one of them, without
     # interleaving).
-    stage = mine[0] if V == 1 else partition.joined(mine)
+    stage = own[0] if V == 1 else partition.joined(own)
     del stages
     if device.type == "cuda":
         precision.set_tf32(cfg.compute.tf32)
@@ -129,7 +126,7 @@ def build_session(
         async_save=cfg.checkpoint.async_save,
         timeout=cfg.launch.timeout,
     )
-    chunks = _chunks(cfg, topo, coord, pipe, mine, metas, groups, device, comm, emu)
+    chunks = _chunks(cfg, topo, coord, Pieces(pipe, own, metas), groups, device, comm, emu)
     sharded = cfg.parallel.zero and len(topo.stage_group(coord.stage)) > 1
     optimizer = make_optimizer(
         cfg.train, stage, shard_over=groups.stage if sharded else None, comm=comm
@@ -137,22 +134,23 @@ def build_session(
     engine = StageEngine(
         topo=topo,
         coord=coord,
-        sync=chunks[0].sync,
-        outer=_make_outer(cfg, topo, coord, stage, groups, chunks[0].sync.wire, comm),
-        transport=chunks[0].transport,
-        optimizer=optimizer,
-        schedule=cfg.parallel.schedule,
+        parts=EngineParts(
+            chunks=tuple(chunks),
+            optimizer=optimizer,
+            outer=_make_outer(cfg, topo, coord, stage, groups, chunks[0].sync.wire, comm),
+            ties=_make_ties(cfg, topo, coord, stage, comm, tied),
+        ),
+        options=StepOptions(
+            schedule=cfg.parallel.schedule,
+            policy=policy,
+            # The skip decision spans the job: the default group holds every rank.
+            scaler=policy.make_scaler(device, comm=comm),
+            loss=make_loss(cfg),
+            # gloo alone lets a receive progress on its own: there it is posted ahead (bundle.engine.p2p).
+            early_receives=backend == "gloo",
+        ),
         device=device,
-        stage=chunks[0].stage,
-        policy=policy,
-        # The skip decision spans the job: the default group holds every rank.
-        scaler=policy.make_scaler(device, comm=comm),
         timer=timing.make_timer(device),
-        loss=make_loss(cfg),
-        # gloo alone lets a receive progress on its own: there it is posted ahead (bundle.engine.p2p).
-        early_receives=backend == "gloo",
-        ties=_make_ties(cfg, topo, coord, stage, comm, tied),
-        chunks=chunks[1:],
     )
     arrive("ready to train")
     return Session(engine, stage, splits, coord, groups, optimizer, layout, comm)
@@ -162,26 +160,21 @@ def _chunks(
     cfg: RunConfig,
     topo: Topology,
     coord: Coord,
-    pipe: Pipe,
-    pieces: list[Stage],
-    metas: list,
+    mine: Pieces,
     groups: ProcessGroups,
     device: torch.device,
     comm: Comm,
     emu: nccl_emu.Emulator | None,
 ) -> list[Chunk]:
-    """This rank's model chunks (one without interleaving), each a piece of ``pipe`` with its own
+    """This rank's model chunks (one without interleaving), each one of its pieces with its own
     gradient sync (built in chunk order on every replica: collective) and transport."""
     out = []
-    for c, piece in enumerate(pieces):
-        j = pipe.piece(coord.stage, c)
+    pipe = mine.pipe
+    for c, piece in enumerate(mine.modules):
         transport = Transport(
             topo=topo,
-            bundle=coord.bundle,
-            stage=coord.stage,
-            replica=coord.replica,
-            in_meta=metas[j - 1] if j > 0 else (),
-            out_meta=metas[j] if j < pipe.pieces - 1 else (),
+            coord=coord,
+            boundaries=mine.boundaries(pipe.piece(coord.stage, c)),
             device=device,
             timeout=cfg.launch.timeout,
             post=emu.batch_isend_irecv if emu is not None else post_with_torch,
@@ -258,20 +251,27 @@ def _make_sync(
     members = topo.stage_group(coord.stage)
     for p in stage.parameters():
         comm.broadcast(p.data, members[0], groups.stage).wait()
-    master = coord.replica == 0
-    crosses = master and topo.num_bundles > 1 and per_step
+    crosses = coord.replica == 0 and topo.num_bundles > 1 and per_step
     return HierarchicalSync(
         stage,
-        bundle_group=groups.bundle if topo.shape[coord.stage] > 1 else None,
-        bundle_master=topo.stage_master(coord.bundle, coord.stage),
-        masters_group=groups.masters if crosses else None,
-        is_master=master,
+        groups=_hop_groups(topo, coord, groups, masters=crosses),
         bucket_mb=par.bucket_mb,
         comm=comm,
         hop=hop(groups.masters) if crosses and groups.masters is not None else None,
         # A bundle on its own between meetings: the gradient of its own batch's mean.
         scale=1.0 if per_step else topo.global_batch / topo.bundle_batches[coord.bundle],
         counts_masters=not per_step,
+    )
+
+
+def _hop_groups(topo: Topology, coord: Coord, groups: ProcessGroups, *, masters: bool) -> HopGroups:
+    """This replica's groups of a sync in two hops (the masters' one only where ``masters``)."""
+    return HopGroups(
+        bundle_group=groups.bundle if topo.shape[coord.stage] > 1 else None,
+        bundle_master=topo.stage_master(coord.bundle, coord.stage),
+        masters_group=groups.masters if masters else None,
+        is_master=coord.replica == 0,
+        bundle=coord.bundle,
     )
 
 
@@ -289,19 +289,17 @@ def _make_outer(
     mode, every = parse_bundle_sync(par.bundle_sync)
     if mode == "step":
         return None
-    master = coord.replica == 0
     return OuterSync(
         [(stage.full_name(n), p) for n, p in stage.named_parameters() if p.requires_grad],
-        mode=mode,
-        every=every,
+        meetings=Meetings(
+            mode=mode,
+            every=every,
+            outer_lr=par.outer_lr,
+            outer_momentum=par.outer_momentum,
+            rule=par.aggregate,
+        ),
         total=0,  # the run's last step, set by the trainer that knows it
-        outer_lr=par.outer_lr,
-        outer_momentum=par.outer_momentum,
-        rule=par.aggregate,
-        masters_group=groups.masters if master else None,
-        bundle_group=groups.bundle if topo.shape[coord.stage] > 1 else None,
-        bundle_master=topo.stage_master(coord.bundle, coord.stage),
-        bundle=coord.bundle,
+        groups=_hop_groups(topo, coord, groups, masters=coord.replica == 0),
         wire=wire,
         fault=aggregate.fault_from_env(topo.num_bundles),
         seed=cfg.train.seed,
@@ -421,24 +419,25 @@ def make_checkpointer(
     """This rank's checkpointer; ``total`` (the run's last step) is always saved when given."""
     scaler = session.engine.scaler
     checkpointer = Checkpointer(
-        cfg.checkpoint,
+        SaveSettings(
+            config=cfg.checkpoint,
+            settings=checkpoint_settings(cfg, session),
+            steps_per_epoch=data.epoch_steps(
+                session.splits.train, cfg.train.batch_size, cfg.train.steps
+            ),
+            total=total,
+        ),
         topo=topo,
         coord=session.coord,
         rank=rank,
-        stage=session.stage,
-        optimizer=session.optimizer,
-        group=session.groups.control,
-        stage_group=session.groups.stage,
-        settings=checkpoint_settings(cfg, session),
-        steps_per_epoch=data.epoch_steps(
-            session.splits.train, cfg.train.batch_size, cfg.train.steps
+        parts=RankParts(
+            stage=session.stage,
+            optimizer=session.optimizer,
+            outer=session.engine.outer,
+            hop=session.engine.sync.hop,
+            extra=scaler.state() if scaler else {},
         ),
-        total=total,
-        async_group=session.groups.async_save,
-        extra=scaler.state() if scaler else None,
-        bundle_group=session.groups.bundle,
-        outer=session.engine.outer,
-        hop=session.engine.sync.hop,
+        groups=session.groups,
         comm=session.comm,
     )
     train = session.splits.train

@@ -11,6 +11,9 @@ Modules, from the data up:
 - ``hf_files``: what goes into an export beside the weights, read as data: the run's tokenizer
   files (an exact list of names) and a ``--pretrained`` directory's generation config;
 - ``lock``: ``DirLock``, one job per save directory;
+- ``parts``: the typed values a ``Checkpointer`` is built from: what one rank's checkpoint holds
+  (``RankParts``: stage, optimizer, outer sync, gradient-compression hop, extras) and where and
+  when it saves (``SaveSettings``);
 - ``manager``: ``Checkpointer``, the loop's component: when a save is due, what one rank saves,
   asynchronous writes, saves that cannot complete, pruning, and restoring under any shape.
 """

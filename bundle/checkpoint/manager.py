@@ -36,13 +36,11 @@ import torch.distributed as dist
 
 from bundle import log
 from bundle.checkpoint import format as ckpt
-from bundle.config import CheckpointConfig
+from bundle.checkpoint.parts import RankParts, SaveSettings, optimizer_slots
 from bundle.engine.comm import Collectives, Comm
-from bundle.engine.hops import Hop
 from bundle.engine.optim import holder
-from bundle.engine.outer import OuterSync
 from bundle.errors import CheckpointError
-from bundle.partition import Stage
+from bundle.runtime.groups import ProcessGroups
 from bundle.topology import Coord, Topology
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -76,52 +74,41 @@ class Checkpointer:
 
     def __init__(
         self,
-        cfg: CheckpointConfig,
+        saving: SaveSettings,
         *,
         topo: Topology,
         coord: Coord,
         rank: int,
-        stage: Stage,
-        optimizer: torch.optim.Optimizer,
-        group: dist.ProcessGroup,
-        stage_group: dist.ProcessGroup | None,
-        settings: dict,
-        steps_per_epoch: int,
-        total: int = 0,
-        async_group: dist.ProcessGroup | None = None,
-        extra: dict[str, torch.Tensor] | None = None,
-        bundle_group: dist.ProcessGroup | None = None,
-        outer: OuterSync | None = None,
-        hop: Hop | None = None,
+        parts: RankParts,
+        groups: ProcessGroups,
         comm: Comm | None = None,
     ) -> None:
-        """``comm`` carries the agreement on the stage's (NCCL) group; ``group`` and
-        ``async_group`` are gloo groups."""
-        self.cfg, self.topo, self.coord, self.rank = cfg, topo, coord, rank
+        """``comm`` carries the agreement on the stage's (NCCL) group; ``groups.control`` and
+        ``groups.async_save`` are gloo groups."""
+        self.topo, self.coord, self.rank, self.parts = topo, coord, rank, parts
+        self.cfg, self.settings, self.every = saving.config, saving.settings, saving.every
+        self.total = saving.total
         self.comm = comm or Collectives()
-        self.stage, self.group = stage, group
+        self.stage, self.group, self.async_group = parts.stage, groups.control, groups.async_save
         # The optimizer holding this rank's state; sharded: of the parameters it owns only.
-        self.optimizer = holder(optimizer)
-        self.sharded = self.optimizer is not optimizer
+        self.optimizer = holder(parts.optimizer)
+        self.sharded = self.optimizer is not parts.optimizer
         self.owned = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        self.outer, self.hop = outer, hop
+        self.outer, self.hop = parts.outer, parts.hop
         # Bundles that meet every H steps differ between meetings: each saves its own state.
-        self.prefix = f"bundle.{coord.bundle}." if outer is not None and coord.bundle else ""
+        self.prefix = f"bundle.{coord.bundle}." if parts.outer is not None and coord.bundle else ""
         # Replicas to agree with (all of the stage's, or the bundle's own): None where none.
-        if outer is not None:
-            self.stage_group = bundle_group if topo.shape[coord.stage] > 1 else None
+        if self.outer is not None:
+            self.stage_group = groups.bundle if topo.shape[coord.stage] > 1 else None
         else:
-            self.stage_group = stage_group if len(topo.stage_group(coord.stage)) > 1 else None
-        self.settings = settings
-        self.every = cfg.save_every or steps_per_epoch
-        self.total = total
+            replicated = len(topo.stage_group(coord.stage)) > 1
+            self.stage_group = groups.stage if replicated else None
         self.before_save: list[Callable[[int], None]] = []
         # What else bundle.json records of step N, on rank 0 (a stream's position: bundle.data).
         self.records: list[Callable[[int], dict]] = []
         self.canonical = coord.bundle == 0 and coord.replica == 0
-        self.async_group = async_group
         # Entries the same on every rank (the loss scale), saved and restored in place.
-        self.extra = extra or {}
+        self.extra = parts.extra
         # An asynchronous save in flight: its future (DCP's), step-N.tmp, step-N, N, records.
         self.pending: tuple[Any, str, str, int, dict] | None = None
         self.stalls: list[float] = []
@@ -132,16 +119,6 @@ class Checkpointer:
 
     # -- what this rank holds ----------------------------------------------------------------
 
-    def _params(self) -> dict[str, torch.nn.Parameter]:
-        return {self.stage.full_name(n): p for n, p in self.stage.named_parameters()}
-
-    def _buffers(self) -> dict[str, torch.Tensor]:
-        return {self.stage.full_name(n): b for n, b in self.stage.named_buffers()}
-
-    @property
-    def stage_device(self) -> torch.device:
-        return next((p.device for p in self.stage.parameters()), torch.device("cpu"))
-
     def _buffer_key(self, name: str) -> str:
         return f"model.{name}" if self.canonical else f"replica.{self.rank}.{name}"
 
@@ -149,17 +126,17 @@ class Checkpointer:
         """This rank's entries, keyed as the checkpoint stores them."""
         out: dict[str, torch.Tensor] = {}
         pre = self.prefix
-        for name, p in self._params().items():
+        for name, p in self.parts.params().items():
             out[f"{pre}model.{name}"] = p.detach()
             for key, value in self.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     out[f"{pre}optim.{name}.{key}"] = value
-        for name, b in self._buffers().items():
+        for name, b in self.parts.buffers().items():
             out[self._buffer_key(name)] = b
         if self.outer is not None:
             out.update(self.outer.state())
         if self.hop is not None:
-            names = {p: n for n, p in self._params().items()}
+            names = {p: n for n, p in self.parts.params().items()}
             out.update({f"{self._hop_key}{k}": v for k, v in self.hop.state(names).items()})
         out.update(self.extra)
         return out
@@ -201,7 +178,7 @@ class Checkpointer:
         statistics differ between replicas by design)."""
         if self.stage_group is None:
             return
-        params = {f"{self.prefix}model.{name}" for name in self._params()}
+        params = {f"{self.prefix}model.{name}" for name in self.parts.params()}
         optim = f"{self.prefix}optim."
         # Sharded optimizer state differs between replicas by design: parameters only.
         names = [
@@ -212,7 +189,7 @@ class Checkpointer:
         # One device for every checksum: an optimizer's step counts stay on the host (torch keeps
         # Adam's ``step`` on the CPU unless fused or capturable) while parameters are on the GPU,
         # and the stage group's all-reduce is NCCL's there.
-        device = self.stage_device
+        device = self.parts.device
         sums = torch.stack([_checksum(state[k]).to(device) for k in names])
         lo, hi = sums.clone(), sums.clone()
         self.comm.all_reduce(lo, self.stage_group, op=dist.ReduceOp.MIN).wait()
@@ -366,13 +343,13 @@ class Checkpointer:
             return 0
         stored = ckpt.entries(path)
         same_layout = info.get("layout") == self.settings["layout"]
-        params = self._params()
+        params = self.parts.params()
         # A bundle's own entries where the checkpoint has them (local/diloco), else bundle 0's.
         pre = self.prefix if any(k.startswith(self.prefix) for k in stored) else ""
         want = {f"{pre}model.{name}": p.detach() for name, p in params.items()}
         owned = {n: p for n, p in params.items() if id(p) in self.owned}
-        optim_state = self._optimizer_slots(owned, stored, want, pre)
-        for name, b in self._buffers().items():
+        optim_state = optimizer_slots(owned, stored, want, pre)
+        for name, b in self.parts.buffers().items():
             mine = self._buffer_key(name)
             want[mine if same_layout and mine in stored else f"model.{name}"] = b
         # A checkpoint of a run without them (another precision) leaves their initial values.
@@ -382,7 +359,7 @@ class Checkpointer:
         if resumes_outer:
             want.update(outer)
         hop_state = {
-            k: torch.zeros(shape, dtype=dtype, device=self.stage_device)
+            k: torch.zeros(shape, dtype=dtype, device=self.parts.device)
             for k, (shape, dtype) in stored.items()
             if self.hop is not None and same_layout and k.startswith(self._hop_key)
         }
@@ -407,30 +384,6 @@ class Checkpointer:
         layout = "" if same_layout else f", written at {_describe(info.get('layout'))}"
         log.get().info(f"resumed from {path} (step {step}{layout})")
         return step
-
-    @staticmethod
-    def _optimizer_slots(
-        params: dict[str, torch.nn.Parameter],
-        stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
-        want: dict[str, torch.Tensor],
-        pre: str = "",
-    ) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
-        """Tensors to load the stored optimizer state of each parameter into (SGD's momentum,
-        Adam's moments and step count), added to ``want``; whatever the optimizer stored."""
-        slots: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
-        for name, p in params.items():
-            prefix = f"{pre}optim.{name}."
-            for key, (shape, dtype) in stored.items():
-                slot = key[len(prefix) :]
-                if not key.startswith(prefix) or "." in slot:
-                    continue
-                # Adam's step count lives on the CPU, as the optimizer keeps it (neither fused
-                # nor capturable); every other slot beside its parameter, 0-d ones too (the
-                # momentum of a scalar parameter).
-                device = torch.device("cpu") if slot == "step" else p.device
-                want[key] = torch.zeros(shape, dtype=dtype, device=device)
-                slots.setdefault(p, {})[slot] = want[key]
-        return slots
 
     def _same_everywhere(self, step: int, path: str | None) -> None:
         """Every rank must start from the same step (a --save-dir every node sees)."""

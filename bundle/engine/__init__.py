@@ -9,9 +9,11 @@ Modules, from the data up:
 - ``transport``: activations forward and gradients back between stages of any widths;
 - ``comm``: the collectives of training's NCCL groups behind one interface (torch's, emulated);
 - ``device_audit``: under nccl-emu, device tensors told from host ones, and CUDA's mixing refused;
+- ``emu_stream``: the emulation's in-order streams, one per communicator, and their calls;
 - ``nccl_emu``: ``--backend nccl-emu``, gloo with NCCL's in-order streams on top;
 - ``aggregate``: how bundles' contributions combine (mean, median, trimmed), and a faulty bundle;
-- ``hops``: the hop between bundles of a sync: exact, compressed (bf16, fp16, PowerSGD), robust;
+- ``hops``: the hop between bundles of a sync: exact, compressed (bf16, fp16, PowerSGD), robust,
+  and the groups of a sync in two hops;
 - ``grad_sync``: a stage's gradients summed over its replicas (flat or hierarchical);
 - ``ties``: weights tied across stages, their gradients summed among the stages holding them;
 - ``outer``: bundles that meet every H steps (local SGD, DiLoCo) and their outer optimizer;
@@ -20,6 +22,8 @@ Modules, from the data up:
 - ``split_backward``: a backward in two halves, input and weight (zero-bubble schedules);
 - ``memory``: recompute of a stage's blocks, and a count of what backward keeps;
 - ``loss``: the loss a stage computes and what evaluation counts (top-k hits, rows);
+- ``stages``: the stages cut from the model, and what crosses each boundary between them;
+- ``parts``: what a ``StageEngine`` is built from (its chunks, optimizer, syncs, step options);
 - ``stage_engine``: ``StageEngine``, which runs a step's actions (over its model chunks), calls
   and optimizer step.
 """

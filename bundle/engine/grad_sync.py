@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from bundle.engine.comm import Collectives, Comm, Started
-from bundle.engine.hops import Hop, Wire, done
+from bundle.engine.hops import Hop, HopGroups, Wire, done
 
 # Buffers (BatchNorm's statistics) are per replica after the start, as in every pipeline system:
 # DDP must not broadcast them before each forward. torch 2.13 renamed the switch; the old name
@@ -200,21 +200,20 @@ class HierarchicalSync(GradSync):
         self,
         stage: nn.Module,
         *,
-        bundle_group: dist.ProcessGroup | None,
-        bundle_master: int,
-        masters_group: dist.ProcessGroup | None,
-        is_master: bool,
+        groups: HopGroups,
         bucket_mb: float,
         comm: Comm | None = None,
         hop: Hop | None = None,
         scale: float = 1.0,
         counts_masters: bool = False,
     ) -> None:
-        """``hop`` is the masters' hop (None: ``masters_group``'s exact allreduce); ``scale``
-        multiplies the synced gradients (a bundle's own mean under local SGD / DiLoCo);
+        """``hop`` is the masters' hop (None: ``groups.masters_group``'s exact allreduce);
+        ``scale`` multiplies the synced gradients (a bundle's own mean under local SGD / DiLoCo);
         ``counts_masters``: charge the masters' hop to ``wire``'s fp32 baseline even where it
         does not run every step."""
         super().__init__(stage)
+        bundle_group, bundle_master = groups.bundle_group, groups.bundle_master
+        masters_group, is_master = groups.masters_group, groups.is_master
         self.comm = comm or Collectives()
         self.scale, self.counts_masters = scale, counts_masters
         if hop is None and masters_group is not None and is_master:
@@ -227,18 +226,18 @@ class HierarchicalSync(GradSync):
         self.masters_group, self.is_master = masters_group, is_master
         # Backward produces gradients roughly in reverse registration order: bucket that way.
         params = [p for p in stage.parameters() if p.requires_grad][::-1]
-        groups: list[list[nn.Parameter]] = []
+        buckets: list[list[nn.Parameter]] = []
         size = 0
         for p in params:
-            if not groups or size >= bucket_bytes or groups[-1][0].dtype != p.dtype:
-                groups.append([])
+            if not buckets or size >= bucket_bytes or buckets[-1][0].dtype != p.dtype:
+                buckets.append([])
                 size = 0
-            groups[-1].append(p)
+            buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self.buffers: list[torch.Tensor] = []
         self._bucket_of: dict[nn.Parameter, int] = {}
-        self._params = groups
-        for b, group in enumerate(groups):
+        self._params = buckets
+        for b, group in enumerate(buckets):
             buf = torch.zeros(
                 sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device
             )
@@ -251,7 +250,7 @@ class HierarchicalSync(GradSync):
                 self._bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._ready)
             self.buffers.append(buf)
-        self._sizes = [len(g) for g in groups]
+        self._sizes = [len(g) for g in buckets]
         self._left: list[int] = []
         self._works: list = []
         self._launched = 0  # buckets whose reduce started this step: always 0..n-1 in order

@@ -55,6 +55,24 @@ class Wire:
         return self.sent / self.full if self.full else 1.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class HopGroups:
+    """Where one replica of a stage syncs in two hops (the hierarchical sync, the meetings of
+    ``--bundle-sync local|diloco``): inside its bundle, then among the bundles' masters.
+
+    ``bundle_group``: the stage's replicas in this bundle (None: the replica is alone in it);
+    ``bundle_master``: the global rank of their master; ``masters_group``: the stage's masters of
+    every bundle, where this replica is one and its sync crosses bundles (else None);
+    ``is_master``: whether it is its bundle's master; ``bundle``: its bundle's index.
+    """
+
+    bundle_group: dist.ProcessGroup | None
+    bundle_master: int
+    masters_group: dist.ProcessGroup | None
+    is_master: bool = False
+    bundle: int = 0
+
+
 def done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(value)

@@ -43,12 +43,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -57,164 +55,12 @@ import torch.distributed as dist
 
 from bundle.engine import device_audit
 from bundle.engine.device_audit import DeviceAudit
+from bundle.engine.emu_stream import Call, Message, Stream, Work, rank_name
 from bundle.errors import PeerFailure
 
 _POLL_FIRST_S, _POLL_MAX_S = 5e-5, 2e-3
 _TAG_MOD = 2**31 - 1
 _WAITING = "waiting for its peer"
-
-
-def _rank(rank: int) -> str:
-    return f"rank {rank}"
-
-
-@dataclass
-class _Op:
-    send: bool
-    tensor: torch.Tensor
-    peer: int
-    n: int  # this message's number between the pair, in its direction
-    label: str
-    eager: bool
-    state: str = "queued"
-
-    def key(self, rank: int, *, partner: bool) -> str:
-        src, dst = (rank, self.peer) if self.send else (self.peer, rank)
-        side = self.send != partner  # True: the send's key
-        return f"p2p/{src}>{dst}/{self.n}/{'send' if side else 'recv'}"
-
-
-@dataclass
-class _Call:
-    number: int
-    what: str
-    run: Callable[[_Call, float], None]
-    ops: list[_Op] = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-    error: str | None = None
-    future: torch.futures.Future | None = None
-    result: object = None
-    # For a report: the ranks whose matching call is not running (it is stuck on them).
-    absent: Callable[[_Call], list[int]] | None = None
-    name_rank: Callable[[int], str] = _rank
-
-    def describe(self) -> str:
-        if not self.ops:
-            text = f"call {self.number} ({self.what})"
-        else:
-            text = f"call {self.number} [{', '.join(f'{o.label}: {o.state}' for o in self.ops)}]"
-        try:
-            ranks = self.absent(self) if self.absent is not None else []
-        except RuntimeError:  # the job's store is gone: the report goes without them
-            ranks = []
-        if ranks:
-            text += f"; no matching call running on {', '.join(map(self.name_rank, ranks))}"
-        return text
-
-
-class Work:
-    """What a posted call returns: ``wait`` blocks (with a timeout) until the call completed."""
-
-    def __init__(self, call: _Call, stream: _Stream) -> None:
-        self._call, self._stream = call, stream
-
-    def is_completed(self) -> bool:
-        return self._call.done.is_set()
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        seconds = self._stream.timeout if timeout is None else timeout.total_seconds()
-        if not self._call.done.wait(seconds):
-            raise RuntimeError(
-                f"nccl-emu: no completion within {seconds:.0f}s; {self._stream.status(self._call)}"
-            )
-        if self._call.error is not None:
-            raise RuntimeError(self._call.error)
-        return True
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        assert self._call.future is not None, "only collectives carry a future"
-        return self._call.future
-
-
-class _Stream:
-    """One communicator's in-order stream in this process: a thread that runs its calls in turn."""
-
-    def __init__(
-        self, name: str, rank: int, timeout: float, name_rank: Callable[[int], str] = _rank
-    ) -> None:
-        self.name, self.rank, self.timeout, self.name_rank = name, rank, timeout, name_rank
-        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._numbers = itertools.count()
-        self._lock = threading.Lock()
-        self._pending: list[_Call] = []  # posted and not completed, in order
-        self._broken: str | None = None
-        self._broken_at: str | None = None  # the call that broke it, as it stood
-        self._thread = threading.Thread(target=self._loop, name=f"nccl-emu {name}", daemon=True)
-        self._thread.start()
-
-    def post(
-        self,
-        what: str,
-        run: Callable[[_Call, float], None],
-        ops=(),
-        future=False,
-        absent: Callable[[_Call], list[int]] | None = None,
-    ) -> Work:
-        call = _Call(
-            next(self._numbers), what, run, list(ops), absent=absent, name_rank=self.name_rank
-        )
-        if future:
-            call.future = torch.futures.Future()
-        with self._lock:
-            self._pending.append(call)
-        self._queue.put(call)
-        return Work(call, self)
-
-    def status(self, call: _Call) -> str:
-        """Where this stream stands, for a stall report."""
-        with self._lock:
-            pending = list(self._pending)
-        head = pending[0] if pending else None
-        where = f"rank {self.rank}'s {self.name} stream"
-        if self._broken_at is not None:
-            # The call that broke the stream is the stall, though it has left the queue: what
-            # waits behind it is ended with its error next (a timeout may see it first).
-            return f"{where} is stuck at {self._broken_at}"
-        if head is None or head is call or call not in pending:
-            return f"{where} is stuck at {call.describe()}"
-        ahead = pending.index(call)
-        return (
-            f"{where} has not started {call.describe()}: {ahead} call(s) ahead of it, "
-            f"the first stuck at {head.describe()}"
-        )
-
-    def _finish(self, call: _Call, error: str | None) -> None:
-        call.error = error
-        with self._lock:
-            self._pending.remove(call)
-        if call.future is not None:
-            if error is None:
-                call.future.set_result(call.result)
-            else:
-                call.future.set_exception(RuntimeError(error))
-        call.done.set()
-
-    def _loop(self) -> None:
-        while (call := self._queue.get()) is not None:
-            if self._broken is not None:  # a stream that failed runs nothing more
-                self._finish(call, self._broken)
-                continue
-            try:
-                call.run(call, time.monotonic() + self.timeout)
-                self._finish(call, None)
-            except Exception as exc:  # noqa: BLE001 - reported to whoever waits on the call
-                self._broken_at = call.describe()
-                self._broken = f"nccl-emu: rank {self.rank}'s {self.name} stream: {exc}"
-                self._finish(call, self._broken)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=1.0)
 
 
 class Emulator:
@@ -235,7 +81,7 @@ class Emulator:
         eager_bytes: int = 0,
         strict: bool = False,
         audit: DeviceAudit | None = None,
-        name_rank: Callable[[int], str] = _rank,
+        name_rank: Callable[[int], str] = rank_name,
         abort: Callable[[], str | None] | None = None,
     ) -> None:
         self.store, self.rank, self.timeout, self.eager_bytes = store, rank, timeout, eager_bytes
@@ -244,8 +90,8 @@ class Emulator:
         # communicator abort does (--fault-tolerance bundle: this process's bundle has left).
         self.abort = abort
         name = "one-at-a-time (every communicator)" if strict else "world (point-to-point)"
-        self._p2p = _Stream(name, rank, timeout, name_rank)
-        self._groups: dict[object, _Stream] = {}
+        self._p2p = Stream(name, rank, timeout, name_rank)
+        self._groups: dict[object, Stream] = {}
         self._collectives: dict[str, int] = {}  # communicator -> collectives posted so far
         self._sent: dict[tuple[int, bool], int] = {}  # (peer, send?) -> messages so far
         self._eager: list = []  # eager sends gloo has not delivered yet
@@ -268,10 +114,10 @@ class Emulator:
             self._check_device(op.tensor, label)
             # Zero-byte messages rendezvous like the rest.
             eager = 0 < nbytes <= self.eager_bytes
-            mine.append(_Op(send, op.tensor, op.peer, n, label, eager))
+            mine.append(Message(send, op.tensor, op.peer, n, label, eager))
         return [self._p2p.post(", ".join(names), self._run_p2p, mine, absent=_partners_absent)]
 
-    def _run_p2p(self, call: _Call, deadline: float) -> None:
+    def _run_p2p(self, call: Call, deadline: float) -> None:
         store, rank = self.store, self.rank
         self._eager = [w for w in self._eager if not w.is_completed()]
         for op in call.ops:  # this call is running: tell each partner (eager messages need not)
@@ -310,13 +156,13 @@ class Emulator:
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def _stream_of(self, group: dist.ProcessGroup | None) -> _Stream:
+    def _stream_of(self, group: dist.ProcessGroup | None) -> Stream:
         """The stream of ``group``'s communicator: the world group's is the point-to-point one."""
         if self.strict or group is None or group is dist.GroupMember.WORLD:
             return self._p2p
         if group not in self._groups:
             name = f"group {dist.get_process_group_ranks(group)}"
-            self._groups[group] = _Stream(name, self.rank, self.timeout, self.name_rank)
+            self._groups[group] = Stream(name, self.rank, self.timeout, self.name_rank)
         return self._groups[group]
 
     def _check_device(self, tensors: Any, what: str) -> None:
@@ -325,7 +171,7 @@ class Emulator:
 
     def _arrival(
         self, group: dist.ProcessGroup | None
-    ) -> tuple[Callable[[], None], Callable[[_Call], list[int]]]:
+    ) -> tuple[Callable[[], None], Callable[[Call], list[int]]]:
         """The n-th collective on ``group``'s communicator: ``arrive()`` records, when it starts
         running, that this rank reached it (one key per rank and communicator, so the store does
         not grow); ``absent(call)`` lists the group's ranks that have not, for a stall report."""
@@ -337,7 +183,7 @@ class Emulator:
         def arrive() -> None:
             store.set(f"coll/{where}/{me}", str(n))
 
-        def absent(call: _Call) -> list[int]:
+        def absent(call: Call) -> list[int]:
             members = ranks if ranks is not None else range(dist.get_world_size())
             return [
                 r
@@ -355,7 +201,7 @@ class Emulator:
         self._check_device(tensor, f"{name} on the {where}")
         arrive, absent = self._arrival(group)
 
-        def run(call: _Call, deadline: float) -> None:
+        def run(call: Call, deadline: float) -> None:
             arrive()
             start()
             call.result = [tensor]
@@ -403,7 +249,7 @@ class Emulator:
         running, done = threading.Event(), threading.Event()
         arrive, absent = self._arrival(group)
 
-        def hold(call: _Call, deadline: float) -> None:
+        def hold(call: Call, deadline: float) -> None:
             arrive()
             running.set()
             if not done.wait(max(deadline - time.monotonic(), 0.0)):
@@ -433,12 +279,12 @@ class Emulator:
         self._finalizer()
 
 
-def _partners_absent(call: _Call) -> list[int]:
+def _partners_absent(call: Call) -> list[int]:
     """The peers of a point-to-point call whose matching call is not running."""
     return sorted({o.peer for o in call.ops if o.state == _WAITING})
 
 
-def _stop(p2p: _Stream, groups: dict) -> None:
+def _stop(p2p: Stream, groups: dict) -> None:
     # Joined, not left to die with the interpreter: a stream thread that torch's teardown finds
     # alive after it ran gloo operations ends the process in std::terminate.
     for s in (p2p, *groups.values()):
@@ -451,7 +297,7 @@ _sessions = itertools.count()
 def for_session(
     launch,
     rank: int,
-    name_rank: Callable[[int], str] = _rank,
+    name_rank: Callable[[int], str] = rank_name,
     abort: Callable[[], str | None] | None = None,
 ) -> Emulator:
     """The emulation for one training session of this process, on the job's store.

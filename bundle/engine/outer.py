@@ -18,15 +18,28 @@ momentum under ``outer.<parameter>.*``; every replica of a stage holds them alik
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from bundle.engine import aggregate
 from bundle.engine.aggregate import Fault
 from bundle.engine.comm import Collectives, Comm
-from bundle.engine.hops import Wire
+from bundle.engine.hops import HopGroups, Wire
+
+
+@dataclass(frozen=True, kw_only=True)
+class Meetings:
+    """How bundles meet: ``mode`` local or diloco, every ``every`` steps (``--bundle-sync``), the
+    outer optimizer's ``outer_lr`` and ``outer_momentum`` (DiLoCo's), and the ``rule`` that
+    combines the bundles' drifts (``--aggregate``)."""
+
+    mode: str
+    every: int
+    outer_lr: float
+    outer_momentum: float
+    rule: str
 
 
 class OuterSync:
@@ -36,32 +49,27 @@ class OuterSync:
         self,
         named: Sequence[tuple[str, nn.Parameter]],
         *,
-        mode: str,
-        every: int,
+        meetings: Meetings,
         total: int,
-        outer_lr: float,
-        outer_momentum: float,
-        rule: str,
-        masters_group: dist.ProcessGroup | None,
-        bundle_group: dist.ProcessGroup | None,
-        bundle_master: int,
-        bundle: int,
+        groups: HopGroups,
         wire: Wire,
         fault: Fault | None = None,
         seed: int = 0,
         comm: Comm | None = None,
     ) -> None:
-        """``comm``: the collectives of the masters' and bundle groups (torch's by default)."""
+        """``total``: the run's last step (the trainer sets it once known); ``groups``: the
+        masters' group (on a master) and the bundle's; ``comm``: the collectives of those groups
+        (torch's by default)."""
         self.comm = comm or Collectives()
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.every, self.total, self.rule = every, total, rule
-        self.masters_group, self.bundle_group = masters_group, bundle_group
-        self.bundle_master, self.bundle, self.wire = bundle_master, bundle, wire
+        self.every, self.total, self.rule = meetings.every, total, meetings.rule
+        self.masters_group, self.bundle_group = groups.masters_group, groups.bundle_group
+        self.bundle_master, self.bundle, self.wire = groups.bundle_master, groups.bundle, wire
         self.fault, self.seed = fault, seed
         self.anchor = [p.detach().clone() for p in self.params]
-        diloco = mode == "diloco"
-        lr, momentum = (outer_lr, outer_momentum) if diloco else (1.0, 0.0)
+        diloco = meetings.mode == "diloco"
+        lr, momentum = (meetings.outer_lr, meetings.outer_momentum) if diloco else (1.0, 0.0)
         self.optimizer = torch.optim.SGD(
             self.anchor, lr=lr, momentum=momentum, nesterov=diloco and momentum > 0
         )

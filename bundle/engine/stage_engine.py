@@ -1,21 +1,25 @@
 """The per-step engine of one replica of one stage: its schedule's actions, the point-to-point
-calls they make, the gradient sync and the optimizer step; and the stages it runs, cut from the model."""
+calls they make, the gradient sync and the optimizer step."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from bundle import models, partition
-from bundle.config import RunConfig
-from bundle.engine.grad_sync import GradSync
-from bundle.engine.loss import EVAL_COUNTS, Loss, as_float, classifies, cross_entropy, top_k_correct
+from bundle.engine.loss import EVAL_COUNTS, as_float, classifies, cross_entropy, top_k_correct
 from bundle.engine.memory import SavedBytes
-from bundle.engine.outer import OuterSync
 from bundle.engine.p2p import RECVS, step_plan
-from bundle.engine.precision import LossScaler, Policy
+from bundle.engine.parts import (
+    Chunk,
+    EngineParts,
+    MicroBatch,
+    StepOptions,
+    given_batch,
+    given_labels,
+)
+from bundle.engine.precision import Policy
 from bundle.engine.schedule import (
     REGISTRY,
     RELEASES,
@@ -26,117 +30,14 @@ from bundle.engine.schedule import (
     unknown,
 )
 from bundle.engine.split_backward import Held, input_half, weight_half
-from bundle.engine.ties import TiedGrads
-from bundle.engine.transport import Part, Pending, TensorMeta, Transport, post_call
-from bundle.models.inputs import Batch, Inputs
+from bundle.engine.stages import boundary_metas, build_stages
+from bundle.engine.transport import Part, Pending, Transport, post_call
 from bundle.observe.timing import MARK_OF_OP, Mark, StepTimer
-from bundle.partition import Capture, Stage
+from bundle.partition import Stage
 from bundle.topology import Coord, Topology
 
-
-def build_stages(
-    cfg: RunConfig,
-    num_stages: int,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    capture: Capture | None = None,
-    *,
-    keep: Collection[int] | None = None,
-    inputs: Inputs | None = None,
-) -> list[Stage]:
-    """The full model, seeded identically on every process (``--weights`` loaded), cut into
-    stages (from ``capture`` where the launch's checks made the model's graph split).
-
-    ``--pretrained``: the model is built with its parameters on the meta device and cut, and
-    only the stages in ``keep`` (None: all) are given memory and read from the checkpoint; the
-    others keep meta tensors (a weight tied to a kept stage's is that stage's tensor).
-    ``inputs``: the batch's named inputs (None: one tensor)."""
-    torch.manual_seed(cfg.train.seed)
-    if not cfg.model.pretrained:
-        model = partition.build_model(cfg.model, num_classes, input_shape)
-        return partition.cut(model, cfg.model, num_stages, input_shape, capture, inputs)
-    model = models.pretrained.build_empty(
-        cfg.model.name,
-        cfg.model.pretrained,
-        num_classes=num_classes,
-        input_shape=input_shape,
-        args=cfg.model.kwargs,
-    )
-    stages = partition.cut(model, cfg.model, num_stages, input_shape, capture, inputs)
-    models.pretrained.load(
-        model,
-        cfg.model.pretrained,
-        seed=cfg.train.seed,
-        strict=cfg.model.weights_strict,
-        pieces=stages,
-        keep=keep,
-    )
-    return stages
-
-
-@torch.no_grad()
-def boundary_metas(
-    stages: Sequence[Stage],
-    input_shape: tuple[int, ...],
-    policy: Policy,
-    inputs: Inputs | None = None,
-) -> list[tuple[TensorMeta, ...]]:
-    """What crosses each stage boundary: shapes from one row on the CPU (dummy, or the data's
-    example of named ``inputs``), once; dtype and layout from the precision policy, which every
-    rank holds alike."""
-    modes = [s.training for s in stages]
-    # Pieces another process runs may hold no memory (--pretrained): then all run on meta.
-    on_meta = any(t.is_meta for s in stages for t in s.state_dict(keep_vars=True).values())
-    device = "meta" if on_meta else "cpu"
-    metas: list[tuple[TensorMeta, ...]] = []
-    if inputs is not None:
-        x = inputs.example(1, device)
-        side = dict(zip(inputs.names, x, strict=True))
-    else:
-        x, side = (torch.zeros(1, *input_shape, dtype=stages[0].input_dtype, device=device),), {}
-    try:
-        for s in stages[:-1]:
-            if on_meta:
-                state = {k: v.to("meta") for k, v in s.state_dict(keep_vars=True).items()}
-                x = torch.func.functional_call(s.eval(), state, x, {"side": side})
-            else:
-                x = s.eval()(*x, side=side)
-            metas.append(tuple(policy.boundary(TensorMeta.of(t)) for t in x))
-    finally:
-        for s, mode in zip(stages, modes, strict=True):
-            s.train(mode)
-    return metas
-
-
-# What the data pipeline hands a stage for one micro-batch: stage 0 gets the inputs, the last
-# stage the labels of its own rows (read from the same deterministic shard), middle stages None.
-# Named inputs (models.inputs) come as a dict: the whole batch's on stage 0, on a later stage
-# the ones its pieces read.
-MicroBatch = tuple[Batch | None, torch.Tensor | None]
-
-
-def _given(t: torch.Tensor | None) -> torch.Tensor:
-    """A micro-batch's labels (the last stage): there, always present."""
-    if t is None:
-        raise ValueError("this stage reads data but was handed none")
-    return t
-
-
-def _given_batch(t: Batch | None) -> Batch:
-    """A micro-batch's inputs (stage 0, or a stage reading named inputs): always present."""
-    if t is None:
-        raise ValueError("this stage reads data but was handed none")
-    return t
-
-
-@dataclass
-class Chunk:
-    """One model chunk a replica runs (interleaving runs several per stage): its piece of the
-    model, the gradient sync of that piece across the stage's replicas, and its transport."""
-
-    stage: Stage
-    sync: GradSync
-    transport: Transport
+# Callers name these by this module, where they lived first.
+__all__ = ["Chunk", "MicroBatch", "StageEngine", "boundary_metas", "build_stages"]
 
 
 @dataclass
@@ -159,44 +60,36 @@ class StageEngine:
         *,
         topo: Topology,
         coord: Coord,
-        sync: GradSync,
-        transport: Transport,
-        optimizer: torch.optim.Optimizer,
-        schedule: str,
+        parts: EngineParts,
+        options: StepOptions,
         device: torch.device,
-        stage: Stage,
-        policy: Policy | None = None,
-        scaler: LossScaler | None = None,
         timer: StepTimer | None = None,
-        loss: Loss | None = None,
-        early_receives: bool = False,
-        outer: OuterSync | None = None,
-        ties: TiedGrads | None = None,
-        chunks: Sequence[Chunk] = (),
     ) -> None:
-        """``stage``, ``sync`` and ``transport`` are the replica's (first) model chunk;
-        ``chunks``, under interleaving, its further ones (chunk c is piece ``c x S + stage``)."""
-        self.topo, self.coord, self.sync, self.transport = topo, coord, sync, transport
+        """``parts``: the replica's model chunks (the first one's stage, sync and transport are
+        ``stage``, ``sync`` and ``transport`` here), its optimizer and the syncs after it."""
+        first = parts.chunks[0]
+        self.topo, self.coord, self.sync, self.transport = topo, coord, first.sync, first.transport
         # Bundles that meet every H steps (--bundle-sync local/diloco) meet after the step.
-        self.outer = outer
+        self.outer = parts.outer
         # Weights this stage shares with another stage: their gradients summed after the sync.
-        self.ties = ties
-        self.optimizer, self.device, self.stage = optimizer, device, stage
-        self.policy, self.scaler = policy or Policy(device_type=device.type), scaler
+        self.ties = parts.ties
+        self.optimizer, self.device, self.stage = parts.optimizer, device, first.stage
+        self.policy = options.policy or Policy(device_type=device.type)
+        self.scaler = options.scaler
         # The micro-batch's mean, scaled by rows / global batch below: the global mean, shared out.
-        self.loss = loss or cross_entropy()
-        self.chunks = [Chunk(stage, sync, transport), *chunks]
+        self.loss = options.loss or cross_entropy()
+        self.chunks = list(parts.chunks)
         V, S = len(self.chunks), topo.num_stages
-        self._place(REGISTRY[schedule].pipe(S, V), coord.stage)
+        self._place(REGISTRY[options.schedule].pipe(S, V), coord.stage)
         self.sizes = topo.micro_sizes(coord.bundle)
         # The calls of a step and where each is posted (bundle.engine.p2p).
         self.plan = step_plan(
-            schedule,
+            options.schedule,
             coord.stage,
             S,
             topo.micro_batches,
             chunks=V,
-            early_receives=early_receives,
+            early_receives=options.early_receives,
         )
         self.actions = list(self.plan.actions)
         # Which of its call's receives a receive is (a call may hold several: bundle.engine.rounds).
@@ -344,7 +237,7 @@ class StageEngine:
         if self.saved_bytes is not None and self.recompute[c][k]:
             self._measure_recompute(self.saved_bytes, chunk.stage, k, xs, side)
         if self.last[c]:
-            labels = _given(micro[1]).to(self.device, non_blocking=True)
+            labels = given_labels(micro[1]).to(self.device, non_blocking=True)
             # The loss in fp32, outside autocast.
             loss = self.loss(as_float(out), labels) * (len(labels) * self.inv_batch)
             st.loss_sum += loss.detach()
@@ -453,7 +346,7 @@ class StageEngine:
 
     def _batch_inputs(self, stage: Stage, micro: MicroBatch) -> tuple[torch.Tensor, ...]:
         """The first piece's inputs on the device: the batch, or its named inputs in order."""
-        batch = _given_batch(micro[0])
+        batch = given_batch(micro[0])
         if not isinstance(batch, dict):
             return (self.policy.prepare_input(batch, self.device),)
         names = stage.input_names
@@ -473,7 +366,7 @@ class StageEngine:
             return None
         if first is not None:
             return dict(zip(stage.input_names, first, strict=True))
-        data = _given_batch(micro[0])
+        data = given_batch(micro[0])
         if not isinstance(data, dict):
             raise ValueError(f"a piece reads the batch's {', '.join(names)}, but it names none")
         return {n: data[n].to(self.device, non_blocking=True) for n in names}
@@ -527,7 +420,7 @@ class StageEngine:
         return out
 
     def _eval_counts(self, out: tuple[torch.Tensor, ...], micro: MicroBatch) -> torch.Tensor:
-        labels = _given(micro[1]).to(self.device)
+        labels = given_labels(micro[1]).to(self.device)
         out_f = as_float(out)
         counts = torch.zeros(EVAL_COUNTS, dtype=torch.float64, device=self.device)
         if isinstance(out_f, torch.Tensor) and classifies(out_f, labels):

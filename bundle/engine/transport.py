@@ -22,7 +22,7 @@ import torch.distributed as dist
 from bundle.engine.p2p import SIDE, boundary_peers
 from bundle.engine.schedule import Op, Pipe
 from bundle.errors import PeerFailure
-from bundle.topology import Topology, Transfer
+from bundle.topology import Coord, Topology, Transfer
 
 # Posts one call (a list of point-to-point operations, and a function naming each of them for
 # errors, called only by a poster that reports them) and returns its works:
@@ -72,6 +72,15 @@ class TensorMeta:
     def from_wire(self, t: torch.Tensor) -> torch.Tensor:
         """A received (or sent) wire tensor as the stage sees it."""
         return t.permute(0, 3, 1, 2) if self.channels_last else t
+
+
+@dataclass(frozen=True)
+class Boundaries:
+    """What crosses the two boundaries of a piece of the model: the tensors it receives (none on
+    the first piece) and the tensors it sends (none on the last)."""
+
+    inputs: tuple[TensorMeta, ...] = ()
+    outputs: tuple[TensorMeta, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,21 +146,21 @@ class Transport:
         self,
         *,
         topo: Topology,
-        bundle: int,
-        stage: int,
-        replica: int,
-        in_meta: tuple[TensorMeta, ...],
-        out_meta: tuple[TensorMeta, ...],
+        coord: Coord,
+        boundaries: Boundaries,
         device: torch.device,
         timeout: float,
         post: PostCall = post_with_torch,
         chunk: int = 0,
         pipe: Pipe | None = None,
     ) -> None:
-        self.topo, self.bundle, self.stage, self.replica = topo, bundle, stage, replica
-        # The model chunk it carries for, and where the model's pieces run (one chunk per stage
-        # by default).
+        """The transport of ``coord``'s replica, for the piece whose ``boundaries`` it carries:
+        model chunk ``chunk`` where the model's pieces run as ``pipe`` (one chunk per stage by
+        default)."""
+        self.topo, self.coord = topo, coord
+        self.bundle, self.stage, self.replica = coord.bundle, coord.stage, coord.replica
         self.chunk, self.pipe = chunk, pipe
+        in_meta, out_meta = boundaries.inputs, boundaries.outputs
         self.in_meta, self.out_meta = in_meta, out_meta
         in_grad = tuple(m for m in in_meta if m.has_grad)
         out_grad = tuple(m for m in out_meta if m.has_grad)

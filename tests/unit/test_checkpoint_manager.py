@@ -11,9 +11,11 @@ import torch
 from bundle import models, partition
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
+from bundle.checkpoint.parts import RankParts, SaveSettings
 from bundle.config import CheckpointConfig, TrainConfig
 from bundle.engine.optim import make_optimizer
 from bundle.errors import CheckpointError
+from bundle.runtime.groups import ProcessGroups
 from bundle.topology import Topology
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -29,18 +31,18 @@ def _checkpointer(
     model = models.build("mlp", num_classes=3, input_shape=INPUT)
     (stage,) = partition.split_model(model, partition.resolve(None, models.blocks(model), 1, "mlp"))
     opt = make_optimizer(TrainConfig(optimizer=optimizer, lr=0.1, weight_decay=0.01), stage)
+    config = CheckpointConfig(
+        save_dir=str(save_dir) if save_dir else None, save_every=every, keep=keep
+    )
     return Checkpointer(
-        CheckpointConfig(save_dir=str(save_dir) if save_dir else None, save_every=every, keep=keep),
+        SaveSettings(
+            config=config, settings={"layout": {"stages": ["0"]}}, steps_per_epoch=5, total=total
+        ),
         topo=TOPO,
         coord=TOPO.coord(0),
         rank=0,
-        stage=stage,
-        optimizer=opt,
-        group=group,
-        stage_group=None,
-        settings={"layout": {"stages": ["0"]}},
-        steps_per_epoch=5,
-        total=total,
+        parts=RankParts(stage=stage, optimizer=opt),
+        groups=ProcessGroups(control=group, stage=group),
     )
 
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from bundle.engine.grad_sync import HierarchicalSync
+from bundle.engine.hops import HopGroups
 
 BUNDLE, MASTERS = "bundle-group", "masters-group"  # stand-ins: only the fake reads them
 
@@ -56,10 +57,12 @@ def _sync(bucket_mb: float, *, master: bool = True, masters: bool = True):
     stage = _stage()
     sync = HierarchicalSync(
         stage,
-        bundle_group=BUNDLE,
-        bundle_master=0,
-        masters_group=MASTERS if masters else None,
-        is_master=master,
+        groups=HopGroups(
+            bundle_group=BUNDLE,
+            bundle_master=0,
+            masters_group=MASTERS if masters else None,
+            is_master=master,
+        ),
         bucket_mb=bucket_mb,
         comm=comm,
     )

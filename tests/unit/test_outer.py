@@ -6,24 +6,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bundle.engine.hops import Wire
-from bundle.engine.outer import OuterSync
+from bundle.engine.hops import HopGroups, Wire
+from bundle.engine.outer import Meetings, OuterSync
 
 
 def _outer(mode: str, every: int = 2, total: int = 5, **kw) -> tuple[OuterSync, nn.Parameter]:
     p = nn.Parameter(torch.zeros(3))
     sync = OuterSync(
         [("w", p)],
-        mode=mode,
-        every=every,
+        meetings=Meetings(
+            mode=mode,
+            every=every,
+            outer_lr=kw.get("outer_lr", 0.7),
+            outer_momentum=kw.get("outer_momentum", 0.9),
+            rule="mean",
+        ),
         total=total,
-        outer_lr=kw.get("outer_lr", 0.7),
-        outer_momentum=kw.get("outer_momentum", 0.9),
-        rule="mean",
-        masters_group=None,
-        bundle_group=None,
-        bundle_master=0,
-        bundle=0,
+        groups=HopGroups(bundle_group=None, bundle_master=0, masters_group=None, bundle=0),
         wire=Wire(),
     )
     return sync, p

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from bundle.engine.schedule import Op
-from bundle.engine.transport import TensorMeta, Transport
-from bundle.topology import Topology
+from bundle.engine.transport import Boundaries, TensorMeta, Transport
+from bundle.topology import Coord, Topology
 
 # Shape 3,2 (ranks 0-2 the front, 3-4 the rear), one bundle, one micro-batch of 12 rows:
 # the front replicas hold rows 0-4, 4-8, 8-12; the rear ones 0-6 and 6-12.
@@ -37,11 +37,10 @@ def _transport(stage: int, replica: int) -> tuple[Transport, list[list[tuple]]]:
 
     transport = Transport(
         topo=TOPO,
-        bundle=0,
-        stage=stage,
-        replica=replica,
-        in_meta=META if stage == 1 else (),
-        out_meta=META if stage == 0 else (),
+        coord=Coord(0, stage, replica),
+        boundaries=Boundaries(
+            inputs=META if stage == 1 else (), outputs=META if stage == 0 else ()
+        ),
         device=torch.device("cpu"),
         timeout=1.0,
         post=post,
@@ -121,7 +120,7 @@ def test_post_with_torch_is_the_default():
     from bundle.engine.transport import post_with_torch
 
     t = Transport(
-        topo=TOPO, bundle=0, stage=0, replica=0, in_meta=(), out_meta=META,
+        topo=TOPO, coord=Coord(0, 0, 0), boundaries=Boundaries(outputs=META),
         device=torch.device("cpu"), timeout=1.0,
     )  # fmt: skip
     assert t._post_call is post_with_torch

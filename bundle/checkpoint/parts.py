@@ -1,0 +1,86 @@
+"""What one rank's checkpoint holds (``RankParts``) and where and when it saves
+(``SaveSettings``): the typed values the session builds once and hands to ``Checkpointer``.
+
+The parts are read by full-model names (``Stage.full_name``), so any shape reads what another
+wrote; ``optimizer_slots`` says which tensors a restore reads a parameter's optimizer state into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from bundle.config import CheckpointConfig
+from bundle.engine.hops import Hop
+from bundle.engine.outer import OuterSync
+from bundle.partition import Stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankParts:
+    """What one rank's checkpoint holds: its stage's parameters and buffers, its optimizer's state
+    (sharded under ``--zero 1``), the outer sync's state (``--bundle-sync local|diloco``), the
+    gradient-compression hop's error feedback (PowerSGD) and ``extra`` entries the same on every
+    rank (the loss scale), saved and restored in place."""
+
+    stage: Stage
+    optimizer: torch.optim.Optimizer
+    outer: OuterSync | None = None
+    hop: Hop | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        """The stage's parameters by full-model name."""
+        return {self.stage.full_name(n): p for n, p in self.stage.named_parameters()}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The stage's buffers by full-model name."""
+        return {self.stage.full_name(n): b for n, b in self.stage.named_buffers()}
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stage's parameters live (the CPU for a stage without any)."""
+        return next((p.device for p in self.stage.parameters()), torch.device("cpu"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveSettings:
+    """Where and when a rank saves: ``--save-dir``, ``--save-every`` and ``--keep`` (``config``),
+    what ``bundle.json`` records of the run (``settings``, its ``layout`` among them), the steps
+    of an epoch (the cadence without ``--save-every``) and the run's last step (``total``; 0:
+    none), which is always saved."""
+
+    config: CheckpointConfig
+    settings: dict
+    steps_per_epoch: int
+    total: int = 0
+
+    @property
+    def every(self) -> int:
+        """The save cadence in steps."""
+        return self.config.save_every or self.steps_per_epoch
+
+
+def optimizer_slots(
+    params: dict[str, torch.nn.Parameter],
+    stored: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    want: dict[str, torch.Tensor],
+    pre: str = "",
+) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+    """Tensors to load the stored optimizer state of each parameter into (SGD's momentum,
+    Adam's moments and step count), added to ``want``; whatever the optimizer stored."""
+    slots: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+    for name, p in params.items():
+        prefix = f"{pre}optim.{name}."
+        for key, (shape, dtype) in stored.items():
+            slot = key[len(prefix) :]
+            if not key.startswith(prefix) or "." in slot:
+                continue
+            # Adam's step count lives on the CPU, as the optimizer keeps it (neither fused
+            # nor capturable); every other slot beside its parameter, 0-d ones too (the
+            # momentum of a scalar parameter).
+            device = torch.device("cpu") if slot == "step" else p.device
+            want[key] = torch.zeros(shape, dtype=dtype, device=device)
+            slots.setdefault(p, {})[slot] = want[key]
+    return slots

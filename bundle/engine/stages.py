@@ -1,0 +1,111 @@
+"""The stages a run trains, cut from the model: the full model built alike on every process
+(``--weights``, ``--pretrained`` loaded) and cut into pieces, what crosses each boundary between
+them, and the pieces one rank runs."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bundle import models, partition
+from bundle.config import RunConfig
+from bundle.engine.precision import Policy
+from bundle.engine.schedule import Pipe
+from bundle.engine.transport import Boundaries, TensorMeta
+from bundle.models.inputs import Inputs
+from bundle.partition import Capture, Stage
+
+
+def build_stages(
+    cfg: RunConfig,
+    num_stages: int,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    capture: Capture | None = None,
+    *,
+    keep: Collection[int] | None = None,
+    inputs: Inputs | None = None,
+) -> list[Stage]:
+    """The full model, seeded identically on every process (``--weights`` loaded), cut into
+    stages (from ``capture`` where the launch's checks made the model's graph split).
+
+    ``--pretrained``: the model is built with its parameters on the meta device and cut, and
+    only the stages in ``keep`` (None: all) are given memory and read from the checkpoint; the
+    others keep meta tensors (a weight tied to a kept stage's is that stage's tensor).
+    ``inputs``: the batch's named inputs (None: one tensor)."""
+    torch.manual_seed(cfg.train.seed)
+    if not cfg.model.pretrained:
+        model = partition.build_model(cfg.model, num_classes, input_shape)
+        return partition.cut(model, cfg.model, num_stages, input_shape, capture, inputs)
+    model = models.pretrained.build_empty(
+        cfg.model.name,
+        cfg.model.pretrained,
+        num_classes=num_classes,
+        input_shape=input_shape,
+        args=cfg.model.kwargs,
+    )
+    stages = partition.cut(model, cfg.model, num_stages, input_shape, capture, inputs)
+    models.pretrained.load(
+        model,
+        cfg.model.pretrained,
+        seed=cfg.train.seed,
+        strict=cfg.model.weights_strict,
+        pieces=stages,
+        keep=keep,
+    )
+    return stages
+
+
+@torch.no_grad()
+def boundary_metas(
+    stages: Sequence[Stage],
+    input_shape: tuple[int, ...],
+    policy: Policy,
+    inputs: Inputs | None = None,
+) -> list[tuple[TensorMeta, ...]]:
+    """What crosses each stage boundary: shapes from one row on the CPU (dummy, or the data's
+    example of named ``inputs``), once; dtype and layout from the precision policy, which every
+    rank holds alike."""
+    modes = [s.training for s in stages]
+    # Pieces another process runs may hold no memory (--pretrained): then all run on meta.
+    on_meta = any(t.is_meta for s in stages for t in s.state_dict(keep_vars=True).values())
+    device = "meta" if on_meta else "cpu"
+    metas: list[tuple[TensorMeta, ...]] = []
+    if inputs is not None:
+        x = inputs.example(1, device)
+        side = dict(zip(inputs.names, x, strict=True))
+    else:
+        x, side = (torch.zeros(1, *input_shape, dtype=stages[0].input_dtype, device=device),), {}
+    try:
+        for s in stages[:-1]:
+            if on_meta:
+                state = {k: v.to("meta") for k, v in s.state_dict(keep_vars=True).items()}
+                x = torch.func.functional_call(s.eval(), state, x, {"side": side})
+            else:
+                x = s.eval()(*x, side=side)
+            metas.append(tuple(policy.boundary(TensorMeta.of(t)) for t in x))
+    finally:
+        for s, mode in zip(stages, modes, strict=True):
+            s.train(mode)
+    return metas
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """One rank's pieces of the model: where the model's pieces run (``pipe``), the ``modules``
+    of the rank's model chunks in chunk order, and what crosses each boundary of the model
+    (``metas``, as ``boundary_metas`` gives them)."""
+
+    pipe: Pipe
+    modules: Sequence[Stage]
+    metas: Sequence[tuple[TensorMeta, ...]]
+
+    def boundaries(self, piece: int) -> Boundaries:
+        """What crosses the two boundaries of the model's piece ``piece``."""
+        last = piece == self.pipe.pieces - 1
+        return Boundaries(
+            inputs=self.metas[piece - 1] if piece > 0 else (),
+            outputs=self.metas[piece] if not last else (),
+        )
