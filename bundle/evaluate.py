@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,12 +18,25 @@ from bundle.session import Session, pins, reads_data, shard
 from bundle.topology import Topology
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalPlan:
+    """When and over what an ``Evaluator`` evaluates: global batches of ``batch`` rows, every
+    ``every`` steps (an epoch) and after the last, ``total``; ``enabled`` (--eval) turns it on,
+    ``limit`` (--val-batches) caps the global batches (0: all)."""
+
+    batch: int
+    every: int
+    total: int
+    enabled: bool
+    limit: int = 0
+
+
 class Evaluator:
     """Top-1 and top-5 accuracy, loss and (for tokens) perplexity over the validation set, in
-    global batches of ``batch`` rows.
+    global batches of ``plan.batch`` rows.
 
-    ``maybe_run(step)`` evaluates when due: ``every`` steps (an epoch) and after the last,
-    ``total``; each batch names the process's phase (a long evaluation is not a stall).
+    ``maybe_run(step)`` evaluates when the plan makes it due; each batch names the process's
+    phase (a long evaluation is not a stall).
     """
 
     def __init__(
@@ -30,13 +44,9 @@ class Evaluator:
         session: Session,
         topo: Topology,
         *,
-        batch: int,
+        plan: EvalPlan,
         workers: int,
-        every: int,
-        total: int,
-        enabled: bool,
         reporter: Reporter,
-        limit: int = 0,
         phase: Phase,
         device: torch.device,
     ) -> None:
@@ -46,9 +56,9 @@ class Evaluator:
         self.num_classes = session.splits.num_classes
         self.coord, self.group = session.coord, session.groups.last_stage
         self.comm = session.comm
-        self.topo, self.batch, self.workers, self.device = topo, batch, workers, device
-        self.every, self.total, self.enabled = every, total, enabled
-        self.limit = limit  # --val-batches: global batches at most (0: all)
+        self.topo, self.workers, self.device = topo, workers, device
+        self.batch, self.every, self.total = plan.batch, plan.every, plan.total
+        self.enabled, self.limit = plan.enabled, plan.limit
         self.reporter, self.phase = reporter, phase
 
     def maybe_run(self, step: int) -> None:

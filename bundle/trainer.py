@@ -7,7 +7,7 @@ import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from bundle.data import samples
 from bundle.engine import optim, precision
 from bundle.engine.stage_engine import MicroBatch
 from bundle.errors import DataError
-from bundle.evaluate import Evaluator
+from bundle.evaluate import EvalPlan, Evaluator
 from bundle.lr_schedule import LRSchedule
 from bundle.observe import build as observe
 from bundle.observe.metrics import Reporter, RunFacts, Summary, model_label
@@ -33,7 +33,7 @@ from bundle.session import Session, make_checkpointer, train_stream
 from bundle.topology import Topology
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
     """Where one process stands in the job: its rank, the attempt, the steps it trains."""
 
@@ -44,6 +44,49 @@ class Run:
     start: int
     total: int
     steps_per_epoch: int
+
+
+class StepCounter(Protocol):
+    """A shared integer (a ``multiprocessing.Value``): the node supervisor reads the step in
+    progress from it."""
+
+    value: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Links:
+    """What the launching side ties a process's loop to, alike in each of its epochs: the
+    process's phase, the attempt (the job's restarts), the stop request, the job's store, the step
+    counter its node supervisor reads, and (--fault-tolerance bundle, ``asks``) the bundles'
+    requests to join, agreed on in the stop vote at the engine's commit."""
+
+    phase: Phase
+    attempt: int = 0
+    stop: StopRequest | None = None
+    store: dist.Store | None = None
+    step_now: StepCounter | None = None
+    asks: Callable[[], list[int]] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobLink:
+    """What ties the loop to the job around it: the process's phase, the job-wide stop vote, the
+    job's store (the merged trace, the steps lost to restarts) and the step counter its node
+    supervisor reads (None under torchrun)."""
+
+    phase: Phase
+    vote: StopVote
+    store: dist.Store | None = None
+    step_now: StepCounter | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reporting:
+    """What the loop reports through: validation, loss windows and the summary, kernel traces."""
+
+    evaluator: Evaluator
+    reporter: Reporter
+    profiler: KernelProfiler
 
 
 class Trainer:
@@ -57,19 +100,14 @@ class Trainer:
         batches: Iterator[list[MicroBatch] | None],
         lr_schedule: LRSchedule,
         checkpointer: Checkpointer,
-        evaluator: Evaluator,
-        reporter: Reporter,
-        profiler: KernelProfiler,
-        vote: StopVote,
-        phase: Phase,
-        store: dist.Store | None = None,
-        step_now: Any = None,  # a shared integer: the node supervisor reads the current step
+        reporting: Reporting,
+        job: JobLink,
     ) -> None:
         self.run, self.session, self.engine = run, session, session.engine
-        self.batches, self.lr_schedule = batches, lr_schedule
-        self.checkpointer, self.evaluator, self.reporter = checkpointer, evaluator, reporter
-        self.profiler, self.vote, self.phase = profiler, vote, phase
-        self.store, self.step_now = store, step_now
+        self.batches, self.lr_schedule, self.checkpointer = batches, lr_schedule, checkpointer
+        self.evaluator, self.reporter = reporting.evaluator, reporting.reporter
+        self.profiler, self.vote, self.phase = reporting.profiler, job.vote, job.phase
+        self.store, self.step_now = job.store, job.step_now
         # Steps whose update this process took (--fault-tolerance bundle carries it over a
         # change of members), and the bundles that left the job so far (its summary).
         self.committed = run.start
@@ -284,30 +322,53 @@ def data_position(resume: str | None) -> dict | None:
     return got if isinstance(got, dict) else None
 
 
+def _evaluator(
+    cfg: RunConfig,
+    topo: Topology,
+    session: Session,
+    reporter: Reporter,
+    phase: Phase,
+    *,
+    epoch_steps: int,
+    total: int,
+) -> Evaluator:
+    """Validation after every epoch and after the last step (--eval)."""
+    return Evaluator(
+        session,
+        topo,
+        plan=EvalPlan(
+            batch=cfg.train.batch_size,
+            every=epoch_steps,
+            total=total,
+            enabled=cfg.train.eval,
+            limit=cfg.train.val_batches,
+        ),
+        workers=cfg.data.workers,
+        reporter=reporter,
+        phase=phase,
+        device=session.engine.device,
+    )
+
+
 def build_trainer(
     cfg: RunConfig,
     topo: Topology,
     rank: int,
     session: Session,
     *,
-    phase: Phase,
-    attempt: int = 0,
+    links: Links,
     resume: str | None = None,
     start: int | None = None,
-    stop: StopRequest | None = None,
-    store: dist.Store | None = None,
-    step_now: Any = None,
-    asks: Callable[[], list[int]] | None = None,
 ) -> Trainer:
     """The loop's components for this rank; restores ``resume`` (collective) to learn the start,
     unless ``start`` is given (the state is carried in memory: --fault-tolerance bundle)."""
-    batch, spe = cfg.train.batch_size, _epoch_steps(cfg, session)
+    phase, asks, spe = links.phase, links.asks, _epoch_steps(cfg, session)
     total = cfg.train.steps or cfg.train.epochs * spe
     checkpointer = make_checkpointer(cfg, topo, rank, session, total=total)
     if start is None:
         phase.enter("resume")
         start = checkpointer.restore(resume)
-    run = Run(cfg, topo, rank, attempt, start, total, spe)
+    run = Run(cfg, topo, rank, links.attempt, start, total, spe)
     if session.engine.outer is not None:
         session.engine.outer.total = total  # bundles meet after the last step too
     device = session.engine.device
@@ -320,19 +381,6 @@ def build_trainer(
         reporter.flush,
         lambda step: phase.enter(f"checkpoint after step {step}"),
     ]
-    evaluator = Evaluator(
-        session,
-        topo,
-        batch=batch,
-        workers=cfg.data.workers,
-        every=spe,
-        total=total,
-        enabled=cfg.train.eval,
-        reporter=reporter,
-        limit=cfg.train.val_batches,
-        phase=phase,
-        device=device,
-    )
     return Trainer(
         run,
         session,
@@ -348,18 +396,22 @@ def build_trainer(
         ),
         lr_schedule=LRSchedule.of(cfg.train, steps_per_epoch=spe, total=total),
         checkpointer=checkpointer,
-        evaluator=evaluator,
-        reporter=reporter,
-        profiler=observe.make_profiler(cfg, rank, device),
-        # Under --fault-tolerance bundle (``asks``) the vote is cast at the engine's commit.
-        vote=StopVote(
-            stop or StopRequest(),
-            session.groups.control,
-            cfg.launch.timeout,
-            asks,
-            at_commit=asks is not None,
+        reporting=Reporting(
+            evaluator=_evaluator(cfg, topo, session, reporter, phase, epoch_steps=spe, total=total),
+            reporter=reporter,
+            profiler=observe.make_profiler(cfg, rank, device),
         ),
-        phase=phase,
-        store=store,
-        step_now=step_now,
+        job=JobLink(
+            phase=phase,
+            # Under --fault-tolerance bundle (``asks``) the vote is cast at the engine's commit.
+            vote=StopVote(
+                links.stop or StopRequest(),
+                session.groups.control,
+                cfg.launch.timeout,
+                asks,
+                at_commit=asks is not None,
+            ),
+            store=links.store,
+            step_now=links.step_now,
+        ),
     )

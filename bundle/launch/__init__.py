@@ -3,8 +3,11 @@
 It builds on ``bundle.runtime`` (devices, the job store, groups, stop signals, watchdogs) and on
 the session and trainer; nothing below it (runtime, engine, session, trainer) imports it.
 
+- ``context``: what a training process is started with, passed whole (``WorkerStart``), and
+  in the process, with its store, phase and stop request (``ProcessContext``);
 - ``process``: one training process around its session and trainer (self-spawned or torchrun);
 - ``supervisor``: a node's workers started, watched, restarted and stopped;
+- ``liveness``: the workers' signs of life, and a stopped or frozen one named;
 - ``nodes``: the nodes' heartbeats (a silent node found) and node 0's wait for the others;
 - ``membership``: which bundles train on after a failure, agreed through the job's store;
 - ``fault``: a process's training under ``--fault-tolerance bundle``, a world per membership;

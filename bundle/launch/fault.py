@@ -33,18 +33,17 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from bundle import log
-from bundle.config import RunConfig
 from bundle.launch import handoff
+from bundle.launch.context import ProcessContext
 from bundle.launch.handoff import GUARD_WAIT_S, Carried, Handoff, StepGuard
 from bundle.launch.membership import DONE_KEY, LOSSES_KEY, Membership, is_peer_loss
 from bundle.observe.metrics import Summary
-from bundle.partition import Capture
 from bundle.runtime.devices import resolve_backend
 from bundle.runtime.phase import Phase
-from bundle.runtime.preemption import Regroup, StopRequest, maybe_fail_heal
+from bundle.runtime.preemption import Regroup, maybe_fail_heal
 from bundle.session import Session, build_session
 from bundle.topology import Topology
-from bundle.trainer import Trainer, build_trainer
+from bundle.trainer import Links, Trainer, build_trainer
 
 # The groups of the epochs a failure ended. Kept, never destroyed: a gloo group's destructor
 # waits for its collectives still in flight, which wait on peers that are leaving them too, until
@@ -114,48 +113,22 @@ def _arrive_in(arrive: Arrive, layout: Topology, prefix: str) -> Callable[[str],
     return lambda name: arrive(layout, f"{prefix}/{name}")
 
 
-def train_on(
-    cfg: RunConfig,
-    topo: Topology,
-    rank: int,
-    *,
-    store: dist.Store,
-    phase: Phase,
-    join: Join,
-    arrive: Arrive,
-    attempt: int = 0,
-    resume: str | None = None,
-    stop: StopRequest | None = None,
-    step_now: Any = None,
-    capture: Capture | None = None,
-    incarnation: int = 0,
-    handoff_to: str | None = None,
-    handed: str | None = None,
-) -> Summary | None:
-    """Train this process (job rank ``rank``) to the end, in as many epochs as failures and
-    heals take. ``incarnation`` > 0: this process heals its bundle (started again by its
-    supervisor): it waits to be taken in, and receives its stage's state from a peer.
-    ``handoff_to``: where a survivor writes its state for a new process (on NCCL); ``handed``:
-    this process is that new process, the file to read."""
+def train_on(proc: ProcessContext, *, join: Join, arrive: Arrive) -> Summary | None:
+    """Train this process to the end, in as many epochs as failures and heals take. An
+    incarnation number > 0 (``proc.start.incarnation``): this process heals its bundle (started
+    again by its supervisor): it waits to be taken in, and receives its stage's state from a
+    peer; ``handed``: it goes on from a survivor's state, in that file."""
+    cfg, rank, phase = proc.start.cfg, proc.start.rank, proc.phase
+    incarnation, handed = proc.start.incarnation.number, proc.start.incarnation.handed
     members = Membership(
-        store,
-        topo,
+        proc.store,
+        proc.start.topo,
         rank,
         cfg.launch.timeout,
         min_bundles=cfg.launch.min_bundles,
         incarnation=incarnation,
     )
-    epochs = _Epochs(
-        cfg,
-        members,
-        phase,
-        join,
-        arrive,
-        resume=resume,
-        capture=capture,
-        trainer_args=dict(attempt=attempt, stop=stop, store=store, step_now=step_now),
-        handoff_to=handoff_to,
-    )
+    epochs = _Epochs(proc, members, join, arrive)
     if handed is not None:
         epochs.take_over(Handoff.read(handed))
     elif incarnation:
@@ -176,32 +149,25 @@ class _Epochs:
     failure or a rejoin, and keeps the stage's state for the next."""
 
     def __init__(
-        self,
-        cfg: RunConfig,
-        members: Membership,
-        phase: Phase,
-        join: Join,
-        arrive: Arrive,
-        *,
-        resume: str | None,
-        capture: Capture | None,
-        trainer_args: dict[str, Any],
-        handoff_to: str | None = None,
+        self, proc: ProcessContext, members: Membership, join: Join, arrive: Arrive
     ) -> None:
-        self.cfg, self.members, self.phase, self.join, self.arrive = (
-            cfg,
-            members,
-            phase,
-            join,
-            arrive,
-        )
+        self.cfg, self.members, self.phase = proc.start.cfg, members, proc.phase
+        self.join, self.arrive = join, arrive
         # The first epoch's checkpoint (later ones carry the state), the model's graph split,
         # and what build_trainer is given alike in every epoch.
-        self.resume, self.capture, self.trainer_args = resume, capture, trainer_args
+        self.resume, self.capture = proc.start.resume, proc.start.capture
+        self.links = Links(
+            phase=proc.phase,
+            attempt=proc.start.attempt,
+            stop=proc.stop,
+            store=proc.store,
+            step_now=proc.start.counters.step_now,
+            asks=members.joining,
+        )
         self.carried: Carried | None = None
         self.fresh: tuple[int, ...] = ()  # bundles that start this epoch without the state
         self.watch: LossWatch | None = None  # this epoch's, where survivors hand off
-        self.handoff_to = handoff_to
+        self.handoff_to = proc.start.incarnation.handoff_to
         self.live: tuple[Session, Trainer] | None = None  # while an epoch trains (with ``guard``)
         self.watch_on = False
         self.guard: StepGuard | None = (
@@ -271,11 +237,9 @@ class _Epochs:
             layout,
             me,
             session,
-            phase=phase,
+            links=self.links,
             resume=self.resume if carried is None else None,
             start=carried.step if carried is not None else None,
-            asks=members.joining,
-            **self.trainer_args,
         )
         if carried is not None:
             carried.load(session, trainer)

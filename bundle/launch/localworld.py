@@ -19,7 +19,9 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,21 +69,26 @@ def _bind_gpu(rank: int, world: int, device: str | None) -> torch.device:
     return dev
 
 
-def _entry(
-    fn: Callable,
-    rank: int,
-    world: int,
-    port: int,
-    out: Any,
-    args: tuple,
-    backend: str,
-    device: str | None,
-    place: tuple[dict[str, str], str, str],
-) -> None:
+@dataclass(frozen=True, kw_only=True)
+class _World:
+    """What every child of a world is started with: ``fn`` and its ``args``, the world's size,
+    the store's port on loopback, the backend, the device (``_bind_gpu``) and ``place``: the
+    caller's environment, working directory and default start method
+    (bundle.launch.process.where_we_are)."""
+
+    fn: Callable
+    size: int
+    port: int
+    args: tuple
+    backend: str
+    device: str | None
+    place: tuple[dict[str, str], str, str]
+
+
+def _entry(w: _World, rank: int, out: Connection) -> None:
     """One child: one thread, a process group, ``fn``, its result sent to the parent (``out``:
-    the sending end of its pipe; ``place``: the caller's environment, working directory and
-    default start method, bundle.launch.process.where_we_are)."""
-    environ, cwd, method = place
+    the sending end of its pipe)."""
+    environ, cwd, method = w.place
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
@@ -90,9 +97,10 @@ def _entry(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    world, backend = w.size, w.backend
     try:
         store = dist.TCPStore(
-            "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=120)
+            "127.0.0.1", w.port, world, is_master=rank == 0, timeout=timedelta(seconds=120)
         )
         # Naming the device forms NCCL's world communicator with every rank now, as a job's
         # workers do (bundle.launch.process.worker_main): point-to-point between two ranks may come first.
@@ -102,9 +110,9 @@ def _entry(
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=120),
-            device_id=_bind_gpu(rank, world, device) if backend == "nccl" else None,
+            device_id=_bind_gpu(rank, world, w.device) if backend == "nccl" else None,
         )
-        result: tuple = ("ok", fn(rank, world, *args))
+        result: tuple = ("ok", w.fn(rank, world, *w.args))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -150,12 +158,8 @@ def run_world(
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]  # (receiving, sending) per child
     place = (dict(os.environ), os.getcwd(), mp.get_start_method())
-    procs = [
-        ctx.Process(
-            target=_entry, args=(fn, r, world, port, pipes[r][1], args, backend, device, place)
-        )
-        for r in range(world)
-    ]
+    w = _World(fn=fn, size=world, port=port, args=args, backend=backend, device=device, place=place)
+    procs = [ctx.Process(target=_entry, args=(w, r, pipes[r][1])) for r in range(world)]
     for p in procs:
         p.start()
     for _, sending in pipes:

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from bundle import log
 from bundle.config import RunConfig
 from bundle.errors import ConfigError
+from bundle.launch.context import Counters, ProcessContext, SharedFloat, StoreAt, WorkerStart
 from bundle.launch.fault import train_on
 from bundle.launch.membership import EXIT_LEFT, BundleLeft
 from bundle.launch.throttle import own_quota
@@ -47,7 +48,13 @@ from bundle.runtime.store import (
 from bundle.runtime.watchdog import StepWatchdog, group_timeout, watch_limit
 from bundle.session import build_session
 from bundle.topology import Topology
-from bundle.trainer import build_trainer
+from bundle.trainer import Links, build_trainer
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
+
+# How the node supervisor starts its workers (``worker_context``).
+WorkerContext: TypeAlias = "SpawnContext | ForkServerContext"
 
 BEAT_S = 0.25  # a worker's signs of life to its node supervisor (``beat``)
 
@@ -75,7 +82,7 @@ def start_step_watchdog(
     ).start()
 
 
-def beat(alive: Any, every: float = BEAT_S) -> None:
+def beat(alive: SharedFloat, every: float = BEAT_S) -> None:
     """A daemon thread that writes the monotonic clock into ``alive`` every ``every`` seconds:
     the node supervisor tells a stopped or frozen process (no beats) from one that waits on its
     peers (a collective or a transfer releases the interpreter, so the beats go on)."""
@@ -91,69 +98,41 @@ def beat(alive: Any, every: float = BEAT_S) -> None:
 # -- one worker process --------------------------------------------------------------------------
 
 
-def worker_main(
-    cfg: RunConfig,
-    topo: Topology,
-    rank: int,
-    local_rank: int,
-    host: str,
-    port: int,
-    step_now: Any = None,
-    *,
-    attempt: int = 0,
-    resume: str | None = None,
-    capture: Capture | None = None,
-    stop_shared: Any = None,
-    host_store: bool = False,
-    alive: Any = None,
-    ft: dict[str, Any] | None = None,
-) -> int:
+def worker_main(start: WorkerStart) -> int:
     """Body of every training process; returns its exit code (128 + signal when stopped by one).
 
-    ``step_now`` (a shared integer) holds the step in progress, for the node supervisor, ``resume``
-    is the checkpoint to start from, ``capture`` the model's graph split made by the launch's
-    checks (None: cut here), ``attempt`` counts restarts, ``stop_shared`` is the
-    supervisor's stop flag (None under torchrun), and ``host_store``: this process serves the
-    job's store at host:port (torchrun's rank 0 when its agent serves none), ``alive`` (a shared
-    float) the last sign of life, for the node supervisor (``beat``); ``ft``: what
-    --fault-tolerance bundle's ``train_on`` is given besides (incarnation, handoff_to, handed).
+    ``start.counters``: what it shares with its node supervisor (None under torchrun: each
+    process then says for itself when it stops); ``start.store_at.serve``: this process serves
+    the job's store (torchrun's rank 0 when its agent serves none).
     """
-    if alive is not None:
-        beat(alive)
+    cfg, topo, rank = start.cfg, start.topo, start.rank
+    if start.counters.alive is not None:
+        beat(start.counters.alive)
     c = topo.coord(rank)
     log.setup(f"[rank {rank} b{c.bundle} s{c.stage}]", verbose=rank == reporter_rank(topo))
     # A supervised worker leaves saying so to its supervisor; under torchrun each one says it.
-    stop = StopRequest(shared=stop_shared, announce=stop_shared is None)
+    shared = start.counters.stop
+    stop = StopRequest(shared=shared, announce=shared is None)
     stop.install(on_second=lambda signum: os._exit(exit_code(signum)))
     backend = torch_backend(resolve_backend(cfg))
     share = topo.cpu_share(rank) if backend == "gloo" else None
-    prepare_backend_env(backend, host, port, topo.procs_per_node, cpu_share=share)
-    store = _job_store(cfg, topo, rank, host, port, attempt, host_store)
+    at = start.store_at
+    prepare_backend_env(backend, at.host, at.port, topo.procs_per_node, cpu_share=share)
+    store = _job_store(start)
     me = topo.describe(rank)
     start_abort_watch(store, rank, me)
     phase = Phase()
     watchdog = start_step_watchdog(store, me, phase, backend, cfg.launch.timeout)
+    proc = ProcessContext(start=start, backend=backend, store=store, phase=phase, stop=stop)
     try:
         if cfg.launch.fault_tolerance == "bundle":
             summary = train_on(
-                cfg,
-                topo,
-                rank,
-                store=store,
-                phase=phase,
+                proc,
                 join=lambda layout, me, prefix: _join(cfg, layout, me, backend, store, prefix),
                 arrive=lambda layout, name: _arrive(cfg, layout, store, name),
-                attempt=attempt,
-                resume=resume,
-                stop=stop,
-                step_now=step_now,
-                capture=capture,
-                **(ft or {}),
             )
         else:
-            summary = _train(
-                cfg, topo, rank, backend, store, phase, attempt, resume, stop, step_now, capture
-            )
+            summary = _train(proc)
         if summary is not None:
             print(summary.line(), flush=True)
         return 0
@@ -163,7 +142,7 @@ def worker_main(
         return EXIT_LEFT
     except Stopped as stopped:
         watchdog.stop()
-        _say_stopped(cfg, local_rank, stopped)
+        _say_stopped(cfg, start.local_rank, stopped)
         return stopped.code
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the other processes
         watchdog.stop()  # this error is the report
@@ -173,21 +152,12 @@ def worker_main(
             dist.destroy_process_group()
 
 
-def _train(
-    cfg: RunConfig,
-    topo: Topology,
-    rank: int,
-    backend: str,
-    store: dist.Store,
-    phase: Phase,
-    attempt: int,
-    resume: str | None,
-    stop: StopRequest,
-    step_now: Any,
-    capture: Capture | None,
-) -> Summary | None:
+def _train(proc: ProcessContext) -> Summary | None:
     """The ordinary run: one world, from the first step to the last."""
-    device = _join(cfg, topo, rank, backend, store)
+    start, phase, stop, store = proc.start, proc.phase, proc.stop, proc.store
+    cfg, topo, rank, capture = start.cfg, start.topo, start.rank, start.capture
+    attempt, resume, step_now = start.attempt, start.resume, start.counters.step_now
+    device = _join(cfg, topo, rank, proc.backend, store)
     session = build_session(
         cfg,
         topo,
@@ -202,32 +172,23 @@ def _train(
         topo,
         rank,
         session,
-        phase=phase,
-        attempt=attempt,
+        links=Links(phase=phase, attempt=attempt, stop=stop, store=store, step_now=step_now),
         resume=resume,
-        stop=stop,
-        store=store,
-        step_now=step_now,
     )
     summary = trainer.train()
     session.comm.barrier()  # the world group: in order with the point-to-point calls
     return summary
 
 
-def _job_store(
-    cfg: RunConfig,
-    topo: Topology,
-    rank: int,
-    host: str,
-    port: int,
-    attempt: int,
-    host_store: bool = False,
-) -> dist.Store:
+def _job_store(start: WorkerStart) -> dist.Store:
+    cfg, topo, rank, at = start.cfg, start.topo, start.rank, start.store_at
     timeout = cfg.launch.init_timeout
-    base = open_store(host, port, server=host_store, timeout=timeout, nodes=cfg.launch.num_nodes)
+    base = open_store(
+        at.host, at.port, server=at.serve, timeout=timeout, nodes=cfg.launch.num_nodes
+    )
     if not cfg.launch.torchrun:
         # Every attempt of a restarted job keeps its keys apart: the store outlives the attempts.
-        return dist.PrefixStore(attempt_prefix(attempt), base)
+        return dist.PrefixStore(attempt_prefix(start.attempt), base)
     # torchrun's groups of workers (restarts, nodes lost or joined) are numbered in the store
     # itself: the agents' restart counts need not agree (bundle/runtime/store.py).
     generation = open_generation(base, rank, topo.world_size, timeout)
@@ -311,7 +272,7 @@ def _report_failure(store: dist.Store, me: str, rank: int, phase: Phase, exc: Ba
 PRELOAD = ["torch", "torch.distributed", "bundle.launch.process"]
 
 
-def worker_context() -> Any:
+def worker_context() -> WorkerContext:
     """How the node supervisor starts its workers: forked from a forkserver that has ``PRELOAD``
     (a fresh interpreter's start-up, without its imports), else spawned."""
     if "forkserver" not in mp.get_all_start_methods():
@@ -340,11 +301,11 @@ def take_place(place: Place) -> None:
     mp.set_start_method(method, force=True)
 
 
-def spawned(*args, place: Place | None = None, **kwargs) -> None:
+def spawned(start: WorkerStart, place: Place | None = None) -> None:
     """Entry of a worker process started by the node supervisor (``place``: ``where_we_are()``)."""
     if place is not None:
         take_place(place)
-    os._exit(worker_main(*args, **kwargs))
+    os._exit(worker_main(start))
 
 
 # -- torchrun --------------------------------------------------------------------------------
@@ -380,19 +341,21 @@ def run_torchrun(
         )
     # No supervisor owns this process's CPU quota (an emulated slower device): it takes its own.
     job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}.{os.getpid()}"
-    quota = own_quota(topo, int(env["RANK"]), torch_backend(resolve_backend(cfg)), job)
-    code = worker_main(
-        cfg,
-        topo,
-        int(env["RANK"]),
-        int(env["LOCAL_RANK"]),
-        env["MASTER_ADDR"],
-        int(env["MASTER_PORT"]),
+    rank = int(env["RANK"])
+    quota = own_quota(topo, rank, torch_backend(resolve_backend(cfg)), job)
+    serve = rank == 0 and env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    start = WorkerStart(
+        cfg=cfg,
+        topo=topo,
+        rank=rank,
+        local_rank=int(env["LOCAL_RANK"]),
+        store_at=StoreAt(host=env["MASTER_ADDR"], port=int(env["MASTER_PORT"]), serve=serve),
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         resume=resume,
         capture=capture,
-        host_store=int(env["RANK"]) == 0 and env["TORCHELASTIC_USE_AGENT_STORE"] == "False",
+        counters=Counters(),
     )
+    code = worker_main(start)
     quota.release()
     # Leave as a self-spawned worker does, without interpreter teardown: it may destroy the store
     # client while the abort-watch thread is inside a call on it (std::terminate, SIGABRT).

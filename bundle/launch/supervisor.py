@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import wait as wait_sentinels
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -42,10 +42,19 @@ from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig
 from bundle.errors import LaunchError, PeerFailure
 from bundle.launch import nodes
+from bundle.launch.context import (
+    Counters,
+    Incarnation,
+    SharedFloat,
+    SharedInt,
+    StoreAt,
+    WorkerStart,
+)
 from bundle.launch.handoff import EXIT_HANDOFF, file_of, handoff_directory
 from bundle.launch.heal import Healer
+from bundle.launch.liveness import Worker, liveness_check
 from bundle.launch.membership import EXIT_LEFT
-from bundle.launch.process import spawned, where_we_are, worker_context
+from bundle.launch.process import WorkerContext, spawned, where_we_are, worker_context
 from bundle.launch.throttle import NodeQuotas, ThrottleError, cpu_shares
 from bundle.partition import Capture
 from bundle.runtime.devices import resolve_backend, torch_backend
@@ -62,7 +71,6 @@ from bundle.runtime.store import (
 from bundle.topology import Topology
 
 _POLL_S = 0.5
-_FROZEN_MIN_S = 3.0
 _KILL_GRACE_S = 5.0
 
 
@@ -117,12 +125,11 @@ def supervise(
 
     stop = StopRequest(shared=ctx.Value("i", 0, lock=False))
     stop.install(on_second=kill_now)
+    here = Node(cfg=cfg, topo=topo, store=store, port=port, spawn=ctx, stop=stop, running=running)
     again = 0  # steps trained again after restarts so far
     try:
         for attempt in range(lc.max_restarts + 1):
-            outcome = _attempt(
-                cfg, topo, store, port, ctx, attempt, (resume, capture), stop, running
-            )
+            outcome = _attempt(here, attempt, resume=resume, capture=capture)
             if outcome.end is End.DONE:
                 return 0
             if outcome.end is End.STOPPED or stop.value:
@@ -157,31 +164,40 @@ def supervise(
         return 1
 
 
-def _attempt(
-    cfg: RunConfig,
-    topo: Topology,
-    base: dist.Store,
-    port: int,
-    ctx: Any,  # a multiprocessing context (process.worker_context)
-    attempt: int,
-    start: tuple[str | None, Capture | None],
-    stop: StopRequest,
-    running: dict[int, BaseProcess],
-) -> Outcome:
-    """Run one attempt of this node's workers until they are done, stopped, or one failed;
-    ``start``: the checkpoint they resume from and the model's graph split (``supervise``)."""
-    lc = cfg.launch
-    node = lc.node_rank
-    store = dist.PrefixStore(attempt_prefix(attempt), base)
-    step_now = {rank: ctx.Value("q", -1, lock=False) for rank in topo.node_ranks(node)}
-    alive = {rank: ctx.Value("d", 0.0, lock=False) for rank in step_now}
+@dataclass(frozen=True, kw_only=True)
+class Node:
+    """What every attempt of this node's workers is started with (``supervise``): the job's
+    store (each attempt's keys under a prefix of their own) and its port, how workers start,
+    the supervisor's stop request (shared with them), and the workers that run now (``running``,
+    killed at once on a second signal)."""
 
-    handoffs = handoff_directory(node) if lc.fault_tolerance == "bundle" else None
-    process = _factory(cfg, topo, port, ctx, attempt, start, stop, step_now, alive, handoffs)
-    procs = {rank: process(rank) for rank in step_now}
+    cfg: RunConfig
+    topo: Topology
+    store: dist.Store
+    port: int
+    spawn: WorkerContext
+    stop: StopRequest
+    running: dict[int, BaseProcess]
+
+
+def _attempt(node: Node, attempt: int, *, resume: str | None, capture: Capture | None) -> Outcome:
+    """Run one attempt of this node's workers until they are done, stopped, or one failed;
+    ``resume``: the checkpoint they start from, ``capture``: the model's graph split."""
+    cfg, topo, ctx, running = node.cfg, node.topo, node.spawn, node.running
+    lc = cfg.launch
+    store = dist.PrefixStore(attempt_prefix(attempt), node.store)
+    ranks = topo.node_ranks(lc.node_rank)
+    step_now: dict[int, SharedInt] = {rank: ctx.Value("q", -1, lock=False) for rank in ranks}
+    alive: dict[int, SharedFloat] = {rank: ctx.Value("d", 0.0, lock=False) for rank in ranks}
+    counters = {
+        r: Counters(step_now=step_now[r], alive=alive[r], stop=node.stop.shared) for r in ranks
+    }
+    handoffs = handoff_directory(lc.node_rank) if lc.fault_tolerance == "bundle" else None
+    process = _factory(node, counters, handoffs, attempt=attempt, resume=resume, capture=capture)
+    procs = {rank: process(rank) for rank in ranks}
     # Emulated slower devices: the supervisor owns its workers' CPU quotas (launch/throttle.py).
     backend = torch_backend(resolve_backend(cfg))
-    quotas = NodeQuotas(cpu_shares(topo, procs, backend), f"{port}.{os.getpid()}")
+    quotas = NodeQuotas(cpu_shares(topo, procs, backend), f"{node.port}.{os.getpid()}")
     for p in procs.values():
         p.start()
     running.clear()
@@ -199,15 +215,17 @@ def _attempt(
             quotas.admit({rank: p.pid})
             return p
 
-        healer = Healer(topo, node, store, heals=lc.max_restarts, start=start_again)
+        healer = Healer(topo, lc.node_rank, store, heals=lc.max_restarts, start=start_again)
 
     def job_failure() -> str | None:
         if healer is not None:
             healer.reap(procs)  # a dead bundle's other processes here
         return stopped_workers() or heartbeat() or read_abort(store)
 
-    heartbeat = nodes.heartbeat_check(base, store, node, topo.num_nodes, lc.timeout, healer)
-    stopped_workers = _liveness(
+    heartbeat = nodes.heartbeat_check(
+        node.store, store, lc.node_rank, topo.num_nodes, lc.timeout, healer
+    )
+    stopped_workers = liveness_check(
         procs, alive, topo, lc.timeout, store, healer.frozen(procs) if healer else None
     )
     outcome = Outcome(End.FAILED, why="the node supervisor lost its workers")
@@ -219,9 +237,9 @@ def _attempt(
             describe=topo.describe,
             check=job_failure,
             post=lambda message: post_abort(store, message),
-            lose=healer.lose if healer else None,
-            restart=healer.restart if healer else None,
-            go_on=healer.go_on if healer else None,
+            recovery=Recovery(lose=healer.lose, restart=healer.restart, go_on=healer.go_on)
+            if healer
+            else None,
         )
         outcome = _finished(cfg, topo, store, outcome, heartbeat)
     except ThrottleError as exc:
@@ -254,55 +272,63 @@ def _finished(
     return Outcome(End.FAILED, why=failure) if failure else outcome
 
 
+class NewWorker(Protocol):
+    def __call__(self, rank: int, incarnation: int = 0, handed: bool = False) -> BaseProcess: ...
+
+
 def _factory(
-    cfg: RunConfig,
-    topo: Topology,
-    port: int,
-    ctx: Any,  # a multiprocessing context (process.worker_context)
+    node: Node,
+    counters: Mapping[int, Counters],
+    handoffs: Path | None,
+    *,
     attempt: int,
-    start: tuple[str | None, Capture | None],
-    stop: StopRequest,
-    step_now: Mapping[int, Any],
-    alive: Mapping[int, Any],
-    handoffs: Path | None = None,
-) -> Callable[..., BaseProcess]:
+    resume: str | None,
+    capture: Capture | None,
+) -> NewWorker:
     """``process(rank, incarnation=0, handed=False)``: a new (unstarted) worker for one of this
     node's ranks (``handed``: it reads the state its previous process left in ``handoffs``)."""
-    lc, (resume, capture) = cfg.launch, start
+    topo, at = node.topo, StoreAt(host=node.cfg.launch.master_addr, port=node.port)
 
     def process(rank: int, incarnation: int = 0, handed: bool = False) -> BaseProcess:
         here = str(file_of(handoffs, rank)) if handoffs else None
-        alive[rank].value = 0.0  # a new worker is not watched for beats before its first
-        return ctx.Process(
-            target=spawned,
-            args=(cfg, topo, rank, topo.local_rank(rank), lc.master_addr, port),
-            kwargs=dict(
-                step_now=step_now[rank],
-                attempt=attempt,
-                resume=resume,
-                capture=capture,
-                stop_shared=stop.shared,
-                alive=alive[rank],
-                place=where_we_are(),
-                ft=dict(
-                    incarnation=incarnation,
-                    handoff_to=here,
-                    handed=here if handed else None,
-                ),
+        alive = counters[rank].alive
+        if alive is not None:
+            alive.value = 0.0  # a new worker is not watched for beats before its first
+        start = WorkerStart(
+            cfg=node.cfg,
+            topo=topo,
+            rank=rank,
+            local_rank=topo.local_rank(rank),
+            store_at=at,
+            attempt=attempt,
+            resume=resume,
+            capture=capture,
+            counters=counters[rank],
+            incarnation=Incarnation(
+                number=incarnation, handoff_to=here, handed=here if handed else None
             ),
+        )
+        return node.spawn.Process(
+            target=spawned,
+            args=(start, where_we_are()),
             name=f"bundle-rank{rank}" + (f".{incarnation}" if incarnation else ""),
         )
 
     return process
 
 
-class Worker(Protocol):
-    @property
-    def sentinel(self) -> int: ...
-    @property
-    def exitcode(self) -> int | None: ...
-    @property
-    def pid(self) -> int | None: ...
+@dataclass(frozen=True, kw_only=True)
+class Recovery:
+    """Under --fault-tolerance bundle, what ``watch`` does with a worker that exited (the node's
+    ``Healer``): ``lose(rank, what)`` takes a failed worker's bundle out of the job (``what`` is
+    empty for a worker that left with its bundle) and returns the job's failure only when no
+    bundle is left; ``restart(rank)`` returns the workers started again in its place, and
+    ``go_on(rank)`` the new worker a survivor that handed its state over (``EXIT_HANDOFF``) goes
+    on in."""
+
+    lose: Callable[[int, str], str | None]
+    restart: Callable[[int], Mapping[int, Worker]] | None = None
+    go_on: Callable[[int], Mapping[int, Worker]] | None = None
 
 
 def watch(
@@ -313,9 +339,7 @@ def watch(
     check: Callable[[], str | None],
     post: Callable[[str], str],
     wait: Callable[[list[int], float], object] = lambda fds, s: wait_sentinels(fds, timeout=s),
-    lose: Callable[[int, str], str | None] | None = None,
-    restart: Callable[[int], Mapping[int, Worker]] | None = None,
-    go_on: Callable[[int], Mapping[int, Worker]] | None = None,
+    recovery: Recovery | None = None,
 ) -> Outcome:
     """Watch this node's workers (rank -> process) until all have exited or the job failed.
 
@@ -323,12 +347,12 @@ def watch(
     failure, posted (``post``, which returns the job's first failure) with its rank and step
     (``step_of``: the last step it began, -1 before the first). ``check`` returns the job's
     failure once there is one (another node's, a stalled heartbeat). Under --fault-tolerance
-    bundle, ``lose(rank, what)`` takes a failed worker's bundle out of the job instead (``what``
-    is empty for a worker that left with its bundle) and returns the job's failure only when
-    no bundle is left; ``restart(rank)`` returns the workers started again in its place, and
-    ``go_on(rank)`` the new worker a survivor that handed its state over (``EXIT_HANDOFF``)
-    goes on in.
+    bundle, ``recovery`` takes a failed worker's bundle out of the job instead, and starts
+    workers again in its place (``Recovery``).
     """
+    lose = recovery.lose if recovery else None
+    restart = recovery.restart if recovery else None
+    go_on = recovery.go_on if recovery else None
     stop_codes = {exit_code(s) for s in (signal.SIGTERM, signal.SIGINT)}
     live, stopped = dict(procs), 0
     while live:
@@ -356,93 +380,6 @@ def watch(
         if failure is not None:
             return Outcome(End.FAILED, why=failure)
     return Outcome(End.STOPPED, signum=stopped) if stopped else Outcome(End.DONE)
-
-
-def frozen_limit(timeout: float) -> float:
-    """Seconds without a sign of life after which a worker is reported stopped responding: well
-    before its peers' ``--timeout`` fires (their report would blame whoever waited first), and
-    never under a few seconds (a busy machine delays a thread, briefly)."""
-    return max(_FROZEN_MIN_S, timeout / 2)
-
-
-def frozen(
-    procs: Mapping[int, Worker],
-    last_beat: Callable[[int], float],
-    describe: Callable[[int], str],
-    limit: float,
-    post: Callable[[int, str], str | None],
-    clock: Callable[[], float] = time.monotonic,
-) -> str | None:
-    """The job's failure once a running worker has given no sign of life (``process.beat``) for
-    ``limit`` seconds: stopped (SIGSTOP, Ctrl-Z, a debugger) or frozen. Its peers, waiting on it,
-    would each time out naming themselves; this names it. Not before its first beat (start-up)."""
-    now = clock()
-    for rank, p in procs.items():
-        last = last_beat(rank)
-        if last > 0 and p.exitcode is None and now - last > limit:
-            failure = post(
-                rank,
-                f"{describe(rank)} stopped responding: no sign of life for {now - last:.0f}s"
-                + _state(p.pid),
-            )
-            if failure is not None:
-                return failure
-    return None
-
-
-def _liveness(
-    procs: Mapping[int, Worker],
-    alive: Mapping[int, Any],
-    topo: Topology,
-    timeout: float,
-    store: dist.Store,
-    report: Callable[[int, str], str | None] | None = None,
-) -> Callable[[], str | None]:
-    """The look at this node's workers' beats that the supervisor takes every poll (``frozen``).
-    ``report`` (--fault-tolerance bundle) takes a frozen worker out; else its failure is posted."""
-    report = report or (lambda rank, message: post_abort(store, message))
-    return unless_paused(
-        lambda: frozen(
-            procs,
-            lambda rank: float(alive[rank].value),
-            topo.describe,
-            frozen_limit(timeout),
-            report,
-        ),
-        _FROZEN_MIN_S / 2,
-    )
-
-
-def unless_paused(
-    check: Callable[[], str | None], gap: float, clock: Callable[[], float] = time.monotonic
-) -> Callable[[], str | None]:
-    """``check``, skipped on a look that comes more than ``gap`` seconds after the previous one:
-    this supervisor did not run either (the whole job was stopped, Ctrl-Z, and continued), so its
-    workers' beats are stale for the same reason; they are read again on the next look."""
-    last = [clock()]
-
-    def look() -> str | None:
-        now = clock()
-        paused, last[0] = now - last[0] > gap, now
-        return None if paused else check()
-
-    return look
-
-
-_STATES = {
-    "T": "its process is stopped (SIGSTOP or Ctrl-Z)",
-    "t": "its process is stopped by a debugger",
-    "D": "its process is in uninterruptible sleep (I/O, or a frozen cgroup)",
-}
-
-
-def _state(pid: int | None) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-    return f" ({_STATES.get(state, 'its threads do not run: the interpreter is blocked')})"
 
 
 def _stopped(cfg: RunConfig, signum: int) -> int:

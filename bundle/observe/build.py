@@ -13,7 +13,7 @@ from bundle.config import RunConfig, parse_steps
 from bundle.observe import timing
 from bundle.observe.board import Board
 from bundle.observe.console import Console
-from bundle.observe.metrics import Reporter
+from bundle.observe.metrics import LossSum, Outputs, Reporter, ReportPlan
 from bundle.observe.trace import KernelProfiler, write_trace
 from bundle.topology import Topology
 
@@ -39,15 +39,18 @@ def make_reporter(
 ) -> Reporter:
     reporting = rank == reporter_rank(topo)
     return Reporter(
-        log_every=cfg.train.log_every,
-        total=total,
-        batch=cfg.train.batch_size,
-        path=cfg.metrics_out,
-        group=session.groups.last_stage,
-        comm=session.comm,
-        reporting=reporting,
-        device=device,
-        start=start,
+        plan=ReportPlan(
+            log_every=cfg.train.log_every, total=total, batch=cfg.train.batch_size, start=start
+        ),
+        loss=LossSum(group=session.groups.last_stage, device=device, comm=session.comm),
+        outputs=Outputs(
+            reporting=reporting,
+            path=cfg.metrics_out,
+            board=Board(cfg.observe.tensorboard if reporting else None, start=start),
+            console=Console(
+                total=total, start=start, steps_per_epoch=steps_per_epoch, enabled=reporting
+            ),
+        ),
         breakdown=timing.Breakdown(
             session.engine.timer,
             group=session.groups.control,
@@ -60,10 +63,6 @@ def make_reporter(
                 cfg.parallel.schedule,
                 cfg.parallel.virtual_stages,
             ),
-        ),
-        board=Board(cfg.observe.tensorboard if reporting else None, start=start),
-        console=Console(
-            total=total, start=start, steps_per_epoch=steps_per_epoch, enabled=reporting
         ),
         lr=lambda: session.optimizer.param_groups[0]["lr"],
         bundles=list(topo.bundles) if cfg.launch.fault_tolerance == "bundle" else None,

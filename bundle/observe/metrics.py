@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from bundle.config import is_reference
 from bundle.engine.comm import Collectives, Comm
@@ -238,45 +239,73 @@ def _significant(value: Any, digits: int = 4) -> Any:
     return value
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReportPlan:
+    """When a ``Reporter`` closes its loss windows: every ``log_every`` steps and after the last,
+    ``total``; ``batch``: the samples of a step (throughput); ``start``: the step a resumed run
+    goes on from (the metrics file keeps the records up to it)."""
+
+    log_every: int
+    total: int
+    batch: int
+    start: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossSum:
+    """Where the loss windows are summed: the last stage's group (None on other stages), its
+    collectives (the last stage's group is an NCCL one on GPUs), the device of the window."""
+
+    group: dist.ProcessGroup | None
+    device: torch.device
+    comm: Comm | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outputs:
+    """Where a ``Reporter`` writes: only the ``reporting`` rank writes the metrics file
+    (``path``; None: none), TensorBoard and the console."""
+
+    reporting: bool
+    path: str | None = None
+    board: Board | None = None
+    console: Console | None = None
+
+
 class Reporter:
     """The last stage's loss windows and what a run reports of them: progress on the console,
     metrics records, TensorBoard scalars, the per-stage time breakdown and the summary.
 
-    A window closes every ``log_every`` steps, at the end, and at every checkpoint, so a resumed
-    run logs the same losses as an uninterrupted one. ``step``, ``flush`` and ``finish`` are
-    called by every rank (the breakdown is gathered from all of them); only the reporting rank
-    writes.
+    A window closes every ``plan.log_every`` steps, at the end, and at every checkpoint, so a
+    resumed run logs the same losses as an uninterrupted one. ``step``, ``flush`` and ``finish``
+    are called by every rank (the breakdown is gathered from all of them); only the reporting
+    rank writes.
     """
 
     def __init__(
         self,
         *,
-        log_every: int,
-        total: int,
-        batch: int,
-        path: str | None,
-        group,
-        reporting: bool,
-        device: torch.device,
-        comm: Comm | None = None,
-        start: int = 0,
+        plan: ReportPlan,
+        loss: LossSum,
+        outputs: Outputs,
         breakdown: Breakdown | None = None,
-        board: Board | None = None,
-        console: Console | None = None,
         lr: Callable[[], float] | None = None,  # the learning rate now
         bundles: list[int] | None = None,  # --fault-tolerance bundle: the job's bundles training
     ) -> None:
-        self.log_every, self.total, self.batch = log_every, total, batch
-        self.group, self.reporting = group, reporting
-        self.comm = comm or Collectives()  # the last stage's group is an NCCL one on GPUs
-        self.metrics = MetricsFile(path if reporting else None, start=start)
+        self.log_every, self.total, self.batch = plan.log_every, plan.total, plan.batch
+        self.group, self.reporting = loss.group, outputs.reporting
+        self.comm = loss.comm or Collectives()
+        self.metrics = MetricsFile(outputs.path if outputs.reporting else None, start=plan.start)
         self.breakdown, self.lr, self.bundles = breakdown, lr, bundles
-        self.board = board or Board(None)
-        self.console = console or Console(
-            total=total, start=start, steps_per_epoch=total, enabled=reporting
+        self.board = outputs.board or Board(None)
+        self.console = outputs.console or Console(
+            total=plan.total,
+            start=plan.start,
+            steps_per_epoch=plan.total,
+            enabled=outputs.reporting,
         )
         self.meter = Meter()
-        self.window, self.steps = torch.zeros((), device=device), 0
+        self.window, self.steps = torch.zeros((), device=loss.device), 0
         self.final_loss: float | None = None
         self.validation: Validation | None = None  # the latest
 

@@ -15,7 +15,7 @@ from torch import nn
 from bundle.engine.device_audit import DEVICE, MARK, DeviceAudit
 from bundle.launch import handoff
 from bundle.launch.handoff import EXIT_HANDOFF, Carried, Handoff, StepGuard, state_onto_params
-from bundle.launch.supervisor import End, Outcome, watch
+from bundle.launch.supervisor import End, Outcome, Recovery, watch
 from tests.unit.test_supervisor import Worker
 
 
@@ -117,8 +117,9 @@ def test_a_survivor_that_handed_off_goes_on_in_a_new_worker_and_the_job_is_not_f
         check=lambda: None,
         post=lambda m: posted.append(m) or m,
         wait=lambda fds, s: None,
-        lose=lambda rank, what: pytest.fail(f"a handoff is no loss: {what}"),
-        go_on=go_on,
+        recovery=Recovery(
+            lose=lambda rank, what: pytest.fail(f"a handoff is no loss: {what}"), go_on=go_on
+        ),
     )
     assert outcome == Outcome(End.DONE) and went_on == [0] and posted == []
 

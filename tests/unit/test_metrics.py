@@ -12,7 +12,7 @@ from bundle import cli, log
 from bundle.observe.build import reporter_rank
 from bundle.observe.metrics import Summary, model_label
 from bundle.topology import Topology
-from bundle.trainer import Run, Trainer
+from bundle.trainer import JobLink, Reporting, Run, Trainer
 
 
 @pytest.mark.parametrize(
@@ -49,11 +49,12 @@ def trainer_of(*argv: str) -> Trainer:
         batches=iter(()),
         lr_schedule=None,  # type: ignore[arg-type]
         checkpointer=parts,  # type: ignore[arg-type]
-        evaluator=None,  # type: ignore[arg-type]
-        reporter=None,  # type: ignore[arg-type]
-        profiler=None,  # type: ignore[arg-type]
-        vote=None,  # type: ignore[arg-type]
-        phase=None,  # type: ignore[arg-type]
+        reporting=Reporting(
+            evaluator=None,  # type: ignore[arg-type]
+            reporter=None,  # type: ignore[arg-type]
+            profiler=None,  # type: ignore[arg-type]
+        ),
+        job=JobLink(phase=None, vote=None),  # type: ignore[arg-type]
     )
 
 

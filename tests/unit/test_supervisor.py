@@ -1,5 +1,5 @@
-"""bundle/launch/supervisor.py: how an attempt of a node's workers ends, from their exit codes
-and the job's store, with fake workers (no processes)."""
+"""bundle/launch/supervisor.py and liveness.py: how an attempt of a node's workers ends, from
+their exit codes, their signs of life and the job's store, with fake workers (no processes)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import subprocess
 import sys
 import time
 
+from bundle.launch.liveness import frozen, frozen_limit, unless_paused
 from bundle.launch.process import beat
-from bundle.launch.supervisor import End, Outcome, frozen, frozen_limit, unless_paused, watch
+from bundle.launch.supervisor import End, Outcome, watch
 
 
 class Worker:
