@@ -20,14 +20,12 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import pairwise
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from bundle.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
-
-    from bundle.config import TrainConfig
 
 LR_SCHEDULES = ("constant", "step", "cosine")
 WARMUP_START = 0.1  # the warm-up's first rate, as a fraction of --lr
@@ -76,7 +74,25 @@ def warmup_steps(warmup_epochs: float, steps_per_epoch: int) -> int:
     return math.floor(Fraction(repr(float(warmup_epochs))) * steps_per_epoch)
 
 
-def needs_epoch_length(train: TrainConfig) -> bool:
+class Settings(Protocol):
+    """What the schedule reads of a run's settings (``bundle.config.TrainConfig`` holds them):
+    declared here, so the settings may import the schedule and not the other way round."""
+
+    @property
+    def steps(self) -> int: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def lr_schedule(self) -> str: ...
+    @property
+    def lr_steps(self) -> tuple[Milestone, ...]: ...
+    @property
+    def lr_gamma(self) -> float: ...
+    @property
+    def warmup_epochs(self) -> float: ...
+
+
+def needs_epoch_length(train: Settings) -> bool:
     """Whether checking the schedule against the run needs the steps per epoch (the data's size):
     the schedule counts in epochs and the run in steps, or the other way round."""
     counts_steps = bool(train.steps)
@@ -85,12 +101,12 @@ def needs_epoch_length(train: TrainConfig) -> bool:
     return (counts_steps and in_epochs) or (not counts_steps and in_steps)
 
 
-def milestone_steps(train: TrainConfig, steps_per_epoch: int) -> tuple[int, ...]:
+def milestone_steps(train: Settings, steps_per_epoch: int) -> tuple[int, ...]:
     """Every ``--lr-steps`` milestone as the step it takes effect at."""
     return tuple(m.at if m.unit == "step" else m.at * steps_per_epoch for m in train.lr_steps)
 
 
-def past_the_run(train: TrainConfig, *, steps_per_epoch: int, total: int) -> tuple[Milestone, ...]:
+def past_the_run(train: Settings, *, steps_per_epoch: int, total: int) -> tuple[Milestone, ...]:
     """The milestones a run of ``total`` steps ends before: they change no step's rate."""
     steps = milestone_steps(train, steps_per_epoch)
     return tuple(m for m, at in zip(train.lr_steps, steps, strict=True) if at >= total)
@@ -108,7 +124,7 @@ class LRSchedule:
     total: int = 1
 
     @classmethod
-    def of(cls, train: TrainConfig, *, steps_per_epoch: int, total: int) -> LRSchedule:
+    def of(cls, train: Settings, *, steps_per_epoch: int, total: int) -> LRSchedule:
         """The schedule of a run of ``total`` steps, without the milestones it ends before; a
         warm-up that does not end inside the run is a ConfigError naming the flag (unlike a late
         milestone, it would change the rate of every step)."""

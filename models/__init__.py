@@ -19,17 +19,20 @@ equals ``model(x)``: a model's own chain where it has one (the small models, Res
 torch.export where fx cannot trace; made once and handed to the job's other processes as bytes
 by ``models.split_io``). ``whole(model)`` is the one block of a one-stage shape,
 never traced.
+
+Modules, from the bottom: ``refs`` (a user's function by reference), ``inputs``, ``outputs`` (a
+batch's named inputs; the output rule and ``Whole``), ``small``, ``gpt``, ``vision`` (the models shipped), ``hf``, ``pretrained``
+(``transformers`` classes; ``--pretrained DIR``), ``export`` (the torch.export capture),
+``segment`` (one block of a graph split), ``analysis`` (the traced graph read once: where modules
+begin, what crosses, what is recomputed), ``graph`` (the capture and the cut), ``split_io`` (a
+split as bytes).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +44,7 @@ from bundle.models import graph, hf, pretrained
 from bundle.models.gpt import GPT
 from bundle.models.inputs import Batch, Inputs
 from bundle.models.outputs import Whole, call_kwargs, check_forward, select
+from bundle.models.refs import load_callable
 from bundle.models.small import (
     MLP,
     Block,
@@ -190,44 +194,6 @@ def build_on_meta(
             config_file=config_file,
         )
         return cpu.to("meta")
-
-
-def _import(name: str) -> Any:
-    """``pkg.mod:attr`` or ``path/file.py:attr`` -> the attribute (the current directory first)."""
-    where, _, attr = name.rpartition(":")
-    try:
-        if where.endswith(".py"):
-            path = Path(where).resolve()
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            if spec is None or spec.loader is None or not path.is_file():
-                raise ImportError(f"no file {where}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules.setdefault(path.stem, module)
-            spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(where)
-    except Exception as exc:  # noqa: BLE001 - whatever the user's import raised
-        raise ConfigError(
-            "--model", name, f"cannot import {where}: {type(exc).__name__}: {exc}"
-        ) from None
-    target: Any = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ConfigError("--model", name, f"{where} has no attribute {attr!r}")
-        target = getattr(target, part)
-    return target
-
-
-def load_callable(name: str, what: str) -> Callable[..., Any]:
-    """A user's function named ``module:function`` (the factories of models, data and losses)."""
-    fn = _import(name)
-    if not callable(fn):
-        raise ConfigError(
-            what, name, f"{name.rpartition(':')[2]} is a {type(fn).__name__}, not a function"
-        )
-    return fn
 
 
 def _from_factory(

@@ -33,6 +33,7 @@ from safetensors import safe_open
 from bundle.errors import ConfigError
 from bundle.models import hf
 from bundle.models.hf import LANGUAGE_MODELS, POSITION_FIELDS, current_name
+from bundle.models.refs import load_callable
 
 FLAG = "--pretrained"
 CONFIG = "config.json"
@@ -152,8 +153,6 @@ def build(
     The checkpoint's config wins where its weights depend on it: a language model keeps its
     vocabulary and a text model its positions, and data that cannot fit them is refused; a
     classifier's ``num_labels`` follows the data (its head is then initialised afresh, noted)."""
-    from bundle.models import load_callable  # the package imports this module
-
     cls: Any = load_callable(name, "--model") if ":" in name else None
     if cls is None or not hf.is_pretrained_class(cls):
         raise ConfigError(

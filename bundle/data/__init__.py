@@ -4,6 +4,7 @@ sample is read in, the same under any shape.
 Modules, from the data up:
 
 - ``tokenizer``: text to token ids and back (bytes, or ``--tokenizer DIR``);
+- ``splits``: ``DataSplits``, what a dataset gives the run (splits, classes, the model's input);
 - ``samples``: how one sample is read: by key, seeded augmentations, samples that cannot be read;
 - ``order``: which samples each step trains on, and each stage-0 replica's rows of them: a pure
   function of ``(seed, epoch, global index)``;
@@ -13,6 +14,8 @@ Modules, from the data up:
 - ``shards``: those shards on disk: their ``index.json`` (checked, verified) and one split read as
   one memory-mapped sequence of tokens (``TokenStream``);
 - ``tokens``: ``--dataset tokens``: such a corpus's windows, in an order drawn without a table;
+- ``data_files``: ``--data-files``: the files its globs match, in order, the ``datasets`` builder
+  that reads each, and their digest (what a stream's position is counted in);
 - ``stream``: ``--dataset hf``: .jsonl(.gz)/.parquet files streamed with ``datasets``, tokenized
   and packed as they are read (prepare's split and encoder), resumed from a recorded position;
 - ``classify``: ``--dataset hf --label-field``: a row each, one text classification sample,

@@ -31,9 +31,9 @@ import torch
 from torch.utils.data import Dataset
 
 from bundle.config import DataConfig
-from bundle.data import stream, tokenizer
+from bundle.data import data_files, tokenizer
 from bundle.data.prepare import is_val
-from bundle.data.sources import DataSplits
+from bundle.data.splits import DataSplits
 from bundle.errors import DataError, shown
 from bundle.models.inputs import of_sample
 
@@ -208,8 +208,8 @@ def read(cfg: DataConfig, *, with_text: bool = True) -> Rows:
     text = cfg.text_field if with_text else None
     texts: list[Any] = []
     labels = _Labels(label)
-    for path in stream.files_of(cfg.data_files or ""):
-        if stream.builder_of(path) == "parquet":
+    for path in data_files.files_of(cfg.data_files or ""):
+        if data_files.builder_of(path) == "parquet":
             got, values = _parquet(path, text, label)
         else:
             raw, values = _json(path, text, label)

@@ -18,17 +18,17 @@ import gzip
 import importlib.util
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TypeGuard
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from bundle.config import DataConfig, is_reference
 from bundle.data import tokenizer, tokens
 from bundle.data.samples import Guarded, SeededAugment, known_labels, size
+from bundle.data.splits import DataSplits as DataSplits
 from bundle.errors import ConfigError, DataError
 from bundle.models.inputs import Inputs, of_sample
 
@@ -45,16 +45,6 @@ def _root(cfg: DataConfig) -> str:
             f"--dataset {cfg.dataset} needs DATA_DIR (a directory with train/ and val/)"
         )
     return cfg.root
-
-
-@dataclass(frozen=True)
-class DataSplits:
-    train: Dataset[Any]
-    val: Dataset[Any]
-    num_classes: int
-    input_shape: tuple[int, ...]  # the primary input's, per row
-    # Named inputs (models.inputs): None where a sample's input is one tensor.
-    inputs: Inputs | None = None
 
 
 def digits_arrays() -> tuple[Any, Any]:

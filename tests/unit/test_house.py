@@ -1,7 +1,8 @@
-"""The house rules the code keeps: no function in bundle/ over 80 lines, each package's
-``__init__`` a module map naming every module of its package, and floors that run one way (the
-launching side above the trainer, the runtime below it), and a worker that starts without the
-heavy packages it does not use."""
+"""The house rules the code keeps, measured by walking the library's source (``bundle/`` and the
+``models/`` it links to): no function over 80 lines or 8 parameters, no file over 450 lines, no
+modules that import each other in a circle, each package's ``__init__`` a module map naming every
+module of its package, floors that run one way (the launching side above the trainer, the runtime
+below it), and a worker that starts without the heavy packages it does not use."""
 
 from __future__ import annotations
 
@@ -14,12 +15,23 @@ import bundle
 
 ROOT = Path(bundle.__file__).parent
 MAX_LINES = 80
+MAX_PARAMETERS = 8
+MAX_FILE_LINES = 450
+
+
+def library_files(root: Path = ROOT) -> list[Path]:
+    """Every source file of the library, through the ``models`` link (which ``rglob`` does not
+    follow), as paths under ``root``."""
+    found = set(root.rglob("*.py"))
+    for link in (p for p in root.iterdir() if p.is_symlink() and p.is_dir()):
+        found |= {link / f.relative_to(link.resolve()) for f in link.resolve().rglob("*.py")}
+    return sorted(found)
 
 
 def function_lengths(root: Path = ROOT) -> list[tuple[int, str]]:
     """(lines, "path:line name") of every function and method, def line through last line."""
     found = []
-    for path in sorted(root.rglob("*.py")):
+    for path in library_files(root):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1
@@ -36,6 +48,124 @@ def test_the_length_check_sees_a_long_function(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))
     (tmp_path / "long.py").write_text(f"def long():\n{body}\n")
     assert function_lengths(tmp_path)[0][0] == MAX_LINES + 1
+
+
+def parameter_counts(root: Path = ROOT) -> list[tuple[int, str]]:
+    """(parameters, "path:line name") of every function and method: each parameter but
+    ``self``/``cls``, ``*args`` and ``**kwargs`` one each."""
+    found = []
+    for path in library_files(root):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                named = [
+                    x
+                    for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)
+                    if x.arg not in ("self", "cls")
+                ]
+                count = len(named) + bool(a.vararg) + bool(a.kwarg)
+                found.append((count, f"{path.relative_to(root.parent)}:{node.lineno} {node.name}"))
+    return sorted(found, reverse=True)
+
+
+def test_no_function_takes_more_than_8_parameters():
+    many = [f"{where} ({n})" for n, where in parameter_counts() if n > MAX_PARAMETERS]
+    assert many == []
+
+
+def test_the_parameter_check_counts_keyword_only_and_star_arguments(tmp_path):
+    (tmp_path / "wide.py").write_text(
+        "class C:\n    def m(self, a, /, b, *rest, c, d=1, **kw):\n        pass\n"
+    )
+    assert parameter_counts(tmp_path) == [(6, f"{tmp_path.name}/wide.py:2 m")]
+
+
+def file_lengths(root: Path = ROOT) -> list[tuple[int, str]]:
+    """(lines, path) of every library file, longest first."""
+    found = [
+        (len(p.read_text().splitlines()), str(p.relative_to(root.parent)))
+        for p in library_files(root)
+    ]
+    return sorted(found, reverse=True)
+
+
+def test_no_library_file_is_longer_than_450_lines():
+    long = [f"{where} ({n} lines)" for n, where in file_lengths() if n > MAX_FILE_LINES]
+    assert long == []
+
+
+def test_the_file_check_reads_through_the_models_link(tmp_path):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "big.py").write_text("x = 1\n" * (MAX_FILE_LINES + 1))
+    (tmp_path / "lib" / "models").symlink_to(tmp_path / "elsewhere")
+    assert file_lengths(tmp_path / "lib") == [(MAX_FILE_LINES + 1, "lib/models/big.py")]
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Each library module -> the library modules it imports (at the top or in a function): a
+    ``from package import name`` names the module ``name`` where there is one, else the package."""
+    paths = {}
+    for path in library_files(root):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {m: set() for m in paths}
+    for module, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                while name not in paths and "." in name:
+                    name = name.rpartition(".")[0]
+                if name in paths and name != module:
+                    graph[module].add(name)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import one another in a circle (strongly connected, 2 or more)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:  # Tarjan's, on a graph of a hundred nodes
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return found
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_check_sees_a_circle_through_an_import_inside_a_function(tmp_path):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "__init__.py").write_text("")
+    (lib / "a.py").write_text("from lib import b\n")
+    (lib / "b.py").write_text("def f():\n    from lib.c import x\n")
+    (lib / "c.py").write_text("import lib.a\n")
+    (lib / "d.py").write_text("from lib import a\n")  # into the circle, not part of it
+    assert circles(import_graph(lib)) == [["lib.a", "lib.b", "lib.c"]]
 
 
 def test_every_package_map_names_its_modules():
