@@ -43,7 +43,7 @@ from bundle.plan.search import (
     _variants,
     search,
 )
-from bundle.plan.split import Splitter, compositions, micro_counts
+from bundle.plan.split import Splitter, compositions, micro_counts, slowest_first
 from bundle.topology import Place
 
 _QUANTUM = 4  # row weights in quarters: 1, 1.25, ..., readable on a command line
@@ -138,17 +138,7 @@ class _MixedSplitter:
         return self._stage[key]
 
     def split(self, mixes: list[Counter[str]], micro_rows: int) -> tuple[tuple[int, ...], float]:
-        f = self.stage(mixes[0], micro_rows)[0].copy()
-        back = []
-        for mix in mixes[1:]:
-            m = np.maximum(f[:, None], self.stage(mix, micro_rows))
-            back.append(m.argmin(axis=0))
-            f = m.min(axis=0)
-        starts, i = [], self.n
-        for arg in reversed(back):
-            i = int(arg[i])
-            starts.append(i)
-        return (0, *reversed(starts)), float(f[self.n])
+        return slowest_first([self.stage(mix, micro_rows) for mix in mixes], self.n)
 
 
 def _orders(devs: list[Device], rate: dict[str, float]) -> list[list[int]]:

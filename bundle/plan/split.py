@@ -56,18 +56,24 @@ class Splitter:
 
     def split(self, widths: tuple[int, ...], micro_rows: int) -> tuple[tuple[int, ...], float]:
         """(start block of each stage, the slowest stage's cycle)."""
-        rows = [math.ceil(micro_rows / w) for w in widths]
-        f = self.matrix(rows[0])[0].copy()
-        back = []
-        for r in rows[1:]:
-            m = np.maximum(f[:, None], self.matrix(r))
-            back.append(m.argmin(axis=0))
-            f = m.min(axis=0)
-        starts, i = [], self.n
-        for arg in reversed(back):
-            i = int(arg[i])
-            starts.append(i)
-        return (0, *reversed(starts)), float(f[self.n])
+        return slowest_first([self.matrix(math.ceil(micro_rows / w)) for w in widths], self.n)
+
+
+def slowest_first(cycles: list[np.ndarray], n: int) -> tuple[tuple[int, ...], float]:
+    """The split of ``n`` blocks into ``len(cycles)`` stages whose slowest stage is fastest:
+    ``cycles[k][j, i]`` is stage k's cycle over blocks ``j..i-1``; (each stage's first block,
+    that slowest cycle). A dynamic program over the stages, one min-max step each."""
+    f = cycles[0][0].copy()
+    back = []
+    for c in cycles[1:]:
+        m = np.maximum(f[:, None], c)
+        back.append(m.argmin(axis=0))
+        f = m.min(axis=0)
+    starts, i = [], n
+    for arg in reversed(back):
+        i = int(arg[i])
+        starts.append(i)
+    return (0, *reversed(starts)), float(f[n])
 
 
 def search_widths(
