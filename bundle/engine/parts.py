@@ -1,9 +1,11 @@
 """What a ``StageEngine`` (bundle.engine.stage_engine) is built from: its model chunks with their
 gradient syncs and transports, its optimizer and the syncs that run after it, the options of its
-steps; and what the data hands it for one micro-batch."""
+steps, the hooks the job around declares inside a step; and what the data hands it for one
+micro-batch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,3 +79,14 @@ class StepOptions:
     scaler: LossScaler | None = None
     loss: Loss | None = None
     early_receives: bool = False
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What the job around a step declares it does inside it (``--fault-tolerance bundle``):
+    ``commit(step)`` between the gradient sync and the optimizer step (the vote: a step is taken
+    by every process or by none), ``updated(step)`` once the update is enqueued (a survivor's
+    state is taken between steps, never halfway through an update). None: nothing there."""
+
+    commit: Callable[[int], None] | None = None
+    updated: Callable[[int], None] | None = None

@@ -3,7 +3,6 @@ calls they make, the gradient sync and the optimizer step."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +14,7 @@ from bundle.engine.parts import (
     Chunk,
     EngineParts,
     MicroBatch,
+    StepHooks,
     StepOptions,
     given_batch,
     given_labels,
@@ -116,12 +116,8 @@ class StageEngine:
         self.max_in_flight = [
             peak_in_flight([a for a in self.actions if a.chunk == c]) for c in range(V)
         ]
-        # Called between the gradient sync and the optimizer step (--fault-tolerance bundle's
-        # vote: a step is taken by every process or by none; bundle.launch.fault).
-        self.commit: Callable[[int], None] | None = None
-        # Called once the step's update is enqueued (--fault-tolerance bundle: a survivor's state
-        # is taken between steps, never halfway through an update).
-        self.updated: Callable[[int], None] | None = None
+        # What the job around declares it does inside a step (bundle.launch.fault): none here.
+        self.hooks = StepHooks()
         # (step, what): formatted only when an error is reported, never in the hot path.
         self._at: tuple[int, object] = (-1, "set-up")
         self.peak_in_flight = 0
@@ -311,9 +307,9 @@ class StageEngine:
         if self.ties:
             self._at = (step, "tied weights' gradient sum")
             self.ties.sum()
-        if self.commit is not None:
+        if self.hooks.commit is not None:
             self._at = (step, "commit vote")
-            self.commit(step)
+            self.hooks.commit(step)
         lap(Mark.SYNC)
         self._at = (step, "optimizer")
         params = [p for c in self.chunks for p in c.stage.parameters()]
@@ -321,8 +317,8 @@ class StageEngine:
             self.optimizer.step()
         for c in self.chunks:
             c.sync.zero_grad(self.optimizer)
-        if self.updated is not None:
-            self.updated(step)
+        if self.hooks.updated is not None:
+            self.hooks.updated(step)
         lap(Mark.OPTIMIZER)
         if self.outer is not None:
             self._at = (step, "sync between bundles")

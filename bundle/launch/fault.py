@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from bundle import log
+from bundle.engine.parts import StepHooks
 from bundle.launch import handoff
 from bundle.launch.context import ProcessContext
 from bundle.launch.handoff import GUARD_WAIT_S, Carried, Handoff, StepGuard
@@ -247,10 +248,11 @@ class _Epochs:
             same_everywhere(session, layout)
             self.fresh = ()
         trainer.bundle_failures, trainer.heals = members.failures, members.heals
-        session.engine.commit = trainer.vote.commit  # the stop vote, cast at the commit
+        # The stop vote, cast at the commit; watched, the step guard's around it.
+        session.engine.hooks = StepHooks(commit=trainer.vote.commit)
         if self.watch_on:
             guard = StepGuard(trainer.committed, trainer.vote.commit, cuda=device.type == "cuda")
-            session.engine.commit, session.engine.updated = guard.commit, guard.updated
+            session.engine.hooks = StepHooks(commit=guard.commit, updated=guard.updated)
             self.live, self.guard = (session, trainer), guard
         phase.follow(session.engine)
         return session, trainer
