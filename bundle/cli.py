@@ -11,7 +11,7 @@ import yaml  # type: ignore[import-untyped,unused-ignore]
 
 from bundle import config as C
 from bundle import options, yaml_input
-from bundle.errors import BundleError, ConfigError
+from bundle.errors import BundleError, ConfigError, ExitCode
 
 # main.py's first docstring line: the command's --help says what it is.
 DESCRIPTION = (
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return supervise(plan.cfg, plan.topo, plan.resume, plan.capture)
     except BundleError as exc:
         print(f"main.py: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.INPUT
     finally:
         if lock is not None:
             lock.release()

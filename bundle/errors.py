@@ -1,8 +1,28 @@
-"""Typed errors of the engine: each carries the offending value; only bundle.cli.main maps them to exit codes."""
+"""Typed errors of the engine: each carries the offending value; only bundle.cli.main maps them to
+exit codes. Every exit code a process of a job ends with is one ``ExitCode``."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """How a process ends, and who reads it (a supervisor watching its workers, a user's shell).
+
+    A signal's code is ``128 + signum`` (``signalled``), as a shell reports it."""
+
+    OK = 0  # done: trained, exported, generated
+    FAILED = 1  # a failure (a crash, a stall, a lost peer): its line says which rank and step
+    INPUT = 2  # an input refused before any work: a flag, a file, a model (main.py, the tools)
+    LEFT = 3  # --fault-tolerance bundle: a worker whose bundle left the job; not a failure itself
+    HANDOFF = 4  # a survivor that wrote its state for a new process of its rank; not a failure
+
+
+def signalled(signum: int) -> int:
+    """The exit code of a process ended by a stop signal (``128 + signum``, as a shell has it)."""
+    return 128 + signum
+
 
 # Characters of a value an error shows at most: a value read from a file may be as large as the
 # file lets it be (or larger: a YAML list repeated by aliases), and one line must stay one line.

@@ -43,7 +43,7 @@ from bundle.checkpoint import format as ckpt
 from bundle.checkpoint import hf_export
 from bundle.config import is_reference, parse_model_args
 from bundle.data import tokenizer
-from bundle.errors import BundleError, ConfigError, positive
+from bundle.errors import BundleError, ConfigError, ExitCode, positive
 
 PROG = "python -m bundle.generate"
 TRUST = "--trust-checkpoint-code"
@@ -405,7 +405,7 @@ def main(argv: list[str]) -> int:
         )
     except BundleError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.INPUT
     sys.stdout.write(words.decode(tokens) + "\n")
     return 0
 

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from bundle.checkpoint import format as ckpt
-from bundle.errors import BundleError, CheckpointError
+from bundle.errors import BundleError, CheckpointError, ExitCode
 
 PROG = "python -m bundle.checkpoint export"
 
@@ -90,21 +90,21 @@ def _hf(args: argparse.Namespace) -> str:
 def main(argv: list[str]) -> int:
     if not argv or argv[0] != "export":
         _parser().print_usage(sys.stderr)
-        return 2
+        return ExitCode.INPUT
     parser = _parser()
     try:
         args = parser.parse_args(argv[1:])
         if (args.out is None) == (args.hf is None):
             parser.error("give OUT.pt (one weights file) or --hf OUT (a directory), one of them")
     except SystemExit as exc:  # argparse said why: usage and one line, exit 2
-        return exc.code if isinstance(exc.code, int) else 2
+        return exc.code if isinstance(exc.code, int) else ExitCode.INPUT
     try:
         # A save directory: its newest whole step (bundle.generate reads one so too).
         args.checkpoint = ckpt.step_or_newest(args.checkpoint, _note)
         line = _hf(args) if args.hf is not None else _pt(args.checkpoint, args.out)
     except BundleError as exc:
         print(f"python -m bundle.checkpoint: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.INPUT
     print(line)
     return 0
 

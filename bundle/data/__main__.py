@@ -12,7 +12,7 @@ import sys
 
 from bundle.data.prepare import Options, Summary, prepare
 from bundle.data.shards import SPLITS
-from bundle.errors import BundleError
+from bundle.errors import BundleError, ExitCode
 
 PROG = "python -m bundle.data"
 
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
         summary = prepare(opts, progress=sys.stderr if sys.stderr.isatty() else None)
     except BundleError as exc:
         print(f"{PROG} prepare: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.INPUT
     print(summary_line(summary))
     return 0
 

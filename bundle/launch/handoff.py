@@ -37,11 +37,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
+from bundle.errors import ExitCode
+
 if TYPE_CHECKING:
     from bundle.session import Session
     from bundle.trainer import Trainer
 
-EXIT_HANDOFF = 4  # a survivor that wrote its state for a new process of its rank (not a failure)
+EXIT_HANDOFF = ExitCode.HANDOFF  # a survivor that wrote its state for a new process of its rank
 GUARD_WAIT_S = 5.0  # how long a survivor waits for its step's update to be enqueued
 
 

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from bundle.errors import BundleError, PeerFailure
+from bundle.errors import BundleError, ExitCode, PeerFailure
 from bundle.runtime import control
 from bundle.topology import Topology
 
 POLL_S = 0.05
-EXIT_LEFT = 3  # a worker whose bundle left the job (a process of it failed): not a failure itself
+EXIT_LEFT = ExitCode.LEFT  # a worker whose bundle left the job (a process of it failed)
 
 # How gloo words a peer that went away or a wait that ran out (c10d raises them as RuntimeError).
 _LOSS_WORDS = ("Connection closed", "Connection reset", "Timed out", "timed out", "Broken pipe")

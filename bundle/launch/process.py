@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from bundle import log
 from bundle.config import RunConfig
-from bundle.errors import ConfigError
+from bundle.errors import ConfigError, ExitCode
 from bundle.launch.context import Counters, ProcessContext, SharedFloat, StoreAt, WorkerStart
 from bundle.launch.fault import train_on
 from bundle.launch.membership import EXIT_LEFT, BundleLeft
@@ -135,7 +135,7 @@ def worker_main(start: WorkerStart) -> int:
             summary = _train(proc)
         if summary is not None:
             print(summary.line(), flush=True)
-        return 0
+        return ExitCode.OK
     except BundleLeft as left:  # a process of this bundle failed: the others train on
         watchdog.stop()
         log.get().warning(f"{me}: {left}; this process leaves")
@@ -263,7 +263,7 @@ def _report_failure(store: dist.Store, me: str, rank: int, phase: Phase, exc: Ba
             raise exc
     else:
         log.get().error(f"stopping rank {rank}: {cause}")
-    return 1
+    return ExitCode.FAILED
 
 
 # What every worker imports: the node supervisor's forkserver imports it once, and each worker it

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from bundle import log
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig
-from bundle.errors import LaunchError, PeerFailure
+from bundle.errors import ExitCode, LaunchError, PeerFailure
 from bundle.launch import nodes
 from bundle.launch.context import (
     Counters,
@@ -131,12 +131,12 @@ def supervise(
         for attempt in range(lc.max_restarts + 1):
             outcome = _attempt(here, attempt, resume=resume, capture=capture)
             if outcome.end is End.DONE:
-                return 0
+                return ExitCode.OK
             if outcome.end is End.STOPPED or stop.value:
                 return _stopped(cfg, outcome.signum or stop.value)
             if attempt == lc.max_restarts:
                 logger.error(f"job failed: {outcome.why}")
-                return 1
+                return ExitCode.FAILED
             logger.warning(
                 f"attempt {attempt + 1} failed: {outcome.why}; restart {attempt + 1} of "
                 f"{lc.max_restarts} from the newest checkpoint"
@@ -146,7 +146,7 @@ def supervise(
                 store_barrier(store, restart, topo.num_nodes, lc.init_timeout)
             except PeerFailure as exc:
                 logger.error(f"job failed: {outcome.why}; no restart: {exc}")
-                return 1
+                return ExitCode.FAILED
             resume, notes = ckpt.resolve(
                 "auto" if cfg.checkpoint.save_dir else None, cfg.checkpoint.save_dir
             )
@@ -156,12 +156,12 @@ def supervise(
             if node == 0:
                 next_keys = dist.PrefixStore(attempt_prefix(attempt + 1), store)
                 next_keys.set(LOST_STEPS_KEY, str(again))
-        return 1
+        return ExitCode.FAILED
     except (RuntimeError, LaunchError) as exc:  # a store call failed: its host, node 0, is gone
         store_at = f"the job's store at {lc.master_addr}:{port}"
         lost = f"lost contact with node 0 ({store_at})" if node else store_at
         logger.error(f"job failed: {lost}: {exc}")
-        return 1
+        return ExitCode.FAILED
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bundle.errors import ConfigError
+from bundle.errors import ConfigError, signalled
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DEBOUNCE_S = 2.0
@@ -37,7 +37,8 @@ HEAL_FAULT_ENV = "BUNDLE_HEAL_FAULT"
 
 
 def exit_code(signum: int) -> int:
-    return 128 + signum
+    """What a process stopped by ``signum`` exits with (``errors.signalled``)."""
+    return signalled(signum)
 
 
 class StopRequest:

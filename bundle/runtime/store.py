@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from bundle import log
 from bundle.config import DEFAULT_PORT, LaunchConfig, RunConfig
-from bundle.errors import LaunchError, PeerFailure
+from bundle.errors import ExitCode, LaunchError, PeerFailure
 from bundle.runtime import control
 
 ABORT_KEY = "bundle/abort"
@@ -276,7 +276,7 @@ def start_abort_watch(store: dist.Store, rank: int, me: str) -> None:
                 msg = "lost contact with the job's store (node 0 is gone)"
             if msg is not None and not msg.startswith(me):
                 log.get().error(f"stopping rank {rank}: {msg}")
-                os._exit(1)
+                os._exit(ExitCode.FAILED)
 
     threading.Thread(target=watch, name="bundle-abort-watch", daemon=True).start()
 

@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from bundle.errors import ExitCode
+
 NCCL_GRACE_S = 30.0
 # Longer than the 2 s a failing worker waits for an earlier report before it posts its own.
 GLOO_GROUP_GRACE_S = 3.0
@@ -99,7 +101,7 @@ class StepWatchdog:
         # The store may be gone: the process ends all the same.
         with contextlib.suppress(Exception):
             self.report(f"{self.me} stalled at {at}: no progress in {self.limit:g}s")
-        self.exit(1)
+        self.exit(ExitCode.FAILED)
         return True
 
     def stop(self) -> None:

@@ -10,7 +10,9 @@ import pytest
 
 from bundle import cli
 from bundle import config as C
-from bundle.errors import ConfigError
+from bundle.errors import ConfigError, ExitCode, signalled
+from bundle.launch.handoff import EXIT_HANDOFF
+from bundle.launch.membership import EXIT_LEFT
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -303,3 +305,12 @@ def test_an_alias_is_a_yaml_key_too(tmp_path, original, alias, value, field):
     path = tmp_path / "run.yaml"
     path.write_text(f"world-size: 4\n{alias.lstrip('-')}: {value}\n")
     assert cfg(["--config", str(path)]) == cfg(["--world-size", "4", original, value])
+
+
+def test_every_exit_code_is_one_value_and_the_docs_give_the_same_numbers():
+    assert [int(c) for c in ExitCode] == [0, 1, 2, 3, 4]  # distinct: a supervisor tells them apart
+    assert (EXIT_LEFT, EXIT_HANDOFF, signalled(15)) == (ExitCode.LEFT, ExitCode.HANDOFF, 143)
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "fault-tolerance.md").read_text()
+    assert (
+        f"exit code {int(ExitCode.LEFT)}" in docs and f"exit code {int(ExitCode.HANDOFF)}" in docs
+    )
