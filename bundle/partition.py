@@ -223,11 +223,9 @@ class Stage(nn.Module):
         self.input_dtype = torch.float32
         # The batch's named inputs (models.inputs), in the order the first stage takes them.
         self.input_names: tuple[str, ...] = ()
-
-    @property
-    def side(self) -> tuple[str, ...]:
-        """The named inputs this stage's blocks read from the data besides what they receive."""
-        return tuple(dict.fromkeys(n for m in self.blocks for n in getattr(m, "side", ())))
+        # The named inputs its blocks read from the data besides what they receive (read once
+        # here: the engine asks every micro-batch).
+        self.side = tuple(dict.fromkeys(n for _, m in blocks for n in getattr(m, "side", ())))
 
     def forward(
         self, *inputs: torch.Tensor, side: Mapping[str, torch.Tensor] | None = None
