@@ -20,7 +20,11 @@ From the data up:
   user's own ``models`` package never meets it);
 - ``plan_file``: ``--plan FILE``: a planner's saved plan (options, placement, data) to run as is;
 - ``preflight``: every check made before a process starts;
-- ``engine/``: one replica of one stage running a step (schedule, calls, transport, sync);
+- ``ir/``: the schedule IR, pure: each stage's actions (the schedules' registry), lockstep
+  rounds, a step's point-to-point calls and their replay on NCCL's in-order streams;
+- ``collectives/``: the NCCL groups' collectives behind one interface, ``--backend nccl-emu``
+  and its device audit;
+- ``engine/``: one replica of one stage running a step (transport, sync, precision, optimizer);
 - ``session``: one rank's stage, groups, engine and data, built once;
 - ``evaluate``, ``trainer``: the validation pass, and the ``Trainer`` whose loop drives it all;
 - ``checkpoint/``, ``observe/``: what is saved and resumed; what a run reports of itself;

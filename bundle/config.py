@@ -34,8 +34,8 @@ from bundle.config_job import ObserveConfig as ObserveConfig
 from bundle.config_job import ParallelConfig as ParallelConfig
 from bundle.config_job import parse_shape as parse_shape
 from bundle.config_job import parse_steps as parse_steps
-from bundle.engine.schedule import SCHEDULES as SCHEDULES
 from bundle.errors import ConfigError, positive
+from bundle.ir.schedule import SCHEDULES as SCHEDULES
 from bundle.lr_schedule import LR_SCHEDULES, Milestone, spell
 from bundle.sync_options import COMPRESSIONS as COMPRESSIONS
 from bundle.sync_options import parse_aggregate as parse_aggregate

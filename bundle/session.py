@@ -13,10 +13,11 @@ from bundle import data, partition
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.checkpoint.parts import RankParts, SaveSettings
+from bundle.collectives import device_audit, nccl_emu
+from bundle.collectives.comm import Collectives, Comm
 from bundle.config import RunConfig, parse_bundle_sync
 from bundle.data import loader
-from bundle.engine import aggregate, device_audit, nccl_emu, precision, ties
-from bundle.engine.comm import Collectives, Comm
+from bundle.engine import aggregate, precision, ties
 from bundle.engine.grad_sync import FlatSync, GradSync, HierarchicalSync
 from bundle.engine.hops import Hop, HopGroups, Wire, make_hop
 from bundle.engine.loss import Loss, cross_entropy
@@ -24,10 +25,10 @@ from bundle.engine.optim import make_optimizer
 from bundle.engine.outer import Meetings, OuterSync
 from bundle.engine.parts import Chunk, EngineParts, MicroBatch, StepOptions
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import REGISTRY
 from bundle.engine.stage_engine import StageEngine
 from bundle.engine.stages import Pieces, boundary_metas, build_stages
 from bundle.engine.transport import Transport, post_with_torch
+from bundle.ir.schedule import REGISTRY
 from bundle.observe import timing
 from bundle.partition import Capture, Stage
 from bundle.runtime.devices import resolve_backend
@@ -58,7 +59,7 @@ class Session:
     groups: ProcessGroups
     optimizer: torch.optim.Optimizer
     layout: Layout
-    comm: Comm  # the collectives of its NCCL groups (bundle.engine.comm)
+    comm: Comm  # the collectives of its NCCL groups (bundle.collectives.comm)
 
 
 def _emulator(
@@ -88,9 +89,9 @@ def build_session(
 
     ``arrive(name)``, when given, waits (with the start-up timeout) until every process reaches
     the same point, so uneven start-up is never charged to the per-operation ``--timeout``.
-    Under nccl-emu the rank's ``device`` is the emulated GPU (bundle.engine.device_audit).
+    Under nccl-emu the rank's ``device`` is the emulated GPU (bundle.collectives.device_audit).
     ``capture``: the model's graph split made by the launch's checks (None: cut here).
-    ``abort``: under nccl-emu, asked while a call waits (bundle.engine.nccl_emu.Emulator).
+    ``abort``: under nccl-emu, asked while a call waits (bundle.collectives.nccl_emu.Emulator).
     """
     arrive = arrive or (lambda name: None)
     backend = resolve_backend(cfg)
@@ -146,7 +147,7 @@ def build_session(
             # The skip decision spans the job: the default group holds every rank.
             scaler=policy.make_scaler(device, comm=comm),
             loss=make_loss(cfg),
-            # gloo alone lets a receive progress on its own: there it is posted ahead (bundle.engine.p2p).
+            # gloo alone lets a receive progress on its own: there it is posted ahead (bundle.ir.p2p).
             early_receives=backend == "gloo",
         ),
         device=device,

@@ -70,9 +70,9 @@ from bundle.config import (
     RunConfig,
     TrainConfig,
 )
-from bundle.engine.schedule import REGISTRY
 from bundle.engine.stage_engine import build_stages
 from bundle.engine.transport import TensorMeta
+from bundle.ir.schedule import REGISTRY
 from bundle.launch import localworld
 from bundle.observe.timing import Mark, StepTimer
 from bundle.session import Session, build_session, train_stream

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import bench_memory
 import torch
 
-from bundle.engine.schedule import REGISTRY, SCHEDULES
+from bundle.ir.schedule import REGISTRY, SCHEDULES
 
 if TYPE_CHECKING:
     from bench import Sizes

@@ -44,7 +44,7 @@ import torch
 import torch.distributed
 
 from bundle.config import GRAD_SYNCS, SCHEDULES
-from bundle.engine.schedule import REGISTRY
+from bundle.ir.schedule import REGISTRY
 
 REPO = Path(__file__).resolve().parent.parent
 

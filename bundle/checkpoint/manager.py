@@ -37,7 +37,7 @@ import torch.distributed as dist
 from bundle import log
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.parts import RankParts, SaveSettings, optimizer_slots
-from bundle.engine.comm import Collectives, Comm
+from bundle.collectives.comm import Collectives, Comm
 from bundle.engine.optim import holder
 from bundle.errors import CheckpointError
 from bundle.runtime.groups import ProcessGroups

@@ -1,16 +1,12 @@
 """The engine: one replica of one stage running a training step through the pipeline schedule.
 
+It runs the schedule IR (``bundle.ir``: actions and calls, pure) over the collectives
+(``bundle.collectives``: the ``Comm`` interface and the NCCL emulation).
+
 Modules, from the data up:
 
-- ``schedule``: the schedules' registry (GPipe, 1F1B, ZB-H1, interleaved 1F1B, ZBV): pure lists of
-  actions per stage, each naming its micro-batch and model chunk;
-- ``rounds``: the calls of stages with several model chunks, posted in lockstep rounds;
-- ``p2p``: the point-to-point calls those actions make in a step, and a model of NCCL's streams;
-- ``transport``: activations forward and gradients back between stages of any widths;
-- ``comm``: the collectives of training's NCCL groups behind one interface (torch's, emulated);
-- ``device_audit``: under nccl-emu, device tensors told from host ones, and CUDA's mixing refused;
-- ``emu_stream``: the emulation's in-order streams, one per communicator, and their calls;
-- ``nccl_emu``: ``--backend nccl-emu``, gloo with NCCL's in-order streams on top;
+- ``transport``: activations forward and gradients back between stages of any widths, posting
+  the calls ``bundle.ir.p2p`` derives from the schedule;
 - ``aggregate``: how bundles' contributions combine (mean, median, trimmed), and a faulty bundle;
 - ``hops``: the hop between bundles of a sync: exact, compressed (bf16, fp16, PowerSGD), robust,
   and the groups of a sync in two hops;

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from bundle.collectives.comm import Comm
 from bundle.config import parse_aggregate
 from bundle.data.samples import step_seed
-from bundle.engine.comm import Comm
 from bundle.errors import ConfigError
 
 BYZANTINE_ENV = "BUNDLE_BYZANTINE"

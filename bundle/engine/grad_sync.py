@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from bundle.engine.comm import Collectives, Comm, Started
+from bundle.collectives.comm import Collectives, Comm, Started
 from bundle.engine.hops import Hop, HopGroups, Wire, done
 
 # Buffers (BatchNorm's statistics) are per replica after the start, as in every pipeline system:

@@ -31,10 +31,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
+from bundle.collectives.comm import Comm
 from bundle.data.samples import step_seed
 from bundle.engine import aggregate
 from bundle.engine.aggregate import Fault
-from bundle.engine.comm import Comm
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

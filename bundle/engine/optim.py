@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bundle.collectives.comm import Collectives, Comm
 from bundle.config import TrainConfig
-from bundle.engine.comm import Collectives, Comm
 from bundle.errors import ConfigError
 
 
@@ -39,7 +39,7 @@ def param_groups(cfg: TrainConfig, stage: nn.Module) -> list[dict[str, Any]]:
 @functools.cache
 def _zero_class() -> type:
     """ZeRO-1 whose broadcasts after each step run as one call of the group's communicator
-    (bundle.engine.comm: in order under nccl-emu). torch.distributed.optim is imported only
+    (bundle.collectives.comm: in order under nccl-emu). torch.distributed.optim is imported only
     for --zero 1: it pulls in FSDP and DTensor, a second of every other process's start-up."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 

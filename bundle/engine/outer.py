@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bundle.collectives.comm import Collectives, Comm
 from bundle.engine import aggregate
 from bundle.engine.aggregate import Fault
-from bundle.engine.comm import Collectives, Comm
 from bundle.engine.hops import HopGroups, Wire
 
 

@@ -69,10 +69,10 @@ class EngineParts:
 
 @dataclass(frozen=True, kw_only=True)
 class StepOptions:
-    """How the engine runs a step: the ``schedule`` (a name in bundle.engine.schedule's
+    """How the engine runs a step: the ``schedule`` (a name in bundle.ir.schedule's
     registry), the compute ``policy`` (None: the device's defaults), the loss ``scaler`` (None:
     unscaled), the ``loss`` (None: cross-entropy), and ``early_receives``: receives posted ahead
-    of their turn (bundle.engine.p2p; only gloo lets a receive progress on its own)."""
+    of their turn (bundle.ir.p2p; only gloo lets a receive progress on its own)."""
 
     schedule: str
     policy: Policy | None = None

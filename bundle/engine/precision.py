@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bundle.collectives.comm import Collectives, Comm
 from bundle.config import ComputeConfig
-from bundle.engine.comm import Collectives, Comm
-from bundle.engine.schedule import Action, backward_follows_forward
 from bundle.engine.transport import TensorMeta
+from bundle.ir.schedule import Action, backward_follows_forward
 
 M = TypeVar("M", bound=nn.Module)
 

@@ -1,4 +1,4 @@
-"""A stage's backward in two halves, for the zero-bubble schedules (bundle.engine.schedule).
+"""A stage's backward in two halves, for the zero-bubble schedules (bundle.ir.schedule).
 
 - ``input_half`` (the schedule's I): the gradient of the stage's inputs, which the stage upstream
   waits for. It keeps the autograd graph and, through hooks, the gradients arriving at the

@@ -9,7 +9,6 @@ import torch
 
 from bundle.engine.loss import EVAL_COUNTS, as_float, classifies, cross_entropy, top_k_correct
 from bundle.engine.memory import SavedBytes
-from bundle.engine.p2p import RECVS, step_plan
 from bundle.engine.parts import (
     Chunk,
     EngineParts,
@@ -20,7 +19,11 @@ from bundle.engine.parts import (
     given_labels,
 )
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import (
+from bundle.engine.split_backward import Held, input_half, weight_half
+from bundle.engine.stages import boundary_metas, build_stages
+from bundle.engine.transport import Part, Pending, Transport, post_call
+from bundle.ir.p2p import RECVS, step_plan
+from bundle.ir.schedule import (
     REGISTRY,
     RELEASES,
     Action,
@@ -29,9 +32,6 @@ from bundle.engine.schedule import (
     peak_in_flight,
     unknown,
 )
-from bundle.engine.split_backward import Held, input_half, weight_half
-from bundle.engine.stages import boundary_metas, build_stages
-from bundle.engine.transport import Part, Pending, Transport, post_call
 from bundle.observe.timing import MARK_OF_OP, Mark, StepTimer
 from bundle.partition import Stage
 from bundle.topology import Coord, Topology
@@ -82,7 +82,7 @@ class StageEngine:
         V, S = len(self.chunks), topo.num_stages
         self._place(REGISTRY[options.schedule].pipe(S, V), coord.stage)
         self.sizes = topo.micro_sizes(coord.bundle)
-        # The calls of a step and where each is posted (bundle.engine.p2p).
+        # The calls of a step and where each is posted (bundle.ir.p2p).
         self.plan = step_plan(
             options.schedule,
             coord.stage,
@@ -92,7 +92,7 @@ class StageEngine:
             early_receives=options.early_receives,
         )
         self.actions = list(self.plan.actions)
-        # Which of its call's receives a receive is (a call may hold several: bundle.engine.rounds).
+        # Which of its call's receives a receive is (a call may hold several: bundle.ir.rounds).
         self._nth = [
             [o for o in self.plan.calls[n].ops if o.op in RECVS].index(a) if a.op in RECVS else -1
             for a, n in zip(self.actions, self.plan.call_of, strict=True)
@@ -180,7 +180,7 @@ class StageEngine:
         plan, lap = self.plan, self.timer.lap
         loss_sum = torch.zeros((), device=self.device)  # the last piece's, added in place
         sts = [_StepState(loss_sum=loss_sum) for _ in self.chunks]
-        posted: dict[int, Pending] = {}  # this step's calls (bundle.engine.p2p)
+        posted: dict[int, Pending] = {}  # this step's calls (bundle.ir.p2p)
         for c in self.chunks:
             c.sync.step = step
         for i, a in enumerate(self.actions):

@@ -12,8 +12,8 @@ import torch
 from bundle import models, partition
 from bundle.config import RunConfig
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import Pipe
 from bundle.engine.transport import Boundaries, TensorMeta
+from bundle.ir.schedule import Pipe
 from bundle.models.inputs import Inputs
 from bundle.partition import Capture, Stage
 

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bundle.engine.comm import Comm
+from bundle.collectives.comm import Comm
 from bundle.errors import PartitionError
 from bundle.partition import Stage
 from bundle.topology import Coord, Topology

@@ -1,6 +1,6 @@
 """Point-to-point activations forward and gradients backward between stages of any widths.
 
-The engine posts the calls that bundle.engine.p2p derives from the schedule: each call is one
+The engine posts the calls that bundle.ir.p2p derives from the schedule: each call is one
 ``batch_isend_irecv`` holding every operation of those actions with every peer, so both sides of a
 boundary post the same calls in the same order (NCCL runs a communicator's calls in order).
 Each replica sends exactly the rows its peer owns (the topology's row plan): no padding, no relay
@@ -19,14 +19,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bundle.engine.p2p import SIDE, boundary_peers
-from bundle.engine.schedule import Op, Pipe
 from bundle.errors import PeerFailure
+from bundle.ir.p2p import SIDE, boundary_peers
+from bundle.ir.schedule import Op, Pipe
 from bundle.topology import Coord, Topology, Transfer
 
 # Posts one call (a list of point-to-point operations, and a function naming each of them for
 # errors, called only by a poster that reports them) and returns its works:
-# ``torch.distributed.batch_isend_irecv``, or the NCCL emulation's (bundle.engine.nccl_emu).
+# ``torch.distributed.batch_isend_irecv``, or the NCCL emulation's (bundle.collectives.nccl_emu).
 PostCall = Callable[[list, Callable[[], list[str]]], list]
 
 

@@ -145,7 +145,7 @@ def run_world(
     A child that fails ends the world at once: the others are killed rather than left waiting on
     it until their group's timeout, and the first failure is raised.
     ``backend="nccl-emu"`` runs gloo underneath; a session whose config says ``nccl-emu`` adds
-    NCCL's ordering (bundle.engine.nccl_emu).
+    NCCL's ordering (bundle.collectives.nccl_emu).
     """
     if backend not in ("gloo", "nccl", "nccl-emu"):
         raise ValueError(f"backend: {backend!r} is not valid; choose gloo, nccl or nccl-emu")

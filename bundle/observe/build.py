@@ -4,7 +4,7 @@ merged trace."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,30 @@ from bundle.observe.trace import KernelProfiler, write_trace
 from bundle.topology import Topology
 
 if TYPE_CHECKING:
-    from bundle.session import Session
+    from bundle.collectives.comm import Comm
+    from bundle.runtime.groups import ProcessGroups
+
+
+class Timed(Protocol):
+    @property
+    def timer(self) -> timing.StepTimer: ...
+
+
+class Observed(Protocol):
+    """What this reads of a rank's ``bundle.session.Session``, named by shape rather than imported:
+    the session is floors above this one (tests/unit/test_house.py FLOORS)."""
+
+    @property
+    def engine(self) -> Timed: ...
+
+    @property
+    def groups(self) -> ProcessGroups: ...
+
+    @property
+    def comm(self) -> Comm: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
 
 
 def reporter_rank(topo: Topology) -> int:
@@ -30,7 +53,7 @@ def make_reporter(
     cfg: RunConfig,
     topo: Topology,
     rank: int,
-    session: Session,
+    session: Observed,
     *,
     total: int,
     steps_per_epoch: int,
@@ -75,7 +98,7 @@ def make_profiler(cfg: RunConfig, rank: int, device: torch.device) -> KernelProf
 
 
 def finish_trace(
-    cfg: RunConfig, topo: Topology, rank: int, session: Session, store: dist.Store | None
+    cfg: RunConfig, topo: Topology, rank: int, session: Observed, store: dist.Store | None
 ) -> None:
     """Collective when tracing: every rank sends its traced slices to rank 0, which writes them."""
     timer = session.engine.timer

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bundle.collectives.comm import Collectives, Comm
 from bundle.config import is_reference
-from bundle.engine.comm import Collectives, Comm
 from bundle.observe.board import Board
 from bundle.observe.console import Console
 from bundle.observe.timing import Breakdown, table

@@ -16,7 +16,7 @@ from time import perf_counter_ns
 import torch
 import torch.distributed as dist
 
-from bundle.engine.schedule import REGISTRY, Op
+from bundle.ir.schedule import REGISTRY, Op
 
 
 class Mark(IntEnum):

@@ -26,8 +26,8 @@ import torch
 
 from bundle import data
 from bundle.config import AUTO_SHAPE, RunConfig
-from bundle.engine.schedule import REGISTRY
 from bundle.errors import ConfigError
+from bundle.ir.schedule import REGISTRY
 from bundle.plan import planner
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy

@@ -29,8 +29,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from bundle.engine.p2p import COMM
-from bundle.engine.schedule import Action, Op, unknown
+from bundle.ir.p2p import COMM
+from bundle.ir.schedule import Action, Op, unknown
 from bundle.plan.anatomy import Anatomy
 from bundle.plan.cluster import Cluster, DeviceType, Link, Speed
 from bundle.plan.profile import Timings

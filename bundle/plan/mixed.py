@@ -27,8 +27,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from bundle.engine.schedule import ONE_CHUNK
 from bundle.errors import BundleError, ConfigError
+from bundle.ir.schedule import ONE_CHUNK
 from bundle.plan.cluster import Cluster, Speed
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import HopCost

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 from fractions import Fraction
 
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import Action, actions
+from bundle.ir.schedule import Action, actions
 from bundle.plan.cost import CostModel, Memory
 from bundle.plan.dataparallel import DataParallel, HopCost
 from bundle.plan.simulate import Layout, SimResult, simulate

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bundle.engine.schedule import REGISTRY, SCHEDULES, actions
 from bundle.errors import ConfigError, ScheduleError
+from bundle.ir.schedule import REGISTRY, SCHEDULES, actions
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import EXACT, DataParallel, HopCost
 from bundle.plan.plans import Evaluated, Plan, data_parallel, evaluate, rank

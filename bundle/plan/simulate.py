@@ -1,6 +1,6 @@
 """An event simulation of one training step, driven by the engine's own schedule action lists.
 
-Every replica of bundle 0 (bundles are alike) runs ``bundle.engine.schedule.actions(...)`` for its stage
+Every replica of bundle 0 (bundles are alike) runs ``bundle.ir.schedule.actions(...)`` for its stage
 in order, each action at the earliest time it can: a forward or backward takes the stage's
 compute time at the rows this replica holds (``Topology.global_rows``: the engine's row split, even
 or by row weights) on its own device (``CostModel.on`` its placement's device type); a
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from bundle.engine.precision import Policy
-from bundle.engine.schedule import REGISTRY, Action, Op, Pipe, actions, peak_in_flight, unknown
 from bundle.errors import ScheduleError
+from bundle.ir.schedule import REGISTRY, Action, Op, Pipe, actions, peak_in_flight, unknown
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import DataParallel, HopCost
 from bundle.topology import Place, Topology, Transfer

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bundle.engine.schedule import SCHEDULES
+from bundle.ir.schedule import SCHEDULES
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Under nccl-emu, the device audit (bundle.engine.device_audit): it catches the checkpoint
+"""Under nccl-emu, the device audit (bundle.collectives.device_audit): it catches the checkpoint
 agreement that stacked a GPU checksum with Adam's CPU step count (a crash on the first save of
 an Adam run on GPUs, invisible on the CPU), and every feature path trains, saves and resumes
 under it, and under ``--nccl-emu-strict`` (communicators one call at a time), in one world."""

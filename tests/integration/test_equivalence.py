@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from bundle import data, models
-from bundle.engine.nccl_emu import Emulator
-from bundle.engine.schedule import REGISTRY, SCHEDULES
+from bundle.collectives.nccl_emu import Emulator
+from bundle.ir.schedule import REGISTRY, SCHEDULES
 from bundle.launch.localworld import run_world
 from bundle.row_weights import parse_row_weights
 from bundle.session import build_session, train_stream
@@ -139,7 +139,7 @@ def test_hybrid_equals_single_process(shape, bundles):
     assert results[0] == [], "\n".join(results[0])
 
 
-# Under NCCL's ordering (bundle.engine.nccl_emu): uneven widths, three stages and several bundles, with
+# Under NCCL's ordering (bundle.collectives.nccl_emu): uneven widths, three stages and several bundles, with
 # every variant above (every registered schedule, both syncs, skip connections, bf16 and fp16 on the wire); two
 # of the cases with each process's communicators one call at a time (--nccl-emu-strict), as NCCL
 # may run them.

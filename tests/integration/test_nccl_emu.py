@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bundle.engine import nccl_emu
+from bundle.collectives import nccl_emu
 from bundle.launch.localworld import run_world
 
 TIMEOUT = 4.0  # long enough that a loaded 2-core machine posts both sides in time
@@ -59,7 +59,7 @@ def _run(emu, calls: list, rank: int, n: int = N) -> tuple[dict, str | None, flo
 
 
 WAIT = "wait"  # the call's data is needed before the next call is posted
-OLD = {  # receives posted ahead of the sends (the engine's order before bundle.engine.p2p), 1F1B M=1
+OLD = {  # receives posted ahead of the sends (the engine's order before bundle.ir.p2p), 1F1B M=1
     0: [[("recv", "recv_grad0")], [("send", "send_act0")]],
     1: [[("recv", "recv_act0"), WAIT], [("send", "send_grad0")]],
 }
@@ -67,7 +67,7 @@ CROSSED = {  # 1F1B M=2 with receives posted where they stand, sends unfused
     0: [[("send", "send_act0")], [("send", "send_act1")], [("recv", "recv_grad0"), WAIT]],
     1: [[("recv", "recv_act0"), WAIT], [("send", "send_grad0")], [("recv", "recv_act1"), WAIT]],
 }
-FUSED = {  # bundle.engine.p2p's calls for the same actions
+FUSED = {  # bundle.ir.p2p's calls for the same actions
     0: [[("send", "send_act0")], [("send", "send_act1"), ("recv", "recv_grad0"), WAIT]],
     1: [[("recv", "recv_act0"), WAIT], [("send", "send_grad0"), ("recv", "recv_act1"), WAIT]],
 }

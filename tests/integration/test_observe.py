@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bundle.engine.schedule import actions
+from bundle.ir.schedule import actions
 from bundle.observe import timing
 
 REPO = Path(__file__).resolve().parents[2]

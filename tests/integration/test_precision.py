@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bundle.config import CheckpointConfig, ComputeConfig
-from bundle.engine.schedule import Op
+from bundle.ir.schedule import Op
 from bundle.launch.localworld import run_world
 from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology

@@ -114,8 +114,8 @@ def reference(
 def runnable_micro(schedule: str, stages: int, micro: int, chunks: int = 1) -> int:
     """The fewest micro-batches from ``micro`` up that ``schedule`` runs on ``stages`` stages
     (ZBV needs 2S - 1; interleaving, whole rounds): each schedule is proven where it runs."""
-    from bundle.engine.schedule import actions
     from bundle.errors import ScheduleError
+    from bundle.ir.schedule import actions
 
     for m in range(micro, micro + 4 * stages):
         try:

@@ -1,4 +1,4 @@
-"""bundle/engine/device_audit.py: device and host tensors told apart on the CPU, and the
+"""bundle/collectives/device_audit.py: device and host tensors told apart on the CPU, and the
 operations CUDA refuses for mixing them, in one process (the audit entered for each test only)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from bundle.engine.device_audit import DEVICE, HOST, MARK, DeviceAudit, DeviceMixing
+from bundle.collectives.device_audit import DEVICE, HOST, MARK, DeviceAudit, DeviceMixing
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from bundle.engine.device_audit import DEVICE, MARK, DeviceAudit
+from bundle.collectives.device_audit import DEVICE, MARK, DeviceAudit
 from bundle.launch import handoff
 from bundle.launch.handoff import EXIT_HANDOFF, Carried, Handoff, StepGuard, state_onto_params
 from bundle.launch.supervisor import End, Outcome, Recovery, watch

@@ -1,8 +1,8 @@
 """The house rules the code keeps, measured by walking the library's source (``bundle/`` and the
 ``models/`` it links to): no function over 80 lines or 8 parameters, no file over 450 lines, no
 modules that import each other in a circle, each package's ``__init__`` a module map naming every
-module of its package, floors that run one way (the launching side above the trainer, the runtime
-below it), and a worker that starts without the heavy packages it does not use."""
+module of its package, floors that run one way (``FLOORS``: every import points to its own floor or
+one below), and a worker that starts without the heavy packages it does not use."""
 
 from __future__ import annotations
 
@@ -184,48 +184,101 @@ def test_every_package_map_names_its_modules():
     assert missing == []
 
 
-# What the launching side stands on: none of it may import bundle.launch, at the top or inside a
-# function.
-BELOW_LAUNCH = ("runtime", "engine", "checkpoint", "observe", "models", "session.py", "trainer.py")
+# The floors, lowest first. Each top-level module or package of the library (``__init__``: the
+# root's own map) stands on exactly one, and imports only from its own floor or the ones below, at
+# the top or inside a function. A new module is placed here before anything imports it.
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # leaves: each imports at most the errors
+    (
+        "ground",
+        (
+            "__init__",
+            "errors",
+            "log",
+            "rows",
+            "row_weights",
+            "yaml_input",
+            "config_fields",
+            "sync_options",
+            "lr_schedule",
+            "plan_file",
+        ),
+    ),
+    # pure values built once from the config: the config itself, the topology, the schedule IR
+    ("pure", ("config_job", "config", "options", "topology", "ir")),
+    # what a training process stands on: devices, the job's store, groups, watchdogs; the
+    # collectives of its NCCL groups and their emulation
+    ("runtime", ("runtime", "collectives")),
+    # timing, metrics, traces: the engine laps the step timer
+    ("observe", ("observe",)),
+    # what is trained: the models and their data
+    ("models", ("models", "data")),
+    # the model cut into stages, and one stage's step
+    ("engine", ("partition", "engine")),
+    ("checkpoint", ("checkpoint",)),
+    ("session", ("session",)),
+    ("trainer", ("evaluate", "trainer")),
+    # the processes of a job started, supervised, restarted
+    ("launch", ("launch",)),
+    # before a run: the planner (it measures through launch's local worlds) and every check
+    ("before a run", ("plan", "preflight")),
+    # the doors: the command line, train() from Python, sampling after training
+    ("entry", ("cli", "api", "generate")),
+)
 
 
-def launch_imports(root: Path = ROOT) -> list[str]:
-    """``path:line`` of every import of bundle.launch in the floors below it."""
-    found = []
-    for below in BELOW_LAUNCH:
-        top = root / below
-        for path in sorted(top.rglob("*.py") if top.is_dir() else [top] if top.exists() else []):
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = []
-                if isinstance(node, ast.ImportFrom) and node.module:
-                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-                elif isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                if any(n == "bundle.launch" or n.startswith("bundle.launch.") for n in names):
-                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
-    return found
+def room(module: str) -> str:
+    """The top-level module or package a library module is part of (``__init__``: the root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
-def test_the_floors_below_the_launch_never_import_it():
-    assert launch_imports() == []
+def floor_faults(
+    graph: dict[str, set[str]], floors: tuple[tuple[str, tuple[str, ...]], ...] = FLOORS
+) -> list[str]:
+    """What breaks the floors: a room on two floors or on none, a room placed that is not there,
+    and every import that points to a floor above its own."""
+    level: dict[str, int] = {}
+    faults = []
+    for i, (_, rooms) in enumerate(floors):
+        for r in rooms:
+            if r in level:
+                faults.append(f"{r}: on two floors")
+            level[r] = i
+    faults += [f"{m}: on no floor" for m in sorted(graph) if room(m) not in level]
+    faults += [f"{r}: placed, but not there" for r in sorted(set(level) - set(map(room, graph)))]
+    for m in sorted(graph):
+        for d in sorted(graph[m]):
+            here, there = level.get(room(m), -1), level.get(room(d), -1)
+            if here >= 0 and there > here:
+                faults.append(
+                    f"{m} ({floors[here][0]}) imports {d} ({floors[there][0]}), a floor above"
+                )
+    return faults
 
 
-def test_the_floor_check_sees_an_import_inside_a_function(tmp_path):
-    (tmp_path / "runtime").mkdir()
-    (tmp_path / "runtime" / "late.py").write_text(
-        "import os\n\n\ndef f():\n    from bundle import launch\n"
-        "    from bundle.launch.process import x\n"
-    )
-    (tmp_path / "engine").mkdir()
-    (tmp_path / "engine" / "up.py").write_text("import bundle.launch.supervisor\n")
-    (tmp_path / "launch.py").write_text("from bundle import launch\n")  # not a floor below
-    got = launch_imports(tmp_path)
-    name = tmp_path.name
-    assert got == [
-        f"{name}/runtime/late.py:5",
-        f"{name}/runtime/late.py:6",
-        f"{name}/engine/up.py:1",
+def test_every_import_points_to_its_own_floor_or_one_below():
+    assert floor_faults(import_graph()) == []
+
+
+def test_the_floor_check_sees_an_import_up_inside_a_function_and_a_module_on_no_floor(tmp_path):
+    lib = tmp_path / "lib"
+    (lib / "mid").mkdir(parents=True)
+    (lib / "__init__.py").write_text("")
+    (lib / "low.py").write_text("import os\n\n\ndef f():\n    from lib.high import x\n")
+    (lib / "mid" / "__init__.py").write_text("")
+    (lib / "mid" / "part.py").write_text("import lib.high.top\n")
+    (lib / "high.py").write_text("from lib import low, mid\n")  # down: allowed
+    (lib / "new.py").write_text("")
+    floors = (("low", ("__init__", "low")), ("mid", ("mid", "gone")), ("high", ("high",)))
+    assert floor_faults(import_graph(lib), floors) == [
+        "lib.new: on no floor",
+        "gone: placed, but not there",
+        "lib.low (low) imports lib.high (high), a floor above",
+        "lib.mid.part (mid) imports lib.high (high), a floor above",
     ]
+    twice = (("a", ("__init__",)), ("b", ("__init__",)))
+    assert floor_faults({"lib": set()}, twice) == ["__init__: on two floors"]
 
 
 # What a process of a run that does not use them must start without, each imported where it is

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from bundle.engine.nccl_emu import Emulator
+from bundle.collectives.nccl_emu import Emulator
 
 
 @pytest.fixture

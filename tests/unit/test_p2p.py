@@ -11,10 +11,10 @@ import itertools
 
 import pytest
 
-from bundle.engine import p2p
-from bundle.engine.p2p import MIRROR, SIDE, Call, calls, programs, replay, step_plan
-from bundle.engine.schedule import ONE_CHUNK, REGISTRY, SCHEDULES, Action, actions
 from bundle.errors import ScheduleError
+from bundle.ir import p2p
+from bundle.ir.p2p import MIRROR, SIDE, Call, calls, programs, replay, step_plan
+from bundle.ir.schedule import ONE_CHUNK, REGISTRY, SCHEDULES, Action, actions
 from bundle.topology import Topology
 
 

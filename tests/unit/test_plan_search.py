@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from bundle.engine.schedule import ONE_CHUNK
 from bundle.errors import ConfigError
+from bundle.ir.schedule import ONE_CHUNK
 from bundle.plan.cluster import Link
 from bundle.plan.cost import Execution
 from bundle.plan.plans import Plan, evaluate

@@ -14,9 +14,9 @@ from bundle import models, partition, preflight
 from bundle.config import ComputeConfig
 from bundle.engine.memory import SavedBytes
 from bundle.engine.precision import LossScaler, Policy
-from bundle.engine.schedule import actions
 from bundle.engine.transport import TensorMeta, _check_wire
 from bundle.errors import ConfigError
+from bundle.ir.schedule import actions
 from tests.support.reference import TOL, equivalence_config
 
 IMAGE = TensorMeta((8, 4, 4), torch.float32)

@@ -1,4 +1,4 @@
-"""The lockstep calls of stages with several model chunks (bundle.engine.rounds), as data."""
+"""The lockstep calls of stages with several model chunks (bundle.ir.rounds), as data."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 
-from bundle.engine import p2p
-from bundle.engine.p2p import programs, replay, step_plan
-from bundle.engine.rounds import clock, lockstep
-from bundle.engine.schedule import REGISTRY, Action, Op, Pipe, actions
 from bundle.errors import ScheduleError
+from bundle.ir import p2p
+from bundle.ir.p2p import programs, replay, step_plan
+from bundle.ir.rounds import clock, lockstep
+from bundle.ir.schedule import REGISTRY, Action, Op, Pipe, actions
 from bundle.topology import Topology
 
 

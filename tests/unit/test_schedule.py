@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from bundle.engine.schedule import REGISTRY, SCHEDULES, actions, peak_in_flight
 from bundle.errors import ScheduleError
+from bundle.ir.schedule import REGISTRY, SCHEDULES, actions, peak_in_flight
 
 
 def ops(name, stage, stages, micro, chunks=1) -> list[str]:
@@ -260,7 +260,7 @@ def test_an_operation_nobody_runs_raises_wherever_it_is_dispatched(monkeypatch):
     by each of them, in one line naming it, instead of being skipped or taken for another."""
     from dataclasses import dataclass
 
-    from bundle.engine import p2p, schedule
+    from bundle.ir import p2p, schedule
     from bundle.plan.simulate import Layout, simulate
     from tests.support.plan_fixtures import literal_cost
 

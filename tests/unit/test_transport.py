@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bundle.engine.schedule import Op
 from bundle.engine.transport import Boundaries, TensorMeta, Transport
+from bundle.ir.schedule import Op
 from bundle.topology import Coord, Topology
 
 # Shape 3,2 (ranks 0-2 the front, 3-4 the rear), one bundle, one micro-batch of 12 rows:

@@ -1,4 +1,4 @@
-"""The NCCL emulation's streams (bundle.engine.nccl_emu): one communicator's calls in one
+"""The NCCL emulation's streams (bundle.collectives.nccl_emu): one communicator's calls in one
 process, run in order by a thread of their own, each call's messages, and what a wait on it reports
 when it stalls."""
 

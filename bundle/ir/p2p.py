@@ -23,7 +23,7 @@ activation k+1 while stage 1 sends gradient k). The calls are built so that cann
 
 ``replay`` runs the calls of every rank through a model of NCCL's streams and reports whether
 they all complete: the pure check behind the tests of every shape, schedule and M, and the same
-model that ``--backend nccl-emu`` enforces at run time (bundle.engine.nccl_emu).
+model that ``--backend nccl-emu`` enforces at run time (bundle.collectives.nccl_emu).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from bundle.engine.rounds import lockstep
-from bundle.engine.schedule import COMPUTE, REGISTRY, Action, Op, Pipe, actions, unknown
+from bundle.ir.rounds import lockstep
+from bundle.ir.schedule import COMPUTE, REGISTRY, Action, Op, Pipe, actions, unknown
 from bundle.topology import Topology, Transfer
 
 SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
@@ -93,7 +93,7 @@ def stage_calls(
     schedule: str, stage: int, num_stages: int, micro_batches: int
 ) -> tuple[list[Action], list[Call]]:
     """The stage's action list and its calls, in the order they are posted (one chunk per
-    stage; several post in rounds, bundle.engine.rounds)."""
+    stage; several post in rounds, bundle.ir.rounds)."""
     S = num_stages
     acts = [actions(schedule, s, S, micro_batches) for s in range(S)]
     mine = acts[stage]
@@ -150,7 +150,7 @@ class StepPlan:
     calls: tuple[Call, ...]
     post_at: tuple[tuple[int, ...], ...]
     call_of: tuple[int, ...]
-    # Each receive's buffer slot where the plan chooses them (several chunks: bundle.engine.rounds);
+    # Each receive's buffer slot where the plan chooses them (several chunks: bundle.ir.rounds);
     # empty: the engine rotates buffers by micro-batch.
     slots: dict[Action, int] = field(default_factory=dict)
 
@@ -170,7 +170,7 @@ def step_plan(
     while the stage computes. gloo progresses each operation on its own, so that order is safe
     there and saves a round trip per message; under NCCL's ordering it deadlocks (``replay``).
     With several chunks per stage, the calls are posted in lockstep rounds on every backend
-    (bundle.engine.rounds).
+    (bundle.ir.rounds).
     """
     if chunks > 1:
         mine, ops, posts, slots = lockstep(schedule, stage, num_stages, micro_batches, chunks)

@@ -1,6 +1,7 @@
 """The collectives of training's NCCL groups, behind one interface: straight onto
-torch.distributed (``Collectives``), or through the NCCL emulation (``bundle.engine.nccl_emu``),
-which runs each as one call of its communicator's in-order stream.
+torch.distributed (``Collectives``), or through the NCCL emulation
+(``bundle.collectives.nccl_emu``), which runs each as one call of its communicator's in-order
+stream.
 
 On GPUs the world group (which also carries the point-to-point calls) and the stage, bundle and
 masters groups are NCCL communicators: every collective on them goes through a ``Comm``, so that

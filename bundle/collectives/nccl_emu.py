@@ -9,7 +9,7 @@ on gloo can hang on GPUs. Under this backend the engine's calls go through the m
   point-to-point calls (``batch_isend_irecv`` on the default group) and the world group's
   collectives (the fp16 scaler's vote, the final barrier); each other NCCL group (stage, bundle,
   masters) has its own. Every collective training runs on them goes through this stream model
-  (bundle.engine.comm), including those torch's own code starts (DDP, ZeRO-1, PowerSGD), which
+  (bundle.collectives.comm), including those torch's own code starts (DDP, ZeRO-1, PowerSGD), which
   run as one call of their group's stream.
 - **Communicators one at a time** (``--nccl-emu-strict``): NCCL does not promise that two
   communicators progress concurrently, so in this mode a rank's calls on all of them run one at
@@ -21,8 +21,8 @@ on gloo can hang on GPUs. Under this backend the engine's calls go through the m
   send from a to b matches the n-th receive at b from a. ``--nccl-emu-eager-bytes N`` lets sends
   of 1 to N bytes complete without waiting for their receiver (NCCL's small messages); the
   default, 0, is the strict model; zero-byte messages always rendezvous.
-- **Devices** (bundle.engine.device_audit): tensors that would be on the GPU are told apart from
-  host tensors; an operation CUDA would refuse for mixing them fails, naming it and its call
+- **Devices** (bundle.collectives.device_audit): tensors that would be on the GPU are told apart
+  from host tensors; an operation CUDA would refuse for mixing them fails, naming it and its call
   site, and what a call moves must be on the device.
 - **Waits keep their timeouts** (``--timeout``), and a stall names the stuck call, its operations
   and peers, and what the stream holds behind it.
@@ -53,9 +53,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bundle.engine import device_audit
-from bundle.engine.device_audit import DeviceAudit
-from bundle.engine.emu_stream import Call, Message, Stream, Work, rank_name
+from bundle.collectives import device_audit
+from bundle.collectives.device_audit import DeviceAudit
+from bundle.collectives.emu_stream import Call, Message, Stream, Work, rank_name
 from bundle.errors import PeerFailure
 
 _POLL_FIRST_S, _POLL_MAX_S = 5e-5, 2e-3
@@ -68,7 +68,7 @@ class Emulator:
 
     ``strict``: the rank's communicators run one call at a time, in the order they were posted
     (NCCL does not promise that two communicators progress concurrently), as if one stream held
-    them all. ``audit`` (bundle.engine.device_audit) checks that what NCCL would move is on the
+    them all. ``audit`` (bundle.collectives.device_audit) checks that what NCCL would move is on the
     device.
     """
 

@@ -33,7 +33,7 @@ looped placement), so each stage's bubble shrinks V-fold. S=2, V=2, M=2 (``F0'``
 An action names its chunk; with V = 1 every chunk is 0 and nothing else changes.
 
 Schedules are a registry (``REGISTRY``: name -> ``Schedule``): the engine, the NCCL plan
-(bundle.engine.p2p), the planner's simulator and memory model, ``make gpu-check`` and the tests
+(bundle.ir.p2p), the planner's simulator and memory model, ``make gpu-check`` and the tests
 all read it, and every one of them raises on an operation it does not know.
 """
 
@@ -59,7 +59,7 @@ class Op(Enum):
     BACKWARD_WEIGHT = "backward_weight"
 
 
-# Compute operations; the others are communication (bundle.engine.p2p.COMM).
+# Compute operations; the others are communication (bundle.ir.p2p.COMM).
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
 # The operation after which a micro-batch's activations are no longer held.
 RELEASES = (Op.BACKWARD, Op.BACKWARD_WEIGHT)

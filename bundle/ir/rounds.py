@@ -1,7 +1,7 @@
 """The calls of stages that run several model chunks (interleaving), posted in lockstep rounds.
 
 With one chunk per stage, a stage's calls pair up with its neighbours' by fusing a send with the
-receive after it (bundle.engine.p2p). With V chunks per stage the pieces wrap around the stages
+receive after it (bundle.ir.p2p). With V chunks per stage the pieces wrap around the stages
 (piece j on stage j mod S), so a stage sends to and receives from the same neighbour for several
 pieces at once, in orders that differ on the two sides: NCCL's in-order streams deadlock on most
 such plans (``p2p.replay`` finds them for every M >= 3).
@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import groupby
 
-from bundle.engine.schedule import COMPUTE, REGISTRY, Action, Op, Pipe, actions, unknown
 from bundle.errors import ScheduleError
+from bundle.ir.schedule import COMPUTE, REGISTRY, Action, Op, Pipe, actions, unknown
 
 # The compute whose result a message carries (its sender's) and the one that consumes it.
 _MADE_BY = {Op.SEND_ACT: Op.FORWARD, Op.SEND_GRAD: Op.BACKWARD}
