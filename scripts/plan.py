@@ -27,14 +27,22 @@ from typing import Any
 import torch
 
 from bundle import models
-from bundle.config import PRECISIONS, RECOMPUTES, DataConfig, parse_model_args
+from bundle.config import (
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTES,
+    DataConfig,
+    TrainConfig,
+    parse_model_args,
+)
 from bundle.data import TEXT_VOCAB, input_spec
 from bundle.errors import BundleError
 from bundle.plan import planner, report
 from bundle.plan import profile as prof
 from bundle.plan.cluster import counted, describe_nominal, load_cluster, nominal
+from bundle.plan.dataparallel import DataParallel
 from bundle.plan.mixed import contended
-from bundle.plan.plans import data_parallel, evaluate
+from bundle.plan.plans import data_parallel, evaluate, with_options
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,6 +65,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--recompute", choices=RECOMPUTES, default="never")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size")
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=TrainConfig.optimizer,
+        help="main.py's optimizer: its state (momentum, Adam's moments) counts in device memory",
+    )
+    p.add_argument(
+        "--momentum", type=float, default=TrainConfig.momentum, help="sgd: 0 keeps no buffer"
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="1: the optimizer state sharded over each stage's replicas (main.py's --zero 1)",
+    )
     p.add_argument("--max-stages", type=int, default=4)
     p.add_argument("--max-micro-batches", type=int, default=64)
     p.add_argument("--top", type=int, default=10, help="plans shown")
@@ -127,6 +151,9 @@ def _request(args: argparse.Namespace, cluster) -> planner.Request:
         precision=args.precision,
         recompute=args.recompute,
         bucket_mb=args.bucket_mb,
+        optimizer=args.optimizer,
+        momentum=args.momentum,
+        dp=DataParallel(zero=args.zero),
         max_stages=args.max_stages,
         max_micro=args.max_micro_batches,
         model_args=args.model_args,
@@ -187,15 +214,15 @@ def plan(args: argparse.Namespace) -> dict:
         nodes=request.nodes,
         precision=request.precision,
         recompute=request.recompute,
+        optimizer=request.optimizer,
+        momentum=request.momentum,
         extra=tuple(extra) if request.model != "digits_cnn" else (),
         data=data,
     )
     top = report.distinct(ranked)[: args.top]
     rows = [report.row(e, job, cost) for e in top]
-    if mixed:
-        dp = mixed.data_parallel
-    else:
-        dp = evaluate(cost, data_parallel(request.nodes, request.per_node), request.batch)
+    everywhere = with_options(data_parallel(request.nodes, request.per_node), request.dp)
+    dp = mixed.data_parallel if mixed else evaluate(cost, everywhere, request.batch)
     best = ranked[0]
     out = {
         "model": request.model,
@@ -205,6 +232,9 @@ def plan(args: argparse.Namespace) -> dict:
         "device_memory_bytes": cost.cluster.memory_bytes,
         "precision": request.precision,
         "recompute": request.recompute,
+        "optimizer": request.optimizer,
+        "zero": request.dp.zero,
+        "optimizer_state_bytes_per_param": cost.state_bytes,
         "plans": rows,
         "data_parallel": report.row(dp, job, cost),
         "speedup_over_data_parallel": round(best.samples_per_s / dp.samples_per_s, 3),
@@ -213,8 +243,10 @@ def plan(args: argparse.Namespace) -> dict:
     }
     if mixed:
         out.update(_mixed_keys(mixed, best, job, cost))
+    sharded = ", sharded over each stage's replicas (--zero 1)" if request.dp.zero else ""
     print(
         f"{request.model}, batch {request.batch}, {request.devices} devices on {cost.cluster.name}"
+        f"; {request.optimizer}: {cost.state_bytes} bytes of state per parameter{sharded}"
     )
     print(report.table(rows, cost.cluster.memory_bytes, mixed=mixed is not None))
     fits = "" if dp.fits else " (does not fit in memory)"

@@ -68,6 +68,23 @@ OPTIMIZERS = {
     "adam": lambda cfg: (torch.optim.Adam, _adam_options(cfg)),
 }
 
+# --optimizer NAME -> the bytes of state it keeps per parameter, as torch keeps it: fp32 copies,
+# since master weights and optimizer state stay fp32 under every --precision
+# (bundle.engine.precision). The planner's memory model reads it (bundle.plan.cost), divided by
+# the stage group's size under --zero 1. Adam's step count is one scalar per tensor: left out.
+STATE_BYTES: dict[str, Callable[[TrainConfig], int]] = {
+    "sgd": lambda cfg: 4 if cfg.momentum else 0,  # momentum_buffer, only with --momentum > 0
+    "adamw": lambda cfg: 2 * 4,  # exp_avg, exp_avg_sq
+    "adam": lambda cfg: 2 * 4,
+}
+
+
+def state_bytes_per_param(cfg: TrainConfig) -> int:
+    """Bytes of optimizer state per parameter that ``cfg``'s optimizer keeps (unsharded)."""
+    if cfg.optimizer not in STATE_BYTES:
+        raise ConfigError("--optimizer", cfg.optimizer, f"choose one of: {', '.join(STATE_BYTES)}")
+    return STATE_BYTES[cfg.optimizer](cfg)
+
 
 def make_optimizer(
     cfg: TrainConfig,

@@ -70,6 +70,8 @@ def _request(cfg: RunConfig, nodes: int, per_node: int) -> planner.Request:
         precision=cfg.compute.precision,
         recompute=cfg.compute.recompute,
         bucket_mb=cfg.parallel.bucket_mb,
+        optimizer=cfg.train.optimizer,
+        momentum=cfg.train.momentum,
         model_args=cfg.model.args,
         dp=DataParallel.of(cfg.parallel),
     )

@@ -16,7 +16,9 @@
   1 MiB), each ready when the last backward has passed its parameters where communication runs
   beside compute (GPUs), and when the backward is over where it takes the same cores (gloo on a
   CPU: its reductions and copies compete with the backward, so nothing is hidden).
-- **Memory** per device: fp32 parameters, gradients and momentum (and DDP's bucket copies), the
+- **Memory** per device: fp32 parameters and gradients (and DDP's bucket copies), the optimizer's
+  state (its bytes per parameter from ``bundle.engine.optim.STATE_BYTES``: none for plain SGD, a
+  momentum buffer, Adam's two moments; ZeRO-1 shares it out: ``bundle.plan.dataparallel``), the
   activations the schedule holds (``--recompute`` keeps only stage inputs, plus the micro-batch a
   backward rebuilds) and the receive buffers (the data-parallel options' state:
   ``bundle.plan.dataparallel``).
@@ -29,6 +31,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from bundle.config import TrainConfig
+from bundle.engine.optim import state_bytes_per_param
 from bundle.ir.p2p import COMM
 from bundle.ir.schedule import Action, Op, unknown
 from bundle.plan.anatomy import Anatomy
@@ -36,7 +40,7 @@ from bundle.plan.cluster import Cluster, DeviceType, Link, Speed
 from bundle.plan.profile import Timings
 
 DDP_FIRST_BUCKET = 2**20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
-_MASTER_BYTES = 4  # fp32 master weights, gradients and momentum
+_MASTER_BYTES = 4  # fp32 master weights and gradients
 _OPTIMIZER_BYTES = 20  # an SGD-with-momentum step reads param, grad, momentum; writes two
 
 
@@ -53,13 +57,23 @@ class Overheads:
 @dataclass(frozen=True, kw_only=True)
 class Execution:
     """How the job runs the model, as far as its costs go: the compute precision, what backward
-    recomputes, the gradient buckets' size, and whether the gradient sync runs beside the backward
-    (not with gloo on a CPU, which reduces on the cores the backward runs on)."""
+    recomputes, the gradient buckets' size, whether the gradient sync runs beside the backward
+    (not with gloo on a CPU, which reduces on the cores the backward runs on), and the optimizer
+    whose state each device holds."""
 
     precision: str = "fp32"
     recompute: str = "never"
     bucket_mb: float = 25.0
     overlap: bool = True
+    optimizer: str = TrainConfig.optimizer  # --optimizer: the state it keeps per parameter
+    momentum: float = TrainConfig.momentum  # --momentum: SGD keeps a buffer only with one
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state per parameter, unsharded (``bundle.engine.optim``'s table);
+        an unknown optimizer or a momentum out of range is a ConfigError naming the flag."""
+        train = TrainConfig(optimizer=self.optimizer, momentum=self.momentum)
+        return state_bytes_per_param(train)
 
 
 @dataclass(frozen=True)
@@ -159,6 +173,7 @@ class CostModel:
         self.precision, self.recompute = execution.precision, execution.recompute
         self.bucket_bytes = execution.bucket_mb * 2**20
         self.overlap = execution.overlap
+        self.state_bytes = execution.state_bytes
         self.n = len(anatomy.blocks)
         self._source = (
             timings
@@ -374,9 +389,12 @@ class CostModel:
         recomputed: Sequence[bool],
         synced: bool,
         ddp: bool,
+        shards: int = 1,
     ) -> Memory:
-        """Peak bytes of one replica running blocks ``a..b-1`` through ``acts``."""
-        params = float(self.params[a:b].sum()) * _MASTER_BYTES
+        """Peak bytes of one replica running blocks ``a..b-1`` through ``acts``; ``shards``: the
+        replicas its optimizer state is sharded over (``--zero 1``: its stage group)."""
+        count = float(self.params[a:b].sum())
+        params = count * _MASTER_BYTES
         live = peak = in_flight = peak_in_flight = 0.0
         for act in acts:
             k = act.micro
@@ -401,7 +419,7 @@ class CostModel:
         return Memory(
             params=params,
             grads=params,
-            optimizer=params,
+            optimizer=count * self.state_bytes / shards,
             buckets=params if synced and ddp else 0.0,
             activations=peak,
             buffers=buffers,

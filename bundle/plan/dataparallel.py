@@ -1,5 +1,5 @@
 """The data-parallel options the planner costs as given (never searched): the hop between bundles
-compressed, bundles that meet every H steps, and robust aggregation.
+compressed, bundles that meet every H steps, robust aggregation, and ZeRO-1.
 
 The cost of each, beside the plain sync of ``bundle.plan.cost`` (steady state: the uncompressed
 warm-up steps of ``--compression-warmup`` are not counted):
@@ -24,6 +24,9 @@ warm-up steps of ``--compression-warmup`` are not counted):
 - **Memory**: PowerSGD's error feedback (the stage's fp32 gradients once more), a meeting's anchor,
   drift and DiLoCo's momentum (assumed on: DiLoCo's default), and a gather's N buckets five times
   over (parts, stack, values, indices of 8 bytes) on the masters.
+- **ZeRO-1** (``--zero 1``): each replica holds its share of the optimizer's state, the state
+  divided by its stage group's size (``plans.evaluate``); the parameter broadcasts after the step
+  are not counted.
 """
 
 from __future__ import annotations
@@ -46,12 +49,14 @@ _GATHER_COPIES = 5  # what a master holds of the gathered buckets at once, the i
 
 @dataclass(frozen=True)
 class DataParallel:
-    """``--grad-compression``, ``--powersgd-rank``, ``--bundle-sync`` and ``--aggregate``."""
+    """``--grad-compression``, ``--powersgd-rank``, ``--bundle-sync``, ``--aggregate`` and
+    ``--zero``."""
 
     compression: str = "none"
     powersgd_rank: int = 4
     bundle_sync: str = "step"
     aggregate: str = "mean"
+    zero: int = 0  # 1: the optimizer's state sharded over each stage group (ZeRO-1)
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
@@ -71,10 +76,18 @@ class DataParallel:
                 self.compression,
                 "compresses the per-step, averaged sync between bundles only",
             )
+        if self.zero not in (0, 1):
+            raise ConfigError("--zero", self.zero, "choose 0 (off) or 1 (shard optimizer state)")
+        if self.zero and not self.per_step:
+            raise ConfigError(
+                "--zero", self.zero, "shards state that --bundle-sync keeps per bundle"
+            )
 
     @classmethod
     def of(cls, par: ParallelConfig) -> DataParallel:
-        return cls(par.grad_compression, par.powersgd_rank, par.bundle_sync, par.aggregate)
+        return cls(
+            par.grad_compression, par.powersgd_rank, par.bundle_sync, par.aggregate, par.zero
+        )
 
     @property
     def every(self) -> int:
@@ -101,10 +114,11 @@ class DataParallel:
         """Whether ParallelConfig runs these options on this shape and bundle count."""
         if num_bundles < self.min_bundles:
             return False
-        return self.compression == "none" or max(shape) * num_bundles > 1
+        plain = self.compression == "none" and not self.zero  # both need a replica to sync with
+        return plain or max(shape) * num_bundles > 1
 
     def two_hops(self, grad_sync: str) -> bool:
-        """Whether the stage syncs in the bundle, then between bundles (``_in_two_hops``)."""
+        """Whether the stage syncs in the bundle, then between bundles (``bundle.engine.data_parallel.in_two_hops``)."""
         return grad_sync == "hierarchical" or not self.per_step or self.gathers
 
     def flags(self) -> list[str]:
@@ -118,6 +132,8 @@ class DataParallel:
             out += ["--bundle-sync", self.bundle_sync]
         if self.aggregate != "mean":
             out += ["--aggregate", self.aggregate]
+        if self.zero:
+            out += ["--zero", str(self.zero)]
         return out
 
 

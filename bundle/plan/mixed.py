@@ -32,7 +32,7 @@ from bundle.ir.schedule import ONE_CHUNK
 from bundle.plan.cluster import Cluster, Speed
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import HopCost
-from bundle.plan.plans import Evaluated, Plan, evaluate, rank
+from bundle.plan.plans import Evaluated, Plan, evaluate, rank, with_options
 from bundle.plan.search import (
     DEFAULT_LIMITS,
     SYNCS,
@@ -286,7 +286,7 @@ def mixed_search(
 ) -> MixedResult:
     """Plans on every device of the first ``workload.nodes`` nodes of a mixed cluster, best first,
     within ``limits``; ``progress``: told what the search is doing as it starts each part."""
-    nodes, per_node, batch = workload.nodes, workload.per_node, workload.batch
+    nodes, per_node, batch, dp = workload.nodes, workload.per_node, workload.batch, workload.dp
     say = progress or (lambda line: None)
     say(
         f"searching placements x stage widths x split points x row weights x micro-batches for "
@@ -311,8 +311,8 @@ def mixed_search(
         return contended(cost, evaluate(cost, plan, batch), batch)
 
     uniform = run(natural(assumed.plan, cost.cluster))
-    even = run(data_parallel(cost, nodes, per_node, batch, weighted=False))
-    weighted = run(data_parallel(cost, nodes, per_node, batch, weighted=True))
+    even = run(with_options(data_parallel(cost, nodes, per_node, batch, weighted=False), dp))
+    weighted = run(with_options(data_parallel(cost, nodes, per_node, batch, weighted=True), dp))
     variants = _variants({c.plan for c in best}, schedules, syncs)
     say(f"simulating the {len(variants)} best plans step by step, with their links shared")
     found = {v: run(v) for v in variants}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from bundle import models
+from bundle.config import TrainConfig
 from bundle.errors import ConfigError
 from bundle.plan import calibrate, isolate, shares
 from bundle.plan import profile as prof
@@ -33,6 +34,8 @@ class Request:
     precision: str = "fp32"
     recompute: str = "never"
     bucket_mb: float = 25.0
+    optimizer: str = TrainConfig.optimizer  # its state counts in each device's memory
+    momentum: float = TrainConfig.momentum
     max_stages: int = 4
     max_micro: int = 64
     model_args: str | None = None  # --model-args of the model measured
@@ -55,6 +58,8 @@ class Request:
             recompute=self.recompute,
             bucket_mb=self.bucket_mb,
             overlap=overlap,
+            optimizer=self.optimizer,
+            momentum=self.momentum,
         )
 
     @property
@@ -86,6 +91,8 @@ def check(request: Request, cluster: Cluster | None) -> None:
     ):
         if value < 1:
             raise ConfigError(flag, value, "must be an integer >= 1")
+    # An unknown --optimizer or a --momentum out of range: the trainer's own ConfigError.
+    TrainConfig(optimizer=request.optimizer, momentum=request.momentum)
     if request.batch < request.devices:
         raise ConfigError(
             "--batch-size",

@@ -64,6 +64,12 @@ def data_parallel(nodes: int, per_node: int) -> Plan:
     return Plan((nodes * per_node,), 1, (0,), 1, per_node)
 
 
+def with_options(plan: Plan, dp: DataParallel) -> Plan:
+    """``plan`` (a baseline the search is compared with) under the data-parallel options ``dp``
+    where main.py runs them on its shape and bundles, else as it is."""
+    return replace(plan, dp=dp) if dp.accepts(plan.shape, plan.num_bundles) else plan
+
+
 def rank(evaluated: list[Evaluated]) -> list[Evaluated]:
     """Fitting plans first, then by throughput (to 4 digits: the simulation's resolution); on a
     tie the simpler plan: fewer processes, stages and bundles, 1F1B (less memory), flat sync."""
@@ -98,7 +104,9 @@ def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False)
     for s in range(S):
         acts = actions(plan.schedule, s, S, M, V)
         pieces = [bounds[pipe.piece(s, c)] for c in range(V)]
-        synced = len(topo.stage_group(s)) > 1
+        group = len(topo.stage_group(s))
+        synced = group > 1
+        shards = group if plan.dp.zero else 1  # ZeRO-1 shards over the stage group
         state = 0.0
         if synced:
             for a, b in pieces:
@@ -109,7 +117,9 @@ def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False)
         per_replica = []
         for i in _distinct_replicas(plan, topo, s):
             rows = [topo.stage_sizes(s, m)[i] for m in topo.micro_sizes(0)]
-            mem = _chunks_memory(cost, pieces, acts, rows, policy, synced=synced, ddp=ddp)
+            mem = _chunks_memory(
+                cost, pieces, acts, rows, policy, synced=synced, ddp=ddp, shards=shards
+            )
             mem = replace(mem, data_parallel=state) if synced else mem
             per_replica.append((rows[0], mem))
             fits &= all(
@@ -130,6 +140,7 @@ def _chunks_memory(
     *,
     synced: bool,
     ddp: bool,
+    shards: int,
 ) -> Memory:
     """A replica's memory over its chunks: each chunk's pieces through that chunk's actions,
     added up (their peaks taken as coinciding: an upper bound with several chunks)."""
@@ -142,6 +153,7 @@ def _chunks_memory(
             recomputed=policy.recomputes(acts, len(rows), c),
             synced=synced,
             ddp=ddp,
+            shards=shards,
         )
         for c, (a, b) in enumerate(pieces)
     ]

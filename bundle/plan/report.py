@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from bundle.config import TrainConfig
 from bundle.plan.cost import CostModel
 from bundle.plan.plans import Evaluated, Plan
 from bundle.plan.simulate import COMPUTE, OPTIMIZER, SEND, SYNC, WAIT
@@ -26,6 +27,8 @@ class Job:
     nodes: int
     precision: str = "fp32"
     recompute: str = "never"
+    optimizer: str = TrainConfig.optimizer  # the optimizer whose state the plans hold
+    momentum: float = TrainConfig.momentum
     extra: tuple[str, ...] = ()  # more main.py arguments, as given (data set, image size)
     # The data the plans are for: main.py's data options (YAML keys), "input_shape" and
     # "num_classes"; each plan row carries it, and main.py --plan runs on it (bundle.plan_file).
@@ -85,7 +88,20 @@ def run_options(plan: Plan, job: Job, cost: CostModel) -> dict[str, Any]:
         run["precision"] = job.precision
     if job.recompute != "never":
         run["recompute"] = job.recompute
+    if job.optimizer != TrainConfig.optimizer:
+        run["optimizer"] = job.optimizer
+    if job.momentum != TrainConfig.momentum:
+        run["momentum"] = job.momentum
     return run
+
+
+def _train_flags(job: Job) -> list[str]:
+    """``--optimizer`` and ``--momentum`` where not the trainer's defaults (``--zero`` is one of
+    the plan's data-parallel options)."""
+    out = ["--optimizer", job.optimizer] if job.optimizer != TrainConfig.optimizer else []
+    return out + (
+        ["--momentum", f"{job.momentum:g}"] if job.momentum != TrainConfig.momentum else []
+    )
 
 
 def command(plan: Plan, job: Job, cost: CostModel) -> str:
@@ -112,6 +128,7 @@ def command(plan: Plan, job: Job, cost: CostModel) -> str:
         args += ["--precision", job.precision]
     if job.recompute != "never":
         args += ["--recompute", job.recompute]
+    args += _train_flags(job)
     return shlex.join([*args, *job.extra])
 
 
@@ -201,17 +218,19 @@ def table(rows: list[dict[str, Any]], device_memory: float, *, mixed: bool = Fal
     sw = max([5, *(len(_schedule(r)) for r in rows)])
     head = (
         f"{'#':>2} {'shape':<12} {'b':>2} {'M':>3} {'sched':<{sw}} {'sync':<5} {'samples/s':>10} "
-        f"{'stage ms':<16} {'bubble':>6} {'sync ms':>7} {'GiB/dev':>8}  split"
+        f"{'stage ms':<16} {'bubble':>6} {'sync ms':>7} {'GiB/dev':>8} {'opt GiB':>7}  split"
     )
     lines = [head]
     for i, r in enumerate(rows, 1):
-        mem = max(m["total"] for m in r["memory_bytes"]) / _GIB
+        # The device holding the most, and how much of it is the optimizer's state.
+        most = max(r["memory_bytes"], key=lambda m: m["total"])
+        mem, opt = most["total"] / _GIB, most["optimizer"] / _GIB
         fit = "" if r["fits"] else " (does not fit)"
         lines.append(
             f"{i:>2} {','.join(map(str, r['shape'])):<12} {r['num_bundles']:>2} "
             f"{r['micro_batches']:>3} {_schedule(r):<{sw}} {r['grad_sync'][:5]:<5} "
             f"{r['predicted_samples_per_s']:>10.1f} {_ms(r['stage_compute_s']):<16} "
-            f"{r['bubble']:>6.1%} {r['grad_sync_s'] * 1e3:>7.1f} {mem:>8.2f}  "
+            f"{r['bubble']:>6.1%} {r['grad_sync_s'] * 1e3:>7.1f} {mem:>8.2f} {opt:>7.2f}  "
             f"{','.join(r['split'])}{fit}"
         )
         if mixed:
