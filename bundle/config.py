@@ -339,9 +339,9 @@ class RunConfig:
 
 
 def _check_bundle_fault_tolerance(cfg: RunConfig) -> None:
-    """What --fault-tolerance bundle supports today: bundles that each hold the whole model and
-    meet every step in one flat sum, launched by main.py's supervisors (the backend, known once
-    ``auto`` is resolved, is preflight's to check)."""
+    """What --fault-tolerance bundle needs: bundles enough that one may fail, launched by
+    main.py's supervisors (the backend, known once ``auto`` is resolved, is preflight's to
+    check). Every sync composes with it; --zero 1 then shards inside each bundle."""
     par, launch = cfg.parallel, cfg.launch
     need = max(2, launch.min_bundles)
     if par.num_bundles < need:
@@ -353,19 +353,17 @@ def _check_bundle_fault_tolerance(cfg: RunConfig) -> None:
             if launch.min_bundles >= 2
             else "--fault-tolerance bundle needs at least 2 bundles (one trains on when another fails)",
         )
-    refused = [
-        ("--grad-sync", par.grad_sync, par.grad_sync != "flat", "flat"),
-        ("--zero", par.zero, par.zero != 0, "0"),
-        ("--grad-compression", par.grad_compression, par.grad_compression != "none", "none"),
-        ("--bundle-sync", par.bundle_sync, par.bundle_sync != "step", "step"),
-        ("--aggregate", par.aggregate, par.aggregate != "mean", "mean"),
-        ("--torchrun", True, launch.torchrun, "main.py's own supervisors"),
-        ("--async-save", True, cfg.checkpoint.async_save, "synchronous saves"),
-    ]
-    for flag, value, bad, allowed in refused:
-        if bad:
-            raise ConfigError(
-                flag,
-                value,
-                f"--fault-tolerance bundle supports {allowed} (docs/fault-tolerance.md)",
-            )
+    trim = parse_aggregate(par.aggregate)
+    if trim is not None and launch.min_bundles < max(3, 2 * trim + 1):
+        raise ConfigError(
+            "--min-bundles",
+            launch.min_bundles,
+            f"--aggregate {par.aggregate} combines at least {max(3, 2 * trim + 1)} bundles: under "
+            "--fault-tolerance bundle the job must not train on with fewer",
+        )
+    if launch.torchrun:
+        raise ConfigError(
+            "--torchrun",
+            True,
+            "--fault-tolerance bundle supports main.py's own supervisors (docs/fault-tolerance.md)",
+        )

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
 from bundle import data, partition
 from bundle.checkpoint import format as ckpt
@@ -15,14 +14,11 @@ from bundle.checkpoint.manager import Checkpointer
 from bundle.checkpoint.parts import RankParts, SaveSettings
 from bundle.collectives import device_audit, nccl_emu
 from bundle.collectives.comm import Collectives, Comm
-from bundle.config import RunConfig, parse_bundle_sync
+from bundle.config import RunConfig
 from bundle.data import loader
-from bundle.engine import aggregate, precision, ties
-from bundle.engine.grad_sync import FlatSync, GradSync, HierarchicalSync
-from bundle.engine.hops import Hop, HopGroups, Wire, make_hop
+from bundle.engine import data_parallel, precision, ties
 from bundle.engine.loss import Loss, cross_entropy
 from bundle.engine.optim import make_optimizer
-from bundle.engine.outer import Meetings, OuterSync
 from bundle.engine.parts import Chunk, EngineParts, MicroBatch, StepOptions
 from bundle.engine.precision import Policy
 from bundle.engine.stage_engine import StageEngine
@@ -120,17 +116,10 @@ def build_session(
     if device.type == "cuda":
         precision.set_tf32(cfg.compute.tf32)
     arrive("model built")
-    groups = ProcessGroups.build(
-        topo,
-        coord,
-        hierarchical=_in_two_hops(cfg),
-        async_save=cfg.checkpoint.async_save,
-        timeout=cfg.launch.timeout,
-    )
+    groups = data_parallel.process_groups(cfg, topo, coord)
     chunks = _chunks(cfg, topo, coord, Pieces(pipe, own, metas), groups, device, comm, emu)
-    sharded = cfg.parallel.zero and len(topo.stage_group(coord.stage)) > 1
     optimizer = make_optimizer(
-        cfg.train, stage, shard_over=groups.stage if sharded else None, comm=comm
+        cfg.train, stage, shard_over=data_parallel.shard_group(cfg, topo, coord, groups), comm=comm
     )
     engine = StageEngine(
         topo=topo,
@@ -138,8 +127,10 @@ def build_session(
         parts=EngineParts(
             chunks=tuple(chunks),
             optimizer=optimizer,
-            outer=_make_outer(cfg, topo, coord, stage, groups, chunks[0].sync.wire, comm),
-            ties=_make_ties(cfg, topo, coord, stage, comm, tied),
+            outer=data_parallel.make_outer(
+                cfg, topo, coord, stage, groups, chunks[0].sync.wire, comm
+            ),
+            ties=data_parallel.make_ties(cfg, topo, coord, stage, comm, tied),
         ),
         options=StepOptions(
             schedule=cfg.parallel.schedule,
@@ -182,7 +173,7 @@ def _chunks(
             chunk=c,
             pipe=pipe,
         )
-        sync = _make_sync(cfg, topo, coord, piece, groups, device, comm)
+        sync = data_parallel.make_sync(cfg, topo, coord, piece, groups, device, comm)
         out.append(Chunk(piece, sync, transport))
     return out
 
@@ -194,121 +185,6 @@ def make_loss(cfg: RunConfig) -> Loss:
 
         return load_callable(cfg.model.loss, "--loss")
     return cross_entropy(cfg.train.label_smoothing)
-
-
-def _make_ties(
-    cfg: RunConfig, topo: Topology, coord: Coord, stage: Stage, comm: Comm, tied: list[ties.Tie]
-) -> ties.TiedGrads:
-    """This rank's part in summing the gradients of weights tied across stages."""
-    per_step = cfg.parallel.bundle_sync == "step"
-    return ties.TiedGrads(
-        tied, stage, topo, coord, comm, per_step=per_step, timeout=cfg.launch.timeout
-    )
-
-
-def _in_two_hops(cfg: RunConfig) -> bool:
-    """Whether gradients sync inside the bundle first, then between bundles by the masters: the
-    hierarchical sync, and what needs each bundle's own sum (local/diloco, robust aggregation)."""
-    par = cfg.parallel
-    return par.grad_sync == "hierarchical" or par.bundle_sync != "step" or par.aggregate != "mean"
-
-
-def _make_sync(
-    cfg: RunConfig,
-    topo: Topology,
-    coord: Coord,
-    stage: Stage,
-    groups: ProcessGroups,
-    device: torch.device,
-    comm: Comm,
-) -> GradSync:
-    par = cfg.parallel
-    if len(topo.stage_group(coord.stage)) == 1 or not any(
-        p.requires_grad for p in stage.parameters()
-    ):
-        return GradSync(stage)  # nothing to sum (a piece of only a reshape has no weights)
-    per_step = par.bundle_sync == "step"
-
-    def hop(group: dist.ProcessGroup) -> Hop:
-        return make_hop(
-            par.grad_compression,
-            group,
-            comm,
-            wire=Wire(),
-            powersgd_rank=par.powersgd_rank,
-            rule=par.aggregate,
-            shares=[topo.global_batch / b for b in topo.bundle_batches],
-            bundle=coord.bundle,
-            fault=aggregate.fault_from_env(topo.num_bundles) if per_step else None,
-            seed=cfg.train.seed,
-            warmup=par.compression_warmup if par.grad_compression != "none" else 0,
-        )
-
-    if not _in_two_hops(cfg):
-        return FlatSync(
-            stage, groups.stage, device, bucket_mb=par.bucket_mb, comm=comm, hop=hop(groups.stage)
-        )
-    # Start from identical weights without relying on every process's initialisation agreeing.
-    members = topo.stage_group(coord.stage)
-    for p in stage.parameters():
-        comm.broadcast(p.data, members[0], groups.stage).wait()
-    crosses = coord.replica == 0 and topo.num_bundles > 1 and per_step
-    return HierarchicalSync(
-        stage,
-        groups=_hop_groups(topo, coord, groups, masters=crosses),
-        bucket_mb=par.bucket_mb,
-        comm=comm,
-        hop=hop(groups.masters) if crosses and groups.masters is not None else None,
-        # A bundle on its own between meetings: the gradient of its own batch's mean.
-        scale=1.0 if per_step else topo.global_batch / topo.bundle_batches[coord.bundle],
-        counts_masters=not per_step,
-    )
-
-
-def _hop_groups(topo: Topology, coord: Coord, groups: ProcessGroups, *, masters: bool) -> HopGroups:
-    """This replica's groups of a sync in two hops (the masters' one only where ``masters``)."""
-    return HopGroups(
-        bundle_group=groups.bundle if topo.shape[coord.stage] > 1 else None,
-        bundle_master=topo.stage_master(coord.bundle, coord.stage),
-        masters_group=groups.masters if masters else None,
-        is_master=coord.replica == 0,
-        bundle=coord.bundle,
-    )
-
-
-def _make_outer(
-    cfg: RunConfig,
-    topo: Topology,
-    coord: Coord,
-    stage: Stage,
-    groups: ProcessGroups,
-    wire: Wire,
-    comm: Comm,
-) -> OuterSync | None:
-    """The meetings between bundles of ``--bundle-sync local:H|diloco:H`` (None: every step)."""
-    par = cfg.parallel
-    mode, every = parse_bundle_sync(par.bundle_sync)
-    if mode == "step":
-        return None
-    return OuterSync(
-        [(stage.full_name(n), p) for n, p in stage.named_parameters() if p.requires_grad],
-        meetings=Meetings(
-            mode=mode,
-            every=every,
-            outer_lr=par.outer_lr,
-            outer_momentum=par.outer_momentum,
-            rule=par.aggregate,
-        ),
-        total=0,  # the run's last step, set by the trainer that knows it
-        groups=_hop_groups(topo, coord, groups, masters=coord.replica == 0),
-        wire=wire,
-        fault=aggregate.fault_from_env(topo.num_bundles),
-        seed=cfg.train.seed,
-        comm=comm,
-    )
-
-
-# -- the data a rank reads ---------------------------------------------------------------------
 
 
 def shard(topo: Topology, coord: Coord, micro_batches: int, *, job_rows: bool = True) -> data.Shard:

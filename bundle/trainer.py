@@ -136,7 +136,7 @@ class Trainer:
             if signum and done < run.total:
                 self.profiler.close()
                 raise Stopped(signum, done, self.checkpointer.last_saved)
-            if self.vote.asks is not None and done < run.total and (joining := self.vote.agreed()):
+            if self._may_regroup(step, done) and (joining := self.vote.agreed()):
                 self.profiler.close()
                 raise Regroup(joining, done)
         elapsed = time.perf_counter() - clock
@@ -145,6 +145,17 @@ class Trainer:
         observe.finish_trace(run.cfg, run.topo, run.rank, self.session, self.store)
         self._save_final_weights()
         return self.reporter.finish(self._facts(elapsed, self._replaced_samples()))
+
+    def _may_regroup(self, step: int, done: int) -> bool:
+        """Whether bundles may be taken back in after ``step`` (--fault-tolerance bundle): not
+        after the last step, and with --bundle-sync local|diloco only after a meeting, where
+        every bundle holds the same parameters (the new one's are a peer's copy)."""
+        outer = self.engine.outer
+        return (
+            self.vote.asks is not None
+            and done < self.run.total
+            and (outer is None or outer.due(step))
+        )
 
     def _step(self, step: int) -> int:
         """One step with what surrounds it; returns the signal the job stops for after it (0: none)."""

@@ -5,7 +5,7 @@ newest checkpoint), and against the same run uninterrupted.
     python scripts/bench_faults.py                    # SIGKILL a worker of bundle 1 (~2 min)
     python scripts/bench_faults.py --fault stop       # SIGSTOP it instead (a frozen process)
     python scripts/bench_faults.py --shape 2,1 --bundles 2 --json faults.json
-    BUNDLE_EXPERIMENTAL_NCCL_FT=1 python scripts/bench_faults.py --backend nccl --runs bundle,restart
+    python scripts/bench_faults.py --backend nccl --runs bundle,restart
     sudo python scripts/bench_faults.py --fault node  # a lost node (network namespaces, root)
     python scripts/bench_faults.py --model digits_cnn --batch-size 768 \
         --runs uninterrupted_restart,uninterrupted    # what the commit vote costs on larger steps

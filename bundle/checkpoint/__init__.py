@@ -14,6 +14,8 @@ Modules, from the data up:
 - ``parts``: the typed values a ``Checkpointer`` is built from: what one rank's checkpoint holds
   (``RankParts``: stage, optimizer, outer sync, gradient-compression hop, extras) and where and
   when it saves (``SaveSettings``);
+- ``state``: ``RankState``, one rank's training state by named parts, defined once: what a
+  checkpoint saves, and what fault tolerance carries, hands over and sends to a healed bundle;
 - ``manager``: ``Checkpointer``, the loop's component: when a save is due, what one rank saves,
   asynchronous writes, saves that cannot complete, pruning, and restoring under any shape.
 """

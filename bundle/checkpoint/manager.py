@@ -37,8 +37,8 @@ import torch.distributed as dist
 from bundle import log
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.parts import RankParts, SaveSettings, optimizer_slots
+from bundle.checkpoint.state import RankState
 from bundle.collectives.comm import Collectives, Comm
-from bundle.engine.optim import holder
 from bundle.errors import CheckpointError
 from bundle.runtime.groups import ProcessGroups
 from bundle.topology import Coord, Topology
@@ -91,8 +91,14 @@ class Checkpointer:
         self.comm = comm or Collectives()
         self.stage, self.group, self.async_group = parts.stage, groups.control, groups.async_save
         # The optimizer holding this rank's state; sharded: of the parameters it owns only.
-        self.optimizer = holder(parts.optimizer)
+        self.rank_state = RankState(parts)
+        self.optimizer = self.rank_state.optimizer
         self.sharded = self.optimizer is not parts.optimizer
+        # Sharded inside each bundle (--fault-tolerance bundle), not over the whole stage group:
+        # every bundle holds each shard once, and bundle 0's owners count it.
+        self.shards_per_bundle = self.sharded and _shard_group_size(parts.optimizer) < len(
+            topo.stage_group(coord.stage)
+        )
         self.owned = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         self.outer, self.hop = parts.outer, parts.hop
         # Bundles that meet every H steps differ between meetings: each saves its own state.
@@ -123,22 +129,14 @@ class Checkpointer:
         return f"model.{name}" if self.canonical else f"replica.{self.rank}.{name}"
 
     def state(self) -> dict[str, torch.Tensor]:
-        """This rank's entries, keyed as the checkpoint stores them."""
-        out: dict[str, torch.Tensor] = {}
-        pre = self.prefix
-        for name, p in self.parts.params().items():
-            out[f"{pre}model.{name}"] = p.detach()
-            for key, value in self.optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    out[f"{pre}optim.{name}.{key}"] = value
-        for name, b in self.parts.buffers().items():
-            out[self._buffer_key(name)] = b
-        if self.outer is not None:
-            out.update(self.outer.state())
-        if self.hop is not None:
-            names = {p: n for n, p in self.parts.params().items()}
-            out.update({f"{self._hop_key}{k}": v for k, v in self.hop.state(names).items()})
-        out.update(self.extra)
+        """This rank's entries (``RankState``'s parts), keyed as the checkpoint stores them."""
+        parts, pre = self.rank_state.state_dict(), self.prefix
+        out = {f"{pre}model.{name}": p for name, p in parts["model"].items()}
+        out.update({f"{pre}optim.{key}": v for key, v in parts["optim"].items()})
+        out.update({self._buffer_key(name): b for name, b in parts["buffers"].items()})
+        out.update({f"outer.{key}": v for key, v in parts["outer"].items()})
+        out.update({f"{self._hop_key}{key}": v for key, v in parts["hop"].items()})
+        out.update(parts["extra"])
         return out
 
     @property
@@ -150,7 +148,7 @@ class Checkpointer:
         if key.startswith("replica."):
             return True
         if self.sharded and key.startswith("optim."):
-            return True  # its owner alone holds it
+            return not self.shards_per_bundle or self.coord.bundle == 0  # its owner holds it
         if key.startswith("bundle."):
             return self.coord.replica == 0
         return self.canonical
@@ -394,6 +392,11 @@ class Checkpointer:
                 f"ranks start from different steps ({-int(ends[1])}..{int(ends[0])}; this one from "
                 f"{path or 'scratch'}): --save-dir must be one filesystem every node sees"
             )
+
+
+def _shard_group_size(optimizer: torch.optim.Optimizer) -> int:
+    """The processes a ZeRO optimizer's state is sharded over."""
+    return int(optimizer.world_size)  # type: ignore[attr-defined]
 
 
 def _existing(path: str) -> str:

@@ -15,6 +15,8 @@ Modules, from the data up:
 - ``outer``: bundles that meet every H steps (local SGD, DiLoCo) and their outer optimizer;
 - ``precision``: the compute policy: dtypes, the boundary's wire form, loss scaling;
 - ``optim``: a stage's optimizer (SGD, AdamW, Adam), its parameter groups, ZeRO-1 sharding;
+- ``data_parallel``: a rank's data-parallel side built from the run's config: its gradient
+  sync, the group ZeRO-1 shards over, the meetings between bundles, the tied weights' sum;
 - ``split_backward``: a backward in two halves, input and weight (zero-bubble schedules);
 - ``memory``: recompute of a stage's blocks, and a count of what backward keeps;
 - ``loss``: the loss a stage computes and what evaluation counts (top-k hits, rows);

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from bundle.collectives.comm import Collectives, Comm
@@ -114,6 +115,44 @@ class OuterSync:
         self.optimizer.step()
         for a, p in zip(self.anchor, self.params, strict=True):
             a.grad = None
+            p.copy_(a)
+
+    @torch.no_grad()
+    def catch_up(self, step: int) -> None:
+        """After a change of members (``--fault-tolerance bundle``), with ``step`` steps
+        committed: the meeting of the last one, if it was due, done on every replica alike. A
+        lost bundle can cut a meeting short after some masters finished it (their parameters
+        equal the new anchor) and before others did: those take the finished one's anchor and
+        momentum; where none finished, the members meet now. Collective on the masters' and the
+        bundle's groups."""
+        if step == 0 or not self.due(step - 1):
+            return
+        met = all(torch.equal(a, p) for a, p in zip(self.anchor, self.params, strict=True))
+        device = self.anchor[0].device if self.anchor else torch.device("cpu")
+        # [some met, none failed to, the lowest master that met] (negated where MIN is meant).
+        seen = torch.tensor([int(met), -int(met), -self.bundle_master if met else -(1 << 30)])
+        seen = seen.to(device)
+        if self.masters_group is not None:
+            self.comm.all_reduce(seen, self.masters_group, op=dist.ReduceOp.MAX).wait()
+        if self.bundle_group is not None:
+            self.comm.broadcast(seen, self.bundle_master, self.bundle_group).wait()
+        some, every, source = int(seen[0]) == 1, int(seen[1]) == -1, -int(seen[2])
+        if every:
+            return
+        if not some:
+            self.after_step(step - 1)
+            return
+        held = [*self.anchor, *self.momentum]
+        flat = torch.cat([t.flatten() for t in held])
+        if self.masters_group is not None:
+            self.comm.broadcast(flat, source, self.masters_group).wait()
+        if self.bundle_group is not None:
+            self.comm.broadcast(flat, self.bundle_master, self.bundle_group).wait()
+        offset = 0
+        for t in held:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        for a, p in zip(self.anchor, self.params, strict=True):
             p.copy_(a)
 
     def state(self) -> dict[str, torch.Tensor]:

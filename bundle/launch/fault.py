@@ -15,8 +15,8 @@ On NCCL a wait on a dead peer never ends (the kernel spins, the CPU blocks in th
 synchronisation), and aborting the communicators in place hung, so there a survivor goes on in a
 new process of its rank instead (bundle.launch.handoff): each epoch runs a loss watch
 (``LossWatch``), a thread that sees a member bundle marked dead in the store and hands this
-process's state over. Experimental (opted in with BUNDLE_EXPERIMENTAL_NCCL_FT=1; not yet run on
-GPUs end to end: docs/fault-tolerance.md).
+process's state over (run on an H200 end to end: docs/fault-tolerance.md; BUNDLE_NCCL_FT=0 turns
+it off).
 """
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from bundle import log
+from bundle.checkpoint.state import shared
 from bundle.engine.parts import StepHooks
 from bundle.launch import handoff
 from bundle.launch.context import ProcessContext
@@ -135,9 +136,10 @@ def train_on(proc: ProcessContext, *, join: Join, arrive: Arrive) -> Summary | N
     elif incarnation:
         maybe_fail_heal(rank, incarnation)
         phase.enter("start-up: waiting to be taken back in")
-        if members.ask_to_join(cfg.launch.init_timeout) < 0:
+        if (after := members.ask_to_join(cfg.launch.init_timeout)) < 0:
             log.get().info(f"bundle {members.bundle}: training ended before it could rejoin")
             return None
+        log.get().info(f"bundle {members.bundle} rejoins after step {after}")
         epochs.fresh = (members.bundle,)
     while True:
         done, summary = epochs.run()
@@ -169,7 +171,7 @@ class _Epochs:
         self.fresh: tuple[int, ...] = ()  # bundles that start this epoch without the state
         self.watch: LossWatch | None = None  # this epoch's, where survivors hand off
         self.handoff_to = proc.start.incarnation.handoff_to
-        self.live: tuple[Session, Trainer] | None = None  # while an epoch trains (with ``guard``)
+        self.live: Trainer | None = None  # while an epoch trains (with ``guard``)
         self.watch_on = False
         self.guard: StepGuard | None = (
             None  # the epoch's; kept after it for its last update's event
@@ -187,7 +189,7 @@ class _Epochs:
             return True, summary
         except Regroup as regroup:
             assert session is not None and trainer is not None  # noqa: S101 - raised by train()
-            self.carried = Carried.of(session, trainer)
+            self.carried = Carried.of(trainer)
             session = trainer = None
             if (why := self._stop_watch()) is None:
                 self._rejoin(regroup.bundles)
@@ -196,7 +198,7 @@ class _Epochs:
             fired = self._stop_watch()
             if not (fired or is_peer_loss(exc)):
                 raise
-            why = fired or f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            why = fired or _loss_text(exc)
             if self.watch_on:
                 if self.members.gone():  # this process's own bundle is out: nothing to hand
                     raise self.members.leave() from exc
@@ -207,7 +209,7 @@ class _Epochs:
             self.live = None
         # The state: the trainer's where this epoch's was loaded, else the one brought into it.
         if session is not None and trainer is not None:
-            self.carried = Carried.of(session, trainer)
+            self.carried = Carried.of(trainer)
         session = trainer = None
         self._after_failure(why)
         return False, None
@@ -243,9 +245,11 @@ class _Epochs:
             start=carried.step if carried is not None else None,
         )
         if carried is not None:
-            carried.load(session, trainer)
+            carried.load(trainer)
+            if session.engine.outer is not None and not self.fresh:
+                session.engine.outer.catch_up(carried.step)  # a meeting a failure cut short
         if self.fresh:
-            same_everywhere(session, layout)
+            same_everywhere(trainer, layout)
             self.fresh = ()
         trainer.bundle_failures, trainer.heals = members.failures, members.heals
         # The stop vote, cast at the commit; watched, the step guard's around it.
@@ -253,7 +257,7 @@ class _Epochs:
         if self.watch_on:
             guard = StepGuard(trainer.committed, trainer.vote.commit, cuda=device.type == "cuda")
             session.engine.hooks = StepHooks(commit=guard.commit, updated=guard.updated)
-            self.live, self.guard = (session, trainer), guard
+            self.live, self.guard = trainer, guard
         phase.follow(session.engine)
         return session, trainer
 
@@ -291,7 +295,7 @@ class _Epochs:
             with self.guard.side_stream() if self.guard else contextlib.nullcontext():
                 carried = self.carried.on_cpu()
         else:
-            (session, trainer), guard = live, self.guard
+            trainer, guard = live, self.guard
             assert guard is not None  # noqa: S101 - set with ``live``
             with guard.held(wait) as between_steps:
                 if not between_steps:
@@ -300,7 +304,7 @@ class _Epochs:
                     )
                     return None
                 with guard.side_stream():
-                    carried = Carried.of(session, trainer, guard.committed).on_cpu()
+                    carried = Carried.of(trainer, guard.committed).on_cpu()
         return Handoff(carried, m.epoch, m.members, dict(m.incs), m.failures, m.heals, why)
 
     def _stop_watch(self) -> str | None:
@@ -339,6 +343,18 @@ class _Epochs:
         )
 
 
+_WHERE = re.compile(r"^\[[^\]]*\]\s*")  # a backend's source location before its message
+
+
+def _loss_text(exc: BaseException) -> str:
+    """How a step that failed on a lost peer is said: the error's first line without the
+    backend's source location (gloo's ``[.../pair.cc:545] Read error ...``); the whole text
+    goes to the debug log."""
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    log.get().debug(f"the step failed on a lost peer: {type(exc).__name__}: {exc}")
+    return f"a peer was lost: {_WHERE.sub('', first)[:160]}"
+
+
 def _drop(phase: Phase, *, ended: bool) -> None:
     """Leave the epoch once the caller has dropped its session: its groups leave the registry.
     The groups of an epoch a failure ended are kept (``_ENDED``), not destroyed."""
@@ -353,36 +369,65 @@ def _drop(phase: Phase, *, ended: bool) -> None:
 def share_state(
     session: Session, layout: Topology, carried: Carried | None, fresh: tuple[int, ...]
 ) -> Carried:
-    """Every stage's state, sent from replica 0 of the stage in the first bundle that has it to
-    every replica of the stage (collective on the stage group; the bundles in ``fresh`` have
-    none)."""
+    """Every stage's state, sent to the bundles in ``fresh`` (which have none) from the first
+    bundle that has it: replica r of a stage from replica r of the source, for a state sharded
+    inside each bundle (``--zero 1``) is the same at the same replica, not across replicas
+    (collective on the stage group, one broadcast per replica). A rank that has its state keeps
+    it; a fresh one takes the sender's without the parts a rank keeps for itself (PowerSGD's
+    error feedback starts from zero)."""
     source = next(k for k, b in enumerate(layout.bundles) if b not in fresh)
-    src = layout.rank(source, session.coord.stage, 0)
-    box: list[Any] = [carried.on_cpu() if carried is not None and dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=session.groups.stage)
-    got: Carried = box[0]
+    coord, me = session.coord, dist.get_rank()
+    got: Carried | None = carried
+    for replica in range(layout.shape[coord.stage]):
+        src = layout.rank(source, coord.stage, replica)
+        box: list[Any] = [carried.on_cpu() if carried is not None and me == src else None]
+        dist.broadcast_object_list(box, src=src, group=session.groups.stage)
+        if replica == coord.replica and carried is None:
+            sent: Carried = box[0]
+            got = Carried(sent.step, shared(sent.state))
+    assert got is not None  # noqa: S101 - a fresh rank received its replica's
     return got
 
 
-def same_everywhere(session: Session, layout: Topology) -> None:
-    """Every replica of this stage holds the same parameters and optimizer state, bit for bit
-    (after a bundle rejoined): their digests, all-gathered over the stage group, agree."""
-    digest = hashlib.sha256()
-    state = (session.stage.state_dict(), session.optimizer.state_dict())
-    for t in (t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)):
-        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+def same_everywhere(trainer: Trainer, layout: Topology) -> None:
+    """Every replica of this stage holds the same parameters and outer state, and the same
+    optimizer state where the optimizer is not sharded (else every bundle's replica r the same;
+    with --bundle-sync local|diloco each bundle's own), bit for bit (after a bundle rejoined):
+    their digests, all-gathered over the stage group, agree."""
+    session, state = trainer.session, trainer.checkpointer.rank_state.state_dict()
+    width = layout.shape[session.coord.stage]
+    own_optimizer = session.engine.outer is not None
+    by_replica = trainer.checkpointer.shards_per_bundle
     group = session.groups.stage
     on = (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend(group) == "nccl"
         else None
     )
-    mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8).to(on)
+    mine = torch.stack([_digest(state, ("model", "outer")), _digest(state, ("optim",))]).to(on)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    if not all(torch.equal(d, everyone[0]) for d in everyone):
-        differ = [i for i, d in enumerate(everyone) if not torch.equal(d, mine)]
+    differ = [
+        i
+        for i, d in enumerate(everyone)
+        if not torch.equal(d[0], mine[0])
+        or (
+            not own_optimizer
+            and (not by_replica or i % width == session.coord.replica)
+            and not torch.equal(d[1], mine[1])
+        )
+    ]
+    if differ:
         raise RuntimeError(
             f"{layout.describe(dist.get_rank())}: after the rejoin, replicas {differ} of stage "
             f"{session.coord.stage} hold other state than this one"
         )
+
+
+def _digest(state: dict[str, dict[str, torch.Tensor]], parts: tuple[str, ...]) -> torch.Tensor:
+    """A SHA-256 of the parts' tensors, in name order, as 32 bytes."""
+    digest = hashlib.sha256()
+    for part in parts:
+        for _, t in sorted(state[part].items()):
+            digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)

@@ -11,7 +11,8 @@ on where the old one would have in place: it agrees with the others which bundle
 forms the new world and trains the failed step again. No checkpoint is read and no step is lost;
 the process and its CUDA context are new.
 
-``Carried`` is a stage's training state kept across a change of members: in memory where the
+``Carried`` is a rank's training state (``bundle.checkpoint.state.RankState``, the one a
+checkpoint saves) kept across a change of members: in memory where the
 survivors train on in place (gloo), in the handoff file here, and sent to a healed bundle.
 
 The state is never taken halfway through an update: the engine holds ``StepGuard`` from the moment
@@ -32,15 +33,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.utils._pytree as pytree
 
+from bundle.checkpoint.state import State, checked, on_cpu
 from bundle.errors import ExitCode
 
 if TYPE_CHECKING:
-    from bundle.session import Session
     from bundle.trainer import Trainer
 
 EXIT_HANDOFF = ExitCode.HANDOFF  # a survivor that wrote its state for a new process of its rank
@@ -66,44 +66,27 @@ def wanted(backend: str) -> bool:
 
 @dataclass
 class Carried:
-    """A stage's training state kept in memory across a change of members."""
+    """A rank's training state (``RankState``) after ``step`` committed steps, kept across a
+    change of members."""
 
-    step: int  # steps committed
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
-    extra: dict[str, torch.Tensor]  # the loss scaler's state (the checkpoint's extra entries)
+    step: int
+    state: State
 
     @classmethod
-    def of(cls, session: Session, trainer: Trainer, step: int | None = None) -> Carried:
+    def of(cls, trainer: Trainer, step: int | None = None) -> Carried:
+        """The trainer's state as it stands (its live tensors: the epoch's session is dropped
+        once this is taken)."""
         return cls(
             step=trainer.committed if step is None else step,
-            model=session.stage.state_dict(),
-            optimizer=session.optimizer.state_dict(),
-            extra={k: v.detach().clone() for k, v in trainer.checkpointer.extra.items()},
+            state=trainer.checkpointer.rank_state.state_dict(),
         )
 
     def on_cpu(self) -> Carried:
         """A copy whose tensors are on the CPU (what is sent: a receiver's own GPU may differ)."""
-        cpu = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), self.__dict__)
-        return Carried(**cpu)
+        return Carried(self.step, on_cpu(self.state))
 
-    def load(self, session: Session, trainer: Trainer) -> None:
-        session.stage.load_state_dict(self.model)
-        session.optimizer.load_state_dict(self.optimizer)
-        state_onto_params(session.optimizer)
-        for k, v in self.extra.items():
-            trainer.checkpointer.extra[k].copy_(v)
-
-
-def state_onto_params(optimizer: torch.optim.Optimizer) -> None:
-    """Optimizer state received on the host (from a peer, or handed over) goes to its parameter's
-    device; 0-dimensional entries (Adam's ``step``) stay where torch keeps them. Torch's
-    ``load_state_dict`` moves it too, but out of sight of nccl-emu's device audit, which saw the
-    momentum as a host tensor and failed the next update after a heal."""
-    for p, state in optimizer.state.items():
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != p.device:
-                state[k] = v.to(p.device)
+    def load(self, trainer: Trainer) -> None:
+        trainer.checkpointer.rank_state.load_state_dict(self.state)
 
 
 @dataclass
@@ -134,7 +117,7 @@ class Handoff:
             got = torch.load(path, map_location="cpu", weights_only=True)
             Path(path).unlink()
             return Handoff(
-                carried=Carried(**got["carried"]),
+                carried=Carried(int(got["carried"]["step"]), checked(got["carried"]["state"])),
                 epoch=int(got["epoch"]),
                 members=tuple(int(b) for b in got["members"]),
                 incs={int(b): int(i) for b, i in got["incs"].items()},

@@ -163,9 +163,10 @@ class Membership:
         if mine not in members:
             raise self.leave()
         if len(members) < self.min_bundles:
+            lost = ", ".join(str(b) for b in self.members if b not in members)
             raise TooFewBundles(
-                f"{len(members)} bundle(s) remain ({decided}), fewer than --min-bundles "
-                f"{self.min_bundles}"
+                f"bundle(s) {lost} lost after step {committed}: {len(members)} bundle(s) remain "
+                f"({decided}), fewer than --min-bundles {self.min_bundles}"
             )
         self._same_steps(key, members, committed)
         self.members = members
@@ -192,7 +193,7 @@ class Membership:
             self.incs[b] = control.read_int(self.store, healing_key(b)) or 0
         self.members = tuple(sorted({*self.members, *bundles}))
         self.heals += len(bundles)
-        told = _admission(self.epoch, self.members, self.incs, step)
+        told = _admission(self, step)
         for b in bundles:
             self.store.compare_set(f"{_join_key(b, self.incs[b])}/epoch", "", told)
 
@@ -212,8 +213,10 @@ class Membership:
             if self.clock() >= deadline:
                 raise TooFewBundles(f"bundle {self.bundle} was not taken back in within {wait:g}s")
             time.sleep(POLL_S)
-        epoch, members, incs, step = self.store.get(f"{key}/epoch").decode().split(";")
-        self.epoch = int(epoch)
+        epoch, members, incs, step, failures, heals = (
+            self.store.get(f"{key}/epoch").decode().split(";")
+        )
+        self.epoch, self.failures, self.heals = int(epoch), int(failures), int(heals)
         self.members = tuple(int(b) for b in members.split(","))
         self.incs = dict(zip(self.members, (int(i) for i in incs.split(",")), strict=True))
         return int(step)
@@ -250,7 +253,8 @@ class Membership:
             )
 
 
-def _admission(epoch: int, members: tuple[int, ...], incs: dict[int, int], step: int) -> str:
-    """``epoch;members;their incarnations;step``: what a new incarnation is told."""
-    listed = ",".join(map(str, members)), ",".join(str(incs[b]) for b in members)
-    return f"{epoch};{listed[0]};{listed[1]};{step}"
+def _admission(m: Membership, step: int) -> str:
+    """``epoch;members;their incarnations;step;failures;heals``: what a new incarnation is told
+    (the job's counts too: it may be the bundle that reports them)."""
+    listed = ",".join(map(str, m.members)), ",".join(str(m.incs[b]) for b in m.members)
+    return f"{m.epoch};{listed[0]};{listed[1]};{step};{m.failures};{m.heals}"

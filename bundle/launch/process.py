@@ -20,7 +20,7 @@ from bundle.config import RunConfig
 from bundle.errors import ConfigError, ExitCode
 from bundle.launch.context import Counters, ProcessContext, SharedFloat, StoreAt, WorkerStart
 from bundle.launch.fault import train_on
-from bundle.launch.membership import EXIT_LEFT, BundleLeft
+from bundle.launch.membership import EXIT_LEFT, BundleLeft, TooFewBundles
 from bundle.launch.throttle import own_quota
 from bundle.observe.build import reporter_rank
 from bundle.observe.metrics import Summary
@@ -246,7 +246,12 @@ def _say_stopped(cfg: RunConfig, local_rank: int, stopped: Stopped) -> None:
 
 def _report_failure(store: dist.Store, me: str, rank: int, phase: Phase, exc: BaseException) -> int:
     """Post this failure to the job unless another process's came first (then say that one)."""
-    mine = f"{me} failed at {phase}: {type(exc).__name__}: {exc}"
+    # Too few bundles left is the job's failure, not this healthy process's: said as such.
+    mine = (
+        f"the job has too few bundles: {exc}"
+        if isinstance(exc, TooFewBundles)
+        else f"{me} failed at {phase}: {type(exc).__name__}: {exc}"
+    )
     deadline = time.monotonic() + 2.0
     cause = None
     try:
@@ -257,7 +262,7 @@ def _report_failure(store: dist.Store, me: str, rank: int, phase: Phase, exc: Ba
             cause = post_abort(store, mine)
     except RuntimeError:  # the store's host is gone (it died first): say this failure alone
         cause = mine
-    if cause.startswith(me):
+    if cause == mine:
         log.get().error(cause)
         if not isinstance(exc, Exception):
             raise exc

@@ -291,10 +291,7 @@ def test_an_evaluation_only_run_needs_a_model_to_evaluate_and_validation():
     "change, flag",
     [
         ({"parallel": {"num_bundles": 1}}, "--num-bundle"),
-        ({"parallel": {"num_bundles": 2, "grad_sync": "hierarchical"}}, "--grad-sync"),
-        ({"parallel": {"num_bundles": 2, "zero": 1}}, "--zero"),
-        ({"parallel": {"num_bundles": 2, "bundle_sync": "diloco:4"}}, "--bundle-sync"),
-        ({"parallel": {"num_bundles": 2}, "checkpoint": {"async_save": True}}, "--async-save"),
+        ({"parallel": {"num_bundles": 2}, "launch": {"torchrun": True}}, "--torchrun"),
     ],
 )
 def test_bundle_fault_tolerance_refuses_what_it_does_not_support(change, flag):
@@ -305,3 +302,34 @@ def test_bundle_fault_tolerance_refuses_what_it_does_not_support(change, flag):
     with pytest.raises(ConfigError) as e:
         make_config(launch=launch, **change)
     assert e.value.key == flag
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"grad_sync": "hierarchical"},
+        {"zero": 1},
+        {"bundle_sync": "diloco:4"},
+        {"grad_compression": "powersgd"},
+    ],
+)
+def test_bundle_fault_tolerance_composes_with_every_sync(change):
+    from tests.support.config import make_config
+
+    cfg = make_config(launch={"fault_tolerance": "bundle"}, parallel={"num_bundles": 2, **change})
+    assert cfg.launch.fault_tolerance == "bundle"
+    ft = {"fault_tolerance": "bundle"}
+    make_config(
+        launch=ft, checkpoint={"async_save": True, "save_dir": "c"}, parallel={"num_bundles": 2}
+    )
+
+
+def test_robust_aggregation_under_bundle_fault_tolerance_keeps_enough_bundles():
+    from bundle.errors import ConfigError
+    from tests.support.config import make_config
+
+    median = {"num_bundles": 4, "aggregate": "median"}
+    with pytest.raises(ConfigError, match="combines at least 3 bundles") as e:
+        make_config(launch={"fault_tolerance": "bundle", "min_bundles": 2}, parallel=median)
+    assert e.value.key == "--min-bundles"
+    make_config(launch={"fault_tolerance": "bundle", "min_bundles": 3}, parallel=median)

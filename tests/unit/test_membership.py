@@ -84,6 +84,12 @@ def test_below_min_bundles_or_on_different_steps_the_job_fails():
     store.set(dead_key(1), "gone")
     out = _agree(store, [0, 1, 4, 5], min_bundles=3)
     assert all(isinstance(out[r], TooFewBundles) for r in (0, 1, 4, 5))
+    # Said as the job's failure, naming the lost bundle and the step, not the process saying it.
+    assert str(out[4]) == (
+        "bundle(s) 1 lost after step 3: 2 bundle(s) remain (0,2), fewer than --min-bundles 3"
+    )
+    cause = _said_by(out[4])
+    assert cause == f"the job has too few bundles: {out[4]}" and "rank 4" not in cause
     store = _store()
     store.set(dead_key(1), "gone")
     out = _agree(store, [0, 1, 4, 5], committed={0: 3, 1: 3, 4: 4, 5: 4})
@@ -147,6 +153,8 @@ def test_a_new_incarnation_is_seen_ready_taken_in_and_told_where_to_start():
     for m in [*survivors.values(), *healing.values()]:
         assert (m.epoch, m.members, m.incs) == (2, (0, 1, 2), {0: 0, 1: 1, 2: 0})
     assert survivors[0].heals == 1 and healing[3].my_rank == 3
+    # The new processes learn the job's counts too: one of them may be the one that reports.
+    assert all((m.failures, m.heals) == (1, 1) for m in healing.values())
     # The new incarnation fails: its bundle is dead again under its own key, not the old one's.
     assert healing[2].leave().args[0] == "bundle 1 left the job at epoch 2"
     assert store.check([dead_key(1, 1)])
@@ -195,3 +203,14 @@ def test_a_process_waiting_to_join_leaves_once_its_sibling_in_the_heal_failed():
     with pytest.raises(BundleLeft):
         Membership(store, JOB, 2, 5.0, incarnation=1).ask_to_join(5.0)
     assert time.monotonic() - t0 < 1.0
+
+
+def _said_by(exc: BaseException) -> str:
+    """What a process that raised ``exc`` posts to the job as its cause (bundle.launch.process)."""
+    from bundle.launch.process import _report_failure
+    from bundle.runtime.phase import Phase
+    from bundle.runtime.store import read_abort
+
+    store = _store()
+    _report_failure(store, "rank 4 (node 0, bundle 2, stage 0, replica 0)", 4, Phase(), exc)
+    return read_abort(store)

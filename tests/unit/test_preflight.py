@@ -223,15 +223,15 @@ def test_a_graph_split_is_made_once_and_handed_to_every_process():
     assert preflight.check_all(cfg("--bundle-shape", "2,1"), {}).capture is None  # its own chain
 
 
-def test_bundle_fault_tolerance_on_nccl_is_refused_unless_opted_in():
+def test_bundle_fault_tolerance_on_nccl_is_refused_only_where_turned_off():
     c = cfg("--num-bundle", "2", "--fault-tolerance", "bundle")
-    opted = {preflight.EXPERIMENTAL_NCCL_ENV: "1"}
-    with pytest.raises(ConfigError, match="runs on gloo or nccl-emu .* experimental"):
-        preflight.check_fault_tolerance(c, "nccl", environ={})
-    preflight.check_fault_tolerance(c, "nccl", environ=opted)
-    preflight.check_fault_tolerance(c, "gloo", environ={})
-    preflight.check_fault_tolerance(c, "nccl-emu", environ={})
-    preflight.check_fault_tolerance(cfg("--num-bundle", "2"), "nccl", environ={})  # restart
+    off = {preflight.NCCL_FT_ENV: "0"}
+    with pytest.raises(ConfigError, match="turned off on NCCL here .BUNDLE_NCCL_FT=0."):
+        preflight.check_fault_tolerance(c, "nccl", environ=off)
+    preflight.check_fault_tolerance(c, "nccl", environ={})
+    preflight.check_fault_tolerance(c, "gloo", environ=off)
+    preflight.check_fault_tolerance(c, "nccl-emu", environ=off)
+    preflight.check_fault_tolerance(cfg("--num-bundle", "2"), "nccl", environ=off)  # restart
 
 
 def test_more_pieces_than_blocks_are_refused_before_start_and_interleaving_takes_two_chunks():
