@@ -29,7 +29,7 @@ survivor still running at the limit, its stacks (``py-spy dump --native``, where
 Measured on one H200 (torch 2.11.0, NCCL 2.28.9; docs/fault-tolerance.md): every abort variant
 left the survivor with two communicators in flight stuck in the abort, while ``offload-exit``'s
 survivors copied in 4-9 ms and were gone 0.2 s after the mark: the way
-``--fault-tolerance bundle`` takes on NCCL (bundle.launch.handoff).
+``--fault-tolerance bundle`` takes on NCCL (bundle.launch.ft.handoff).
 
 Each variant gets ``--limit`` seconds; a survivor still running then is killed (its report says
 what it reached).

@@ -116,7 +116,7 @@ class StageEngine:
         self.max_in_flight = [
             peak_in_flight([a for a in self.actions if a.chunk == c]) for c in range(V)
         ]
-        # What the job around declares it does inside a step (bundle.launch.fault): none here.
+        # What the job around declares it does inside a step (bundle.launch.ft.epochs): none here.
         self.hooks = StepHooks()
         # (step, what): formatted only when an error is reported, never in the hot path.
         self._at: tuple[int, object] = (-1, "set-up")

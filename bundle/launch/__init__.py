@@ -9,10 +9,8 @@ the session and trainer; nothing below it (runtime, engine, session, trainer) im
 - ``supervisor``: a node's workers started, watched, restarted and stopped;
 - ``liveness``: the workers' signs of life, and a stopped or frozen one named;
 - ``nodes``: the nodes' heartbeats (a silent node found) and node 0's wait for the others;
-- ``membership``: which bundles train on after a failure, agreed through the job's store;
-- ``fault``: a process's training under ``--fault-tolerance bundle``, a world per membership;
-- ``heal``: a node supervisor's side of it: a lost bundle marked, its processes started again;
-- ``handoff``: on NCCL a survivor hands its state to a new process of its rank;
+- ``ft/``: ``--fault-tolerance bundle``: membership, a world per epoch, the heal and the handoff;
+  its map is the failure map (what fails, who sees it, who handles it, the exit code);
 - ``throttle``: CPU quotas (cgroups) that emulate slower devices for a plan's ``cpu`` shares;
 - ``slurm``: a Slurm job step as the node layout;
 - ``localworld``: N loopback processes for tests, benchmarks and the planner's calibration.

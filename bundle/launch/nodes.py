@@ -1,6 +1,6 @@
 """The nodes of a job watching each other through its store: every node's supervisor ticks a
 heartbeat counter, and node 0 reports a node whose counter stopped moving (the job fails; under
-``--fault-tolerance bundle`` that node's bundles leave instead, bundle.launch.heal) and, once
+``--fault-tolerance bundle`` that node's bundles leave instead, bundle.launch.ft.heal) and, once
 its own workers are done, waits for the other nodes to finish before its store goes away.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from bundle.launch.heal import Healer
-from bundle.launch.membership import lost_node_key
+from bundle.launch.ft.heal import Healer
+from bundle.launch.ft.membership import lost_node_key
 from bundle.runtime import control
 from bundle.runtime.store import post_abort, read_abort
 

@@ -19,8 +19,8 @@ from bundle import log
 from bundle.config import RunConfig
 from bundle.errors import ConfigError, ExitCode
 from bundle.launch.context import Counters, ProcessContext, SharedFloat, StoreAt, WorkerStart
-from bundle.launch.fault import train_on
-from bundle.launch.membership import EXIT_LEFT, BundleLeft, TooFewBundles
+from bundle.launch.ft.epochs import train_on
+from bundle.launch.ft.membership import EXIT_LEFT, BundleLeft, TooFewBundles
 from bundle.launch.throttle import own_quota
 from bundle.observe.build import reporter_rank
 from bundle.observe.metrics import Summary

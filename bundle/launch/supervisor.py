@@ -50,10 +50,10 @@ from bundle.launch.context import (
     StoreAt,
     WorkerStart,
 )
-from bundle.launch.handoff import EXIT_HANDOFF, file_of, handoff_directory
-from bundle.launch.heal import Healer
+from bundle.launch.ft.handoff import EXIT_HANDOFF, file_of, handoff_directory
+from bundle.launch.ft.heal import Healer
+from bundle.launch.ft.membership import EXIT_LEFT
 from bundle.launch.liveness import Worker, liveness_check
-from bundle.launch.membership import EXIT_LEFT
 from bundle.launch.process import WorkerContext, spawned, where_we_are, worker_context
 from bundle.launch.throttle import NodeQuotas, ThrottleError, cpu_shares
 from bundle.partition import Capture

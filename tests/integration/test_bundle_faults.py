@@ -2,7 +2,7 @@
 killed (on gloo) or frozen (under nccl-emu) as step 4 begins (``BUNDLE_FAULT``). The other
 bundles train on in the same attempt, step 4 is run again without bundle 1 (no step lost): on
 gloo in the same processes, under nccl-emu (as on NCCL) each survivor in a new process of its
-rank that received its state (bundle.launch.handoff). With ``--max-restarts 2`` (nccl-emu)
+rank that received its state (bundle.launch.ft.handoff). With ``--max-restarts 2`` (nccl-emu)
 bundle 1 is started again, that heal fails as it starts (``BUNDLE_HEAL_FAULT``), and the next one
 receives the state from a peer and rejoins. Either way the final weights equal one process that
 trained each step on the rows of the bundles that took part in it (the metrics records say
@@ -71,7 +71,7 @@ def _run(
     assert f"bundle {lost} leaves the job: {where} {how}" in err
     assert err.count("started ranks") == 1, err  # the job was never restarted
     # On NCCL (and its emulator) each survivor goes on in a new process of its rank with the
-    # state it handed over (bundle.launch.handoff); elsewhere in the same process.
+    # state it handed over (bundle.launch.ft.handoff); elsewhere in the same process.
     handed = err.count("goes on in a new process with its state")
     survivors = 2 * sum(int(w) for w in shape.split(","))
     assert handed >= survivors if backend in ("nccl", "nccl-emu") else handed == 0, err

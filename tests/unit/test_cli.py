@@ -11,8 +11,8 @@ import pytest
 from bundle import cli
 from bundle import config as C
 from bundle.errors import ConfigError, ExitCode, signalled
-from bundle.launch.handoff import EXIT_HANDOFF
-from bundle.launch.membership import EXIT_LEFT
+from bundle.launch.ft.handoff import EXIT_HANDOFF
+from bundle.launch.ft.membership import EXIT_LEFT
 
 ROOT = Path(__file__).resolve().parents[2]
 

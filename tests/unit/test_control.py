@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from bundle.errors import ConfigError
-from bundle.launch.membership import Membership, dead_key, is_dead, mark_dead
+from bundle.launch.ft.membership import Membership, dead_key, is_dead, mark_dead
 from bundle.runtime import control
 from bundle.runtime.store import ABORT_KEY, post_abort, read_abort
 from bundle.topology import Topology

@@ -1,4 +1,4 @@
-"""bundle/launch/handoff.py and its supervisor side: a survivor's state written whole and read
+"""bundle/launch/ft/handoff.py and its supervisor side: a survivor's state written whole and read
 once, taken only between steps (``StepGuard``), the process ended with ``EXIT_HANDOFF``, and its
 supervisor starting the rank again at once (not a failure). The path runs end to end under
 nccl-emu in tests/integration/test_bundle_faults.py."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bundle.checkpoint.state import PARTS, RankState
-from bundle.launch import handoff
-from bundle.launch.handoff import EXIT_HANDOFF, Carried, Handoff, StepGuard
+from bundle.launch.ft import handoff
+from bundle.launch.ft.handoff import EXIT_HANDOFF, Carried, Handoff, StepGuard
 from bundle.launch.supervisor import End, Outcome, Recovery, watch
 from tests.unit.test_rank_state import assert_same_state, stage_and_optimizer
 from tests.unit.test_supervisor import Worker

@@ -1,4 +1,4 @@
-"""A node supervisor's side of --fault-tolerance bundle (bundle.launch.heal), with fake workers
+"""A node supervisor's side of --fault-tolerance bundle (bundle.launch.ft.heal), with fake workers
 and a ``HashStore``: a lost bundle marked, started again once all its workers exited, given up
 when no heal is left."""
 
@@ -10,8 +10,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from bundle.launch import nodes, supervisor
-from bundle.launch.heal import Healer
-from bundle.launch.membership import dead_key, healing_key, mark_dead
+from bundle.launch.ft.heal import Healer
+from bundle.launch.ft.membership import dead_key, healing_key, mark_dead
 from bundle.runtime.store import read_abort
 from bundle.topology import Topology
 

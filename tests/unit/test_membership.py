@@ -1,4 +1,4 @@
-"""Which bundles train on after a failure and which rejoin (bundle.launch.membership), agreed
+"""Which bundles train on after a failure and which rejoin (bundle.launch.ft.membership), agreed
 through a store: the processes of three bundles of shape 1,1 check in from threads, as they would
 after a failure."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 
 from bundle.errors import PeerFailure
-from bundle.launch.fault import LossWatch
-from bundle.launch.membership import (
+from bundle.launch.ft.epochs import LossWatch
+from bundle.launch.ft.membership import (
     DONE_KEY,
     BundleLeft,
     Membership,

@@ -7,13 +7,13 @@ taken by all or by none: a process that fails before the vote leaves every other
 vote, so no one steps. When a step
 fails because a peer went away, this process keeps its stage's state in memory (``Carried``),
 drops every group of the epoch, agrees with the others which bundles train on
-(bundle.launch.membership), forms a world of those on a fresh store prefix, and runs the failed
+(bundle.launch.ft.membership), forms a world of those on a fresh store prefix, and runs the failed
 step again with their rows: the survivors' processes and attempt never change, no step is lost,
 and no checkpoint is read.
 
 On NCCL a wait on a dead peer never ends (the kernel spins, the CPU blocks in the next
 synchronisation), and aborting the communicators in place hung, so there a survivor goes on in a
-new process of its rank instead (bundle.launch.handoff): each epoch runs a loss watch
+new process of its rank instead (bundle.launch.ft.handoff): each epoch runs a loss watch
 (``LossWatch``), a thread that sees a member bundle marked dead in the store and hands this
 process's state over (run on an H200 end to end: docs/fault-tolerance.md; BUNDLE_NCCL_FT=0 turns
 it off).
@@ -35,10 +35,10 @@ import torch.distributed as dist
 from bundle import log
 from bundle.checkpoint.state import shared
 from bundle.engine.parts import StepHooks
-from bundle.launch import handoff
 from bundle.launch.context import ProcessContext
-from bundle.launch.handoff import GUARD_WAIT_S, Carried, Handoff, StepGuard
-from bundle.launch.membership import DONE_KEY, LOSSES_KEY, Membership, is_peer_loss
+from bundle.launch.ft import handoff
+from bundle.launch.ft.handoff import GUARD_WAIT_S, Carried, Handoff, StepGuard
+from bundle.launch.ft.membership import DONE_KEY, LOSSES_KEY, Membership, is_peer_loss
 from bundle.observe.metrics import Summary
 from bundle.runtime.devices import resolve_backend
 from bundle.runtime.phase import Phase
@@ -262,7 +262,7 @@ class _Epochs:
         return session, trainer
 
     def take_over(self, handed: Handoff) -> None:
-        """This new process goes on where the survivor before it left off (bundle.launch.handoff):
+        """This new process goes on where the survivor before it left off (bundle.launch.ft.handoff):
         its state and membership, then the agreement it would have joined."""
         m = self.members
         m.epoch, m.members, m.incs = handed.epoch, handed.members, handed.incs

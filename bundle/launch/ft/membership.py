@@ -65,7 +65,9 @@ def dead_key(bundle: int, incarnation: int = 0) -> str:
     return f"ft/dead/{bundle}.{incarnation}"
 
 
-LOSSES_KEY = "ft/losses"  # bumped with every mark: one key a loss watch polls (bundle.launch.fault)
+LOSSES_KEY = (
+    "ft/losses"  # bumped with every mark: one key a loss watch polls (bundle.launch.ft.epochs)
+)
 
 
 def mark_dead(store: dist.Store, bundle: int, incarnation: int, why: str) -> str:

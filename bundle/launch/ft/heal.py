@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from bundle import log
-from bundle.launch.membership import (
+from bundle.launch.ft.membership import (
     LOSSES_KEY,
     healing_key,
     is_dead,
@@ -25,7 +25,7 @@ from bundle.runtime import control
 from bundle.topology import Topology
 
 # start(rank, incarnation, handed): a new worker for ``rank``, started (``handed``: it reads the
-# state its previous process handed over, bundle.launch.handoff).
+# state its previous process handed over, bundle.launch.ft.handoff).
 Start = Callable[[int, int, bool], Any]
 
 
