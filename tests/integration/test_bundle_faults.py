@@ -4,10 +4,12 @@ bundles train on in the same attempt, step 4 is run again without bundle 1 (no s
 gloo in the same processes, under nccl-emu (as on NCCL) each survivor in a new process of its
 rank that received its state (bundle.launch.ft.handoff). With ``--max-restarts 2`` (nccl-emu)
 bundle 1 is started again, that heal fails as it starts (``BUNDLE_HEAL_FAULT``), and the next one
-receives the state from a peer and rejoins. Either way the final weights equal one process that
-trained each step on the rows of the bundles that took part in it (the metrics records say
-which). On a machine with a GPU both also run over NCCL, every rank on cuda:0 (``--share-gpus``);
-elsewhere those skip."""
+receives the state from a peer and rejoins. Where the sync is exact (flat, hierarchical, --zero
+1), the final weights equal one process that trained each step on the rows of the bundles that
+took part in it (the metrics records say which); DiLoCo and PowerSGD are checked for agreement
+among the survivors. Bundle 0, the reporting one, is lost and healed once too. On a machine with
+a GPU the exact cases also run over NCCL, every rank on cuda:0 (``--share-gpus``); elsewhere
+those skip."""
 
 from __future__ import annotations
 
@@ -95,35 +97,32 @@ def _assert_trained_on_the_bundles_present(tmp_path, args, took_part, atol=1e-5)
         )
 
 
+FLAT = ["--grad-sync", "flat"]
+TWO_HOPS = ["--grad-sync", "hierarchical"]
+
+
 @pytest.mark.parametrize(
-    ("backend", "fault"),
-    [("gloo", "kill"), ("nccl-emu", "stop"), pytest.param(*NCCL.values, "kill", marks=NCCL.marks)],
+    ("backend", "fault", "sync"),
+    [
+        ("gloo", "kill", FLAT),
+        ("nccl-emu", "stop", TWO_HOPS),
+        pytest.param(*NCCL.values, "kill", FLAT, marks=NCCL.marks),
+    ],
 )
-def test_a_lost_bundle_leaves_and_the_others_train_on_exactly(tmp_path, backend, fault):
+def test_a_lost_bundle_leaves_and_the_others_train_on_exactly(tmp_path, backend, fault, sync):
     """Killed, or stopped (a slow, not dead, bundle: waited for until its supervisor finds it
-    silent for half of --timeout, then dropped)."""
-    args, _, records = _run(tmp_path, backend, 8, fault=fault)
+    silent for half of --timeout, then dropped), at width 2 with the exact syncs: flat or
+    hierarchical, --zero 1 (the momentum sharded inside each bundle: the lost one takes no shard
+    with it; over the whole stage group the shards it held would be lost and this fails) and
+    saves written in the background. The survivors' weights equal one process's that trained
+    each step on the rows of the bundles in it, and the checkpoints after the loss are whole."""
+    save = tmp_path / "ckpt"
+    extra = [*sync, "--zero", "1", "--async-save", "--save-dir", str(save), "--save-every", "3"]
+    args, _, records = _run(tmp_path, backend, 8, *extra, fault=fault, shape="2,1")
     summary = records[-1]
     assert summary["bundle_failures"] == 1 and summary["bundles_in_step"] == [0, 2], summary
     assert summary["attempt"] == 0 and summary["steps"] == 8 and summary["heals"] == 0
     assert summary["lost_steps"] == 0
-    took_part = {r["step"]: r["bundles_in_step"] for r in records if "loss" in r and "step" in r}
-    assert took_part == {s: [0, 1, 2] if s < FAILS_AT else [0, 2] for s in range(1, 9)}
-    _assert_trained_on_the_bundles_present(tmp_path, args, took_part)
-
-
-@pytest.mark.parametrize(("backend", "fault"), [("gloo", "kill"), ("nccl-emu", "stop")])
-def test_the_others_train_on_exactly_with_every_exact_sync(tmp_path, backend, fault):
-    """Hierarchical sync, --zero 1 (the momentum sharded inside each bundle: the lost one takes
-    no shard with it; over the whole stage group the shards it held would be lost and this
-    fails) and saves written in the background, at width 2: the survivors' weights equal one
-    process's, and the checkpoints after the failure are whole."""
-    save = tmp_path / "ckpt"
-    extra = ["--grad-sync", "hierarchical", "--zero", "1"]
-    extra += ["--async-save", "--save-dir", str(save), "--save-every", "3"]
-    args, _, records = _run(tmp_path, backend, 8, *extra, fault=fault, shape="2,1")
-    summary = records[-1]
-    assert summary["bundle_failures"] == 1 and summary["bundles_in_step"] == [0, 2], summary
     took_part = {r["step"]: r["bundles_in_step"] for r in records if "loss" in r and "step" in r}
     assert took_part == {s: [0, 1, 2] if s < FAILS_AT else [0, 2] for s in range(1, 9)}
     _assert_trained_on_the_bundles_present(tmp_path, args, took_part)
