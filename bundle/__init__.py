@@ -12,12 +12,13 @@ From the data up:
 - ``row_weights``, ``rows``, ``topology``: the ``--row-weights`` spelling of each replica's share
   of a micro-batch; a micro-batch's rows cut among a stage's replicas and the rows that cross
   between stages (pure arithmetic); the job's ranks, groups and row plans as one pure value;
-- ``partition``, ``lr_schedule``: where stages begin; the learning rate of every step;
+- ``lr_schedule``: the learning rate of every step;
 - ``data/``: the datasets, text to tokens, how one sample is read, the order samples are trained
   in (the same under any shape), a stage's micro-batches read in order (loader workers);
-- ``models/``: models by name, a user's factory, ``transformers`` classes, and their cut into
-  blocks (the layout's top-level ``models/`` folder, imported as ``bundle.models`` only, so a
-  user's own ``models`` package never meets it);
+- ``models/``: models by name, a user's factory, ``transformers`` classes, their cut into
+  blocks, ``--partition`` specs (where each piece begins) and the cut into pieces there (the
+  layout's top-level ``models/`` folder, imported as ``bundle.models`` only, so a user's own
+  ``models`` package never meets it);
 - ``plan_file``: ``--plan FILE``: a planner's saved plan (options, placement, data) to run as is;
 - ``preflight``: every check made before a process starts;
 - ``ir/``: the schedule IR, pure: each stage's actions (the schedules' registry), lockstep

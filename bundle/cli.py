@@ -139,7 +139,7 @@ def to_config(args: argparse.Namespace, env: dict[str, str]) -> C.RunConfig:
     can state.
     """
     from bundle.launch import slurm
-    from bundle.partition import split_model_name
+    from bundle.models.partition import split_model_name
 
     values = options.field_values(args)
     parallel, data, launch, model = (values[k] for k in ("parallel", "data", "launch", "model"))

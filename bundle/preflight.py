@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from bundle import data, models, partition
+from bundle import data, models
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig, parse_steps
 from bundle.data import input_spec, named_inputs
@@ -21,6 +21,8 @@ from bundle.engine.precision import DTYPES
 from bundle.errors import BundleError, ConfigError, DataError, PartitionError
 from bundle.launch import throttle
 from bundle.lr_schedule import LRSchedule, needs_epoch_length, past_the_run, spell
+from bundle.models.cut import Capture, capture_of, cut
+from bundle.models.partition import available_specs
 from bundle.runtime import control, devices
 from bundle.runtime.preemption import parse_fault, parse_heal_fault
 from bundle.topology import Topology
@@ -36,7 +38,7 @@ class LaunchPlan:
     topo: Topology
     resume: str | None
     attempt: int
-    capture: partition.Capture | None = None
+    capture: Capture | None = None
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
@@ -102,7 +104,7 @@ def check_cpu_shares(cfg: RunConfig, topo: Topology) -> None:
 
 def check_pieces(
     cfg: RunConfig, num_stages: int
-) -> tuple[dict[str, tuple[int, ...]], partition.Capture | None]:
+) -> tuple[dict[str, tuple[int, ...]], Capture | None]:
     """``check_model`` on the pieces the job cuts: stages x ``--virtual-stages`` chunks."""
     V = cfg.parallel.virtual_stages
     if V == 1:
@@ -120,7 +122,7 @@ def check_pieces(
 
 def check_model(
     cfg: RunConfig, num_stages: int
-) -> tuple[dict[str, tuple[int, ...]], partition.Capture | None]:
+) -> tuple[dict[str, tuple[int, ...]], Capture | None]:
     """Unknown model or partition is an input error: resolve it on the meta device, no memory.
 
     Returns the shape of every entry of the model's state dict, and the model's graph split for
@@ -131,7 +133,7 @@ def check_model(
             cfg.model.name,
             f"choose one of: {', '.join(models.available())}, any torchvision classification "
             "model, a factory package.module:function; "
-            f"or one cut by its partitions/ file: {', '.join(partition.available_specs())}",
+            f"or one cut by its partitions/ file: {', '.join(available_specs())}",
         )
     if cfg.model.loss:
         models.load_callable(cfg.model.loss, "--loss")
@@ -175,7 +177,7 @@ def check_model(
             )
             if note:
                 print(f"main.py: note: {note}", file=sys.stderr)
-        stages = partition.cut(model, cfg.model, num_stages, input_shape, inputs=inputs)
+        pieces = cut(model, cfg.model, num_stages, input_shape, inputs=inputs)
     if cfg.compute.channels_last and not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         raise ConfigError(
             "--channels-last with --model",
@@ -183,7 +185,7 @@ def check_model(
             "needs a CNN (a model with 2-d convolutions)",
         )
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    return shapes, partition.capture_of(stages, cfg.model, input_shape, inputs)
+    return shapes, capture_of(pieces, cfg.model, input_shape, inputs)
 
 
 def _unbuildable(

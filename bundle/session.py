@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bundle import data, partition
+from bundle import data
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.checkpoint.parts import RankParts, SaveSettings
@@ -21,12 +21,13 @@ from bundle.engine.loss import Loss, cross_entropy
 from bundle.engine.optim import make_optimizer
 from bundle.engine.parts import Chunk, EngineParts, MicroBatch, StepOptions
 from bundle.engine.precision import Policy
+from bundle.engine.stage import Stage, joined
 from bundle.engine.stage_engine import StageEngine
 from bundle.engine.stages import Pieces, boundary_metas, build_stages
 from bundle.engine.transport import Transport, post_with_torch
 from bundle.ir.schedule import REGISTRY
+from bundle.models.cut import Capture
 from bundle.observe import timing
-from bundle.partition import Capture, Stage
 from bundle.runtime.devices import resolve_backend
 from bundle.runtime.groups import ProcessGroups
 from bundle.topology import Coord, Topology
@@ -111,7 +112,7 @@ def build_session(
     own = [policy.prepare_stage(stages[pipe.piece(coord.stage, c)].to(device)) for c in range(V)]
     # What the checkpoint and the optimizer see: every chunk's blocks (one of them, without
     # interleaving).
-    stage = own[0] if V == 1 else partition.joined(own)
+    stage = own[0] if V == 1 else joined(own)
     del stages
     if device.type == "cuda":
         precision.set_tf32(cfg.compute.tf32)

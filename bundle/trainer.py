@@ -26,9 +26,9 @@ from bundle.observe import build as observe
 from bundle.observe.metrics import Reporter, RunFacts, Summary, model_label
 from bundle.observe.timing import Mark
 from bundle.observe.trace import KernelProfiler
+from bundle.runtime import keys
 from bundle.runtime.phase import Phase
 from bundle.runtime.preemption import Regroup, Stopped, StopRequest, StopVote, maybe_fail
-from bundle.runtime.store import LOST_STEPS_KEY
 from bundle.session import Session, make_checkpointer, train_stream
 from bundle.topology import Topology
 
@@ -285,8 +285,8 @@ class Trainer:
         """What node 0's supervisor counted before this attempt (a restarted job); 0 under
         --fault-tolerance bundle before any restart; else None (not reported)."""
         store = self.store
-        if store is not None and store.check([LOST_STEPS_KEY]):
-            return int(store.get(LOST_STEPS_KEY).decode())
+        if store is not None and store.check([keys.LOST_STEPS]):
+            return int(store.get(keys.LOST_STEPS).decode())
         return 0 if self.bundle_failures is not None and self.run.attempt == 0 else None
 
 

@@ -25,7 +25,12 @@ batch's named inputs; the output rule and ``Whole``), ``small``, ``gpt``, ``visi
 (``transformers`` classes; ``--pretrained DIR``), ``export`` (the torch.export capture),
 ``segment`` (one block of a graph split), ``analysis`` (the traced graph read once: where modules
 begin, what crosses, what is recomputed), ``graph`` (the capture and the cut), ``split_io`` (a
-split as bytes).
+split as bytes), ``partition`` (``--partition`` specs: where each piece begins, checked against
+the blocks; the balanced cut), ``cut`` (a model's blocks cut into pieces there, and its graph
+split captured once for the job's processes).
+
+``build_model(cfg, ...)`` is ``--model`` built as the run configures it: ``--model-args``,
+``--weights``, ``--pretrained``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bundle.config import is_reference
+from bundle.config import ModelConfig, is_reference
 from bundle.errors import ConfigError, PartitionError
 from bundle.models import graph, hf, pretrained
 from bundle.models.gpt import GPT
@@ -62,6 +67,7 @@ __all__ = [
     "available",
     "blocks",
     "build",
+    "build_model",
     "build_on_meta",
     "example_input",
     "forward",
@@ -283,6 +289,34 @@ def load_weights(
         f"--weights {path}: loaded {len(fits)} of the model's {len(own)} tensors, "
         f"{fresh} initialised afresh ({problem}); --weights-strict refuses such a file"
     )
+
+
+def build_model(
+    cfg: ModelConfig, num_classes: int, input_shape: Sequence[int], *, seed: int = 0
+) -> nn.Module:
+    """``--model`` built for the data (``--model-args`` passed), ``--weights`` loaded; a
+    ``--pretrained`` model with all its weights read (its tensors the checkpoint lacks seeded
+    from ``seed``; the engine's ``build_stages`` reads only a process's own stages')."""
+    if cfg.pretrained:
+        model = pretrained.build_empty(
+            cfg.name,
+            cfg.pretrained,
+            num_classes=num_classes,
+            input_shape=input_shape,
+            args=cfg.kwargs,
+        )
+        pretrained.load(model, cfg.pretrained, seed=seed, strict=cfg.weights_strict)
+        return model
+    model = build(
+        cfg.name,
+        num_classes=num_classes,
+        input_shape=input_shape,
+        args=cfg.kwargs,
+        config_file=cfg.config_file,
+    )
+    if cfg.weights:
+        load_weights(model, cfg.weights, strict=cfg.weights_strict)
+    return model
 
 
 def input_dtype(model: nn.Module) -> torch.dtype:

@@ -30,10 +30,12 @@ from pathlib import Path
 
 import torch
 
-from bundle import data, models, partition
+from bundle import data, models
 from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from bundle.engine.optim import make_optimizer
+from bundle.engine.stage import split_model
 from bundle.launch.localworld import run_world
+from bundle.models.partition import auto_starts
 from bundle.session import build_session, make_loss, train_stream
 from bundle.topology import Topology
 
@@ -58,7 +60,7 @@ def cut_times(names: list[str]) -> list[dict]:
         t1 = time.perf_counter()
         blocks = models.blocks(model, shape)
         t2 = time.perf_counter()
-        stages = partition.split_model(blocks, partition.auto_starts(blocks, 2))
+        stages = split_model(blocks, auto_starts(blocks, 2))
         t3 = time.perf_counter()
         # The graph split, also for a model with blocks of its own (ResNet, VGG): trace + probe.
         graph_blocks = models.graph.blocks(model, models.example_input(model, shape, rows=3))
@@ -99,7 +101,7 @@ def _gpt_world(rank: int, world: int, cfg, rounds: int, steps: int) -> dict | No
     if rank == 0:
         splits = data.load(cfg.data, cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
-        model = partition.build_model(cfg.model, splits.num_classes, splits.input_shape)
+        model = models.build_model(cfg.model, splits.num_classes, splits.input_shape)
         opt, loss_fn = make_optimizer(cfg.train, model), make_loss(cfg)
         x, y = splits.train.tensors
         whole = [

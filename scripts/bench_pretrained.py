@@ -74,7 +74,7 @@ def child(directory: str, text: str, seq: int, stages: int, keep: int, capture_f
     import torch
 
     from bundle.engine.stage_engine import build_stages
-    from bundle.partition import Capture
+    from bundle.models.cut import Capture
 
     torch.set_num_threads(1)
     cfg = _config(directory, text, seq)

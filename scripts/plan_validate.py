@@ -232,8 +232,9 @@ def run(spec: Spec) -> tuple[dict, float]:
 
 
 def _starts(sizes: bench.Sizes, c: Config) -> tuple[int, ...]:
-    """The split the engine runs for ``c`` (as ``bundle.trainer.build_stages`` resolves it)."""
-    from bundle import models, partition
+    """The split the engine runs for ``c`` (as ``bundle.engine.stages.build_stages`` resolves it)."""
+    from bundle import models
+    from bundle.models import partition
 
     cfg = case_config(sizes, c)
     shape, _ = model_input(sizes, c.model)

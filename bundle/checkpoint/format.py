@@ -47,8 +47,8 @@ from torch import nn
 
 from bundle.checkpoint import index
 from bundle.config import RunConfig
+from bundle.engine.stage import Stage
 from bundle.errors import CheckpointError
-from bundle.partition import Stage
 from bundle.topology import Coord, Topology
 
 INFO = "bundle.json"

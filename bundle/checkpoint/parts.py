@@ -14,7 +14,7 @@ import torch
 from bundle.config import CheckpointConfig
 from bundle.engine.hops import Hop
 from bundle.engine.outer import OuterSync
-from bundle.partition import Stage
+from bundle.engine.stage import Stage
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from bundle.runtime import keys
+
 
 def rank_name(rank: int) -> str:
     """How a report names a rank, unless the session names it by its place."""
@@ -35,8 +37,7 @@ class Message:
 
     def key(self, rank: int, *, partner: bool) -> str:
         src, dst = (rank, self.peer) if self.send else (self.peer, rank)
-        side = self.send != partner  # True: the send's key
-        return f"p2p/{src}>{dst}/{self.n}/{'send' if side else 'recv'}"
+        return keys.p2p(src, dst, self.n, send=self.send != partner)
 
 
 @dataclass

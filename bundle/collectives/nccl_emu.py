@@ -57,6 +57,7 @@ from bundle.collectives import device_audit
 from bundle.collectives.device_audit import DeviceAudit
 from bundle.collectives.emu_stream import Call, Message, Stream, Work, rank_name
 from bundle.errors import PeerFailure
+from bundle.runtime import keys
 
 _POLL_FIRST_S, _POLL_MAX_S = 5e-5, 2e-3
 _TAG_MOD = 2**31 - 1
@@ -181,14 +182,15 @@ class Emulator:
         store, me = self.store, self.rank
 
         def arrive() -> None:
-            store.set(f"coll/{where}/{me}", str(n))
+            store.set(keys.collective(where, me), str(n))
 
         def absent(call: Call) -> list[int]:
             members = ranks if ranks is not None else range(dist.get_world_size())
             return [
                 r
                 for r in members
-                if not store.check([f"coll/{where}/{r}"]) or int(store.get(f"coll/{where}/{r}")) < n
+                if not store.check([keys.collective(where, r)])
+                or int(store.get(keys.collective(where, r))) < n
             ]
 
         return arrive, absent
@@ -307,7 +309,7 @@ def for_session(
     """
     from torch.distributed.distributed_c10d import _get_default_store
 
-    store = dist.PrefixStore(f"nccl-emu/{next(_sessions)}", _get_default_store())
+    store = dist.PrefixStore(keys.emulation(next(_sessions)), _get_default_store())
     return Emulator(
         store,
         rank,

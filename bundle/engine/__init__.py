@@ -20,6 +20,7 @@ Modules, from the data up:
 - ``split_backward``: a backward in two halves, input and weight (zero-bubble schedules);
 - ``memory``: recompute of a stage's blocks, and a count of what backward keeps;
 - ``loss``: the loss a stage computes and what evaluation counts (top-k hits, rows);
+- ``stage``: ``Stage``, one piece of the model as a module, named as in the full model;
 - ``stages``: the stages cut from the model, and what crosses each boundary between them;
 - ``parts``: what a ``StageEngine`` is built from (its chunks, optimizer, syncs, step options);
 - ``stage_engine``: ``StageEngine``, which runs a step's actions (over its model chunks), calls

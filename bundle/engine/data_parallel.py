@@ -14,7 +14,7 @@ from bundle.engine import aggregate, ties
 from bundle.engine.grad_sync import FlatSync, GradSync, HierarchicalSync
 from bundle.engine.hops import Hop, HopGroups, Wire, make_hop
 from bundle.engine.outer import Meetings, OuterSync
-from bundle.partition import Stage
+from bundle.engine.stage import Stage
 from bundle.runtime.groups import ProcessGroups
 from bundle.topology import Coord, Topology
 

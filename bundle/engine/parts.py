@@ -14,10 +14,10 @@ from bundle.engine.grad_sync import GradSync
 from bundle.engine.loss import Loss
 from bundle.engine.outer import OuterSync
 from bundle.engine.precision import LossScaler, Policy
+from bundle.engine.stage import Stage
 from bundle.engine.ties import TiedGrads
 from bundle.engine.transport import Transport
 from bundle.models.inputs import Batch
-from bundle.partition import Stage
 
 # What the data pipeline hands a stage for one micro-batch: stage 0 gets the inputs, the last
 # stage the labels of its own rows (read from the same deterministic shard), middle stages None.

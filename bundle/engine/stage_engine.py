@@ -20,6 +20,7 @@ from bundle.engine.parts import (
 )
 from bundle.engine.precision import Policy
 from bundle.engine.split_backward import Held, input_half, weight_half
+from bundle.engine.stage import Stage
 from bundle.engine.stages import boundary_metas, build_stages
 from bundle.engine.transport import Part, Pending, Transport, post_call
 from bundle.ir.p2p import RECVS, step_plan
@@ -33,7 +34,6 @@ from bundle.ir.schedule import (
     unknown,
 )
 from bundle.observe.timing import MARK_OF_OP, Mark, StepTimer
-from bundle.partition import Stage
 from bundle.topology import Coord, Topology
 
 # Callers name these by this module, where they lived first.

@@ -1,6 +1,6 @@
 """The stages a run trains, cut from the model: the full model built alike on every process
-(``--weights``, ``--pretrained`` loaded) and cut into pieces, what crosses each boundary between
-them, and the pieces one rank runs."""
+(``--weights``, ``--pretrained`` loaded) and cut into pieces (``models.cut``), each run as a
+``Stage``, what crosses each boundary between them, and the pieces one rank runs."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from bundle import models, partition
-from bundle.config import RunConfig
+from bundle import models
+from bundle.config import ModelConfig, RunConfig
 from bundle.engine.precision import Policy
+from bundle.engine.stage import Stage
 from bundle.engine.transport import Boundaries, TensorMeta
 from bundle.ir.schedule import Pipe
+from bundle.models.cut import Capture, cut
 from bundle.models.inputs import Inputs
-from bundle.partition import Capture, Stage
 
 
 def build_stages(
@@ -37,8 +38,8 @@ def build_stages(
     ``inputs``: the batch's named inputs (None: one tensor)."""
     torch.manual_seed(cfg.train.seed)
     if not cfg.model.pretrained:
-        model = partition.build_model(cfg.model, num_classes, input_shape)
-        return partition.cut(model, cfg.model, num_stages, input_shape, capture, inputs)
+        model = models.build_model(cfg.model, num_classes, input_shape)
+        return cut_stages(model, cfg.model, num_stages, input_shape, capture, inputs)
     model = models.pretrained.build_empty(
         cfg.model.name,
         cfg.model.pretrained,
@@ -46,7 +47,7 @@ def build_stages(
         input_shape=input_shape,
         args=cfg.model.kwargs,
     )
-    stages = partition.cut(model, cfg.model, num_stages, input_shape, capture, inputs)
+    stages = cut_stages(model, cfg.model, num_stages, input_shape, capture, inputs)
     models.pretrained.load(
         model,
         cfg.model.pretrained,
@@ -56,6 +57,22 @@ def build_stages(
         keep=keep,
     )
     return stages
+
+
+def cut_stages(
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    num_stages: int,
+    input_shape: Sequence[int],
+    capture: Capture | None = None,
+    inputs: Inputs | None = None,
+) -> list[Stage]:
+    """The model cut into ``num_stages`` stages (``models.cut``'s pieces, from ``capture`` where
+    it fits), each taking the model's input dtype and the batch's named ``inputs`` (None: one
+    tensor)."""
+    pieces = cut(model, cfg, num_stages, input_shape, capture, inputs)
+    dtype, names = models.input_dtype(model), inputs.names if inputs is not None else ()
+    return [Stage(piece, input_dtype=dtype, input_names=names) for piece in pieces]
 
 
 @torch.no_grad()

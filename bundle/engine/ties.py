@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from bundle.collectives.comm import Comm
+from bundle.engine.stage import Stage
 from bundle.errors import PartitionError
-from bundle.partition import Stage
 from bundle.topology import Coord, Topology
 
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from bundle.config import RunConfig
-    from bundle.partition import Capture
+    from bundle.models.cut import Capture
     from bundle.runtime.phase import Phase
     from bundle.runtime.preemption import StopRequest
     from bundle.topology import Topology

@@ -13,8 +13,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from bundle.launch.ft.heal import Healer
-from bundle.launch.ft.membership import lost_node_key
-from bundle.runtime import control
+from bundle.runtime import control, keys
 from bundle.runtime.store import post_abort, read_abort
 
 POLL_S = 0.5
@@ -52,16 +51,16 @@ def heartbeat(
     """Every node ticks its counter; node 0 reports a node whose counter stopped moving for
     ``stale_s``: the job's failure, or under --fault-tolerance bundle ``lose_node(node, why)``
     (that node's bundles leave; returns the job's failure if none can train)."""
-    base.add(f"bundle/hb/{node}", 1)
+    base.add(keys.heartbeat(node), 1)
     if node != 0:
         return None
     now = time.monotonic()
     for other in range(1, nodes):
-        count = base.add(f"bundle/hb/{other}", 0)
+        count = base.add(keys.heartbeat(other), 0)
         last = beats.get(other)
         if last is None or count != last[0]:
             beats[other] = (count, now)
-        elif now - last[1] > stale_s and not store.check([f"bundle/done/{other}"]):
+        elif now - last[1] > stale_s and not store.check([keys.done(other)]):
             why = f"node {other} stopped responding for {stale_s:.0f}s"
             if lose_node is None:
                 return post_abort(store, why)
@@ -82,10 +81,8 @@ def wait_done(
     that went silent is found here too."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        keys = [
-            f"bundle/done/{i}" for i in range(nodes) if not control.read(store, lost_node_key(i))
-        ]
-        if store.check(keys):
+        done = [keys.done(i) for i in range(nodes) if not control.read(store, keys.lost_node(i))]
+        if store.check(done):
             return None
         if (msg := check() or read_abort(store)) is not None:
             return msg

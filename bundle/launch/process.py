@@ -22,9 +22,10 @@ from bundle.launch.context import Counters, ProcessContext, SharedFloat, StoreAt
 from bundle.launch.ft.epochs import train_on
 from bundle.launch.ft.membership import EXIT_LEFT, BundleLeft, TooFewBundles
 from bundle.launch.throttle import own_quota
+from bundle.models.cut import Capture
 from bundle.observe.build import reporter_rank
 from bundle.observe.metrics import Summary
-from bundle.partition import Capture
+from bundle.runtime import keys
 from bundle.runtime.devices import (
     device_for,
     prepare_backend_env,
@@ -35,9 +36,7 @@ from bundle.runtime.devices import (
 from bundle.runtime.phase import Phase
 from bundle.runtime.preemption import Stopped, StopRequest, exit_code, stop_line
 from bundle.runtime.store import (
-    attempt_prefix,
     exchange_config,
-    generation_prefix,
     open_generation,
     open_store,
     post_abort,
@@ -188,11 +187,11 @@ def _job_store(start: WorkerStart) -> dist.Store:
     )
     if not cfg.launch.torchrun:
         # Every attempt of a restarted job keeps its keys apart: the store outlives the attempts.
-        return dist.PrefixStore(attempt_prefix(start.attempt), base)
+        return dist.PrefixStore(keys.attempt(start.attempt), base)
     # torchrun's groups of workers (restarts, nodes lost or joined) are numbered in the store
     # itself: the agents' restart counts need not agree (bundle/runtime/store.py).
     generation = open_generation(base, rank, topo.world_size, timeout)
-    store = dist.PrefixStore(generation_prefix(generation), base)
+    store = dist.PrefixStore(keys.generation(generation), base)
     # No node supervisor compared settings: every process compares its own.
     exchange_config(store, cfg, rank, topo.world_size, timeout, what="rank")
     return store
@@ -208,11 +207,11 @@ def _join(
     rank: int,
     backend: str,
     store: dist.Store,
-    prefix: str = "bundle/pg",
+    prefix: str = keys.GROUP,
 ) -> torch.device:
     """Wait for every process, take this process's device and create the default group (its
     keys under ``prefix``: a fresh one for each world of --fault-tolerance bundle)."""
-    _arrive(cfg, topo, store, "start" if prefix == "bundle/pg" else f"{prefix}/start")
+    _arrive(cfg, topo, store, "start" if prefix == keys.GROUP else f"{prefix}/start")
     # --share-gpus sets NCCL's multi-rank switch here, in the worker itself (self-spawned or
     # under torchrun alike), before NCCL first reads its environment.
     device = device_for(backend, topo.device_index(rank), share_gpus=cfg.launch.share_gpus)
@@ -317,10 +316,10 @@ def spawned(start: WorkerStart, place: Place | None = None) -> None:
 
 
 def torchrun_env() -> dict[str, str] | None:
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    if not all(k in os.environ for k in keys):
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(k in os.environ for k in names):
         return None
-    env = {k: os.environ[k] for k in keys}
+    env = {k: os.environ[k] for k in names}
     # "False" when the agent serves no store at MASTER_ADDR:MASTER_PORT (as with
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): rank 0 serves it, as torch's env:// does.
     env["TORCHELASTIC_USE_AGENT_STORE"] = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "True")

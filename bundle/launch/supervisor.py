@@ -56,12 +56,11 @@ from bundle.launch.ft.membership import EXIT_LEFT
 from bundle.launch.liveness import Worker, liveness_check
 from bundle.launch.process import WorkerContext, spawned, where_we_are, worker_context
 from bundle.launch.throttle import NodeQuotas, ThrottleError, cpu_shares
-from bundle.partition import Capture
+from bundle.models.cut import Capture
+from bundle.runtime import keys
 from bundle.runtime.devices import resolve_backend, torch_backend
 from bundle.runtime.preemption import StopRequest, exit_code, stop_line
 from bundle.runtime.store import (
-    LOST_STEPS_KEY,
-    attempt_prefix,
     exchange_config,
     open_job_store,
     post_abort,
@@ -142,7 +141,7 @@ def supervise(
                 f"{lc.max_restarts} from the newest checkpoint"
             )
             try:  # every node has stopped this attempt's workers: no one starts the next alone
-                restart = f"{attempt_prefix(attempt)}/restart"
+                restart = keys.restart_barrier(attempt)
                 store_barrier(store, restart, topo.num_nodes, lc.init_timeout)
             except PeerFailure as exc:
                 logger.error(f"job failed: {outcome.why}; no restart: {exc}")
@@ -154,8 +153,8 @@ def supervise(
                 logger.warning(note)
             again += _trained_again(outcome.reached, resume)
             if node == 0:
-                next_keys = dist.PrefixStore(attempt_prefix(attempt + 1), store)
-                next_keys.set(LOST_STEPS_KEY, str(again))
+                next_keys = dist.PrefixStore(keys.attempt(attempt + 1), store)
+                next_keys.set(keys.LOST_STEPS, str(again))
         return ExitCode.FAILED
     except (RuntimeError, LaunchError) as exc:  # a store call failed: its host, node 0, is gone
         store_at = f"the job's store at {lc.master_addr}:{port}"
@@ -185,7 +184,7 @@ def _attempt(node: Node, attempt: int, *, resume: str | None, capture: Capture |
     ``resume``: the checkpoint they start from, ``capture``: the model's graph split."""
     cfg, topo, ctx, running = node.cfg, node.topo, node.spawn, node.running
     lc = cfg.launch
-    store = dist.PrefixStore(attempt_prefix(attempt), node.store)
+    store = dist.PrefixStore(keys.attempt(attempt), node.store)
     ranks = topo.node_ranks(lc.node_rank)
     step_now: dict[int, SharedInt] = {rank: ctx.Value("q", -1, lock=False) for rank in ranks}
     alive: dict[int, SharedFloat] = {rank: ctx.Value("d", 0.0, lock=False) for rank in ranks}
@@ -265,7 +264,7 @@ def _finished(
     lc = cfg.launch
     if outcome.end is End.FAILED:
         return outcome
-    store.set(f"bundle/done/{lc.node_rank}", "1")
+    store.set(keys.done(lc.node_rank), "1")
     if lc.node_rank != 0:
         return outcome
     failure = nodes.wait_done(store, topo.num_nodes, lc.timeout + lc.init_timeout, check=heartbeat)

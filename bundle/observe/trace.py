@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from bundle import log
 from bundle.observe.timing import CATEGORY_OF, LABELS, Mark, Slice
+from bundle.runtime import keys
 from bundle.topology import Topology
 
 ROUNDS = 8  # store round trips per process when measuring its clock offset
@@ -33,19 +34,19 @@ def clock_offset(store: dist.Store, rank: int, world: int, timeout: float) -> in
     wait = timedelta(seconds=timeout)
     if rank == 0:
         for r in range(1, world):
-            store.set(f"bundle/clock/{r}/go", "1")
+            store.set(keys.clock_go(r), "1")
             for i in range(ROUNDS):
-                store.wait([f"bundle/clock/{r}/ping{i}"], wait)
-                store.set(f"bundle/clock/{r}/pong{i}", str(perf_counter_ns()))
+                store.wait([keys.clock_ping(r, i)], wait)
+                store.set(keys.clock_pong(r, i), str(perf_counter_ns()))
         return 0
-    store.wait([f"bundle/clock/{rank}/go"], wait)
+    store.wait([keys.clock_go(rank)], wait)
     best: tuple[int, int] | None = None
     for i in range(ROUNDS):
         t1 = perf_counter_ns()
-        store.set(f"bundle/clock/{rank}/ping{i}", "1")
-        store.wait([f"bundle/clock/{rank}/pong{i}"], wait)
+        store.set(keys.clock_ping(rank, i), "1")
+        store.wait([keys.clock_pong(rank, i)], wait)
         t3 = perf_counter_ns()
-        t2 = int(store.get(f"bundle/clock/{rank}/pong{i}"))
+        t2 = int(store.get(keys.clock_pong(rank, i)))
         if best is None or t3 - t1 < best[0]:
             best = (t3 - t1, t2 - (t1 + t3) // 2)
     assert best is not None  # ROUNDS >= 1

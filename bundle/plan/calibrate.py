@@ -27,11 +27,11 @@ from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, Tr
 from bundle.engine.grad_sync import GradSync
 from bundle.engine.parts import Chunk, EngineParts, StepOptions
 from bundle.engine.precision import Policy
+from bundle.engine.stage import split_model
 from bundle.engine.stage_engine import StageEngine
 from bundle.engine.transport import Boundaries, Transport
 from bundle.ir.schedule import ONE_CHUNK
 from bundle.launch import localworld
-from bundle.partition import split_model
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import Cluster, Link

@@ -4,6 +4,7 @@ stop and restart. The launching side (processes started, supervised, restarted) 
 
 Modules, from the data up:
 
+- ``keys``: every key of the job's store, spelled once, and the map of its key space;
 - ``devices``: the backend a run uses, this node's devices, per-process settings;
 - ``control``: the store's control keys (abort, dead marks): checked before they act, sealed with
   a job secret;

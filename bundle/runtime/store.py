@@ -8,7 +8,7 @@ Failure path: a worker that raises writes ``abort`` (rank, stage, step, error) t
 worker that dies is reported by its supervisor; a node that stops heart-beating is reported by
 node 0. Every worker polls ``abort`` and exits non-zero; supervisors kill what is left by pid.
 The abort is a control key (``bundle.runtime.control``): written sealed, read checked.
-Each attempt of a restarted job keeps its keys under its own prefix (``attempt_prefix``); under
+Each attempt of a restarted job keeps its keys under its own prefix (``keys.attempt``); under
 torchrun, each group of workers the agents start takes a fresh one (``open_generation``).
 """
 
@@ -30,10 +30,8 @@ import torch.distributed as dist
 from bundle import log
 from bundle.config import DEFAULT_PORT, LaunchConfig, RunConfig
 from bundle.errors import ExitCode, LaunchError, PeerFailure
-from bundle.runtime import control
+from bundle.runtime import control, keys
 
-ABORT_KEY = "bundle/abort"
-GENERATION_KEY = "bundle/generation"
 BIND_ENV = "BUNDLE_STORE_BIND"  # where the store listens instead of --IP (0.0.0.0: everywhere)
 _POLL_S = 0.5
 _JOIN_POLL_S = 0.02
@@ -156,12 +154,12 @@ def open_job_store(launch: LaunchConfig, *, node: int, nodes: int) -> tuple[dist
 
 
 def read_abort(store: dist.Store) -> str | None:
-    return control.read(store, ABORT_KEY)
+    return control.read(store, keys.ABORT)
 
 
 def post_abort(store: dist.Store, message: str) -> str:
     """Record the job's first failure; returns whichever message won (as one printable line)."""
-    return control.put_first(store, ABORT_KEY, message)
+    return control.put_first(store, keys.ABORT, message)
 
 
 def _differences(mine: dict, theirs: dict, prefix: str = "") -> list[str]:
@@ -193,13 +191,13 @@ def wait_joined(
     a ``what``, meeting ``where``). ``say``: after ``SAY_AFTER_S`` and every ``SAY_EVERY_S``
     after, one line names the peers not there yet. After ``timeout`` seconds, a LaunchError
     names them."""
-    keys = [f"{prefix}/{i}" for i in range(peers)]
+    awaited = [f"{prefix}/{i}" for i in range(peers)]
     start = time.monotonic()
     said = start + SAY_AFTER_S
-    while not store.check(keys):
+    while not store.check(awaited):
         now = time.monotonic()
         if now - start > timeout or (say and now >= said):
-            missing = [i for i, key in enumerate(keys) if not store.check([key])]
+            missing = [i for i, key in enumerate(awaited) if not store.check([key])]
             if not missing:
                 return
             who = f"{what} {_listed(missing)} of {peers}"
@@ -230,25 +228,25 @@ def exchange_config(
     """
     # Not the secret: a digest that tells whether two nodes were given the same one.
     mine = {**cfg.shared_view(), "job_secret": control.fingerprint()}
-    store.set(f"bundle/config/{me}", json.dumps(mine))
+    store.set(keys.config(me), json.dumps(mine))
     where = f"at {cfg.launch.master_addr}:{cfg.launch.master_port or DEFAULT_PORT}"
     joined = functools.partial(wait_joined, store, what=what, where=where, say=me == 0)
-    joined("bundle/config", peers, timeout)
+    joined(keys.CONFIG, peers, timeout)
     problems = []
     for i in range(peers):
-        diff = _differences(mine, json.loads(store.get(f"bundle/config/{i}")))
+        diff = _differences(mine, json.loads(store.get(keys.config(i))))
         if diff:
             problems.append(f"node {me} vs node {i}: {'; '.join(diff)}")
-    store.set(f"bundle/config-read/{me}", "1")
+    store.set(keys.config_read(me), "1")
     if me == 0:
-        joined("bundle/config-read", peers, timeout)
+        joined(keys.CONFIG_READ, peers, timeout)
     if problems:
         raise LaunchError(f"the nodes were started with different settings: {problems[0]}")
 
 
 def store_barrier(store: dist.Store, name: str, world: int, timeout: float) -> None:
     """Wait until ``world`` processes reached ``name``, up to ``timeout`` seconds (start-up only)."""
-    key = f"bundle/arrived/{name}"
+    key = keys.arrived(name)
     store.add(key, 1)
     deadline = time.monotonic() + timeout
     while (arrived := store.add(key, 0)) < world:
@@ -281,19 +279,6 @@ def start_abort_watch(store: dist.Store, rank: int, me: str) -> None:
     threading.Thread(target=watch, name="bundle-abort-watch", daemon=True).start()
 
 
-# Under an attempt's prefix: the steps the job trained again so far (node 0's supervisor sets it
-# before it starts the attempt; its summary reports it).
-LOST_STEPS_KEY = "bundle/lost_steps"
-
-
-def attempt_prefix(attempt: int) -> str:
-    return f"bundle/attempt{attempt}"
-
-
-def generation_prefix(generation: int) -> str:
-    return f"bundle/gen{generation}"
-
-
 def open_generation(store: dist.Store, rank: int, world: int, timeout: float) -> int:
     """A number that this group of ``world`` processes shares and no earlier group of the job had.
 
@@ -306,31 +291,30 @@ def open_generation(store: dist.Store, rank: int, world: int, timeout: float) ->
     the new number. Every earlier group's workers are gone by then: the agents stop them before
     they rendezvous again.
     """
-    welcome = "bundle/welcome"
     if rank != 0:
         token = uuid.uuid4().hex
-        store.set(f"bundle/hello/{rank}", token)
+        store.set(keys.hello(rank), token)
         try:
-            store.wait([f"{welcome}/{token}"], timedelta(seconds=timeout))
+            store.wait([keys.welcome(token)], timedelta(seconds=timeout))
         except RuntimeError as exc:
             raise PeerFailure(
                 f"rank {rank}: rank 0 did not take this process in within {timeout:.0f}s"
             ) from exc
-        generation = int(store.get(f"{welcome}/{token}"))
-        store.set(f"{generation_prefix(generation)}/joined/{rank}", "1")
+        generation = int(store.get(keys.welcome(token)))
+        store.set(keys.generation_joined(generation, rank), "1")
         return generation
-    generation = store.add(GENERATION_KEY, 1)
+    generation = store.add(keys.GENERATION, 1)
     answered: dict[int, str] = {}
     waiting = set(range(1, world))
     deadline = time.monotonic() + timeout
     while waiting:
         for r in sorted(waiting):
-            if store.check([f"{generation_prefix(generation)}/joined/{r}"]):
+            if store.check([keys.generation_joined(generation, r)]):
                 waiting.discard(r)
-            elif store.check([f"bundle/hello/{r}"]):
-                seen = store.get(f"bundle/hello/{r}").decode()
+            elif store.check([keys.hello(r)]):
+                seen = store.get(keys.hello(r)).decode()
                 if answered.get(r) != seen:
-                    store.set(f"{welcome}/{seen}", str(generation))
+                    store.set(keys.welcome(seen), str(generation))
                     answered[r] = seen
         if not waiting:
             break

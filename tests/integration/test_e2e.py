@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bundle import models, partition
+from bundle import models
+from bundle.engine.stage import split_model
 from bundle.launch.localworld import free_port
+from bundle.models import partition
 from tests.support.processes import SMALL, finish, image_folder, start, start_logged
 
 pytestmark = pytest.mark.slow
@@ -41,9 +43,7 @@ def test_embedded_default_trains_digits_to_90_percent(tmp_path):
     assert "validation accuracy" in err and "loss" in err  # progress is visible
     # The reporting process (the rear stage) holds SGD's momentum: one float32 per parameter.
     model = models.build("digits_cnn", num_classes=10, input_shape=(1, 8, 8))
-    rear = partition.split_model(
-        model, partition.resolve(None, models.blocks(model), 2, "digits_cnn")
-    )[1]
+    rear = split_model(model, partition.resolve(None, models.blocks(model), 2, "digits_cnn"))[1]
     assert s["optimizer_bytes"] == 4 * sum(p.numel() for p in rear.parameters())
     # The printed summary: the record's keys but the per-stage breakdown, to 4 significant digits.
     printed = json.loads(out.strip().splitlines()[-1])

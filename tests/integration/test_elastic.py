@@ -22,7 +22,8 @@ import pytest
 import torch.distributed as dist
 
 from bundle.launch.localworld import free_port
-from bundle.runtime.store import generation_prefix, open_generation
+from bundle.runtime import keys
+from bundle.runtime.store import open_generation
 from tests.integration.test_resume import assert_identical
 from tests.support.processes import SMALL, finish, start
 
@@ -103,7 +104,7 @@ def test_each_group_of_workers_gets_a_fresh_key_space_whatever_an_earlier_one_le
     store.set("bundle/hello/1", "stale")
     second = _join_all(store, 2)
     assert len(set(second)) == 1 and second[0] > first[0]
-    assert not store.check([f"{generation_prefix(second[0])}/joined/2"])
+    assert not store.check([keys.generation_joined(second[0], 2)])
 
 
 @pytest.mark.slow

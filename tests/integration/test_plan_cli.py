@@ -383,7 +383,7 @@ def test_partition_auto_splits_the_given_shape_by_time():
     assert cfg.predicted_samples_per_s > 0
     # The time-balanced split puts the wide front on the convolutions, unlike the
     # parameter-balanced one (VGG's parameters sit in its classifier).
-    from bundle import partition
+    from bundle.models import partition
 
     with torch.device("meta"):
         model = models.build("vgg16", num_classes=10, input_shape=(3, 32, 32))

@@ -4,9 +4,9 @@ each cut against the unsplit model: one JSON line per (class, shape).
     PYTHONPATH=.venv/transformers-4.56.2 python -m tests.support.hf_release_check [NAME ...]
 
 Each class is built from a tiny config (random weights, nothing downloaded) through
-``--model transformers:CLASS``'s own path and cut by ``partition.cut`` at the shapes 1, 1,1 and
+``--model transformers:CLASS``'s own path and cut by ``cut_stages`` at the shapes 1, 1,1 and
 1,1,1 as a job cuts it: the launch's checks capture the forward once, on the meta device, and
-hand the capture on (``partition.capture_of``: graphs, and constants as tensors), which the
+hand the capture on (``models.cut.capture_of``: graphs, and constants as tensors), which the
 stages of the model with its weights are loaded from. Its chain of stages is compared with the
 unsplit model: the output, then the gradient of one backward of every parameter, under its
 full-model name. A case that fails says why in ``error``; the exit status is 1 if any did.
@@ -23,8 +23,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bundle import models, partition
+from bundle import models
 from bundle.config import ModelConfig
+from bundle.engine.stage import Stage
+from bundle.engine.stages import cut_stages
+from bundle.models.cut import Capture, capture_of, cut
 from bundle.models.inputs import Batch, Inputs
 
 SEQ, VOCAB, LABELS, ROWS = 8, 64, 4, 5
@@ -94,7 +97,7 @@ def _model(name: str) -> tuple[nn.Module, ModelConfig, tuple[int, ...]]:
         return WrappedGPT2(), ModelConfig(name="wrapped-gpt2"), (SEQ,)
     args, shape, classes = CASES[MASKED[name][0] if name in MASKED else name]
     cfg = ModelConfig(name=f"transformers:{MASKED[name][0] if name in MASKED else name}", args=args)
-    return partition.build_model(cfg, classes, shape), cfg, shape
+    return models.build_model(cfg, classes, shape), cfg, shape
 
 
 def _input(model: nn.Module, shape: tuple[int, ...], name: str) -> Batch:
@@ -125,7 +128,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _compare(
     model: nn.Module,
-    stages: list[partition.Stage],
+    stages: list[Stage],
     x: Batch,
     want: torch.Tensor,
     grads: dict[str, torch.Tensor],
@@ -168,14 +171,14 @@ def check(name: str) -> list[dict[str, Any]]:
     want.pow(2).mean().backward()
     grads = _grads(model)
     want = want.detach()
-    capture: partition.Capture | None = None
+    capture: Capture | None = None
     for s in SHAPES:
         started = time.monotonic()
         n = len(s.split(","))
         try:
             if n > 1 and capture is None:
                 capture = _launch_capture(name, cfg, n, shape, inputs)
-            stages = partition.cut(model, cfg, n, shape, capture, inputs)
+            stages = cut_stages(model, cfg, n, shape, capture, inputs)
             for stage in stages:
                 stage.train(model.training)
             error = _compare(model, stages, x, want, grads)
@@ -188,12 +191,12 @@ def check(name: str) -> list[dict[str, Any]]:
 
 def _launch_capture(
     name: str, cfg: ModelConfig, stages: int, shape: tuple[int, ...], inputs: Inputs | None
-) -> partition.Capture:
+) -> Capture:
     """The capture the launch's checks make (bundle.preflight): of the model on the meta device."""
     with torch.device("meta"):
         meta, _, _ = _model(name)
-        cut = partition.cut(meta, cfg, stages, shape, inputs=inputs)
-        capture = partition.capture_of(cut, cfg, shape, inputs)
+        pieces = cut(meta, cfg, stages, shape, inputs=inputs)
+        capture = capture_of(pieces, cfg, shape, inputs)
     if capture is None:
         raise RuntimeError("the capture made on the meta device cannot be handed on")
     return capture

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from bundle import data, models, partition
+from bundle import data, models
 from bundle.config import RunConfig
 from bundle.data import loader
 from bundle.engine.optim import make_optimizer
@@ -80,7 +80,7 @@ def reference(
     receives the first step's gradient of every parameter."""
     splits = data.load(cfg.data, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    model = partition.build_model(cfg.model, splits.num_classes, splits.input_shape)
+    model = models.build_model(cfg.model, splits.num_classes, splits.input_shape)
     opt = make_optimizer(cfg.train, model)
     schedule = LRSchedule.of(
         cfg.train,

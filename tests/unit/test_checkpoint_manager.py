@@ -8,13 +8,15 @@ import os
 import pytest
 import torch
 
-from bundle import models, partition
+from bundle import models
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.checkpoint.parts import RankParts, SaveSettings
 from bundle.config import CheckpointConfig, TrainConfig
 from bundle.engine.optim import make_optimizer
+from bundle.engine.stage import split_model
 from bundle.errors import CheckpointError
+from bundle.models.partition import resolve
 from bundle.runtime.groups import ProcessGroups
 from bundle.topology import Topology
 
@@ -29,7 +31,7 @@ def _checkpointer(
 ) -> Checkpointer:
     torch.manual_seed(seed)
     model = models.build("mlp", num_classes=3, input_shape=INPUT)
-    (stage,) = partition.split_model(model, partition.resolve(None, models.blocks(model), 1, "mlp"))
+    (stage,) = split_model(model, resolve(None, models.blocks(model), 1, "mlp"))
     opt = make_optimizer(TrainConfig(optimizer=optimizer, lr=0.1, weight_decay=0.01), stage)
     config = CheckpointConfig(
         save_dir=str(save_dir) if save_dir else None, save_every=every, keep=keep

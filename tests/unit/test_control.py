@@ -7,9 +7,9 @@ import pytest
 import torch.distributed as dist
 
 from bundle.errors import ConfigError
-from bundle.launch.ft.membership import Membership, dead_key, is_dead, mark_dead
-from bundle.runtime import control
-from bundle.runtime.store import ABORT_KEY, post_abort, read_abort
+from bundle.launch.ft.membership import Membership, is_dead, mark_dead
+from bundle.runtime import control, keys
+from bundle.runtime.store import post_abort, read_abort
 from bundle.topology import Topology
 
 SECRET = "s3cret-s3cret-s3cret-0123456789"
@@ -26,7 +26,7 @@ def secret(monkeypatch):
 
 def test_a_strangers_message_is_one_printable_line():
     store = dist.HashStore()
-    store.set(ABORT_KEY, "pwned\x1b[2J\x1b]0;title\x07\r\nrank 0 failed\x00" + "x" * 5000)
+    store.set(keys.ABORT, "pwned\x1b[2J\x1b]0;title\x07\r\nrank 0 failed\x00" + "x" * 5000)
     got = read_abort(store)
     assert got.startswith("pwned rank 0 failed x") and len(got) == control.MAX_TEXT
     assert got.isprintable()
@@ -34,7 +34,7 @@ def test_a_strangers_message_is_one_printable_line():
 
 def test_with_a_secret_a_forged_abort_neither_stops_the_job_nor_blocks_the_real_one(secret):
     store = dist.HashStore()
-    store.set(ABORT_KEY, "a stranger says stop")
+    store.set(keys.ABORT, "a stranger says stop")
     assert read_abort(store) is None  # the abort watch goes on
     mine = "rank 3 (stage 1, step 5) failed at forward: RuntimeError: boom"
     assert post_abort(store, mine) == mine  # the forged value does not win the compare-and-set
@@ -44,10 +44,10 @@ def test_with_a_secret_a_forged_abort_neither_stops_the_job_nor_blocks_the_real_
 
 def test_with_a_secret_a_forged_or_moved_dead_mark_takes_no_bundle_out(secret):
     store = dist.HashStore()
-    store.set(dead_key(1), "forged")
+    store.set(keys.dead(1), "forged")
     assert not is_dead(store, 1, 0)
     mark_dead(store, 2, 0, "rank 5 exited with code -9")
-    store.set(dead_key(1), store.get(dead_key(2)))  # a real mark copied to another bundle's key
+    store.set(keys.dead(1), store.get(keys.dead(2)))  # a real mark copied to another bundle's key
     assert not is_dead(store, 1, 0) and is_dead(store, 2, 0)
     job = Topology(shape=(1, 1), num_bundles=3, procs_per_node=6, global_batch=12, micro_batches=1)
     members = Membership(store, job, rank=0, timeout=1.0)
@@ -56,10 +56,10 @@ def test_with_a_secret_a_forged_or_moved_dead_mark_takes_no_bundle_out(secret):
 
 def test_without_a_secret_marks_work_as_before_and_a_sealed_value_reads_as_its_text():
     store = dist.HashStore()
-    store.set(dead_key(1), "rank 3 was killed")
+    store.set(keys.dead(1), "rank 3 was killed")
     assert is_dead(store, 1, 0) and not is_dead(store, 0, 0)
-    store.set(dead_key(0), "hmac-sha256:abc:rank 1 left")
-    assert control.read(store, dead_key(0)) == "rank 1 left"
+    store.set(keys.dead(0), "hmac-sha256:abc:rank 1 left")
+    assert control.read(store, keys.dead(0)) == "rank 1 left"
 
 
 def test_numbers_on_control_keys_are_numbers():

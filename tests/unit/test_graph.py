@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from bundle import models, partition
+from bundle import models
 from bundle.engine import ties
+from bundle.engine.stage import split_model
 from bundle.errors import PartitionError
-from bundle.models import apply_blocks, graph
+from bundle.models import apply_blocks, graph, partition
 from bundle.models.graph import Segment
 from tests.support import user_models
 
@@ -76,7 +77,7 @@ def test_a_point_deeper_than_the_defaults_is_cut_there():
     model = zoo("mobilenet_v3_small")
     blocks, want, got = chained(model, (3, 32, 32), ["features.4.block.1"])
     assert "features.4.block.1" in [n for n, _ in blocks] and torch.equal(got, want)
-    stages = partition.split_model(
+    stages = split_model(
         blocks,
         partition.resolve(partition.PartitionSpec(None, ("features.4.block.1",)), blocks, 2, "x"),
     )
@@ -223,20 +224,20 @@ def test_an_untraceable_forward_is_refused_in_one_line():
 def test_a_weight_tied_across_stages_is_held_by_each_and_named_as_its_module_uses_it():
     blocks = models.blocks(user_models.tied(3, (4,)), (4,))
     names = [n for n, _ in blocks]
-    stages = partition.split_model(blocks, (0, names.index("mid")))
+    stages = split_model(blocks, (0, names.index("mid")))
     assert [t.holders for t in ties.find(stages)] == [
         ((0, "shared.weight"), (1, "shared.weight")),
         ((0, "shared.bias"), (1, "shared.bias")),
     ]
     # Both uses in one stage: no tie.
-    assert ties.find(partition.split_model(blocks, (0, names.index("out")))) == []
+    assert ties.find(split_model(blocks, (0, names.index("out")))) == []
 
 
 def test_an_exported_tied_embedding_is_named_by_each_module_that_uses_it():
     model = user_models.gpt2(50, (8,))
     blocks = models.blocks(model, (8,))
     names = [n for n, _ in blocks]
-    stages = partition.split_model(blocks, (0, names.index("transformer.h.2")))
+    stages = split_model(blocks, (0, names.index("transformer.h.2")))
     assert [t.holders for t in ties.find(stages)] == [
         ((0, "transformer.wte.weight"), (1, "lm_head.weight"))
     ]

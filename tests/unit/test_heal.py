@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from bundle.launch import nodes, supervisor
 from bundle.launch.ft.heal import Healer
-from bundle.launch.ft.membership import dead_key, healing_key, mark_dead
+from bundle.launch.ft.membership import mark_dead
+from bundle.runtime import keys
 from bundle.runtime.store import read_abort
 from bundle.topology import Topology
 
@@ -42,16 +43,16 @@ def test_the_supervisor_marks_a_lost_bundle_and_starts_it_again_once_all_its_wor
 
     healer = Healer(JOB, 0, store, heals=1, start=start)
     assert healer.lose(3, "rank 3 was killed by SIGKILL during step 4") is None
-    assert store.get(dead_key(1)).decode() == "rank 3 was killed by SIGKILL during step 4"
+    assert store.get(keys.dead(1)).decode() == "rank 3 was killed by SIGKILL during step 4"
     assert healer.restart(3) == {}  # rank 2 of bundle 1 still runs
     assert healer.lose(2, "") is None  # it left with its bundle (exit code 3)
     new = healer.restart(2)
     assert sorted(new) == [2, 3] and started == [(2, 1), (3, 1)]
-    assert store.get(healing_key(1)).decode() == "1"
+    assert store.get(keys.healing(1)).decode() == "1"
     # The healed bundle fails again: marked under incarnation 1; no heal left.
     procs = {3: _Proc(3)}
     assert healer.frozen(procs)(3, "rank 3 stopped responding") is None and procs[3].killed
-    assert store.check([dead_key(1, 1)])
+    assert store.check([keys.dead(1, 1)])
     healer.lose(2, "")
     assert healer.restart(2) == {} and len(started) == 2
 
@@ -97,11 +98,11 @@ def test_a_silent_node_takes_its_bundles_out_for_good_and_node_0_stops_waiting_f
     assert nodes.heartbeat(base, store, 0, 2, beats, lose) is None  # node 1 seen at 0
     beats[1] = (beats[1][0], time.monotonic() - 60)  # ... and silent since
     assert nodes.heartbeat(base, store, 0, 2, beats, lose, stale_s=90) is None
-    assert not store.check([dead_key(1)])  # silent for less than stale_s: still in
+    assert not store.check([keys.dead(1)])  # silent for less than stale_s: still in
     assert nodes.heartbeat(base, store, 0, 2, beats, lose) is None  # not the job's end
     why = "node 1 stopped responding for 20s"
-    assert store.get(dead_key(1)).decode() == why and store.get(dead_key(2)).decode() == why
-    assert not store.check([dead_key(0)]) and read_abort(store) is None
+    assert store.get(keys.dead(1)).decode() == why and store.get(keys.dead(2)).decode() == why
+    assert not store.check([keys.dead(0)]) and read_abort(store) is None
     assert nodes.heartbeat(base, store, 0, 2, beats, lose) is None  # once
     # Bundle 1's front (rank 2, node 0) leaves with its bundle and is not started again.
     assert healer.lose(2, "") is None and healer.restart(2) == {}
@@ -137,7 +138,7 @@ def test_node_0_finds_a_node_silent_while_it_waits_for_the_others_to_finish():
         return nodes.heartbeat(base, store, 0, 2, beats, healer.lose_node)
 
     assert nodes.wait_done(store, 2, timeout=5.0, check=heartbeat) is None
-    assert store.check([dead_key(1), dead_key(2)])
+    assert store.check([keys.dead(1), keys.dead(2)])
     # Without the heartbeat it would wait for node 1 to the end.
     assert nodes.wait_done(_store(), 2, timeout=0.3) == (
         "not every node reported completion within 0s"

@@ -11,11 +11,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from bundle import models, partition
+from bundle import models
 from bundle.config import ModelConfig
+from bundle.engine.stage import split_model
+from bundle.engine.stages import cut_stages
 from bundle.errors import ConfigError
 from bundle.models import graph
+from bundle.models.cut import Capture, capture_key, capture_of, cut
 from bundle.models.outputs import Whole, check_forward, select
+from bundle.models.partition import auto_starts
 from tests.support import user_models
 
 transformers = pytest.importorskip("transformers")
@@ -46,7 +50,7 @@ def test_one_stage_never_traces_and_keeps_the_models_names(monkeypatch):
 
     monkeypatch.setattr(graph, "trace", no_trace)
     model = user_models.keyword_net(3, (4,))
-    (stage,) = partition.cut(model, ModelConfig(name="k"), 1, (4,))
+    (stage,) = cut_stages(model, ModelConfig(name="k"), 1, (4,))
     assert isinstance(stage.blocks[0], Whole)
     assert list(stage.full_state_dict()) == list(model.state_dict())
     x = torch.randn(5, 4)
@@ -106,7 +110,7 @@ def test_transformer_code_is_cut_by_export_and_equals_the_unsplit_model(factory)
     want = model(x).logits
     for stages in (2, 4):
         h: tuple[torch.Tensor, ...] = (x,)
-        for stage in partition.split_model(blocks, partition.auto_starts(blocks, stages)):
+        for stage in split_model(blocks, auto_starts(blocks, stages)):
             h = stage(*h)
             assert all(t.shape[0] == 5 for t in h)  # only batched values cross
         assert torch.allclose(h[0], want, atol=1e-6)
@@ -132,28 +136,28 @@ def test_a_split_made_once_on_the_meta_device_serves_every_process(factory, monk
     cfg, shape = ModelConfig(name=f"tests.support.user_models:{factory}"), (8,)
     with torch.device("meta"):
         on_meta = make(64, shape)
-    capture = partition.capture_of(partition.cut(on_meta, cfg, 3, shape), cfg, shape)
+    capture = capture_of(cut(on_meta, cfg, 3, shape), cfg, shape)
     assert capture is not None
     torch.manual_seed(0)
     model = make(64, shape)
     x = torch.randint(0, 64, (5, 8)) if factory != "skip_net" else torch.randn(5, 8)
     want = models.forward(model, x)
-    fresh = partition.cut(model, cfg, 3, shape)
+    fresh = cut_stages(model, cfg, 3, shape)
 
     def no_capture(*args, **kwargs):
         raise AssertionError("captured again")
 
     monkeypatch.setattr(models, "blocks", no_capture)
-    loaded = partition.cut(model, cfg, 3, shape, capture)
+    loaded = cut_stages(model, cfg, 3, shape, capture)
     assert [s.names for s in loaded] == [s.names for s in fresh]
     h: tuple[torch.Tensor, ...] = (x,)
     for stage in loaded:
         h = stage(*h)
     assert torch.equal(h[0], want)
     # Another model's split is not taken for this one: it is captured afresh.
-    other = partition.Capture(partition.capture_key(replace(cfg, partition="x"), shape), b"")
+    other = Capture(capture_key(replace(cfg, partition="x"), shape), b"")
     with pytest.raises(AssertionError, match="captured again"):
-        partition.cut(model, cfg, 3, shape, other)
+        cut_stages(model, cfg, 3, shape, other)
 
 
 def test_devices_a_capture_recorded_follow_the_segments_input():
@@ -161,12 +165,12 @@ def test_devices_a_capture_recorded_follow_the_segments_input():
     # stage captured on the CPU must still run where it is moved (a GPU; here the meta device).
     blocks = models.blocks(user_models.gpt2(64, (8,)), (8,))
     h: tuple[torch.Tensor, ...] = (torch.zeros(2, 8, dtype=torch.long, device="meta"),)
-    for stage in partition.split_model(blocks, partition.auto_starts(blocks, 2)):
+    for stage in split_model(blocks, auto_starts(blocks, 2)):
         h = stage.to("meta")(*h)
     assert h[0].device.type == "meta" and h[0].shape == (2, 8, 64)
 
 
 def test_a_split_that_is_not_a_graphs_is_not_handed_on():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    stages = partition.cut(model, ModelConfig(name="s"), 2, (4,))
-    assert partition.capture_of(stages, ModelConfig(name="s"), (4,)) is None
+    pieces = cut(model, ModelConfig(name="s"), 2, (4,))
+    assert capture_of(pieces, ModelConfig(name="s"), (4,)) is None

@@ -17,11 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bundle import models, partition
+from bundle import models
 from bundle.config import ModelConfig
+from bundle.engine.stage import Stage, split_model
 from bundle.errors import ConfigError
 from bundle.models import hf, split_io
+from bundle.models.cut import capture_of, cut
 from bundle.models.graph import Segment
+from bundle.models.partition import auto_starts
 from tests.support import hf_release_check as check
 
 transformers = pytest.importorskip("transformers")
@@ -98,17 +101,18 @@ def test_tensors_a_capture_lifted_are_carried_by_its_graph_and_handed_on_as_data
     # one process and loaded on another gives the same stages.
     model = check.WrappedGPT2().eval()
     cfg, shape = ModelConfig(name="wrapped"), (check.SEQ,)
-    stages = partition.cut(model, cfg, 2, shape)
+    pieces = cut(model, cfg, 2, shape)
+    stages = [Stage(piece) for piece in pieces]
     segments = [m for s in stages for m in s.blocks if isinstance(m, Segment)]
     assert any(m._bundle_constants for m in segments)
     # nothing a checkpoint would hold (state dicts, buffers) under a name the model lacks
     names = set(model.state_dict()) | {n for n, _ in model.named_buffers()}
     assert all(set(s.full_state_dict()) <= names for s in stages)
     assert all(s.full_name(n) in names for s in stages for n, _ in s.named_buffers())
-    capture = partition.capture_of(stages, cfg, shape)
+    capture = capture_of(pieces, cfg, shape)
     assert capture is not None
     blocks = split_io.load(model, capture.blocks)
-    loaded = partition.split_model(blocks, partition.auto_starts(blocks, 3))
+    loaded = split_model(blocks, auto_starts(blocks, 3))
     x = torch.randint(0, check.VOCAB, (2, check.SEQ))
     h: tuple[torch.Tensor, ...] = (x,)
     for stage in loaded:

@@ -211,10 +211,10 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime", ("runtime", "collectives")),
     # timing, metrics, traces: the engine laps the step timer
     ("observe", ("observe",)),
-    # what is trained: the models and their data
+    # what is trained: the models (built, their partition specs, cut into pieces) and their data
     ("models", ("models", "data")),
-    # the model cut into stages, and one stage's step
-    ("engine", ("partition", "engine")),
+    # the model's pieces run as stages, and one stage's step
+    ("engine", ("engine",)),
     ("checkpoint", ("checkpoint",)),
     ("session", ("session",)),
     ("trainer", ("evaluate", "trainer")),
@@ -312,3 +312,70 @@ def test_a_worker_starts_without_the_heavy_packages_it_does_not_use():
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# The job's store is one namespace, spelled in bundle/runtime/keys.py: nowhere else does a call of
+# a store method take a string or an f-string for its key.
+STORE_METHODS = {"set", "get", "add", "check", "compare_set", "wait", "delete_key"}  # a key
+STORE_METHODS |= {"multi_get", "multi_set"}  # a list of keys
+KEYS_MODULE = Path("bundle", "runtime", "keys.py")
+
+
+def _names_a_store(node: ast.expr) -> bool:
+    """``store``, ``_store``, ``job_store``, ``self.store``, ``x._store`` ..."""
+    name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+    return name in ("store", "_store") or name.endswith("_store")
+
+
+def _spelled_in_place(node: ast.expr) -> bool:
+    """A string, an f-string, or a list or tuple holding one (``store.check([...])``)."""
+    if isinstance(node, ast.List | ast.Tuple):
+        return any(_spelled_in_place(e) for e in node.elts)
+    return isinstance(node, ast.JoinedStr) or (
+        isinstance(node, ast.Constant) and isinstance(node.value, str)
+    )
+
+
+def spelled_store_keys(root: Path = ROOT) -> list[str]:
+    """Every store call outside the keys module whose key is spelled in place, as
+    "path:line store.method"."""
+    found = []
+    for path in library_files(root):
+        where = path.relative_to(root.parent)
+        if where == KEYS_MODULE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in STORE_METHODS
+                and _names_a_store(node.func.value)
+            ):
+                continue
+            key = node.args[:1] + [k.value for k in node.keywords if k.arg in ("key", "keys")]
+            if any(_spelled_in_place(k) for k in key):
+                found.append(f"{where}:{node.lineno} {ast.unparse(node.func)}")
+    return sorted(found)
+
+
+def test_every_store_key_is_spelled_in_the_keys_module():
+    assert spelled_store_keys() == []
+
+
+def test_the_store_key_check_sees_a_key_spelled_in_place(tmp_path):
+    lib = tmp_path / "bundle"
+    (lib / "runtime").mkdir(parents=True)
+    (lib / "runtime" / "keys.py").write_text('def f(store):\n    store.set("bundle/abort", "")\n')
+    (lib / "a.py").write_text(
+        "def f(store, self, keys, cache):\n"
+        '    store.set("bundle/abort", "x")\n'
+        '    self.store.check([f"ft/{1}/members"])\n'
+        '    self._store.wait(keys=["a"])\n'
+        "    self.store.get(keys.ABORT)\n"
+        '    cache.get("bundle/abort")\n'
+    )
+    assert spelled_store_keys(lib) == [
+        "bundle/a.py:2 store.set",
+        "bundle/a.py:3 self.store.check",
+        "bundle/a.py:4 self._store.wait",
+    ]

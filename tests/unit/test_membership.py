@@ -9,20 +9,19 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from bundle.errors import PeerFailure
 from bundle.launch.ft.epochs import LossWatch
 from bundle.launch.ft.membership import (
-    DONE_KEY,
     BundleLeft,
     Membership,
     TooFewBundles,
-    dead_key,
-    healing_key,
     is_peer_loss,
     mark_dead,
 )
+from bundle.runtime import keys
 from bundle.topology import Topology
 
 JOB = Topology(shape=(1, 1), num_bundles=3, procs_per_node=6, global_batch=12, micro_batches=1)
@@ -56,7 +55,7 @@ def _store():
 
 def test_the_complete_bundles_train_on_once_the_dead_one_is_marked():
     store = _store()
-    store.set(dead_key(1), "rank 3 was killed")
+    store.set(keys.dead(1), "rank 3 was killed")
     out = _agree(store, [0, 1, 2, 4, 5])  # rank 3 is dead; rank 2 of bundle 1 still runs
     assert out[0] == out[1] == out[4] == out[5] == (0, 2)
     assert isinstance(out[2], BundleLeft)
@@ -81,7 +80,7 @@ def test_all_bundles_but_one_lost_the_last_trains_on_alone():
 
 def test_below_min_bundles_or_on_different_steps_the_job_fails():
     store = _store()
-    store.set(dead_key(1), "gone")
+    store.set(keys.dead(1), "gone")
     out = _agree(store, [0, 1, 4, 5], min_bundles=3)
     assert all(isinstance(out[r], TooFewBundles) for r in (0, 1, 4, 5))
     # Said as the job's failure, naming the lost bundle and the step, not the process saying it.
@@ -91,7 +90,7 @@ def test_below_min_bundles_or_on_different_steps_the_job_fails():
     cause = _said_by(out[4])
     assert cause == f"the job has too few bundles: {out[4]}" and "rank 4" not in cause
     store = _store()
-    store.set(dead_key(1), "gone")
+    store.set(keys.dead(1), "gone")
     out = _agree(store, [0, 1, 4, 5], committed={0: 3, 1: 3, 4: 4, 5: 4})
     assert "committed different steps ([3, 4])" in str(out[0])
 
@@ -127,14 +126,14 @@ def test_a_kept_layout_keeps_each_bundle_s_ranks_devices_and_rows(members):
 
 def test_a_new_incarnation_is_seen_ready_taken_in_and_told_where_to_start():
     store = _store()
-    store.set(dead_key(1), "gone")
+    store.set(keys.dead(1), "gone")
     survivors = {r: Membership(store, JOB, r, 5.0) for r in (0, 1, 4, 5)}
     out = _agree(store, [0, 1, 4, 5])
     assert out[0] == (0, 2)
     for m in survivors.values():  # as agree left them
         m.epoch, m.members, m.failures = 1, (0, 2), 1
     healing = {r: Membership(store, JOB, r, 5.0, incarnation=1) for r in (2, 3)}
-    store.set(healing_key(1), "1")
+    store.set(keys.healing(1), "1")
     assert survivors[0].joining() == [0, 0, 0]  # none has checked in yet
     got: dict[int, int] = {}
     threads = [
@@ -157,12 +156,12 @@ def test_a_new_incarnation_is_seen_ready_taken_in_and_told_where_to_start():
     assert all((m.failures, m.heals) == (1, 1) for m in healing.values())
     # The new incarnation fails: its bundle is dead again under its own key, not the old one's.
     assert healing[2].leave().args[0] == "bundle 1 left the job at epoch 2"
-    assert store.check([dead_key(1, 1)])
+    assert store.check([keys.dead(1, 1)])
 
 
 def test_a_process_waiting_to_join_a_finished_run_goes_home():
     store = _store()
-    store.set(DONE_KEY, "1")
+    store.set(keys.FT_DONE, "1")
     assert Membership(store, JOB, 2, 5.0, incarnation=1).ask_to_join(5.0) == -1
 
 

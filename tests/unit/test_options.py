@@ -11,7 +11,7 @@ import yaml
 from bundle import cli, options
 from bundle import config as C
 from bundle.errors import ConfigError, PartitionError
-from bundle.partition import load_spec
+from bundle.models.partition import load_spec
 from bundle.plan.cluster import load_cluster
 
 

@@ -10,10 +10,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from bundle import models, partition, preflight
+from bundle import models, preflight
 from bundle.config import ComputeConfig
 from bundle.engine.memory import SavedBytes
 from bundle.engine.precision import LossScaler, Policy
+from bundle.engine.stage import Stage, split_model
 from bundle.engine.transport import TensorMeta, _check_wire
 from bundle.errors import ConfigError
 from bundle.ir.schedule import actions
@@ -76,13 +77,13 @@ def test_except_last_keeps_what_recomputing_would_rebuild_at_once():
     assert plan("never", "gpipe", 0, 3) == [False, False, False]
 
 
-def _bn_stage() -> partition.Stage:
+def _bn_stage() -> Stage:
     torch.manual_seed(0)
     model = models.build("resnet18", num_classes=10, input_shape=(3, 32, 32))
-    return partition.split_model(model, (0, 4))[0]  # conv1, bn1, relu, maxpool | layer1 ...
+    return split_model(model, (0, 4))[0]  # conv1, bn1, relu, maxpool | layer1 ...
 
 
-def _step(stage: partition.Stage, x: torch.Tensor, recompute: bool) -> dict[str, torch.Tensor]:
+def _step(stage: Stage, x: torch.Tensor, recompute: bool) -> dict[str, torch.Tensor]:
     stage.recompute = recompute
     stage(x)[0].square().mean().backward()
     return {
@@ -103,12 +104,12 @@ def test_recompute_matches_and_updates_batchnorm_statistics_once():
 
 
 def test_recompute_updates_instance_norm_statistics_once():
-    def stage() -> partition.Stage:
+    def stage() -> Stage:
         torch.manual_seed(0)
         conv = torch.nn.Sequential(
             torch.nn.Conv2d(3, 4, 3), torch.nn.InstanceNorm2d(4, track_running_stats=True)
         )
-        return partition.Stage([("conv", conv), ("relu", torch.nn.ReLU())])
+        return Stage([("conv", conv), ("relu", torch.nn.ReLU())])
 
     x = torch.randn(2, 3, 8, 8)
     plain, recomputed = _step(stage(), x, False), _step(stage(), x, True)
@@ -133,7 +134,7 @@ def test_plain_checkpoint_would_update_batchnorm_twice():
 def _saved_peak(recompute: bool) -> int:
     torch.manual_seed(0)
     model = models.build("small_resnet", num_classes=10, input_shape=(3, 32, 32))
-    stage = partition.split_model(model, (0, 3))[0]
+    stage = split_model(model, (0, 3))[0]
     stage.recompute = recompute
     meter = SavedBytes(stage)
     with meter.tracking():

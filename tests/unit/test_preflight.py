@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from bundle import cli, data, partition, preflight
+from bundle import cli, data, preflight
 from bundle.errors import BundleError, ConfigError, DataError
+from bundle.models.cut import capture_key
 from bundle.topology import Topology
 
 
@@ -219,7 +220,7 @@ def test_a_graph_split_is_made_once_and_handed_to_every_process():
     c = cfg("--model", "tests.support.user_models:skip_net", "--bundle-shape", "2,1")
     plan = preflight.check_all(c, {})
     assert plan.capture is not None
-    assert plan.capture.key == partition.capture_key(c.model, data.input_spec(c.data)[1])
+    assert plan.capture.key == capture_key(c.model, data.input_spec(c.data)[1])
     assert preflight.check_all(cfg("--bundle-shape", "2,1"), {}).capture is None  # its own chain
 
 

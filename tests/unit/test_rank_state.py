@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bundle import models, partition
+from bundle import models
 from bundle.checkpoint.parts import RankParts
 from bundle.checkpoint.state import PARTS, RankState, checked, on_cpu, shared
 from bundle.collectives.device_audit import DEVICE, MARK, DeviceAudit
 from bundle.config import TrainConfig
 from bundle.engine.optim import make_optimizer
+from bundle.engine.stage import split_model
+from bundle.models.partition import resolve
 
 INPUT = (1, 4, 4)
 
@@ -35,8 +37,8 @@ def stage_and_optimizer(optimizer: str = "sgd", *, steps: int = 1, device=None):
     for trained in (True, False):
         torch.manual_seed(0 if trained else 1)
         model = models.build("mlp", num_classes=3, input_shape=INPUT)
-        blocks = partition.resolve(None, models.blocks(model), 1, "mlp")
-        (stage,) = partition.split_model(model, blocks)
+        blocks = resolve(None, models.blocks(model), 1, "mlp")
+        (stage,) = split_model(model, blocks)
         stage = stage.to(device) if device is not None else stage
         cfg = TrainConfig(optimizer=optimizer, lr=0.1, momentum=0.9, weight_decay=0.01)
         opt = make_optimizer(cfg, stage)

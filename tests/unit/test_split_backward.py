@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bundle import models, partition
+from bundle import models
 from bundle.config import ModelConfig
 from bundle.engine.split_backward import input_half, weight_half
+from bundle.engine.stages import cut_stages
 from tests.support import user_models
 
 CASES = {
@@ -30,7 +31,7 @@ CASES = {
 
 def _stages(name: str, num: int):
     model, shape, tokens = CASES[name]()
-    return partition.cut(model, ModelConfig(name=name), num, shape), shape, tokens
+    return cut_stages(model, ModelConfig(name=name), num, shape), shape, tokens
 
 
 def _batch(shape, tokens: bool, rows: int = 3):

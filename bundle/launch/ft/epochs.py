@@ -38,8 +38,9 @@ from bundle.engine.parts import StepHooks
 from bundle.launch.context import ProcessContext
 from bundle.launch.ft import handoff
 from bundle.launch.ft.handoff import GUARD_WAIT_S, Carried, Handoff, StepGuard
-from bundle.launch.ft.membership import DONE_KEY, LOSSES_KEY, Membership, is_peer_loss
+from bundle.launch.ft.membership import Membership, is_peer_loss
 from bundle.observe.metrics import Summary
+from bundle.runtime import keys
 from bundle.runtime.devices import resolve_backend
 from bundle.runtime.phase import Phase
 from bundle.runtime.preemption import Regroup, maybe_fail_heal
@@ -73,7 +74,7 @@ class LossWatch:
     ) -> None:
         self.members, self.on_loss, self.poll_s = members, on_loss, poll_s
         self.fired: str | None = None
-        self._seen = members.store.add(LOSSES_KEY, 0)
+        self._seen = members.store.add(keys.FT_LOSSES, 0)
         self._stopped = threading.Event()
         self._lock = threading.Lock()
 
@@ -83,7 +84,7 @@ class LossWatch:
 
     def check(self) -> bool:
         """One look; True when it acted."""
-        marks = self.members.store.add(LOSSES_KEY, 0)
+        marks = self.members.store.add(keys.FT_LOSSES, 0)
         if marks == self._seen:
             return False
         self._seen = marks
@@ -185,7 +186,7 @@ class _Epochs:
             session, trainer = self._build()
             summary = trainer.train()
             session.comm.barrier()
-            self.members.store.set(DONE_KEY, "1")
+            self.members.store.set(keys.FT_DONE, "1")
             return True, summary
         except Regroup as regroup:
             assert session is not None and trainer is not None  # noqa: S101 - raised by train()
@@ -286,7 +287,7 @@ class _Epochs:
 
     def _handoff(self, why: str, wait: float) -> Handoff | None:
         m, live = self.members, self.live
-        if m.store.check([DONE_KEY]) or m.gone():  # training is over, or this bundle is out
+        if m.store.check([keys.FT_DONE]) or m.gone():  # training is over, or this bundle is out
             return None
         if live is None:  # between epochs: the state carried into the next one, if any
             if self.carried is None:

@@ -14,14 +14,8 @@ from typing import Any
 import torch.distributed as dist
 
 from bundle import log
-from bundle.launch.ft.membership import (
-    LOSSES_KEY,
-    healing_key,
-    is_dead,
-    lost_node_key,
-    mark_dead,
-)
-from bundle.runtime import control
+from bundle.launch.ft.membership import is_dead, mark_dead
+from bundle.runtime import control, keys
 from bundle.topology import Topology
 
 # start(rank, incarnation, handed): a new worker for ``rank``, started (``handed``: it reads the
@@ -69,7 +63,7 @@ class Healer:
     def lose_node(self, node: int, why: str) -> str | None:
         """Node ``node`` stopped responding (node 0's supervisor): every bundle with a process
         there leaves for good. Returns the job's failure, or None while some bundle may train."""
-        control.put(self.store, lost_node_key(node), why)
+        control.put(self.store, keys.lost_node(node), why)
         for b in (b for b, nodes in self.nodes.items() if node in nodes):
             if mark_dead(self.store, b, self._incarnation_of(b), why) == control.clean(why):
                 log.get().warning(
@@ -79,7 +73,7 @@ class Healer:
 
     def _incarnation_of(self, bundle: int) -> int:
         """The incarnation of ``bundle`` its supervisors started last (0: the first)."""
-        return control.read_int(self.store, healing_key(bundle)) or 0
+        return control.read_int(self.store, keys.healing(bundle)) or 0
 
     def _all_lost(self, last: str) -> str | None:
         """The job's failure once every bundle is marked dead and none can come back."""
@@ -93,7 +87,7 @@ class Healer:
 
     def _node_lost(self, bundle: int) -> str | None:
         """Why ``bundle`` cannot be started again (a node of it is lost), or None."""
-        lost = [n for n in self.nodes[bundle] if control.read(self.store, lost_node_key(n))]
+        lost = [n for n in self.nodes[bundle] if control.read(self.store, keys.lost_node(n))]
         return f"its node {lost[0]} is lost" if lost else None
 
     def frozen(self, procs: Mapping[int, Any]) -> Callable[[int, str], str | None]:
@@ -108,7 +102,7 @@ class Healer:
     def reap(self, procs: Mapping[int, Any]) -> None:
         """Kill this node's live processes of every bundle whose incarnation is marked dead (by
         any node's supervisor, or by a process that left): they have nothing left to do."""
-        marks = self.store.add(LOSSES_KEY, 0)
+        marks = self.store.add(keys.FT_LOSSES, 0)
         if marks == self._marks:
             return
         self._marks = marks
@@ -144,7 +138,7 @@ class Healer:
         self.healed[bundle] += 1
         self.incarnation[bundle] += 1
         inc = self.incarnation[bundle]
-        control.put(self.store, healing_key(bundle), str(inc))
+        control.put(self.store, keys.healing(bundle), str(inc))
         started = {r: self.start(r, inc, False) for r in self.local[bundle]}
         log.get().info(
             f"bundle {bundle}: ranks {', '.join(map(str, started))} started again "

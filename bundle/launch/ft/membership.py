@@ -18,7 +18,7 @@ A bundle comes back as a new incarnation: its supervisors start its processes ag
 The members see it in their per-step vote (``joining``: every member must have seen every one of
 its processes checked in), take it in after that step (``admit``: a new epoch, the state sent from
 a peer), and tell the new processes the epoch at ``ft/join/<bundle>.<inc>/epoch``.
-Pure but for the store: tested with a ``HashStore``.
+Pure but for the store (its keys: ``bundle.runtime.keys``): tested with a ``HashStore``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from bundle.errors import BundleError, ExitCode, PeerFailure
-from bundle.runtime import control
+from bundle.runtime import control, keys
 from bundle.topology import Topology
 
 POLL_S = 0.05
@@ -56,44 +56,16 @@ def is_peer_loss(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(w in str(exc) for w in _LOSS_WORDS)
 
 
-DONE_KEY = "ft/done"  # training finished: processes still waiting to join have nothing to join
-
-
-def dead_key(bundle: int, incarnation: int = 0) -> str:
-    """Set when a process of ``bundle``'s ``incarnation`` exited or froze (by its supervisor) or
-    left (by itself)."""
-    return f"ft/dead/{bundle}.{incarnation}"
-
-
-LOSSES_KEY = (
-    "ft/losses"  # bumped with every mark: one key a loss watch polls (bundle.launch.ft.epochs)
-)
-
-
 def mark_dead(store: dist.Store, bundle: int, incarnation: int, why: str) -> str:
     """Mark ``bundle``'s ``incarnation`` dead; returns the reason that stands (the first one).
     Marks are control keys (bundle.runtime.control): sealed, and read checked (``is_dead``)."""
-    kept = control.put_first(store, dead_key(bundle, incarnation), why)
-    store.add(LOSSES_KEY, 1)
+    kept = control.put_first(store, keys.dead(bundle, incarnation), why)
+    store.add(keys.FT_LOSSES, 1)
     return kept
 
 
 def is_dead(store: dist.Store, bundle: int, incarnation: int) -> bool:
-    return control.read(store, dead_key(bundle, incarnation)) is not None
-
-
-def lost_node_key(node: int) -> str:
-    """Set when node 0's supervisor found ``node`` silent: its bundles are out for good."""
-    return f"ft/lost_node/{node}"
-
-
-def healing_key(bundle: int) -> str:
-    """The incarnation of ``bundle`` its supervisors started last."""
-    return f"ft/healing/{bundle}"
-
-
-def _join_key(bundle: int, incarnation: int) -> str:
-    return f"ft/join/{bundle}.{incarnation}"
+    return control.read(store, keys.dead(bundle, incarnation)) is not None
 
 
 @dataclass
@@ -123,7 +95,7 @@ class Membership:
 
     def gone(self) -> str | None:
         """Why this process's bundle has left (a process of it failed), or None."""
-        return control.read(self.store, dead_key(self.bundle, self.incarnation))
+        return control.read(self.store, keys.dead(self.bundle, self.incarnation))
 
     def lost(self) -> list[int]:
         """The members marked dead (a process of their incarnation exited, froze or left)."""
@@ -147,18 +119,18 @@ class Membership:
 
     def prefix(self) -> str:
         """Where this epoch's process groups meet in the store."""
-        return f"ft/{self.epoch}/pg"
+        return keys.epoch_group(self.epoch)
 
     def agree(self, committed: int) -> tuple[int, ...]:
         """After a failure: check in with the steps this process committed, wait for the
         decision, and move to the next epoch; returns the members. Every surviving process
         calls it. Raises ``BundleLeft`` when this process's bundle is not a member,
         ``TooFewBundles`` below ``min_bundles``."""
-        key = f"ft/{self.epoch + 1}"
+        new = self.epoch + 1
         mine = self.bundle
-        self.store.set(f"{key}/in/{self.rank}", str(committed))
-        self.store.add(f"{key}/count/{mine}", 1)
-        decided = self._decide(key, mine)
+        self.store.set(keys.checked_in(new, self.rank), str(committed))
+        self.store.add(keys.checked_in_count(new, mine), 1)
+        decided = self._decide(new, mine)
         members = tuple(int(b) for b in decided.split(",") if b)
         self.failures += len(self.members) - len(members)
         self.epoch += 1
@@ -170,7 +142,7 @@ class Membership:
                 f"bundle(s) {lost} lost after step {committed}: {len(members)} bundle(s) remain "
                 f"({decided}), fewer than --min-bundles {self.min_bundles}"
             )
-        self._same_steps(key, members, committed)
+        self._same_steps(new, members, committed)
         self.members = members
         return members
 
@@ -181,9 +153,9 @@ class Membership:
         checked in (this process's view; the step's vote takes the minimum over the job)."""
         out = [0] * self.job.num_bundles
         for b in range(self.job.num_bundles):
-            if b in self.members or (inc := control.read_int(self.store, healing_key(b))) is None:
+            if b in self.members or (inc := control.read_int(self.store, keys.healing(b))) is None:
                 continue
-            count = self.store.add(f"{_join_key(b, inc)}/count", 0)
+            count = self.store.add(keys.join_count(b, inc), 0)
             out[b] = int(count >= self.job.bundle_width)
         return out
 
@@ -192,23 +164,23 @@ class Membership:
         the next epoch, whose members the new processes read at their join key."""
         self.epoch += 1
         for b in bundles:  # every member voted for it: its mark was there and checked
-            self.incs[b] = control.read_int(self.store, healing_key(b)) or 0
+            self.incs[b] = control.read_int(self.store, keys.healing(b)) or 0
         self.members = tuple(sorted({*self.members, *bundles}))
         self.heals += len(bundles)
         told = _admission(self, step)
         for b in bundles:
-            self.store.compare_set(f"{_join_key(b, self.incs[b])}/epoch", "", told)
+            self.store.compare_set(keys.join_epoch(b, self.incs[b]), "", told)
 
     def ask_to_join(self, wait: float) -> int:
         """A process of a new incarnation: check in, and wait until the members take its bundle
         in (returns the step it starts from) or training ends (returns -1). Raises
         ``BundleLeft`` when another process of this incarnation failed meanwhile."""
-        key = _join_key(self.bundle, self.incarnation)
-        self.store.set(f"{key}/in/{self.rank}", "1")
-        self.store.add(f"{key}/count", 1)
+        b, inc = self.bundle, self.incarnation
+        self.store.set(keys.join_in(b, inc, self.rank), "1")
+        self.store.add(keys.join_count(b, inc), 1)
         deadline = self.clock() + wait
-        while not self.store.check([f"{key}/epoch"]):
-            if self.store.check([DONE_KEY]):
+        while not self.store.check([keys.join_epoch(b, inc)]):
+            if self.store.check([keys.FT_DONE]):
                 return -1
             if self.gone():  # a process of this incarnation failed: this heal is over
                 raise self.leave()
@@ -216,14 +188,14 @@ class Membership:
                 raise TooFewBundles(f"bundle {self.bundle} was not taken back in within {wait:g}s")
             time.sleep(POLL_S)
         epoch, members, incs, step, failures, heals = (
-            self.store.get(f"{key}/epoch").decode().split(";")
+            self.store.get(keys.join_epoch(b, inc)).decode().split(";")
         )
         self.epoch, self.failures, self.heals = int(epoch), int(failures), int(heals)
         self.members = tuple(int(b) for b in members.split(","))
         self.incs = dict(zip(self.members, (int(i) for i in incs.split(",")), strict=True))
         return int(step)
 
-    def _decide(self, key: str, mine: int) -> str:
+    def _decide(self, epoch: int, mine: int) -> str:
         width = self.job.bundle_width
         deadline = self.clock() + 2 * self.timeout
         while True:
@@ -232,22 +204,23 @@ class Membership:
             if is_dead(self.store, mine, self.incarnation):
                 self.epoch += 1
                 raise self.leave()
-            complete = [b for b in self.members if self.store.add(f"{key}/count/{b}", 0) >= width]
+            counts = {b: self.store.add(keys.checked_in_count(epoch, b), 0) for b in self.members}
+            complete = [b for b in self.members if counts[b] >= width]
             dead = self.lost()
             if len(complete) + len(dead) >= len(self.members) or self.clock() >= deadline:
                 break
-            if self.store.check([f"{key}/members"]):  # another process decided
-                return self.store.get(f"{key}/members").decode()
+            if self.store.check([keys.members(epoch)]):  # another process decided
+                return self.store.get(keys.members(epoch)).decode()
             time.sleep(POLL_S)
         proposal = ",".join(str(b) for b in complete if b not in dead)
-        return self.store.compare_set(f"{key}/members", "", proposal).decode() or proposal
+        return self.store.compare_set(keys.members(epoch), "", proposal).decode() or proposal
 
-    def _same_steps(self, key: str, members: tuple[int, ...], committed: int) -> None:
+    def _same_steps(self, epoch: int, members: tuple[int, ...], committed: int) -> None:
         """Every member committed the same steps; else some took the failed step's update and
         others not, which no member can undo (the commit vote makes it all but impossible)."""
         width = self.job.bundle_width
         ranks = [self.job.rank(b, 0, 0) + i for b in members for i in range(width)]
-        steps = {int(self.store.get(f"{key}/in/{r}").decode()) for r in ranks}
+        steps = {int(self.store.get(keys.checked_in(epoch, r)).decode()) for r in ranks}
         if steps != {committed}:
             raise TooFewBundles(
                 f"the bundles that train on committed different steps ({sorted(steps)}): "
