@@ -99,7 +99,7 @@ class Checkpointer:
         self.shards_per_bundle = self.sharded and _shard_group_size(parts.optimizer) < len(
             topo.stage_group(coord.stage)
         )
-        self.owned = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        self.owned = self.rank_state.owned
         self.outer, self.hop = parts.outer, parts.hop
         # Bundles that meet every H steps differ between meetings: each saves its own state.
         self.prefix = f"bundle.{coord.bundle}." if parts.outer is not None and coord.bundle else ""

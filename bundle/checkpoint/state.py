@@ -38,9 +38,10 @@ class RankState:
     def __init__(self, parts: RankParts) -> None:
         self.parts = parts
         self.optimizer = holder(parts.optimizer)  # ZeRO's local one: the owned parameters'
+        self.owned = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
 
     def state_dict(self) -> State:
-        """Every part by name; its tensors are the live ones (``snapshot`` copies)."""
+        """Every part by name; its tensors are the live ones."""
         params = self.parts.params()
         outer, hop = self.parts.outer, self.parts.hop
         optim = {
@@ -60,13 +61,6 @@ class RankState:
             "extra": dict(self.parts.extra),
         }
 
-    def snapshot(self) -> State:
-        """A copy of the state that training on does not change."""
-        return {
-            part: {k: v.detach().clone() for k, v in d.items()}
-            for part, d in self.state_dict().items()
-        }
-
     @torch.no_grad()
     def load_state_dict(self, state: State) -> None:
         """Take ``state`` in place: parameters, buffers, outer state and extras copied into this
@@ -77,11 +71,10 @@ class RankState:
         for part in ("model", "buffers", "outer", "extra"):
             for name, value in state.get(part, {}).items():
                 live[part][name].copy_(value)
-        owned = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         for key, value in state.get("optim", {}).items():
             name, _, slot = key.rpartition(".")
             p = params[name]
-            if id(p) in owned:
+            if id(p) in self.owned:
                 at = torch.device("cpu") if slot == "step" else p.device
                 self.optimizer.state[p][slot] = value.detach().to(at, copy=True)
         if self.parts.hop is not None and state.get("hop"):

@@ -214,9 +214,10 @@ def test_the_reporting_bundle_heals_under_diloco_at_a_meeting_and_reports_it(tmp
     """Bundle 0, whose rank 0 reports, is lost: the others train on, and its new processes,
     taken in right after a meeting between bundles (where every bundle holds the same weights
     and outer state, checked bit for bit at the rejoin; its inner optimizer state a peer's
-    copy), report the job's one failure and one heal. Bundles differ between meetings: a new
-    one is never taken in there."""
+    copy, Adam's 0-d step counts among it), report the job's one failure and one heal. Bundles
+    differ between meetings: a new one is never taken in there."""
     extra = ["--max-restarts", "2", "--log-every", "100", "--bundle-sync", "diloco:4"]
+    extra += ["--optimizer", "adamw", "--lr", "0.001"]  # DiLoCo's inner optimizer
     _, err, _ = _heal(tmp_path, "nccl-emu", 300, *extra, shape="1,1", victim=0)
     rejoined = int(re.search(r"bundle 0 rejoins after step (\d+)", err).group(1))
     assert rejoined % 4 == 0 and FAILS_AT <= rejoined < 300, rejoined

@@ -213,3 +213,28 @@ def _said_by(exc: BaseException) -> str:
     store = _store()
     _report_failure(store, "rank 4 (node 0, bundle 2, stage 0, replica 0)", 4, Phase(), exc)
     return read_abort(store)
+
+
+def test_a_lost_peer_is_said_in_one_line_without_the_backend_s_source():
+    from bundle.launch.ft.epochs import _loss_text
+
+    gloo = (
+        "Got the following error when running the callback: RuntimeError: [/__w/pytorch/pytorch/"
+        "third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:3456: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs "
+        "in the application. Check the logs of the remote worker."
+    )
+    said = _loss_text(RuntimeError(gloo))
+    assert said == "a peer was lost: Read error [127.0.0.1]:3456: Connection reset by peer"
+    assert _loss_text(RuntimeError("Timed out waiting 33000ms")).endswith(
+        ": Timed out waiting 33000ms"
+    )
+
+
+def test_the_rejoin_digest_reads_adam_s_zero_dimensional_step_counts():
+    """Found by hand: the digest viewed each tensor as bytes, which a 0-d tensor cannot be."""
+    from bundle.launch.ft.epochs import _digest
+
+    state = {"optim": {"w.step": torch.tensor(3.0), "w.exp_avg": torch.ones(2)}}
+    other = {"optim": {"w.step": torch.tensor(4.0), "w.exp_avg": torch.ones(2)}}
+    assert not torch.equal(_digest(state, ("optim",)), _digest(other, ("optim",)))

@@ -344,7 +344,11 @@ class _Epochs:
         )
 
 
-_WHERE = re.compile(r"^\[[^\]]*\]\s*")  # a backend's source location before its message
+# A backend's source location (gloo's ``[.../pair.cc:545] ``), and the wrapper c10d puts around
+# an error raised in a future's callback: neither says what happened.
+_WHERE = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+_WRAPPED = re.compile(r"^.*Got the following error when running the callback: (?:\w+: )?")
+_ADVICE = re.compile(r"\. This is typically caused by .*$")  # gloo's advice after the fact
 
 
 def _loss_text(exc: BaseException) -> str:
@@ -353,7 +357,8 @@ def _loss_text(exc: BaseException) -> str:
     goes to the debug log."""
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     log.get().debug(f"the step failed on a lost peer: {type(exc).__name__}: {exc}")
-    return f"a peer was lost: {_WHERE.sub('', first)[:160]}"
+    said = _ADVICE.sub("", _WRAPPED.sub("", _WHERE.sub("", first)))
+    return f"a peer was lost: {said[:160]}"
 
 
 def _drop(phase: Phase, *, ended: bool) -> None:
@@ -430,5 +435,6 @@ def _digest(state: dict[str, dict[str, torch.Tensor]], parts: tuple[str, ...]) -
     digest = hashlib.sha256()
     for part in parts:
         for _, t in sorted(state[part].items()):
-            digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            # reshape: a 0-d tensor (Adam's step count) has no byte view of its own
+            digest.update(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
