@@ -3,12 +3,10 @@
 From the data up:
 
 - ``errors``, ``log``: typed errors carrying the offending value; one rank-prefixed logger;
-- ``sync_options``: the data-parallel options' spellings and the combinations refused;
-- ``config_fields``, ``config_job``, ``config``: how far each setting reaches beyond its
-  process; the sections of how a job runs (layout, compute, launch, checkpoints, observing); what
-  is trained and the frozen ``RunConfig`` gathering every section (all importable from ``config``);
-- ``options``, ``yaml_input``, ``cli``: the options table ``RunConfig`` is declared in, YAML read
-  as data (no alias that expands), and the command line and YAML that build it;
+- ``config/``: the frozen ``RunConfig`` and its sections (every name importable from
+  ``bundle.config``), how far each setting reaches, the data-parallel options' spellings, the
+  options table it is declared in, and YAML read as data (no alias that expands);
+- ``cli``: the command line and YAML that build the config;
 - ``row_weights``, ``rows``, ``topology``: the ``--row-weights`` spelling of each replica's share
   of a micro-batch; a micro-batch's rows cut among a stage's replicas and the rows that cross
   between stages (pure arithmetic); the job's ranks, groups and row plans as one pure value;

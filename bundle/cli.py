@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import yaml  # type: ignore[import-untyped,unused-ignore]
 
 from bundle import config as C
-from bundle import options, yaml_input
+from bundle.config import options, yaml_input
 from bundle.errors import BundleError, ConfigError, ExitCode
 
 # main.py's first docstring line: the command's --help says what it is.
@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
-    """The parser of bundle.options' table; suppress: only what the command line gives is set."""
+    """The parser of bundle.config.options' table; suppress: only what the command line gives is set."""
     p = _Parser(
         prog="main.py",
         description=DESCRIPTION,

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import yaml
 
+from bundle.config.yaml_input import load_yaml
 from bundle.errors import ConfigError, PartitionError
 from bundle.models import Block, is_known
-from bundle.yaml_input import load_yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PARTITIONS_DIR = REPO_ROOT / "partitions"

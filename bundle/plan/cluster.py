@@ -39,8 +39,8 @@ from typing import Any
 
 import yaml
 
+from bundle.config.yaml_input import load_yaml
 from bundle.errors import ConfigError
-from bundle.yaml_input import load_yaml
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bundle import config as C
-from bundle import options
 from bundle.checkpoint import format as ckpt
+from bundle.config import options
 from bundle.lr_schedule import Milestone
 
 DEFAULT = C.RunConfig()

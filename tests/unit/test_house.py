@@ -197,15 +197,12 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "log",
             "rows",
             "row_weights",
-            "yaml_input",
-            "config_fields",
-            "sync_options",
             "lr_schedule",
             "plan_file",
         ),
     ),
     # pure values built once from the config: the config itself, the topology, the schedule IR
-    ("pure", ("config_job", "config", "options", "topology", "ir")),
+    ("pure", ("config", "topology", "ir")),
     # what a training process stands on: devices, the job's store, groups, watchdogs; the
     # collectives of its NCCL groups and their emulation
     ("runtime", ("runtime", "collectives")),

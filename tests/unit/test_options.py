@@ -8,8 +8,9 @@ import typing
 import pytest
 import yaml
 
-from bundle import cli, options
+from bundle import cli
 from bundle import config as C
+from bundle.config import options
 from bundle.errors import ConfigError, PartitionError
 from bundle.models.partition import load_spec
 from bundle.plan.cluster import load_cluster

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from bundle import cli
+from bundle.config.options import BY_YAML_KEY
 from bundle.errors import ConfigError
-from bundle.options import BY_YAML_KEY
 from bundle.plan import planner, report
 from bundle.plan.cluster import DeviceType, load_cluster
 from bundle.plan.mixed import bundle_devices, mixed_search, natural, uniform_cost, weights_for

@@ -12,9 +12,9 @@ import torch
 
 from bundle import cli
 from bundle import config as C
+from bundle.config.options import BY_YAML_KEY
 from bundle.engine import optim
 from bundle.errors import ConfigError
-from bundle.options import BY_YAML_KEY
 from bundle.plan import auto, planner, report
 from bundle.plan.cost import Execution
 from bundle.plan.dataparallel import DataParallel

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bundle import options
+from bundle.config import options
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bundle.config_fields import NODE_LOCAL, NODES_AGREE_IF_SET, RECORDED
+from bundle.config.reach import NODE_LOCAL, NODES_AGREE_IF_SET, RECORDED
+from bundle.config.sync import check as check_sync_options
 from bundle.errors import ConfigError, ScheduleError, positive
 from bundle.ir.schedule import REGISTRY, SCHEDULES, actions
-from bundle.sync_options import check as check_sync_options
 
 BACKENDS = ("auto", "nccl", "gloo", "nccl-emu")
 GRAD_SYNCS = ("flat", "hierarchical")

@@ -2,8 +2,18 @@
 
 What is trained (the model, the data, the training's settings) is declared here, with
 ``RunConfig``, which gathers every section; how the job runs it (parallel layout, compute,
-launch, checkpoints, observation) is ``bundle.config_job``'s, and how far each setting reaches
-beyond its process ``bundle.config_fields``'s. Every name is importable from here.
+launch, checkpoints, observation) is ``bundle.config.job``'s, and how far each setting reaches
+beyond its process ``bundle.config.reach``'s. Every name is importable from here.
+
+The package, from the leaves up:
+
+- ``reach``: how far a setting reaches (node-local, recorded), declared in its field's metadata;
+- ``sync``: the data-parallel options' spellings and the combinations refused;
+- ``yaml_input``: YAML a user gives, read as data (no alias that expands);
+- ``job``: the sections of how a job runs (layout, compute, launch, checkpoints, observing);
+- this module: what is trained and the frozen ``RunConfig`` gathering every section;
+- ``options``: the options table ``RunConfig`` is declared in: the parser, ``--help`` and the
+  YAML keys follow it (``bundle.cli`` builds the config from it).
 """
 
 from __future__ import annotations
@@ -15,31 +25,31 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from bundle.config_fields import NODE_LOCAL as NODE_LOCAL
-from bundle.config_fields import NODES_AGREE_IF_SET as NODES_AGREE_IF_SET
-from bundle.config_fields import RECORDED as RECORDED
-from bundle.config_fields import leaves, shared
-from bundle.config_fields import recorded as recorded
-from bundle.config_job import AUTO_SHAPE as AUTO_SHAPE
-from bundle.config_job import BACKENDS as BACKENDS
-from bundle.config_job import DEFAULT_PORT as DEFAULT_PORT
-from bundle.config_job import FAULT_TOLERANCE as FAULT_TOLERANCE
-from bundle.config_job import GRAD_SYNCS as GRAD_SYNCS
-from bundle.config_job import PRECISIONS as PRECISIONS
-from bundle.config_job import RECOMPUTES as RECOMPUTES
-from bundle.config_job import CheckpointConfig as CheckpointConfig
-from bundle.config_job import ComputeConfig as ComputeConfig
-from bundle.config_job import LaunchConfig as LaunchConfig
-from bundle.config_job import ObserveConfig as ObserveConfig
-from bundle.config_job import ParallelConfig as ParallelConfig
-from bundle.config_job import parse_shape as parse_shape
-from bundle.config_job import parse_steps as parse_steps
+from bundle.config.job import AUTO_SHAPE as AUTO_SHAPE
+from bundle.config.job import BACKENDS as BACKENDS
+from bundle.config.job import DEFAULT_PORT as DEFAULT_PORT
+from bundle.config.job import FAULT_TOLERANCE as FAULT_TOLERANCE
+from bundle.config.job import GRAD_SYNCS as GRAD_SYNCS
+from bundle.config.job import PRECISIONS as PRECISIONS
+from bundle.config.job import RECOMPUTES as RECOMPUTES
+from bundle.config.job import CheckpointConfig as CheckpointConfig
+from bundle.config.job import ComputeConfig as ComputeConfig
+from bundle.config.job import LaunchConfig as LaunchConfig
+from bundle.config.job import ObserveConfig as ObserveConfig
+from bundle.config.job import ParallelConfig as ParallelConfig
+from bundle.config.job import parse_shape as parse_shape
+from bundle.config.job import parse_steps as parse_steps
+from bundle.config.reach import NODE_LOCAL as NODE_LOCAL
+from bundle.config.reach import NODES_AGREE_IF_SET as NODES_AGREE_IF_SET
+from bundle.config.reach import RECORDED as RECORDED
+from bundle.config.reach import leaves, shared
+from bundle.config.reach import recorded as recorded
+from bundle.config.sync import COMPRESSIONS as COMPRESSIONS
+from bundle.config.sync import parse_aggregate as parse_aggregate
+from bundle.config.sync import parse_bundle_sync as parse_bundle_sync
 from bundle.errors import ConfigError, positive
 from bundle.ir.schedule import SCHEDULES as SCHEDULES
 from bundle.lr_schedule import LR_SCHEDULES, Milestone, spell
-from bundle.sync_options import COMPRESSIONS as COMPRESSIONS
-from bundle.sync_options import parse_aggregate as parse_aggregate
-from bundle.sync_options import parse_bundle_sync as parse_bundle_sync
 
 DATASETS = ("digits", "imagefolder", "synthetic", "text", "tokens", "hf")
 # The ones made of tokens: --seq-len windows, a tokenizer (bundle.data).
