@@ -35,7 +35,7 @@ run: $(VENV)/.runtime
 	$(RUN) main.py $(ARGS)
 
 test: $(VENV)/.dev $(HF_OLDEST_DIR)/.installed
-	$(RUN) -m pytest -q -ra $(ARGS)
+	$(RUN) -m pytest -q -ra --durations=25 $(ARGS)
 
 gpu-check: $(VENV)/.gpu
 	$(RUN) scripts/gpu_check.py --json gpu-check-report.json $(ARGS)
