@@ -1,6 +1,11 @@
-"""Literal models for the planner's tests: per-row block times and sizes given by hand."""
+"""Literal models for the planner's tests: per-row block times and sizes given by hand; and
+scripts/plan.py loaded as a module."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 
 from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear
 from bundle.plan.cluster import Cluster, Link
@@ -63,3 +68,13 @@ def literal_cost(
     return CostModel(
         anatomy=anatomy, cluster=cluster, timings=timings, overheads=Overheads(), **kwargs
     )
+
+
+def plan_script() -> ModuleType:
+    """scripts/plan.py, loaded as a module (it is a script, not part of the package)."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "plan.py"
+    spec = importlib.util.spec_from_file_location("plan_script", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,7 +3,6 @@ it unless other data are named; plan files written before that still load."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,8 +12,7 @@ from bundle import cli, preflight
 from bundle.data import input_spec
 from bundle.errors import ConfigError
 from bundle.topology import Topology
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.plan_fixtures import plan_script
 
 SYNTHETIC = {"dataset": "synthetic", "image_size": 32, "num_classes": 100}
 
@@ -72,21 +70,13 @@ def test_a_bad_data_section_is_one_line(tmp_path, data, needle):
     assert "\n" not in str(err.value)
 
 
-def _plan_script():
-    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_planner_writes_the_data_into_every_plan(tmp_path, capsys):
     """Nominal GPUs (no cluster file, nothing measured): the JSON's plans name their data, and
     main.py --plan reads them back."""
     out = tmp_path / "plans.json"
     argv = ["--model", "resnet18", "--nodes", "1", "--gpus-per-node", "2", "--batch-size", "64"]
     argv += ["--image-size", "64", "--num-classes", "100", "--top", "2", "--json", str(out)]
-    assert _plan_script().main([*argv, "--profile-cache", ""]) == 0
+    assert plan_script().main([*argv, "--profile-cache", ""]) == 0
     capsys.readouterr()
     report = json.loads(out.read_text())
     want = {
@@ -108,5 +98,5 @@ def test_the_planner_writes_the_data_into_every_plan(tmp_path, capsys):
     ],
 )
 def test_the_planner_names_text_and_digits_data_as_main_py_takes_them(model, want):
-    args = _plan_script().parse_args(["--model", model, "--seq-len", "32"])
-    assert _plan_script()._data(args) == want
+    args = plan_script().parse_args(["--model", model, "--seq-len", "32"])
+    assert plan_script()._data(args) == want

@@ -3,9 +3,7 @@ the optimizers are built), counted in a plan's memory, divided over a stage grou
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +18,8 @@ from bundle.plan.cost import Execution
 from bundle.plan.dataparallel import DataParallel
 from bundle.plan.plans import Plan, evaluate, with_options
 from bundle.plan.search import Workload, search
-from tests.support.plan_fixtures import literal_cost
+from tests.support.plan_fixtures import literal_cost, plan_script
 
-ROOT = Path(__file__).resolve().parents[2]
 PARAMS = [1000, 3000]  # two blocks; the stage of shape (1,) holds 4,000 parameters
 PIPE = Plan((1, 1), 1, (0, 1), 2, 2)
 DP = Plan((1,), 1, (0,), 1, 1)
@@ -145,16 +142,8 @@ def test_bundle_shape_auto_plans_for_the_runs_optimizer_and_zero():
     assert (request.optimizer, request.momentum, request.dp) == ("adamw", 0.0, ZERO)
 
 
-def _plan_script():
-    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_plan_py_defaults_to_the_trainers_optimizer():
-    script = _plan_script()
+    script = plan_script()
     args = script.parse_args(["--model", "mlp_wide"])
     train = C.TrainConfig()
     assert (args.optimizer, args.momentum, args.zero) == (train.optimizer, train.momentum, 0)
