@@ -88,7 +88,8 @@ def _names(params: dict[str, torch.nn.Parameter]) -> dict[torch.nn.Parameter, st
 
 
 def on_cpu(state: State) -> State:
-    """A copy whose tensors are on the host (what is sent: a receiver's device may differ)."""
+    """The state with its tensors on the host, copied from a device (a host tensor is the same
+    one): what is sent or written, since a receiver's device may differ."""
     return {part: {k: v.detach().cpu() for k, v in d.items()} for part, d in state.items()}
 
 

@@ -82,7 +82,7 @@ class Carried:
         )
 
     def on_cpu(self) -> Carried:
-        """A copy whose tensors are on the CPU (what is sent: a receiver's own GPU may differ)."""
+        """This state with its tensors on the CPU (``state.on_cpu``): what is sent or written."""
         return Carried(self.step, on_cpu(self.state))
 
     def load(self, trainer: Trainer) -> None:
