@@ -172,7 +172,9 @@ class DeviceAudit(TorchFunctionMode):
             self._check(func, args, kwargs, inputs)
         out = func(*args, **kwargs)
         where = self._result_tag(func, args, kwargs, ours, len(tensors))
-        if args and out is args[0] and where is HOST and self.tags.get(out) is DEVICE:
+        # (torch's own calls reach here with plain numbers too: FSDP's sym_max of two sizes)
+        in_place = bool(args) and isinstance(out, torch.Tensor) and out is args[0]
+        if in_place and where is HOST and self.tags.get(out) is DEVICE:
             out = out.clone()  # to the host: a copy, as from a GPU (torch returns the tensor)
         if where is not None:
             for t in _tensors(out):
