@@ -40,7 +40,7 @@ from bundle.errors import BundleError
 from bundle.plan import planner, report
 from bundle.plan import profile as prof
 from bundle.plan.cluster import counted, describe_nominal, load_cluster, nominal
-from bundle.plan.dataparallel import DataParallel
+from bundle.plan.dataparallel import ZERO_LEVELS, DataParallel
 from bundle.plan.mixed import contended
 from bundle.plan.plans import data_parallel, evaluate, with_options
 
@@ -77,9 +77,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--zero",
         type=int,
-        choices=(0, 1),
+        choices=ZERO_LEVELS,
         default=0,
-        help="1: the optimizer state sharded over each stage's replicas (main.py's --zero 1)",
+        help="1: the optimizer state sharded over each stage's replicas (main.py's --zero 1); "
+        "3: the parameters and gradients too, each block gathered per micro-batch (--zero 3, "
+        "which the planner also picks where no plan fits in memory without it)",
     )
     p.add_argument("--max-stages", type=int, default=4)
     p.add_argument("--max-micro-batches", type=int, default=64)
@@ -233,7 +235,7 @@ def plan(args: argparse.Namespace) -> dict:
         "precision": request.precision,
         "recompute": request.recompute,
         "optimizer": request.optimizer,
-        "zero": request.dp.zero,
+        "zero": best.plan.dp.zero,  # 3 where the planner sharded to fit (the request's else)
         "optimizer_state_bytes_per_param": cost.state_bytes,
         "plans": rows,
         "data_parallel": report.row(dp, job, cost),
@@ -243,7 +245,7 @@ def plan(args: argparse.Namespace) -> dict:
     }
     if mixed:
         out.update(_mixed_keys(mixed, best, job, cost))
-    sharded = ", sharded over each stage's replicas (--zero 1)" if request.dp.zero else ""
+    sharded = _sharding(request.dp.zero, best.plan.dp.zero)
     print(
         f"{request.model}, batch {request.batch}, {request.devices} devices on {cost.cluster.name}"
         f"; {request.optimizer}: {cost.state_bytes} bytes of state per parameter{sharded}"
@@ -269,6 +271,17 @@ def plan(args: argparse.Namespace) -> dict:
         title = f"{request.model} {rows[0]['shape']} x{best.plan.num_bundles}"
         report.draw(args.png, shown, rows, title)
     return out
+
+
+def _sharding(asked: int, planned: int) -> str:
+    """What the header line says of the state's sharding: as asked, or ``--zero 3`` chosen."""
+    if planned == 3:
+        why = "" if asked == 3 else "; no plan fits in device memory without it"
+        return (
+            ", parameters, gradients and state sharded over each stage's replicas, one block "
+            f"gathered at a time (--zero 3{why})"
+        )
+    return ", sharded over each stage's replicas (--zero 1)" if planned else ""
 
 
 def _mixed_keys(mixed, best, job: report.Job, cost) -> dict:

@@ -12,6 +12,7 @@ Modules, from the data up:
 - ``shares``: how much slower than its CPU share an emulated device computes, measured once;
 - ``cost``: seconds and bytes of a plan's pieces: stage compute, transfers, gradient sync, memory;
 - ``dataparallel``: the user's data-parallel options (compression, bundle sync, aggregation) costed;
+- ``zero``: ``--zero 3`` costed: sharded memory, each block gathered and reduced per micro-batch;
 - ``simulate``: an event simulation of the engine's own schedule action lists;
 - ``split``: stage widths and split points: the dynamic program, widths coarse to fine;
 - ``plans``: one plan as a value, simulated with its memory counted, and plans ranked;

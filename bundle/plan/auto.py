@@ -3,7 +3,9 @@
 Every process of a job must run the same plan, and nodes compare their configurations at start,
 so the plan is resolved into an ordinary configuration (shape, bundles, micro-batches, schedule,
 sync, inline split points) before any process starts; the data-parallel options
-(``--grad-compression``, ``--bundle-sync``, ``--aggregate``) are costed as given:
+(``--grad-compression``, ``--bundle-sync``, ``--aggregate``, ``--zero``) are costed as given,
+except that ``--bundle-shape auto`` runs ``--zero 3`` where no plan fits in device memory without
+it (``search.search_fitting``; the plan's line says so):
 
 - one node, self-spawned: ``main.py`` plans before it starts its workers, from a quick profile
   measured here in a child process (block timings, engine overheads, and a CPU's loopback links;
@@ -27,7 +29,7 @@ import torch
 from bundle import data
 from bundle.config import AUTO_SHAPE, RunConfig
 from bundle.errors import ConfigError
-from bundle.ir.schedule import REGISTRY
+from bundle.ir.schedule import REGISTRY, SCHEDULES
 from bundle.plan import planner
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
@@ -35,7 +37,7 @@ from bundle.plan.cluster import nominal
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import DataParallel
 from bundle.plan.plans import Evaluated, Plan, evaluate
-from bundle.plan.search import search
+from bundle.plan.search import search_fitting
 from bundle.plan.split import Splitter
 
 AUTO = "auto"
@@ -118,7 +120,17 @@ def _plan_shape(cfg: RunConfig, request: planner.Request, cost: CostModel) -> Ev
             cfg.model.partition,
             "with --bundle-shape auto the planner chooses the split: leave --partition out",
         )
-    ranked = search(cost, workload=request.workload, exact=True)
+    # A compiled block's one backward cannot be split (bundle.engine.compiled).
+    schedules = tuple(
+        name for name in SCHEDULES if not (cfg.compute.compile and REGISTRY[name].split_backward)
+    )
+    ranked = search_fitting(
+        cost,
+        workload=request.workload,
+        limits=request.limits,
+        exact=True,
+        schedules=schedules,
+    )
     fitting = [e for e in ranked if e.fits]
     if not fitting:
         raise ConfigError(
@@ -170,7 +182,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     cost, how = _cost(cfg, request)
     best = _plan_shape(cfg, request, cost) if shape_auto else _plan_split(cfg, request, cost)
     p = best.plan
-    costed = " ".join(p.dp.flags())
+    costed = " ".join(request.dp.flags())  # what the run asked for; a --zero 3 chosen is named
     names = cost.anatomy.names
     split = ",".join(names[i] for i in p.starts) if len(p.shape) > 1 else None
     resolved = replace(
@@ -183,6 +195,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
             schedule=p.schedule,
             virtual_stages=p.chunks,
             grad_sync=p.grad_sync,
+            zero=p.dp.zero,  # --zero 3 where no plan fits in device memory without it
         ),
         model=replace(cfg.model, partition=split),
         launch=replace(cfg.launch, nproc_per_node=p.procs_per_node) if shape_auto else cfg.launch,
@@ -193,6 +206,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
         f"--micro-batches {p.micro_batches} --schedule {p.schedule} --grad-sync {p.grad_sync}"
         + (f" --virtual-stages {p.chunks}" if p.chunks > 1 else "")
         + (f" --partition {split}" if split else "")
+        + (f" --zero {p.dp.zero} (no plan fits without it)" if p.dp != request.dp else "")
         + (f" (costed with {costed})" if costed else "")
         + f"; predicted {best.samples_per_s:.1f} samples/s from {how}",
         file=sys.stderr,

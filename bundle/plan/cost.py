@@ -18,7 +18,8 @@
   CPU: its reductions and copies compete with the backward, so nothing is hidden).
 - **Memory** per device: fp32 parameters and gradients (and DDP's bucket copies), the optimizer's
   state (its bytes per parameter from ``bundle.engine.optim.STATE_BYTES``: none for plain SGD, a
-  momentum buffer, Adam's two moments; ZeRO-1 shares it out: ``bundle.plan.dataparallel``), the
+  momentum buffer, Adam's two moments; ZeRO-1 shares it out: ``bundle.plan.dataparallel``;
+  ZeRO-3 the parameters and gradients too, one block gathered at a time: ``bundle.plan.zero``), the
   activations the schedule holds (``--recompute`` keeps only stage inputs, plus the micro-batch a
   backward rebuilds) and the receive buffers (the data-parallel options' state:
   ``bundle.plan.dataparallel``).
@@ -87,6 +88,7 @@ class Memory:
     activations: float
     buffers: float
     data_parallel: float = 0.0  # what --grad-compression, --bundle-sync, --aggregate keep
+    gathered: float = 0.0  # --zero 3: one block's full parameters and gradients (bundle.plan.zero)
 
     @property
     def total(self) -> float:
@@ -98,6 +100,7 @@ class Memory:
             + self.activations
             + self.buffers
             + self.data_parallel
+            + self.gathered
         )
 
 
@@ -392,7 +395,8 @@ class CostModel:
         shards: int = 1,
     ) -> Memory:
         """Peak bytes of one replica running blocks ``a..b-1`` through ``acts``; ``shards``: the
-        replicas its optimizer state is sharded over (``--zero 1``: its stage group)."""
+        replicas its optimizer state is sharded over (``--zero 1``: its stage group; ``--zero 3``: its
+        shard group, whose parameters and gradients ``bundle.plan.zero.memory`` shares out)."""
         count = float(self.params[a:b].sum())
         params = count * _MASTER_BYTES
         live = peak = in_flight = peak_in_flight = 0.0

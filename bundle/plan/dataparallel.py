@@ -1,5 +1,5 @@
 """The data-parallel options the planner costs as given (never searched): the hop between bundles
-compressed, bundles that meet every H steps, robust aggregation, and ZeRO-1.
+compressed, bundles that meet every H steps, robust aggregation, and ZeRO-1 and ZeRO-3.
 
 The cost of each, beside the plain sync of ``bundle.plan.cost`` (steady state: the uncompressed
 warm-up steps of ``--compression-warmup`` are not counted):
@@ -27,6 +27,8 @@ warm-up steps of ``--compression-warmup`` are not counted):
 - **ZeRO-1** (``--zero 1``): each replica holds its share of the optimizer's state, the state
   divided by its stage group's size (``plans.evaluate``); the parameter broadcasts after the step
   are not counted.
+- **ZeRO-3** (``--zero 3``): parameters, gradients and state sharded, gathered block by block every
+  micro-batch (``bundle.plan.zero``); costed with the plain sync only (no compression, the mean).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from bundle.errors import ConfigError
 from bundle.plan.cost import CostModel
 
 HALF = ("bf16", "fp16")
+ZERO_LEVELS = (0, 1, 3)  # --zero: off, the optimizer's state sharded, everything sharded
 _PSGD_MIN_RATE = 2  # PowerSGDState's min_compression_rate default, which the engine keeps
 _COMBINE_COPIES = 4  # stack, scale by shares, sort's values and indices (8-byte: two copies' worth)
 _GATHER_COPIES = 5  # what a master holds of the gathered buckets at once, the indices twice
@@ -56,7 +59,7 @@ class DataParallel:
     powersgd_rank: int = 4
     bundle_sync: str = "step"
     aggregate: str = "mean"
-    zero: int = 0  # 1: the optimizer's state sharded over each stage group (ZeRO-1)
+    zero: int = 0  # 1: the optimizer's state sharded (ZeRO-1); 3: parameters and gradients too
 
     def __post_init__(self) -> None:
         if self.compression not in COMPRESSIONS:
@@ -76,8 +79,20 @@ class DataParallel:
                 self.compression,
                 "compresses the per-step, averaged sync between bundles only",
             )
-        if self.zero not in (0, 1):
-            raise ConfigError("--zero", self.zero, "choose 0 (off) or 1 (shard optimizer state)")
+        if self.zero not in ZERO_LEVELS:
+            raise ConfigError(
+                "--zero",
+                self.zero,
+                "choose 0 (off), 1 (shard optimizer state) or 3 (shard parameters, gradients and "
+                "optimizer state)",
+            )
+        if self.zero == 3 and (self.compression != "none" or self.gathers):
+            raise ConfigError(
+                "--zero",
+                self.zero,
+                "reduce-scatters plain averaged gradients: no compression or robust "
+                "aggregation with it",
+            )
         if self.zero and not self.per_step:
             raise ConfigError(
                 "--zero", self.zero, "shards state that --bundle-sync keeps per bundle"
@@ -97,6 +112,11 @@ class DataParallel:
     @property
     def per_step(self) -> bool:
         return parse_bundle_sync(self.bundle_sync)[0] == "step"
+
+    @property
+    def shardable(self) -> bool:
+        """Whether ``--zero 3`` runs beside these options (a per-step, averaged, plain sync)."""
+        return self.compression == "none" and self.per_step and not self.gathers
 
     @property
     def gathers(self) -> bool:

@@ -20,7 +20,7 @@ from bundle.plan.cost import CostModel, Execution, Overheads
 from bundle.plan.dataparallel import DataParallel
 from bundle.plan.mixed import MixedResult, mixed_search
 from bundle.plan.plans import Evaluated
-from bundle.plan.search import Limits, Workload, search
+from bundle.plan.search import Limits, Workload, search_fitting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,8 +272,9 @@ def cost_model(
 def plan(
     request: Request, cost: CostModel, progress: Callable[[str], None] | None = None
 ) -> list[Evaluated]:
-    """Every plan the search simulated, best first; ``progress`` is told what it is doing."""
-    return search(cost, workload=request.workload, limits=request.limits, progress=progress)
+    """Every plan the search simulated, best first (under ``--zero 3`` where only it fits in
+    device memory: ``search_fitting``); ``progress`` is told what it is doing."""
+    return search_fitting(cost, workload=request.workload, limits=request.limits, progress=progress)
 
 
 def plan_mixed(

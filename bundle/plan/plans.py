@@ -8,6 +8,7 @@ from fractions import Fraction
 
 from bundle.engine.precision import Policy
 from bundle.ir.schedule import Action, actions
+from bundle.plan import zero
 from bundle.plan.cost import CostModel, Memory
 from bundle.plan.dataparallel import DataParallel, HopCost
 from bundle.plan.simulate import Layout, SimResult, simulate
@@ -106,7 +107,7 @@ def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False)
         pieces = [bounds[pipe.piece(s, c)] for c in range(V)]
         group = len(topo.stage_group(s))
         synced = group > 1
-        shards = group if plan.dp.zero else 1  # ZeRO-1 shards over the stage group
+        shards = zero.shards(plan.dp, plan.grad_sync, topo, s)
         state = 0.0
         if synced:
             for a, b in pieces:
@@ -121,6 +122,7 @@ def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False)
                 cost, pieces, acts, rows, policy, synced=synced, ddp=ddp, shards=shards
             )
             mem = replace(mem, data_parallel=state) if synced else mem
+            mem = zero.memory(cost, mem, pieces, shards) if plan.dp.zero == zero.FULL else mem
             per_replica.append((rows[0], mem))
             fits &= all(
                 mem.total <= _device_memory(cost, plan, topo.rank(bb, s, i))

@@ -173,6 +173,7 @@ def row(e: Evaluated, job: Job, cost: CostModel) -> dict[str, Any]:
                 "buffers": m.buffers,
                 # Only where the options keep any: the default plans' JSON stays as it was.
                 **({"data_parallel": m.data_parallel} if m.data_parallel else {}),
+                **({"gathered": m.gathered} if m.gathered else {}),  # --zero 3's block
                 "total": m.total,
             }
             for m in e.memory

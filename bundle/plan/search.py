@@ -11,9 +11,10 @@ form ranks those candidates (``(M + S - 1)`` slowest stages, plus the largest gr
 optimizer step); the best ones are then simulated under 1F1B and each sync strategy, the
 ``SCHEDULE_LEADERS`` best of those under every other schedule too, and ranked by simulated
 throughput, plans that do not fit in device memory last (``plans.evaluate``, ``plans.rank``). The
-data-parallel options (``DataParallel``: compression, bundle sync, aggregation) are the user's:
-every plan is costed under them, never under others, and only bundle counts they accept are
-planned.
+data-parallel options (``DataParallel``: compression, bundle sync, aggregation, ZeRO) are the
+user's: every plan is costed under them, and only bundle counts they accept are planned; the one
+exception is ``search_fitting``, which searches again under ``--zero 3`` where no plan fits in
+device memory.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import EXACT, DataParallel, HopCost
 from bundle.plan.plans import Evaluated, Plan, data_parallel, evaluate, rank
 from bundle.plan.split import EXHAUSTIVE, Splitter, micro_counts, search_widths
+from bundle.plan.zero import FULL, Collectives
 from bundle.topology import Topology
 
 SYNCS = ("flat", "hierarchical")
@@ -98,6 +100,8 @@ def search(
     each part."""
     nodes, per_node, batch, dp = workload.nodes, workload.per_node, workload.batch, workload.dp
     devices = workload.devices
+    if dp.zero == FULL:  # FSDP reduce-scatters with the input half: the split is refused
+        schedules = tuple(s for s in schedules if not REGISTRY[s].split_backward)
     say = progress or (lambda line: None)
     counts = bundle_counts(devices, batch, dp.min_bundles)
     say(
@@ -138,6 +142,46 @@ def search(
     if others:
         say(f"simulating the {len(leaders)} best under the other schedules")
     return rank(evaluated + [evaluate(cost, v, batch) for v in others])
+
+
+def search_fitting(
+    cost: CostModel,
+    *,
+    workload: Workload,
+    limits: Limits = DEFAULT_LIMITS,
+    exact: bool = False,
+    progress: Callable[[str], None] | None = None,
+    schedules: tuple[str, ...] = SCHEDULES,
+) -> list[Evaluated]:
+    """``search`` (among ``schedules``); where none of its plans fits in device memory, the search again under
+    ``--zero 3`` (if the run's options allow it: ``DataParallel.shardable``): the sharded plans
+    first where some of them fit (their commands say ``--zero 3``), the run's own after them."""
+    ranked = search(
+        cost,
+        workload=workload,
+        limits=limits,
+        exact=exact,
+        progress=progress,
+        schedules=schedules,
+    )
+    dp = workload.dp
+    if any(e.fits for e in ranked) or dp.zero == FULL or not dp.shardable:
+        return ranked
+    if progress is not None:
+        progress("no plan fits in device memory: searching again with --zero 3")
+    sharded = replace(workload, dp=replace(dp, zero=FULL))
+    try:
+        found = search(
+            cost,
+            workload=sharded,
+            limits=limits,
+            exact=exact,
+            progress=progress,
+            schedules=schedules,
+        )
+    except ConfigError:  # no stage on these devices has a replica to shard over
+        return ranked
+    return rank(found + ranked) if any(e.fits for e in found) else ranked
 
 
 # Model chunks per stage the schedules that run several are planned with (--virtual-stages).
@@ -277,24 +321,31 @@ def _estimate(
 
     ``memo`` keeps each stage's sync and step across the candidates of one search: they depend
     on the layout of the ranks and the stage's blocks, not on the micro-batches or the rest of
-    the split (the search asks for the same ones tens of thousands of times); and the nodes of
-    each stage's groups, which depend on the layout alone."""
+    the split (the search asks for the same ones tens of thousands of times), as do ZeRO-3's
+    collectives per micro-batch; and the nodes of each stage's groups, which depend on the
+    layout alone."""
     cost = hop.cost
     memo = {} if memo is None else memo
     ends = [*plan.starts[1:], cost.n]
     layout: tuple[object, ...] = (plan.shape, plan.num_bundles, plan.procs_per_node)
     layout += (plan.grad_sync, plan.placement, plan.row_weights, plan.dp)
-    tail = 0.0
+    tail = comm = 0.0
     for s, (a, b) in enumerate(zip(plan.starts, ends, strict=True)):
         key = (layout, s, a, b)
         if key not in memo:
             if (layout, s) not in memo:
-                memo[layout, s] = _group_nodes(plan.layout(batch).topology(), s)
-            groups = memo[layout, s]
-            memo[key] = _sync_estimate(hop, plan, groups, a, b) + cost.optimizer(a, b)
-        tail = max(tail, memo[key])
+                topo = plan.layout(batch).topology()
+                memo[layout, s] = _group_nodes(topo, s), Collectives(cost, topo, plan.grad_sync)
+            groups, zero = memo[layout, s]
+            if plan.dp.zero == FULL:  # no sync at the end; each micro-batch's collectives
+                memo[key] = cost.optimizer(a, b) / zero.over(s), zero.per_micro(s, a, b)
+            else:
+                memo[key] = _sync_estimate(hop, plan, groups, a, b) + cost.optimizer(a, b), 0.0
+        tail, comm = max(tail, memo[key][0]), max(comm, memo[key][1])
     stages = len(plan.shape)
-    return (plan.micro_batches + stages - 1) * slowest + tail
+    # ZeRO-3's collectives: hidden behind the slowest stage's compute where they overlap it.
+    exposed = max(0.0, comm - slowest) if cost.overlap else comm
+    return (plan.micro_batches + stages - 1) * slowest + tail + plan.micro_batches * exposed
 
 
 def _group_nodes(topo: Topology, s: int) -> tuple[list[int], list[int], list[int]]:

@@ -14,7 +14,9 @@ started during the last backward, as the engine does: DDP all-reduce for ``flat`
 bundle, then the masters' hop between bundles and broadcast for ``hierarchical``, or where the
 data-parallel options need two hops; compressed, gathered or met every H steps as
 ``bundle.plan.dataparallel`` costs it), then steps the optimizer. The step time is the latest
-replica's finish.
+replica's finish. Under ``--zero 3`` the collectives run inside each forward and backward instead
+(``bundle.plan.zero``: spans of kind sync labelled ``gather`` where they outlast the compute), no
+sync is left after the last action, and the optimizer steps a shard.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bundle.errors import ScheduleError
 from bundle.ir.schedule import REGISTRY, Action, Op, Pipe, actions, peak_in_flight, unknown
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import DataParallel, HopCost
+from bundle.plan.zero import FULL, Collectives, action_time
 from bundle.topology import Place, Topology, Transfer
 
 COMPUTE, WAIT, SEND, SYNC, OPTIMIZER = "compute", "wait", "send", "sync", "optimizer"
@@ -129,6 +132,8 @@ class _Simulation:
         self.layout, self.cost, self.topo, self.timeline = layout, cost, topo, timeline
         self.bounds = _stage_bounds(layout, cost.n)
         self.hop = HopCost(cost, layout.dp)
+        full = layout.dp.zero == FULL
+        self.zero = Collectives(cost, topo, layout.grad_sync, bundle) if full else None
         self.sizes = topo.micro_sizes(bundle)
         policy = Policy(recompute=cost.recompute)
         procs = [(s, i) for s in range(S) for i in range(topo.shape[s])]
@@ -229,7 +234,13 @@ class _Simulation:
             # The gradients are complete with the last backward work on the weights.
             self.last_bwd[p, a.chunk] = (self.clock[p], self.clock[p] + d)
         self.span(p, COMPUTE, label, self.clock[p], self.clock[p] + d)
-        self.clock[p] += d
+        took = d
+        if self.zero is not None:  # ZeRO-3's gathers and reduce-scatters in the action
+            group = self.topo.stage_group(p[0])
+            comm = self.zero.seconds(p[0], lo, hi, a.op) * cpu_slowdown(self.topo, group)
+            took = action_time(d, comm, overlap=dev.overlap)
+            self.span(p, SYNC, "gather", self.clock[p] + d, self.clock[p] + took)
+        self.clock[p] += took
         self.busy[p] += d
 
     def _send(self, p: Replica, a: Action) -> None:
@@ -284,6 +295,7 @@ def _finish(sims: list[_Simulation]) -> SimResult:
             sync_wait[m] = ready - done[m]
             sim.span(p, SYNC, "sync", done[m], ready)
             opt = sum(sim.dev[p].optimizer(*sim.bounds[j]) for j in sim.pieces_of(s))
+            opt /= sim.zero.over(s) if sim.zero is not None else 1  # a shard's step
             sim.span(p, OPTIMIZER, "optimizer", ready, ready + opt)
             finish[m] = ready + opt + sim.dev[p].host(sim.cost.overheads.step)
     order = list(done)
@@ -327,8 +339,8 @@ def _sync(
     """When stage ``s``'s gradients are summed over its stage group (bundles simulated once per
     distinct set of devices; without a placement bundle 0 stands for all)."""
     sim = sims[0]
-    if len(sim.topo.stage_group(s)) == 1:
-        return 0.0
+    if len(sim.topo.stage_group(s)) == 1 or sim.zero is not None:
+        return 0.0  # ZeRO-3: reduced in every backward (``_Simulation._compute``)
     # Each chunk's gradient sync starts with its own last backward, one after another on the
     # stage group (one chunk per stage: the stage's).
     chunks = sorted(

@@ -130,7 +130,7 @@ def test_the_request_carries_the_optimizer_into_the_cost_model():
         with pytest.raises(ConfigError, match=flag):
             planner.check(replace(request, **values), None)
     with pytest.raises(ConfigError, match="--zero"):
-        DataParallel(zero=3)
+        DataParallel(zero=2)
 
 
 def test_bundle_shape_auto_plans_for_the_runs_optimizer_and_zero():
