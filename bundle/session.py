@@ -16,7 +16,7 @@ from bundle.collectives import device_audit, nccl_emu
 from bundle.collectives.comm import Collectives, Comm
 from bundle.config import RunConfig
 from bundle.data import loader
-from bundle.engine import data_parallel, precision, ties
+from bundle.engine import compiled, data_parallel, precision, ties
 from bundle.engine.loss import Loss, cross_entropy
 from bundle.engine.optim import make_optimizer
 from bundle.engine.parts import Chunk, EngineParts, MicroBatch, StepOptions
@@ -110,6 +110,8 @@ def build_session(
     metas = boundary_metas(stages, splits.input_shape, policy, splits.inputs)
     layout = Layout(list(topo.shape), topo.num_bundles, [s.names[0] for s in stages])
     own = [policy.prepare_stage(stages[pipe.piece(coord.stage, c)].to(device)) for c in range(V)]
+    if cfg.compute.compile:  # before --zero 3 shards them: FSDP's hooks run around each block
+        own = [compiled.compile_blocks(piece, cfg.compute.compile_backend) for piece in own]
     # What the checkpoint and the optimizer see: every chunk's blocks (one of them, without
     # interleaving).
     stage = own[0] if V == 1 else joined(own)

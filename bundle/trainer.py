@@ -17,7 +17,7 @@ from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig, parse_bundle_sync
 from bundle.data import samples
-from bundle.engine import optim, precision
+from bundle.engine import compiled, optim, precision
 from bundle.engine.stage_engine import MicroBatch
 from bundle.errors import DataError
 from bundle.evaluate import EvalPlan, Evaluator
@@ -231,17 +231,28 @@ class Trainer:
         dist.all_reduce(count, group=self.session.groups.control)
         return int(count.item())
 
-    def _most(self) -> tuple[float, float]:
-        """The largest data wait (s) and peak resident memory (MiB) over the job (collective)."""
+    def _most(self, held: tuple[int, ...]) -> tuple[float, float, tuple[int, ...]]:
+        """The largest data wait (s), peak resident memory (MiB) and each of this process's
+        counts ``held`` (bytes, compile milliseconds) over the job (collective)."""
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-        most = torch.tensor([self.data_wait, rss_mib], dtype=torch.float64)
+        # float64 holds byte counts exactly up to 2**53 (8 PiB).
+        most = torch.tensor([self.data_wait, rss_mib, *held], dtype=torch.float64)
         if dist.is_initialized():  # (a lone Trainer, as some tests build one, reports its own)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.session.groups.control)
-        return round(float(most[0]), 3), round(float(most[1]), 1)
+        return round(float(most[0]), 3), round(float(most[1]), 1), tuple(int(b) for b in most[2:])
 
     def _facts(self, elapsed: float, replaced_samples: int | None = None) -> RunFacts:
         cfg, topo, engine = self.run.cfg, self.run.topo, self.engine
-        data_wait, rss = self._most()
+        params = list(self.session.stage.parameters())
+        held = (  # parameters, their gradients at the step (cleared after it), optimizer state
+            sum(optim.local_bytes(p) for p in params),
+            sum(optim.local_bytes(p) for p in params if p.requires_grad),
+            optim.state_bytes(self.session.optimizer),
+        )
+        # --compile: seconds spent compiling, apart from step time (the job's longest).
+        spent = compiled.seconds() if cfg.compute.compile else 0.0
+        data_wait, rss, most = self._most((*held, int(spent * 1e3)))
+        most, compile_ms = most[:-1], most[-1]
         scaler, device = engine.scaler, engine.device
         # The reporting process's own peak (make gpu-check reads it).
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -264,7 +275,12 @@ class Trainer:
             elapsed_s=elapsed,
             save_stall_s=self.checkpointer.stalls,
             peak_in_flight=engine.peak_in_flight,
-            optimizer_bytes=optim.state_bytes(self.session.optimizer),
+            param_bytes=held[0],
+            grad_bytes=held[1],
+            optimizer_bytes=held[2],
+            most_param_bytes=most[0],
+            most_grad_bytes=most[1],
+            most_optimizer_bytes=most[2],
             data_wait_s=data_wait,
             peak_rss_mib=rss,
             grad_wire_ratio=round(engine.sync.wire.ratio, 4),
@@ -279,6 +295,7 @@ class Trainer:
             bundle_failures=self.bundle_failures,
             heals=self.heals,
             lost_steps=self._lost_steps(),
+            compile_s=compile_ms / 1e3 if cfg.compute.compile else None,
         )
 
     def _lost_steps(self) -> int | None:
@@ -294,7 +311,7 @@ def _data_parallel(cfg: RunConfig) -> str:
     """The data-parallel options a run departs from the defaults with (docs/data-parallel.md)."""
     par, said = cfg.parallel, []
     if par.zero:
-        said.append("ZeRO-1")
+        said.append(f"ZeRO-{par.zero}")
     if par.grad_compression != "none":
         said.append(f"{par.grad_compression} gradients")
     mode, every = parse_bundle_sync(par.bundle_sync)

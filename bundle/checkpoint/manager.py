@@ -39,6 +39,7 @@ from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.parts import RankParts, SaveSettings, optimizer_slots
 from bundle.checkpoint.state import RankState
 from bundle.collectives.comm import Collectives, Comm
+from bundle.engine.sharded import is_sharded
 from bundle.errors import CheckpointError
 from bundle.runtime.groups import ProcessGroups
 from bundle.topology import Coord, Topology
@@ -178,12 +179,16 @@ class Checkpointer:
             return
         params = {f"{self.prefix}model.{name}" for name in self.parts.params()}
         optim = f"{self.prefix}optim."
-        # Sharded optimizer state differs between replicas by design: parameters only.
+        # Sharded optimizer state differs between replicas by design: parameters only (under
+        # --zero 3 neither: each replica holds its own shards).
         names = [
             k
             for k in state
-            if k in params or k.startswith("outer.") or (k.startswith(optim) and not self.sharded)
+            if (k in params or k.startswith("outer.") or (k.startswith(optim) and not self.sharded))
+            and not is_sharded(state[k])
         ]
+        if not names:
+            return
         # One device for every checksum: an optimizer's step counts stay on the host (torch keeps
         # Adam's ``step`` on the CPU unless fused or capturable) while parameters are on the GPU,
         # and the stage group's all-reduce is NCCL's there.

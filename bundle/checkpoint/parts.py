@@ -14,6 +14,7 @@ import torch
 from bundle.config import CheckpointConfig
 from bundle.engine.hops import Hop
 from bundle.engine.outer import OuterSync
+from bundle.engine.sharded import is_sharded
 from bundle.engine.stage import Stage
 
 
@@ -81,6 +82,9 @@ def optimizer_slots(
             # nor capturable); every other slot beside its parameter, 0-d ones too (the
             # momentum of a scalar parameter).
             device = torch.device("cpu") if slot == "step" else p.device
-            want[key] = torch.zeros(shape, dtype=dtype, device=device)
+            if is_sharded(p) and tuple(shape) == tuple(p.shape):  # --zero 3: this rank's shard
+                want[key] = torch.zeros_like(p.detach(), dtype=dtype)
+            else:
+                want[key] = torch.zeros(shape, dtype=dtype, device=device)
             slots.setdefault(p, {})[slot] = want[key]
     return slots

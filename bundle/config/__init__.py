@@ -27,6 +27,7 @@ from typing import Any
 
 from bundle.config.job import AUTO_SHAPE as AUTO_SHAPE
 from bundle.config.job import BACKENDS as BACKENDS
+from bundle.config.job import COMPILE_BACKENDS as COMPILE_BACKENDS
 from bundle.config.job import DEFAULT_PORT as DEFAULT_PORT
 from bundle.config.job import FAULT_TOLERANCE as FAULT_TOLERANCE
 from bundle.config.job import GRAD_SYNCS as GRAD_SYNCS
@@ -48,6 +49,7 @@ from bundle.config.sync import COMPRESSIONS as COMPRESSIONS
 from bundle.config.sync import parse_aggregate as parse_aggregate
 from bundle.config.sync import parse_bundle_sync as parse_bundle_sync
 from bundle.errors import ConfigError, positive
+from bundle.ir.schedule import REGISTRY
 from bundle.ir.schedule import SCHEDULES as SCHEDULES
 from bundle.lr_schedule import LR_SCHEDULES, Milestone, spell
 
@@ -314,6 +316,14 @@ class RunConfig:
             raise ConfigError("--eval-only", True, "evaluates: leave --no-eval out")
         if self.launch.fault_tolerance == "bundle":
             _check_bundle_fault_tolerance(self)
+        if self.compute.compile and REGISTRY[self.parallel.schedule].split_backward:
+            raise ConfigError(
+                "--schedule",
+                self.parallel.schedule,
+                "splits each backward into input and weight halves, which a compiled block's "
+                "one backward graph computes together: use 1f1b, gpipe or interleaved with "
+                "--compile",
+            )
 
     @property
     def planned(self) -> bool:
@@ -370,6 +380,13 @@ def _check_bundle_fault_tolerance(cfg: RunConfig) -> None:
             launch.min_bundles,
             f"--aggregate {par.aggregate} combines at least {max(3, 2 * trim + 1)} bundles: under "
             "--fault-tolerance bundle the job must not train on with fewer",
+        )
+    if par.zero == 3:
+        raise ConfigError(
+            "--zero",
+            3,
+            "a bundle that heals would need every stage's parameter shards of its peers; "
+            "use --zero 1 under --fault-tolerance bundle",
         )
     if launch.torchrun:
         raise ConfigError(

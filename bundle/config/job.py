@@ -58,7 +58,8 @@ class ParallelConfig:
     grad_sync: str = "flat"
     bucket_mb: float = 25.0  # gradient bucket size of either sync strategy (DDP's default)
     # The data-parallel side (docs/data-parallel.md): all opt-in, the defaults are exact.
-    zero: int = field(default=0, metadata=RECORDED)  # 1: optimizer state sharded per stage group
+    # 1: optimizer state sharded per stage group; 3: parameters and gradients too (FSDP2)
+    zero: int = field(default=0, metadata=RECORDED)
     grad_compression: str = field(default="none", metadata=RECORDED)
     powersgd_rank: int = field(default=4, metadata=RECORDED)
     compression_warmup: int = field(default=10, metadata=RECORDED)  # uncompressed first steps
@@ -118,6 +119,12 @@ class ParallelConfig:
         return sum(self.shape) * self.num_bundles
 
 
+# torch.compile's backends --compile-backend offers: inductor generates kernels (C++ on the CPU,
+# Triton on GPUs); aot_eager traces forward and backward without generating code (a check that a
+# model compiles, quickly, not a speed-up).
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ComputeConfig:
     """How each stage computes: precision, activation recompute, memory format, TF32."""
@@ -128,6 +135,10 @@ class ComputeConfig:
     recompute: str = field(default="never", metadata=RECORDED)
     channels_last: bool = field(default=False, metadata=RECORDED)
     tf32: bool = True  # CUDA only: fp32 matmuls and convolutions in TF32
+    # torch.compile per block (bundle.engine.compiled); not recorded: a checkpoint saved with it
+    # resumes without it and the other way round
+    compile: bool = False
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -137,6 +148,12 @@ class ComputeConfig:
         if self.recompute not in RECOMPUTES:
             raise ConfigError(
                 "--recompute", self.recompute, f"choose one of: {', '.join(RECOMPUTES)}"
+            )
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ConfigError(
+                "--compile-backend",
+                self.compile_backend,
+                f"choose one of: {', '.join(COMPILE_BACKENDS)}",
             )
 
 

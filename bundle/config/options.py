@@ -171,9 +171,11 @@ OPTIONS: tuple[Option, ...] = (
                 "hierarchical: reduce in bundle, allreduce masters, broadcast"),
     Option(PAR, "--bucket-mb", "parallel.bucket_mb", metavar="MB",
            help="gradient bucket size; a bucket's sync starts as soon as its gradients are ready"),
-    Option(PAR, "--zero", "parallel.zero", metavar="0|1",
+    Option(PAR, "--zero", "parallel.zero", metavar="0|1|3",
            help="1: shard each stage's optimizer state over its replicas in every bundle "
-                "(ZeRO-1; exact); updated parameters are gathered after the step"),
+                "(ZeRO-1; exact); updated parameters are gathered after the step. 3: shard its "
+                "parameters, gradients and optimizer state too (FSDP2), gathered per block in "
+                "forward and backward; hierarchical sync shards inside each bundle"),
     Option(PAR, "--grad-compression", "parallel.grad_compression", choices=C.COMPRESSIONS,
            help="compress gradients between replicas (flat) or on the masters' hop between "
                 "bundles (hierarchical); inexact, opt-in"),
@@ -343,6 +345,12 @@ OPTIONS: tuple[Option, ...] = (
            help="CNNs: stages, inputs and boundary tensors in channels-last memory format"),
     Option(SPEED, "--no-tf32", "compute.tf32", negate=True,
            help="CUDA: fp32 matmuls and convolutions use TF32 unless this is given"),
+    Option(SPEED, "--compile", "compute.compile",
+           help="torch.compile each block of every stage (regional compilation); compile time "
+                "is reported apart from step time"),
+    Option(SPEED, "--compile-backend", "compute.compile_backend", choices=C.COMPILE_BACKENDS,
+           help="inductor generates kernels (C++ on CPUs, Triton on GPUs); aot_eager only "
+                "checks that the model compiles"),
 
     # torchrun's or a Slurm step's environment overrides the node layout (cli.to_config).
     Option(LAUNCH, "--rank", "launch.node_rank", metavar="NODE", aliases=("--node-rank",),

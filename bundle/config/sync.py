@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from bundle.errors import ConfigError, positive
+from bundle.ir.schedule import REGISTRY
 
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 
@@ -37,8 +38,13 @@ def parse_aggregate(text: str) -> int | None:
 
 def check(par: Any) -> None:
     """The data-parallel options alone, then the combinations that make no sense."""
-    if par.zero not in (0, 1):
-        raise ConfigError("--zero", par.zero, "choose 0 (off) or 1 (shard optimizer state)")
+    if par.zero not in (0, 1, 3):
+        raise ConfigError(
+            "--zero",
+            par.zero,
+            "choose 0 (off), 1 (shard optimizer state) or 3 (parameters, gradients and "
+            "optimizer state)",
+        )
     if par.grad_compression not in COMPRESSIONS:
         raise ConfigError(
             "--grad-compression",
@@ -81,6 +87,8 @@ def _check_combinations(par: Any) -> None:
             f"shards state that --bundle-sync {par.bundle_sync} keeps per bundle; "
             "use --bundle-sync step",
         )
+    if par.zero == 3:
+        _check_zero3(par)
     if par.shape and max(par.shape) * n == 1:
         for flag, value, off in (
             ("--zero", par.zero, 0),
@@ -93,6 +101,28 @@ def _check_combinations(par: Any) -> None:
                     "needs a stage with replicas to sync with; every stage "
                     f"of shape {','.join(map(str, par.shape))} x 1 bundle has one",
                 )
+
+
+def _check_zero3(par: Any) -> None:
+    """What --zero 3 (FSDP2 inside each stage) composes with: an exact sync every step, and a
+    backward FSDP sees whole."""
+    refused = {
+        "--grad-compression": (par.grad_compression != "none", par.grad_compression),
+        "--aggregate": (par.aggregate != "mean", par.aggregate),
+    }
+    for flag, (given, value) in refused.items():
+        if given:
+            raise ConfigError(
+                flag, value, "--zero 3 reduces shards of gradients exactly; use --zero 1 with it"
+            )
+    if REGISTRY[par.schedule].split_backward:
+        raise ConfigError(
+            "--schedule",
+            par.schedule,
+            "splits the backward into input and weight halves; --zero 3 reduce-scatters a "
+            "block's gradients when its input gradient is computed, before the weight half: use "
+            "1f1b, gpipe or interleaved (or --zero 1)",
+        )
 
 
 def _check_compression(par: Any, mode: str, trim: int | None) -> None:

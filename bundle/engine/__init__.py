@@ -15,12 +15,15 @@ Modules, from the data up:
 - ``outer``: bundles that meet every H steps (local SGD, DiLoCo) and their outer optimizer;
 - ``precision``: the compute policy: dtypes, the boundary's wire form, loss scaling;
 - ``optim``: a stage's optimizer (SGD, AdamW, Adam), its parameter groups, ZeRO-1 sharding;
+- ``sharded``: ``--zero 3``: a stage's parameters, gradients and optimizer state sharded over
+  its replicas by FSDP2, one unit per block, and the sync that leaves the sums to FSDP;
 - ``data_parallel``: a rank's data-parallel side built from the run's config: its gradient
   sync, the group ZeRO-1 shards over, the meetings between bundles, the tied weights' sum;
 - ``split_backward``: a backward in two halves, input and weight (zero-bubble schedules);
 - ``memory``: recompute of a stage's blocks, and a count of what backward keeps;
 - ``loss``: the loss a stage computes and what evaluation counts (top-k hits, rows);
 - ``stage``: ``Stage``, one piece of the model as a module, named as in the full model;
+- ``compiled``: ``--compile``: each block of a stage compiled in place, and the time it took;
 - ``stages``: the stages cut from the model, and what crosses each boundary between them;
 - ``parts``: what a ``StageEngine`` is built from (its chunks, optimizer, syncs, step options);
 - ``stage_engine``: ``StageEngine``, which runs a step's actions (over its model chunks), calls

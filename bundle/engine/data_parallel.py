@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from bundle.collectives.comm import Comm
 from bundle.config import RunConfig, parse_bundle_sync
-from bundle.engine import aggregate, ties
+from bundle.engine import aggregate, sharded, ties
 from bundle.engine.grad_sync import FlatSync, GradSync, HierarchicalSync
 from bundle.engine.hops import Hop, HopGroups, Wire, make_hop
 from bundle.engine.outer import Meetings, OuterSync
@@ -38,6 +38,7 @@ def process_groups(cfg: RunConfig, topo: Topology, coord: Coord) -> ProcessGroup
         hierarchical=in_two_hops(cfg) or shards_in_bundle(cfg),
         async_save=cfg.checkpoint.async_save,
         timeout=cfg.launch.timeout,
+        peers=cfg.parallel.zero == 3 and in_two_hops(cfg),
     )
 
 
@@ -52,7 +53,7 @@ def shard_group(
 ) -> dist.ProcessGroup | None:
     """The group --zero 1 shards the optimizer state over: the stage's replicas in every bundle,
     or in this bundle alone (``shards_in_bundle``); None where that is one process."""
-    if not cfg.parallel.zero:
+    if cfg.parallel.zero != 1:  # --zero 3 shards the optimizer's parameters themselves
         return None
     if shards_in_bundle(cfg):
         return groups.bundle if topo.shape[coord.stage] > 1 else None
@@ -81,6 +82,8 @@ def make_sync(
     ):
         return GradSync(stage)  # nothing to sum (a piece of only a reshape has no weights)
     per_step = par.bundle_sync == "step"
+    if par.zero == 3:
+        return _sharded(topo, coord, stage, groups, device, comm)
 
     def hop(group: dist.ProcessGroup) -> Hop:
         return make_hop(
@@ -116,6 +119,33 @@ def make_sync(
         scale=1.0 if per_step else topo.global_batch / topo.bundle_batches[coord.bundle],
         counts_masters=not per_step,
     )
+
+
+def _sharded(
+    topo: Topology,
+    coord: Coord,
+    stage: Stage,
+    groups: ProcessGroups,
+    device: torch.device,
+    comm: Comm,
+) -> GradSync:
+    """--zero 3: the stage sharded by FSDP over its replicas (bundle.engine.sharded), from the
+    same weights on every replica."""
+    members = topo.stage_group(coord.stage)
+    for p in stage.parameters():
+        comm.broadcast(p.data, members[0], groups.stage).wait()
+    if groups.peers is None:  # flat: over the stage group
+        device_mesh = sharded.mesh(device, groups.stage, shard_ranks=members)
+    else:  # hierarchical: inside the bundle, summed with the same replica of every bundle
+        width = topo.shape[coord.stage]
+        layout = [
+            [topo.rank(b, coord.stage, r) for r in range(width)] for b in range(topo.num_bundles)
+        ]
+        shards = groups.bundle if groups.bundle is not None else groups.stage
+        device_mesh = sharded.mesh(
+            device, shards, shard_ranks=layout[0], peers=groups.peers, layout=layout
+        )
+    return sharded.ShardedSync(sharded.shard_stage(stage, device_mesh))
 
 
 def hop_groups(topo: Topology, coord: Coord, groups: ProcessGroups, *, masters: bool) -> HopGroups:

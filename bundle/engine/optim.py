@@ -120,11 +120,21 @@ def holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` this process holds: of a DTensor (a parameter sharded by FSDP2, its
+    gradient, its optimizer state), the local shard, not the global tensor."""
+    # Not imported: no DTensor exists (importing it costs every process a second of start-up).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer state this process holds (momentum, Adam's moments and step
     counts); 0 before the first step and for plain SGD."""
     return sum(
-        t.numel() * t.element_size()
+        local_bytes(t)
         for state in holder(optimizer).state.values()
         for t in state.values()
         if isinstance(t, torch.Tensor)

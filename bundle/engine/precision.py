@@ -94,12 +94,15 @@ class Policy:
 
 
 def describe(cfg: ComputeConfig) -> str:
-    """``bf16, recompute always, channels-last`` (only what is not the default, after fp32)."""
+    """``bf16, recompute always, channels-last, compiled per block (inductor)`` (only what is
+    not the default, after fp32)."""
     parts = [cfg.precision]
     if cfg.recompute != "never":
         parts.append(f"recompute {cfg.recompute}")
     if cfg.channels_last:
         parts.append("channels-last")
+    if cfg.compile:
+        parts.append(f"compiled per block ({cfg.compile_backend})")
     return ", ".join(parts)
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bundle.collectives.comm import Comm
+from bundle.engine.sharded import full, set_grad
 from bundle.engine.stage import Stage
 from bundle.errors import PartitionError
 from bundle.topology import Coord, Topology
@@ -113,16 +114,13 @@ class TiedGrads:
     def sum(self) -> None:
         """Every tied weight's gradient becomes the sum over the stages that use it."""
         for params, group, lead in self._sums:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            # Whole gradients (under --zero 3 each replica holds a shard of its stage's sum).
+            grads = [full(p.grad if p.grad is not None else torch.zeros_like(p)) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             if not lead:
                 flat.zero_()
             self.comm.all_reduce(flat, group).wait()
             offset = 0
             for p, g in zip(params, grads, strict=True):
-                part = flat[offset : offset + g.numel()].view_as(g)
-                if p.grad is None:
-                    p.grad = part.clone()
-                else:
-                    p.grad.copy_(part)
+                set_grad(p, flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()

@@ -63,7 +63,13 @@ def make_reporter(
     reporting = rank == reporter_rank(topo)
     return Reporter(
         plan=ReportPlan(
-            log_every=cfg.train.log_every, total=total, batch=cfg.train.batch_size, start=start
+            log_every=cfg.train.log_every,
+            total=total,
+            batch=cfg.train.batch_size,
+            start=start,
+            # --compile: a stage compiles its backward in its first step, which the stages
+            # after it wait for in their second; the first S + 1 steps are start-up.
+            warmup=topo.num_stages + 1 if cfg.compute.compile else 1,
         ),
         loss=LossSum(group=session.groups.last_stage, device=device, comm=session.comm),
         outputs=Outputs(

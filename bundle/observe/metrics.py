@@ -108,9 +108,18 @@ class RunFacts:
     elapsed_s: float
     save_stall_s: list[float]
     peak_in_flight: int
-    optimizer_bytes: int  # the optimizer state the reporting process holds at the end
-    # The largest over the job's processes: seconds its steps waited for their data, and its peak
-    # resident memory (MiB; the corpus of --dataset tokens is mapped, not read into it).
+    # Bytes the reporting process holds at the end, of a sharded tensor its shard: its stage's
+    # parameters, the gradients it holds at the optimizer step (one per parameter that trains,
+    # of its size and dtype), its optimizer state.
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    # The largest over the job's processes: each of the three above (not always the reporting
+    # process's: stages differ), seconds its steps waited for their data, and its peak resident
+    # memory (MiB; the corpus of --dataset tokens is mapped, not read into it).
+    most_param_bytes: int
+    most_grad_bytes: int
+    most_optimizer_bytes: int
     data_wait_s: float
     peak_rss_mib: float
     # Gradient (and, meeting every H steps, parameter) bytes the reporting process sent in its
@@ -138,6 +147,9 @@ class RunFacts:
     # committed steps past the checkpoint each restart resumed from, summed (node 0's workers'
     # view; None under torchrun's restarts, which nothing counts).
     lost_steps: int | None = None
+    # --compile: the longest time a process of the job spent compiling its blocks (s; the first
+    # step's and the first evaluation's, outside the throughput, which leaves the first step out).
+    compile_s: float | None = None
 
 
 _OPTIONAL = (
@@ -152,6 +164,7 @@ _OPTIONAL = (
     "bundle_failures",
     "heals",
     "lost_steps",
+    "compile_s",
 )
 
 
@@ -243,12 +256,14 @@ def _significant(value: Any, digits: int = 4) -> Any:
 class ReportPlan:
     """When a ``Reporter`` closes its loss windows: every ``log_every`` steps and after the last,
     ``total``; ``batch``: the samples of a step (throughput); ``start``: the step a resumed run
-    goes on from (the metrics file keeps the records up to it)."""
+    goes on from (the metrics file keeps the records up to it); ``warmup``: the first steps the
+    throughput leaves out."""
 
     log_every: int
     total: int
     batch: int
     start: int = 0
+    warmup: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,7 +319,7 @@ class Reporter:
             steps_per_epoch=plan.total,
             enabled=outputs.reporting,
         )
-        self.meter = Meter()
+        self.meter = Meter(warmup=plan.warmup)
         self.window, self.steps = torch.zeros((), device=loss.device), 0
         self.final_loss: float | None = None
         self.validation: Validation | None = None  # the latest

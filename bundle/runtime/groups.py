@@ -23,7 +23,8 @@ class ProcessGroups:
     in a thread of their own. ``stage`` holds this stage's replicas over every bundle (flat sync;
     losses and accuracy are summed there on the last stage); ``bundle`` and ``masters`` are the
     hierarchical sync's: this stage's replicas in this bundle, and replica 0 of this stage in
-    every bundle.
+    every bundle; ``peers`` (``--zero 3`` with hierarchical sync) holds this stage's replica of
+    this rank's index in every bundle, over which its parameter shards are summed.
     """
 
     control: ProcessGroup
@@ -32,6 +33,7 @@ class ProcessGroups:
     masters: ProcessGroup | None = None
     async_save: ProcessGroup | None = None
     is_last_stage: bool = False
+    peers: ProcessGroup | None = None
 
     @property
     def last_stage(self) -> ProcessGroup | None:
@@ -47,6 +49,7 @@ class ProcessGroups:
         hierarchical: bool,
         async_save: bool,
         timeout: float,
+        peers: bool = False,
     ) -> ProcessGroups:
         """Create every group on every rank in the same order (``new_group`` is collective).
 
@@ -66,6 +69,9 @@ class ProcessGroups:
                 ranks = list(topo.bundle_stage_group(b, s))
                 _keep(mine, "bundle", (b, s) == (coord.bundle, coord.stage), ranks, training)
             _keep(mine, "masters", s == coord.stage, list(topo.masters_group(s)), training)
+            for r in range(topo.shape[s]) if peers else ():
+                ranks = [topo.rank(b, s, r) for b in range(topo.num_bundles)]
+                _keep(mine, "peers", (s, r) == (coord.stage, coord.replica), ranks, training)
         return cls(
             control=control,
             stage=mine["stage"],
@@ -73,6 +79,7 @@ class ProcessGroups:
             masters=mine.get("masters"),
             async_save=saving,
             is_last_stage=coord.stage == topo.loss_stage,
+            peers=mine.get("peers"),
         )
 
 

@@ -43,8 +43,13 @@ def test_embedded_default_trains_digits_to_90_percent(tmp_path):
     assert "validation accuracy" in err and "loss" in err  # progress is visible
     # The reporting process (the rear stage) holds SGD's momentum: one float32 per parameter.
     model = models.build("digits_cnn", num_classes=10, input_shape=(1, 8, 8))
-    rear = split_model(model, partition.resolve(None, models.blocks(model), 2, "digits_cnn"))[1]
-    assert s["optimizer_bytes"] == 4 * sum(p.numel() for p in rear.parameters())
+    stages = split_model(model, partition.resolve(None, models.blocks(model), 2, "digits_cnn"))
+    held = [4 * sum(p.numel() for p in stage.parameters()) for stage in stages]
+    assert s["optimizer_bytes"] == s["param_bytes"] == s["grad_bytes"] == held[1]
+    # The largest over both processes: the stages hold different parameters.
+    assert held[0] != held[1]
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert s[f"most_{key}"] == max(held), key
     # The printed summary: the record's keys but the per-stage breakdown, to 4 significant digits.
     printed = json.loads(out.strip().splitlines()[-1])
     assert set(printed) == set(s) - {"breakdown"}
@@ -307,6 +312,10 @@ def test_a_users_factory_a_zoo_model_a_language_model_and_the_example_train(tmp_
         assert code == 0, f"{name}: {err[-3000:]}"
         procs[name] = summary(m)
     assert procs["gpt"]["val_perplexity"] > 1 and procs["gpt"]["val_accuracy"] is not None
+    # gpt's first stage (the embedding and a layer) holds more than the reporting last one: the
+    # summary's largest are another process's.
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert procs["gpt"][f"most_{key}"] > procs["gpt"][key] > 0, key
     assert procs["zoo"]["model"] == "mobilenet_v3_small" and procs["factory"]["steps"] == 3
     # After training: the run resumed at its last step still reports its validation, and an
     # evaluation-only run of the checkpoint (two batches of it) reports loss and perplexity.

@@ -146,6 +146,8 @@ def shared(**sections):
             "recompute": "never",
             "channels_last": False,
             "tf32": True,
+            "compile": False,
+            "compile_backend": "inductor",
         },
         "observe": {"trace": False, "trace_steps": None, "profile_steps": None},
         "predicted_samples_per_s": None,
@@ -292,6 +294,7 @@ def test_an_evaluation_only_run_needs_a_model_to_evaluate_and_validation():
     [
         ({"parallel": {"num_bundles": 1}}, "--num-bundle"),
         ({"parallel": {"num_bundles": 2}, "launch": {"torchrun": True}}, "--torchrun"),
+        ({"parallel": {"num_bundles": 2, "zero": 3}}, "--zero"),
     ],
 )
 def test_bundle_fault_tolerance_refuses_what_it_does_not_support(change, flag):
@@ -333,3 +336,55 @@ def test_robust_aggregation_under_bundle_fault_tolerance_keeps_enough_bundles():
         make_config(launch={"fault_tolerance": "bundle", "min_bundles": 2}, parallel=median)
     assert e.value.key == "--min-bundles"
     make_config(launch={"fault_tolerance": "bundle", "min_bundles": 3}, parallel=median)
+
+
+@pytest.mark.parametrize(
+    "change, flag, says",
+    [
+        ({"parallel": {"zero": 2}}, "--zero", "or 3 \\(parameters"),
+        (
+            {"parallel": {"zero": 3, "grad_compression": "powersgd"}},
+            "--grad-compression",
+            "exactly",
+        ),
+        (
+            {"parallel": {"zero": 3, "aggregate": "median", "num_bundles": 3}},
+            "--aggregate",
+            "exactly",
+        ),
+        ({"parallel": {"zero": 3, "bundle_sync": "diloco:4"}}, "--zero", "per bundle"),
+        ({"parallel": {"zero": 3, "schedule": "zb-h1"}}, "--schedule", "reduce-scatters"),
+        (
+            {"parallel": {"schedule": "zb-h1"}, "compute": {"compile": True}},
+            "--schedule",
+            "compiled",
+        ),
+        (
+            {"compute": {"compile": True, "compile_backend": "tvm"}},
+            "--compile-backend",
+            "aot_eager",
+        ),
+    ],
+)
+def test_zero3_and_compile_refuse_what_they_cannot_run_in_one_line(change, flag, says):
+    from bundle.errors import ConfigError
+    from tests.support.config import make_config
+
+    change = {
+        "parallel": {"num_bundles": 2, **change.get("parallel", {})},
+        **{k: v for k, v in change.items() if k != "parallel"},
+    }
+    with pytest.raises(ConfigError, match=says) as e:
+        make_config(**change)
+    assert e.value.key == flag
+
+
+def test_zero3_and_compile_run_with_every_other_schedule_and_sync():
+    from tests.support.config import make_config
+
+    for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
+        for sync in ("flat", "hierarchical"):
+            par = {"num_bundles": 2, "zero": 3, "schedule": schedule, "grad_sync": sync}
+            par |= {"shape": (2, 2), "virtual_stages": 2} if "interleaved" in schedule else {}
+            cfg = make_config(parallel=par, compute={"compile": True})
+            assert cfg.parallel.zero == 3 and cfg.compute.compile

@@ -40,8 +40,13 @@ def trainer_of(*argv: str) -> Trainer:
         peak_in_flight=1,
         sync=SimpleNamespace(wire=SimpleNamespace(ratio=1.0)),
     )
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    session: object = SimpleNamespace(engine=engine, optimizer=optimizer)
+    stage = torch.nn.Linear(3, 2)  # 6 + 2 float32 parameters, the bias frozen
+    stage.bias.requires_grad_(False)
+    optimizer = torch.optim.SGD([stage.weight], lr=0.1, momentum=0.9)
+    stage(torch.ones(1, 3)).sum().backward()
+    optimizer.step()  # a momentum buffer of the weight's size
+    optimizer.zero_grad()  # as after every step: the gradients are counted from the parameters
+    session: object = SimpleNamespace(engine=engine, optimizer=optimizer, stage=stage)
     parts: object = SimpleNamespace(stalls=[])
     return Trainer(
         run,
@@ -71,3 +76,15 @@ def test_the_summary_of_a_timm_run_names_the_model_and_the_factory(capsys):
 def test_the_summary_of_a_named_model_has_no_factory():
     printed = json.loads(Summary(trainer_of()._facts(1.0), 10.0, 1.0).line())
     assert printed["model"] == "digits_cnn" and "factory" not in printed
+
+
+def test_the_summary_counts_the_bytes_held_and_the_largest_over_the_job(world_of_one):
+    trainer = trainer_of()
+    trainer.session.groups = SimpleNamespace(control=world_of_one)  # type: ignore[assignment]
+    facts = trainer._facts(1.0)
+    assert (facts.param_bytes, facts.grad_bytes, facts.optimizer_bytes) == (32, 24, 24)
+    # A job of one process: the largest are its own, through the all-reduce.
+    most = (facts.most_param_bytes, facts.most_grad_bytes, facts.most_optimizer_bytes)
+    assert most == (32, 24, 24) and all(type(b) is int for b in most)
+    printed = json.loads(Summary(facts, 10.0, 1.0).line())
+    assert printed["grad_bytes"] == 24 and printed["most_param_bytes"] == 32

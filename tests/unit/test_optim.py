@@ -88,3 +88,33 @@ def test_every_optimizer_name_the_config_accepts_is_built_and_no_other():
     object.__setattr__(bogus, "__dict__", {**C.TrainConfig().__dict__, "optimizer": "lion"})
     with pytest.raises(ConfigError, match="choose one of: sgd, adamw, adam"):
         optim.make_optimizer(bogus, stage)
+
+
+@pytest.fixture
+def mesh_of_two():
+    """A mesh of two ranks, this process rank 0 of a fake process group (no peer, no traffic):
+    room for a DTensor whose local shard is half of it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_bytes_of_a_tensor_and_of_a_dtensor_its_shard(mesh_of_two):
+    from torch.distributed.tensor import DTensor, Shard
+
+    from bundle.engine.optim import local_bytes
+
+    assert local_bytes(torch.zeros(4, 3)) == 48
+    assert local_bytes(torch.zeros(5, dtype=torch.bfloat16)) == 10
+    sharded = DTensor.from_local(torch.zeros(2, 3), mesh_of_two, [Shard(0)])
+    assert sharded.shape == (4, 3)  # the global tensor: twice what this rank holds
+    assert local_bytes(sharded) == 24
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    opt.state[opt.param_groups[0]["params"][0]] = {"momentum_buffer": sharded}
+    assert state_bytes(opt) == 24
