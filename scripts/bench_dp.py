@@ -1,5 +1,5 @@
-"""Benchmark Bundle's data-parallel options through ``main.py``: ZeRO-1, gradient compression,
-bundle sync and robust aggregation, each part's numbers measured in one invocation.
+"""Benchmark Bundle's data-parallel options through ``main.py``: ZeRO-1 and ZeRO-3, gradient
+compression, bundle sync and robust aggregation, each part's numbers measured in one invocation.
 
     python scripts/bench_dp.py                          # every part (~10-20 min on 2 cores)
     python scripts/bench_dp.py --only robust --quick    # one part, tiny step counts (the test's)
@@ -9,10 +9,13 @@ Every case is one ``main.py`` run on this machine (gloo on CPU, a free port each
 its numbers are read from the JSON summary ``main.py`` prints as its last stdout line.
 
 - ``zero``: data parallelism only (shape ``W``, one bundle) for W in (2, 4), ``gpt`` on the bytes
-  of ``--data-file`` (``--dataset text``), adamw, no evaluation: ``optimizer_bytes`` (rank 0's
-  optimizer state) with ``--zero 1`` against ``--zero 0`` (expect about 1/W), and samples/s of
-  the two, run interleaved (A B A B ...; ``--reps`` pairs) and compared as the ratio of their
-  medians. ZeRO-1 is exact, so both must end at the same loss.
+  of ``--data-file`` (``--dataset text``), adamw, no evaluation, ``--zero`` 0, 1 and 3 run
+  interleaved (0 1 3, 3 1 0, ...; ``--reps`` rounds). Bytes: replica 0's parameters, gradients
+  and optimizer state under each, their sum, and ratios to zero 0 (about 1/W: ZeRO-1's optimizer
+  state, ZeRO-3's every one; ``most_total``: the job's largest process). Speed: ratios of median
+  samples/s, zero 1 / zero 0, and zero 3 / zero 1 and / zero 0 (what the gathers cost). ZeRO-1
+  must end at zero 0's loss; ZeRO-3 sums in another order (a reduce-scatter per micro-batch), so
+  its final loss must lie within ``ZERO3_REL_TOL`` (relative) of zero 0's.
 - ``compression``: the default digits job (shape 1,1, two bundles, default epochs) with
   ``--grad-compression`` none, bf16, fp16 and powersgd (rank 4); then powersgd rank 4 on
   ``mlp_wide``. ``grad_wire_ratio`` counts the ``--compression-warmup`` steps, which sync fp32;
@@ -40,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +61,11 @@ BYZANTINE = "3:noise:10"
 POWERSGD_RANK = 4
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 DEFAULT_WARMUP = 10  # main.py's --compression-warmup default
+ZEROS = (0, 1, 3)
+HELD = ("param_bytes", "grad_bytes", "optimizer_bytes")
+# One unit of the summary's 4th significant digit is up to 0.1 % of a loss; the reordered sums of
+# a few tens of steps move the loss far less than that.
+ZERO3_REL_TOL = 2e-3
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ class Sizes:
 
     widths: tuple[int, ...] = (2, 4)
     zero_steps: int = 30
-    reps: int = 2  # interleaved (zero 0, zero 1) pairs per width
+    reps: int = 2  # interleaved rounds (zero 0, 1, 3) per width
     compression_steps: int | None = None
     sync_steps: int = 110  # what the default 5 epochs of digits at batch 64 come to
     robust_steps: int = 110
@@ -147,35 +156,88 @@ def _steps(n: int | None) -> list[str]:
     return [] if n is None else ["--itr", str(n)]
 
 
+def interleaved(
+    run: Callable[[list[str]], dict | None], base: list[str], cases: dict[str, list[str]], reps: int
+) -> dict[str, list[dict]]:
+    """Each case's summaries from ``reps`` rounds of ``base + case`` runs, every other round in
+    reverse order (A B, B A, ...), so no case always runs first; failed runs are left out."""
+    runs: dict[str, list[dict]] = {name: [] for name in cases}
+    order = list(cases)
+    for rep in range(reps):
+        for name in order if rep % 2 == 0 else order[::-1]:
+            summary = run([*base, *cases[name]])
+            if summary is not None:
+                runs[name].append(summary)
+    return runs
+
+
+def median_ratio(a: list[float], b: list[float]) -> float | None:
+    """median(a) / median(b), or None when either side has no value."""
+    if not a or not b:
+        return None
+    return _ratio(statistics.median(a), statistics.median(b))
+
+
+def losses_agree(a: Sequence[object], b: Sequence[object], rel_tol: float = 0.0) -> bool | None:
+    """Whether every loss of ``a`` and ``b`` lies within ``rel_tol`` of the largest in magnitude
+    (0: all equal); None when a side has none to compare."""
+    if not a or not b:
+        return None
+    values = [v for v in [*a, *b] if isinstance(v, (int, float)) and math.isfinite(v)]
+    if len(values) < len(a) + len(b):
+        return False
+    return max(values) - min(values) <= rel_tol * max(abs(v) for v in values)
+
+
 # -- parts ------------------------------------------------------------------------------------
 
 
 def bench_zero(run: Runner, sizes: Sizes, data_file: Path) -> dict:
-    """Optimizer bytes and samples/s of ZeRO-1 against none, per width, runs interleaved."""
+    """Bytes per process and samples/s of ZeRO-1 and ZeRO-3 against none, per width, interleaved."""
     out: dict = {"model": "gpt", "optimizer": "adamw", "steps": sizes.zero_steps, "widths": {}}
+    out["zero3_rel_tol"] = ZERO3_REL_TOL
+    cases = {f"zero{z}": ["--zero", str(z)] for z in ZEROS}
     for w in sizes.widths:
         base = ["--bundle-shape", str(w), "--num-bundle", "1", "--model", "gpt"]
         base += ["--dataset", "text", "--data-file", str(data_file), "--optimizer", "adamw"]
         base += ["--lr", "0.001", "--no-eval", *_steps(sizes.zero_steps)]
-        runs: dict[int, list[dict | None]] = {0: [], 1: []}
-        for rep in range(sizes.reps):
-            for z in (0, 1) if rep % 2 == 0 else (1, 0):  # A B, B A, ...: neither always first
-                runs[z].append(run([*base, "--zero", str(z)]))
-        ok = {z: [s for s in rs if s is not None] for z, rs in runs.items()}
-        sps = {z: [s["samples_per_s"] for s in ok[z]] for z in ok}
-        med = {z: statistics.median(v) if v else None for z, v in sps.items()}
-        nbytes = {z: ok[z][0]["optimizer_bytes"] if ok[z] else None for z in ok}
-        losses = {s["final_loss"] for z in ok for s in ok[z]}
-        out["widths"][str(w)] = {
-            "optimizer_bytes": {"zero0": nbytes[0], "zero1": nbytes[1]},
-            "optimizer_ratio": _ratio(nbytes[1], nbytes[0]),
-            "expected_ratio": 1 / w,
-            "samples_per_s": {"zero0": sps[0], "zero1": sps[1]},
-            "throughput_ratio": _ratio(med[1], med[0]),
-            "same_final_loss": len(losses) == 1 if ok[0] and ok[1] else None,
-            "final_loss": sorted(losses),
-        }
+        out["widths"][str(w)] = zero_row(interleaved(run, base, cases, sizes.reps), w)
     return out
+
+
+def _sum(values: list[object]) -> int | None:
+    ints = [v for v in values if isinstance(v, int)]
+    return sum(ints) if len(ints) == len(values) else None
+
+
+def zero_row(runs: dict[str, list[dict]], width: int) -> dict:
+    """One width's report from each case's summaries (``zero0``, ``zero1``, ``zero3``): the bytes
+    the first run of each held, their ratios to zero 0, the speed ratios and the loss checks."""
+    first = {case: rs[0] if rs else {} for case, rs in runs.items()}
+    keys = (*HELD, *(f"most_{k}" for k in HELD))
+    held = {k: {case: first[case].get(k) for case in runs} for k in keys}
+    total = {case: _sum([held[k][case] for k in HELD]) for case in runs}
+    most = {case: _sum([held[f"most_{k}"][case] for k in HELD]) for case in runs}
+    zero3 = {k.removesuffix("_bytes"): _ratio(held[k]["zero3"], held[k]["zero0"]) for k in HELD}
+    zero3["total"] = _ratio(total["zero3"], total["zero0"])
+    zero3["most_total"] = _ratio(most["zero3"], most["zero0"])
+    sps = {case: [s["samples_per_s"] for s in rs] for case, rs in runs.items()}
+    losses = {case: [s["final_loss"] for s in rs] for case, rs in runs.items()}
+    opt = held["optimizer_bytes"]
+    return {
+        **held,  # the reporting process's (replica 0), and the job's largest (most_)
+        "total_bytes": total,
+        "optimizer_ratio": _ratio(opt["zero1"], opt["zero0"]),
+        "zero3_ratios": zero3,
+        "expected_ratio": 1 / width,
+        "samples_per_s": sps,
+        "throughput_ratio": median_ratio(sps["zero1"], sps["zero0"]),
+        "zero3_vs_zero1": median_ratio(sps["zero3"], sps["zero1"]),
+        "zero3_vs_zero0": median_ratio(sps["zero3"], sps["zero0"]),
+        "same_final_loss": losses_agree(losses["zero1"], losses["zero0"]),
+        "zero3_loss_agrees": losses_agree(losses["zero3"], losses["zero0"], ZERO3_REL_TOL),
+        "final_loss": losses,
+    }
 
 
 def _accuracy_row(s: dict | None) -> dict:
@@ -238,7 +300,7 @@ def _fmt(value: object, digits: int = 4) -> str:
     return str(value)
 
 
-def _table(title: str, header: list[str], rows: list[list[object]]) -> str:
+def _table(title: str, header: list[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [header, *([_fmt(v) for v in r] for r in rows)]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
@@ -246,25 +308,32 @@ def _table(title: str, header: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
+def _render_zero(z: dict) -> list[str]:
+    """The bytes table (one row per width and --zero) and the speed table (one row per width)."""
+    held, speed = [], []
+    for w, r in z["widths"].items():
+        for case in r["total_bytes"]:
+            total = r["total_bytes"]
+            row = [w, case.removeprefix("zero"), *(r[k][case] for k in HELD), total[case]]
+            held.append([*row, _ratio(total[case], total["zero0"]), r["expected_ratio"]])
+        sps = r["samples_per_s"]
+        speed.append(
+            [w, *(_fmt(statistics.median(sps[c]), 1) if sps[c] else None for c in sps)]
+            + [r["throughput_ratio"], r["zero3_vs_zero1"], r["zero3_vs_zero0"]]
+            + [r["same_final_loss"], r["zero3_loss_agrees"]]
+        )
+    what = f"{z['model']}, {z['optimizer']}, {z['steps']} steps"
+    header = ["width", "zero", "param_bytes", "grad_bytes", "opt_bytes", "total", "vs z0", "1/w"]
+    tables = [_table(f"ZeRO bytes per process ({what}; replica 0)", header, held)]
+    header = ["width", "samples/s z0", "z1", "z3", "z1/z0", "z3/z1", "z3/z0", "z1 same loss"]
+    header.append(f"z3 loss within {z['zero3_rel_tol']:g}")
+    tables.append(_table(f"ZeRO speed ({what}, medians, runs interleaved)", header, speed))
+    return tables
+
+
 def render(report: dict) -> str:
     """One table per part that ran."""
-    out = []
-    if "zero" in report:
-        z = report["zero"]
-        rows = []
-        for w, r in z["widths"].items():
-            sps = r["samples_per_s"]
-            rows.append(
-                [w, r["optimizer_bytes"]["zero0"], r["optimizer_bytes"]["zero1"]]
-                + [r["optimizer_ratio"], r["expected_ratio"]]
-                + [_fmt(statistics.median(sps["zero0"]), 1) if sps["zero0"] else None]
-                + [_fmt(statistics.median(sps["zero1"]), 1) if sps["zero1"] else None]
-                + [r["throughput_ratio"], r["same_final_loss"]]
-            )
-        header = ["width", "opt_bytes z0", "opt_bytes z1", "ratio", "1/w"]
-        header += ["samples/s z0", "samples/s z1", "speed z1/z0", "same loss"]
-        title = f"ZeRO-1 ({z['model']}, {z['optimizer']}, {z['steps']} steps, medians)"
-        out.append(_table(title, header, rows))
+    out = _render_zero(report["zero"]) if "zero" in report else []
     if "compression" in report:
         c = report["compression"]
         named = [(f"digits_cnn {k}", v) for k, v in c["digits_cnn"].items()]
@@ -310,16 +379,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny step counts, one width, one pair")
     p.add_argument("--only", choices=PARTS, help="run only this part")
-    p.add_argument("--reps", type=int, metavar="N", help="zero: interleaved pairs per width")
+    p.add_argument("--reps", type=int, metavar="N", help="zero: interleaved rounds per width")
+    add_run_flags(p, "zero: ")
+    return p.parse_args(argv)
+
+
+def add_run_flags(p: argparse.ArgumentParser, part: str = "") -> None:
+    """--data-file, --timeout and --json, which every main.py benchmark here takes."""
     p.add_argument(
         "--data-file",
         type=Path,
         default=DEFAULT_TEXT if DEFAULT_TEXT.is_file() else REPO / "README.md",
-        help="zero: the text gpt trains on (default: %(default)s)",
+        help=f"{part}the text gpt trains on (default: %(default)s)",
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per main.py run")
     p.add_argument("--json", metavar="PATH", help="also write the report here")
-    return p.parse_args(argv)
+
+
+def publish(report: dict, render: Callable[[dict], str], path: str | None) -> dict:
+    """Print the report's tables, the wall time and failures, then the report as one JSON line
+    (non-finite numbers as null), also written indented to ``path``; returns what was printed."""
+    report = _finite(report)  # type: ignore[assignment]
+    print(render(report))
+    print(f"wall time {report['wall_s']:.1f} s; failed runs: {len(report['failures'])}")
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, allow_nan=False), flush=True)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,13 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             report[part] = bench_robust(run, sizes)
     report["failures"] = run.failures
     report["wall_s"] = round(time.perf_counter() - start, 1)
-    report = _finite(report)
-    print(render(report))
-    print(f"wall time {report['wall_s']:.1f} s; failed runs: {len(run.failures)}")
-    line = json.dumps(report, allow_nan=False)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    print(line, flush=True)
+    publish(report, render, args.json)
     return 1 if run.failures else 0
 
 
