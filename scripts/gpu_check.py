@@ -58,6 +58,13 @@ TRAIN_FLAGS = (
     "--model", "digits_cnn", "--itr", "40", "--micro-batches", "4", "--backend", "nccl",
     "--log-every", "10", "--timeout", "60", "--init-timeout", "120",
 )  # fmt: skip
+# Runs beside every schedule and sync: blocks compiled (inductor: Triton), and each stage
+# sharded over its replicas in every bundle (--zero 3, FSDP2 over NCCL), both ways of syncing.
+EXTRA_RUNS = (
+    ("compile", "1f1b", "flat", ("--compile",)),
+    ("zero 3", "1f1b", "flat", ("--zero", "3")),
+    ("zero 3 compiled", "gpipe", "hierarchical", ("--zero", "3", "--compile")),
+)
 BATCH_PER_BUNDLE = 32
 TIMEOUT_S = {"pytest": 1200.0, "train": 300.0, "bench": 900.0}
 TERM_GRACE_S = 10.0  # between SIGTERM and SIGKILL of a timed-out check's process group
@@ -109,8 +116,11 @@ class Result:
     details: dict | None = None  # train: the run summary; bench: bench_gpu.py's report
 
 
-def train_argv(gpus: int, schedule: str, grad_sync: str, port: int) -> tuple[str, ...]:
-    """main.py flags for a two-stage run on ``gpus`` GPUs (several ranks per GPU if too few)."""
+def train_argv(
+    gpus: int, schedule: str, grad_sync: str, port: int, extra: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """main.py flags for a two-stage run on ``gpus`` GPUs (several ranks per GPU if too few),
+    with ``extra`` flags."""
     bundles = max(2, gpus // 2)
     argv = [
         "main.py", *TRAIN_FLAGS,
@@ -122,7 +132,7 @@ def train_argv(gpus: int, schedule: str, grad_sync: str, port: int) -> tuple[str
         argv += ["--virtual-stages", "2"]
     if 2 * bundles > gpus:
         argv.append("--share-gpus")
-    return tuple(argv)
+    return (*argv, *extra)
 
 
 def plan(
@@ -139,6 +149,11 @@ def plan(
         argv = train_argv(gpus, schedule, sync, free_port())
         checks.append(
             Check(f"train {schedule} {sync}", "train", argv, limit("train"), schedule, sync)
+        )
+    for name, schedule, sync, extra in EXTRA_RUNS:
+        argv = train_argv(gpus, schedule, sync, free_port(), extra)
+        checks.append(
+            Check(f"train {schedule} {sync} {name}", "train", argv, limit("train"), schedule, sync)
         )
     out = str(workdir / "bench_gpu.json")
     bench = ("scripts/bench_gpu.py", "--json", out)

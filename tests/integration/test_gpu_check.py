@@ -18,7 +18,6 @@ from bundle import cli
 from bundle.config import GRAD_SYNCS, SCHEDULES
 
 # The NCCL tests, a training run per schedule and sync, the benchmark.
-CHECKS = 2 + len(SCHEDULES) * len(GRAD_SYNCS)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
@@ -33,6 +32,7 @@ def _load(name: str, path: Path):
 
 
 gpu_check = _load("gpu_check", SCRIPT)
+CHECKS = 2 + len(SCHEDULES) * len(GRAD_SYNCS) + len(gpu_check.EXTRA_RUNS)
 INFO = {
     "gpu": "NVIDIA H100 80GB HBM3",
     "gpus": 1,
@@ -72,7 +72,7 @@ def test_without_cuda_it_exits_2_with_one_line_before_anything_else(tmp_path):
 @pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
 def test_plan_covers_every_schedule_and_sync_and_shares_gpus_only_when_too_few(tmp_path, gpus):
     checks = _plan(gpus, tmp_path)
-    runs = len(SCHEDULES) * len(GRAD_SYNCS)
+    runs = len(SCHEDULES) * len(GRAD_SYNCS) + len(gpu_check.EXTRA_RUNS)
     assert [c.kind for c in checks] == ["pytest"] + ["train"] * runs + ["bench"]
     assert checks[0].argv == ("-m", "pytest", "-q", "-ra", "tests/integration/test_nccl.py")
     assert checks[-1].argv[0] == "scripts/bench_gpu.py" and "--json" in checks[-1].argv
@@ -90,6 +90,13 @@ def test_plan_covers_every_schedule_and_sync_and_shares_gpus_only_when_too_few(t
         assert argv[argv.index("--grad-sync") + 1] == c.grad_sync
     if gpus == 1:
         assert all("--share-gpus" in c.argv for c in train)
+    # --compile and --zero 3 run too, each on its own and together.
+    extras = [
+        tuple(a for a in c.argv[c.argv.index("--portNum") + 2 :] if a != "--share-gpus")
+        for c in train
+    ]
+    assert ("--compile",) in extras and ("--zero", "3") in extras
+    assert ("--zero", "3", "--compile") in extras
 
 
 @pytest.mark.parametrize("gpus", [1, 4, 8])
@@ -141,6 +148,8 @@ def fake_runner(fail: str | None = None, hang: str | None = None):
             return gpu_check.Outcome(0, 60.0, "images/s: bundle 700.0\n", "")
         flag = dict(zip(argv, argv[1:], strict=False))
         which = f"{flag['--schedule']} {flag['--grad-sync']}"
+        if "--zero" in argv or "--compile" in argv:  # the extra runs pass
+            which = ""
         if which == hang:
             return gpu_check.Outcome(None, timeout_s, "", "step 3 of 40\n")
         if which == fail:
@@ -183,6 +192,7 @@ def test_report_table_json_and_exit_0_when_every_check_passes(monkeypatch, tmp_p
     assert [c["name"] for c in data["checks"]] == [
         "nccl tests",
         *(f"train {s} {y}" for s in SCHEDULES for y in ("flat", "hierarchical")),
+        *(f"train {s} {y} {name}" for name, s, y, _ in gpu_check.EXTRA_RUNS),
         "bench_gpu",
     ]
     first_train = data["checks"][1]
