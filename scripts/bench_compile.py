@@ -17,10 +17,10 @@ warm cache compiles faster.
 How to read it:
 
 - ``samples_per_s``: each run's steady speed, over the steps after the first ``settle`` (read
-  from its ``--metrics-out`` records). The summary's own figure, kept as
-  ``summary_samples_per_s``, leaves out the reporting (last) stage's first step only; in a
-  pipeline, that stage's second step still waits for the first stage's first backward, which is
-  where that stage compiles its backward graphs.
+  from its ``--metrics-out`` records), the same steps for both cases. The summary's own figure,
+  kept as ``summary_samples_per_s``, leaves out the first step (the first S + 1 under
+  ``--compile``: a later stage's second step waits for an earlier one's first backward, where
+  that stage compiles its backward graphs).
 - ``compiled_vs_eager``: median compiled / median eager samples/s. Above 1, a compiled step is
   faster.
 - ``compile_s``: per compiled run, the job's longest time spent compiling (s). ``break_even_steps``

@@ -316,6 +316,13 @@ class RunConfig:
             raise ConfigError("--eval-only", True, "evaluates: leave --no-eval out")
         if self.launch.fault_tolerance == "bundle":
             _check_bundle_fault_tolerance(self)
+        if self.parallel.zero == 3 and self.compute.channels_last:
+            raise ConfigError(
+                "--channels-last",
+                True,
+                "keeps convolution weights in a non-contiguous layout, which --zero 3 (FSDP2) "
+                "cannot shard; use one of them",
+            )
         if self.compute.compile and REGISTRY[self.parallel.schedule].split_backward:
             raise ConfigError(
                 "--schedule",

@@ -26,8 +26,8 @@ audit sees every tensor they touch.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ from torch import nn
 
 from bundle.engine.grad_sync import GradSync
 from bundle.engine.stage import Stage
+
+if TYPE_CHECKING:  # imported when a stage is sharded: DTensor and FSDP take a second to load
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -73,7 +76,7 @@ def mesh(
     shard_ranks: Sequence[int],
     peers: dist.ProcessGroup | None = None,
     layout: Sequence[Sequence[int]] | None = None,
-):
+) -> DeviceMesh:
     """The device mesh FSDP shards over: ``shards`` alone (1-D), or with ``peers`` (the same
     replica of the stage in every bundle) as the replicated dimension, ``layout`` its global ranks
     (bundles x replicas)."""
@@ -89,14 +92,17 @@ def mesh(
     )
 
 
-def shard_stage(stage: Stage, device_mesh) -> nn.Module:
+def shard_stage(stage: Stage, device_mesh: DeviceMesh) -> nn.Module:
     """``stage`` sharded in place: each block with parameters is one FSDP unit, the stage the
     root (it gathers nothing of its own). Gradients are summed over the mesh, never averaged."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for block in stage.blocks:
         if any(True for _ in block.parameters()):
+            # Registered before FSDP's own hook, so it runs first (see _unviewed).
+            block.register_forward_hook(_unviewed)
             fully_shard(block, mesh=device_mesh)
+    stage.register_forward_hook(_unviewed)
     fully_shard(stage, mesh=device_mesh)
     for m in stage.modules():
         if isinstance(m, FSDPModule):
@@ -106,22 +112,19 @@ def shard_stage(stage: Stage, device_mesh) -> nn.Module:
     return stage
 
 
+def _unviewed(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """A block's output that is a view (a flatten, a reshape), copied: FSDP hooks its backward
+    gather onto the output, and an in-place operation of the next block on a view would drop
+    that hook, so the block's backward would run on its shards."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output._is_view() else output
+    if isinstance(output, tuple):
+        return tuple(_unviewed(module, inputs, o) for o in output)
+    return output
+
+
 class ShardedSync(GradSync):
     """The gradient sync of a stage sharded by FSDP: FSDP's own hooks reduce-scatter each
     block's gradients (and all-reduce the shards across bundles, hierarchical) in every
-    micro-batch's backward; nothing is left to do after the last one."""
-
-    def __init__(self, stage: nn.Module) -> None:
-        super().__init__(stage)
-
-    def backward(
-        self,
-        outputs: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor] | None,
-        *,
-        last: bool,
-        run: Callable[[], None] | None = None,
-    ) -> None:
-        if run is not None:  # the config refuses split backwards under --zero 3
-            raise RuntimeError("--zero 3 runs whole backwards only")
-        torch.autograd.backward(list(outputs), list(grads) if grads is not None else None)
+    micro-batch's backward; nothing is left to do after the last one. (A split backward is
+    refused before start: FSDP would reduce-scatter before the weight half.)"""
