@@ -364,6 +364,7 @@ def test_robust_aggregation_under_bundle_fault_tolerance_keeps_enough_bundles():
             "--compile-backend",
             "aot_eager",
         ),
+        ({"parallel": {"zero": 3}, "compute": {"channels_last": True}}, "--channels-last", "FSDP2"),
     ],
 )
 def test_zero3_and_compile_refuse_what_they_cannot_run_in_one_line(change, flag, says):
