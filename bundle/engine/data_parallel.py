@@ -104,10 +104,7 @@ def make_sync(
         return FlatSync(
             stage, groups.stage, device, bucket_mb=par.bucket_mb, comm=comm, hop=hop(groups.stage)
         )
-    # Start from identical weights without relying on every process's initialisation agreeing.
-    members = topo.stage_group(coord.stage)
-    for p in stage.parameters():
-        comm.broadcast(p.data, members[0], groups.stage).wait()
+    _same_start(topo, coord, stage, groups.stage, comm)
     crosses = coord.replica == 0 and topo.num_bundles > 1 and per_step
     return HierarchicalSync(
         stage,
@@ -121,6 +118,17 @@ def make_sync(
     )
 
 
+def _same_start(
+    topo: Topology, coord: Coord, stage: Stage, group: dist.ProcessGroup, comm: Comm
+) -> tuple[int, ...]:
+    """Every replica of the stage starts from its first replica's weights, without relying on
+    every process's initialisation agreeing; returns the stage group's ranks."""
+    members = topo.stage_group(coord.stage)
+    for p in stage.parameters():
+        comm.broadcast(p.data, members[0], group).wait()
+    return members
+
+
 def _sharded(
     topo: Topology,
     coord: Coord,
@@ -131,9 +139,7 @@ def _sharded(
 ) -> GradSync:
     """--zero 3: the stage sharded by FSDP over its replicas (bundle.engine.sharded), from the
     same weights on every replica."""
-    members = topo.stage_group(coord.stage)
-    for p in stage.parameters():
-        comm.broadcast(p.data, members[0], groups.stage).wait()
+    members = _same_start(topo, coord, stage, groups.stage, comm)
     if groups.peers is None:  # flat: over the stage group
         device_mesh = sharded.mesh(device, groups.stage, shard_ranks=members)
     else:  # hierarchical: inside the bundle, summed with the same replica of every bundle
