@@ -47,7 +47,7 @@ from torch import nn
 
 from bundle.checkpoint import index
 from bundle.config import RunConfig
-from bundle.engine.sharded import full, is_sharded
+from bundle.engine.sharded import on_host
 from bundle.engine.stage import Stage
 from bundle.errors import CheckpointError
 from bundle.topology import Coord, Topology
@@ -135,12 +135,7 @@ def save_distributed(
     ``group`` spans the job on gloo (the control group): on the default group of an NCCL job,
     gather_object would pickle through CUDA tensors on the training communicator.
     """
-    mine, held = None, _unwrap(stage).full_state_dict()
-    master = coord.bundle == 0 and coord.replica == 0
-    # Under --zero 3 every replica of the stage gathers its shards (collective), the master sends.
-    if master or any(is_sharded(v) for v in held.values()):
-        whole = {k: full(v.detach()).cpu() for k, v in held.items()}
-        mine = whole if master else None
+    mine = on_host(_unwrap(stage).full_state_dict(), keep=coord.bundle == 0 and coord.replica == 0)
     parts: list | None = [None] * topo.world_size if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0, group=group)
     if parts is not None:

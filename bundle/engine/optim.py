@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from torch import nn
 
 from bundle.collectives.comm import Collectives, Comm
 from bundle.config import TrainConfig
+from bundle.engine.sharded import is_sharded
 from bundle.errors import ConfigError
 
 
@@ -123,10 +124,8 @@ def holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def local_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t`` this process holds: of a DTensor (a parameter sharded by FSDP2, its
     gradient, its optimizer state), the local shard, not the global tensor."""
-    # Not imported: no DTensor exists (importing it costs every process a second of start-up).
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(t, dtensor.DTensor):
-        t = t.to_local()
+    if is_sharded(t):
+        t = cast(Any, t).to_local()
     return t.numel() * t.element_size()
 
 

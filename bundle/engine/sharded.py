@@ -26,7 +26,7 @@ audit sees every tensor they touch.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -51,6 +51,15 @@ def full(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole: a DTensor gathered over its mesh (collective: every replica of the stage
     calls it alike), any other tensor as it is."""
     return cast(Any, t).full_tensor() if is_sharded(t) else t
+
+
+def on_host(state: Mapping[str, torch.Tensor], *, keep: bool) -> dict[str, torch.Tensor] | None:
+    """``state`` whole, on the host, where ``keep`` (None elsewhere). Where it holds shards, every
+    replica of the stage gathers them (collective), ``keep`` or not."""
+    if not keep and not any(is_sharded(v) for v in state.values()):
+        return None
+    whole = {k: full(v.detach()).cpu() for k, v in state.items()}
+    return whole if keep else None
 
 
 def set_grad(p: torch.Tensor, whole: torch.Tensor) -> None:

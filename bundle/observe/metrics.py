@@ -147,8 +147,8 @@ class RunFacts:
     # committed steps past the checkpoint each restart resumed from, summed (node 0's workers'
     # view; None under torchrun's restarts, which nothing counts).
     lost_steps: int | None = None
-    # --compile: the longest time a process of the job spent compiling its blocks (s; the first
-    # step's and the first evaluation's, outside the throughput, which leaves the first step out).
+    # --compile: the longest time a process of the job spent compiling its blocks (s: in the
+    # first step, which with the S after it the throughput leaves out, and the first evaluation).
     compile_s: float | None = None
 
 

@@ -5,7 +5,7 @@
   and hierarchical, under gloo and under nccl-emu with its device audit; GPT-2's embedding and
   head tied across stages of different widths are summed shard by shard. Every replica holds a
   shard of its stage (the shards' bytes add up to the stage's), a width-1 stage in one bundle
-  the whole of it.
+  the whole of it; the final weights file (``--checkpoint``) holds them gathered.
 - A ``--zero 3`` checkpoint resumes bit-identical at its shape; at another shape without ZeRO
   training lands on the yardstick, and that checkpoint resumed under ``--zero 3`` too.
 - ``--compile`` (aot_eager: the compiled graphs, without generating code; one run with
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bundle.checkpoint import format as ckpt
 from bundle.engine.optim import local_bytes
 from bundle.engine.sharded import full, is_sharded
 from bundle.launch.localworld import run_world
@@ -72,16 +73,22 @@ def _gpt2(rank: int, backend: str, text: str):
     return session
 
 
-def _widths(rank: int, world: int, backend: str, text: str) -> list:
+def _widths(rank: int, world: int, backend: str, text: str, weights: str) -> list:
     """Per variant: the parameters (whole), and this rank's parameter bytes (its shards) with
-    whether every parameter is a DTensor."""
+    whether every parameter is a DTensor. The first variant's final weights go to ``weights``
+    (--checkpoint), gathered from the shards."""
     out = []
-    for variant in VARIANTS[(world, backend)]:
+    for v, variant in enumerate(VARIANTS[(world, backend)]):
         if variant == "gpt2-tied":
             session = _gpt2(rank, backend, text)
         else:
             shape, sync, changes = variant
-            session, _, _ = _run(_config(shape, sync, {"zero": 3, **changes}, backend), rank)
+            cfg = _config(shape, sync, {"zero": 3, **changes}, backend)
+            session, _, _ = _run(cfg, rank)
+            if v == 0:
+                topo = Topology.from_config(cfg)
+                group = session.groups.control
+                ckpt.save_distributed(weights, session.stage, topo, topo.coord(rank), group=group)
         params = list(session.stage.parameters())
         held = (sum(local_bytes(p) for p in params), all(is_sharded(p) for p in params))
         out.append((_whole(session), held))
@@ -96,8 +103,14 @@ def text(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("world,backend", list(VARIANTS), ids=[f"{w}-{b}" for w, b in VARIANTS])
-def test_zero3_trains_as_one_process_at_every_width(world, backend, text):
-    results = run_world(world, _widths, backend, text, backend=backend)
+def test_zero3_trains_as_one_process_at_every_width(world, backend, text, tmp_path):
+    weights = str(tmp_path / "final.pt")
+    results = run_world(world, _widths, backend, text, weights, backend=backend)
+    # The final weights file holds every parameter whole, as the replicas gathered them.
+    saved = ckpt.load(weights)
+    gathered = {k: t for r in results for k, t in r[0][0].items()}
+    assert set(gathered) <= set(saved) and gathered
+    assert all(torch.equal(saved[k], t) for k, t in gathered.items())
     for v, variant in enumerate(VARIANTS[(world, backend)]):
         if variant == "gpt2-tied":
             cfg, tol = case_config("hf-gpt2-tied", (2, 1), 2, "1f1b", text), TOL
