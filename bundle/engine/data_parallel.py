@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bundle.collectives.comm import Comm
+from bundle.collectives.comm import Collectives, Comm
 from bundle.config import RunConfig, parse_bundle_sync
 from bundle.engine import aggregate, sharded, ties
 from bundle.engine.grad_sync import FlatSync, GradSync, HierarchicalSync
@@ -151,7 +151,8 @@ def _sharded(
         device_mesh = sharded.mesh(
             device, shards, shard_ranks=layout[0], peers=groups.peers, layout=layout
         )
-    return sharded.ShardedSync(sharded.shard_stage(stage, device_mesh))
+    emulated = (comm, device) if not isinstance(comm, Collectives) else None
+    return sharded.ShardedSync(sharded.shard_stage(stage, device_mesh, emulated=emulated))
 
 
 def hop_groups(topo: Topology, coord: Coord, groups: ProcessGroups, *, masters: bool) -> HopGroups:

@@ -18,9 +18,11 @@ with FSDP2 (torch's ``fully_shard``), one FSDP unit per block of the stage.
   process's shard and reads into any layout, so a run with ``--zero 3`` resumes under any shape
   or without it, and the other way round.
 
-Under nccl-emu FSDP's gathers and reduce-scatters run on the stage's gloo groups as they are,
-outside the emulator's stream model (torch's FSDP issues them from its own hooks); the device
-audit sees every tensor they touch.
+Under nccl-emu FSDP's gathers and reduce-scatters go through the emulator (FSDP's custom
+collectives): each is one call of its group's in-order stream, so their order against the
+engine's other calls is checked as NCCL's, strict mode included, and their buffers are on the
+emulated device, which the device audit checks. HSDP's all-reduce between bundles, which FSDP
+issues itself, runs on gloo as it is.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bundle.collectives.comm import Comm
 from bundle.engine.grad_sync import GradSync
 from bundle.engine.stage import Stage
 
@@ -101,9 +104,13 @@ def mesh(
     )
 
 
-def shard_stage(stage: Stage, device_mesh: DeviceMesh) -> nn.Module:
+def shard_stage(
+    stage: Stage, device_mesh: DeviceMesh, *, emulated: tuple[Comm, torch.device] | None = None
+) -> nn.Module:
     """``stage`` sharded in place: each block with parameters is one FSDP unit, the stage the
-    root (it gathers nothing of its own). Gradients are summed over the mesh, never averaged."""
+    root (it gathers nothing of its own). Gradients are summed over the mesh, never averaged.
+    ``emulated``: under nccl-emu, the emulator, whose streams FSDP's gathers and reduce-scatters
+    then go through (``_through``), and the rank's emulated device."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for block in stage.blocks:
@@ -118,7 +125,51 @@ def shard_stage(stage: Stage, device_mesh: DeviceMesh) -> nn.Module:
             m.set_gradient_divide_factor(1.0)
             # A plain sum on the wire (gloo has no pre-multiplied sum, and nothing is divided).
             m.set_force_sum_reduction_for_comms(True)
+            if emulated is not None:
+                gather, scatter = _through(*emulated)
+                m.set_custom_all_gather(gather)
+                m.set_custom_reduce_scatter(scatter)
     return stage
+
+
+def _through(comm: Comm, rank_device: torch.device) -> tuple[Any, Any]:
+    """FSDP's all-gather and reduce-scatter, each run as one call of its group's stream of the
+    NCCL emulation (``Comm.exclusive``), in the order FSDP issues them among the engine's other
+    calls, their buffers on the rank's (emulated) device. (HSDP's all-reduce between bundles is
+    issued by FSDP directly, on gloo.)"""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class Gather(AllGather):
+        def allocate(
+            self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device
+        ) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=rank_device)
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            async_op: bool = False,
+        ) -> None:
+            with comm.exclusive(group, "FSDP's all-gather"):
+                dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+
+    class Scatter(ReduceScatter):
+        allocate = Gather.allocate
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            op: Any,
+            async_op: bool = False,
+        ) -> None:
+            with comm.exclusive(group, "FSDP's reduce-scatter"):
+                dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+
+    return Gather(), Scatter()
 
 
 def _unviewed(module: nn.Module, inputs: Any, output: Any) -> Any:

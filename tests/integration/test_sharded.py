@@ -39,7 +39,8 @@ ADAMW = {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1}
 # GPT-2 cut across its tied embedding and head at shape 2,1 (flat).
 VARIANTS = {
     (6, "gloo"): [((2, 1), "flat", {}), ((1, 2), "hierarchical", ADAMW), "gpt2-tied"],
-    (6, "nccl-emu"): [((2, 1), "hierarchical", {}), ((1, 2), "flat", {"schedule": "gpipe"})],
+    # Strict: a rank's calls on all communicators one at a time, FSDP's among them.
+    (6, "nccl-emu"): [((2, 1), "hierarchical", {"emu_strict": True}), ((1, 2), "flat", {})],
     (8, "gloo"): [((2, 2), "flat", {"schedule": "interleaved-1f1b", "virtual_stages": 2})],
     (8, "nccl-emu"): [((2, 2), "hierarchical", {"recompute": "always"})],
 }
@@ -47,12 +48,14 @@ VARIANTS = {
 
 def _config(shape, sync, changes, backend, *, bundles=2, **more):
     compute = {k: changes[k] for k in ("recompute", "compile", "compile_backend") if k in changes}
-    rest = {k: v for k, v in changes.items() if k not in compute}
+    strict = changes.get("emu_strict", False) and backend == "nccl-emu"  # (the yardstick: gloo)
+    launch = {"backend": backend, "emu_strict": strict}
+    rest = {k: v for k, v in changes.items() if k not in compute and k != "emu_strict"}
     cfg = _cfg(shape, bundles, sync, **rest, **more)
     return dataclasses.replace(
         cfg,
         compute=dataclasses.replace(cfg.compute, **compute),
-        launch=dataclasses.replace(cfg.launch, backend=backend),
+        launch=dataclasses.replace(cfg.launch, **launch),
     )
 
 
