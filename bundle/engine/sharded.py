@@ -13,7 +13,7 @@ with FSDP2 (torch's ``fully_shard``), one FSDP unit per block of the stage.
   parameters and gradient at a time on top of its shards.
 - **What is exact.** The sum over replicas is the same as the flat sync's, in another order
   (reduce-scatter per micro-batch, then the shards summed over micro-batches): equal to a run
-  without ``--zero 3`` within float rounding (the tests check 1e-5 relative on fp32).
+  without ``--zero 3`` within float rounding (the tests check 1e-5 on fp32 parameters).
 - **Checkpoints.** Parameters and optimizer state are DTensors; the checkpoint (DCP) writes each
   process's shard and reads into any layout, so a run with ``--zero 3`` resumes under any shape
   or without it, and the other way round.
