@@ -40,7 +40,10 @@ ADAMW = {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1}
 VARIANTS = {
     (6, "gloo"): [((2, 1), "flat", {}), ((1, 2), "hierarchical", ADAMW), "gpt2-tied"],
     # Strict: a rank's calls on all communicators one at a time, FSDP's among them.
-    (6, "nccl-emu"): [((2, 1), "hierarchical", {"emu_strict": True}), ((1, 2), "flat", {})],
+    (6, "nccl-emu"): [
+        ((2, 1), "hierarchical", {"emu_strict": True}),
+        ((1, 2), "flat", {"schedule": "gpipe"}),
+    ],
     (8, "gloo"): [((2, 2), "flat", {"schedule": "interleaved-1f1b", "virtual_stages": 2})],
     (8, "nccl-emu"): [((2, 2), "hierarchical", {"recompute": "always"})],
 }
