@@ -31,6 +31,7 @@ from bundle.config import (
     OPTIMIZERS,
     PRECISIONS,
     RECOMPUTES,
+    ZERO_LEVELS,
     DataConfig,
     TrainConfig,
     parse_model_args,
@@ -40,7 +41,7 @@ from bundle.errors import BundleError
 from bundle.plan import planner, report
 from bundle.plan import profile as prof
 from bundle.plan.cluster import counted, describe_nominal, load_cluster, nominal
-from bundle.plan.dataparallel import ZERO_LEVELS, DataParallel
+from bundle.plan.dataparallel import DataParallel
 from bundle.plan.mixed import contended
 from bundle.plan.plans import data_parallel, evaluate, with_options
 

@@ -46,6 +46,7 @@ from bundle.config.reach import RECORDED as RECORDED
 from bundle.config.reach import leaves, shared
 from bundle.config.reach import recorded as recorded
 from bundle.config.sync import COMPRESSIONS as COMPRESSIONS
+from bundle.config.sync import ZERO_LEVELS as ZERO_LEVELS
 from bundle.config.sync import parse_aggregate as parse_aggregate
 from bundle.config.sync import parse_bundle_sync as parse_bundle_sync
 from bundle.errors import ConfigError, positive

@@ -9,6 +9,7 @@ from bundle.errors import ConfigError, positive
 from bundle.ir.schedule import REGISTRY
 
 COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
+ZERO_LEVELS = (0, 1, 3)  # --zero: off, the optimizer's state sharded, everything sharded
 
 
 def parse_bundle_sync(text: str) -> tuple[str, int]:
@@ -38,7 +39,7 @@ def parse_aggregate(text: str) -> int | None:
 
 def check(par: Any) -> None:
     """The data-parallel options alone, then the combinations that make no sense."""
-    if par.zero not in (0, 1, 3):
+    if par.zero not in ZERO_LEVELS:
         raise ConfigError(
             "--zero",
             par.zero,

@@ -140,17 +140,11 @@ def _sharded(
     """--zero 3: the stage sharded by FSDP over its replicas (bundle.engine.sharded), from the
     same weights on every replica."""
     members = _same_start(topo, coord, stage, groups.stage, comm)
-    if groups.peers is None:  # flat: over the stage group
-        device_mesh = sharded.mesh(device, groups.stage, shard_ranks=members)
+    if groups.peers is None or groups.bundle is None:  # flat: over the stage group
+        device_mesh = sharded.mesh(device, groups.stage, [members])
     else:  # hierarchical: inside the bundle, summed with the same replica of every bundle
-        width = topo.shape[coord.stage]
-        layout = [
-            [topo.rank(b, coord.stage, r) for r in range(width)] for b in range(topo.num_bundles)
-        ]
-        shards = groups.bundle if groups.bundle is not None else groups.stage
-        device_mesh = sharded.mesh(
-            device, shards, shard_ranks=layout[0], peers=groups.peers, layout=layout
-        )
+        layout = [topo.bundle_stage_group(b, coord.stage) for b in range(topo.num_bundles)]
+        device_mesh = sharded.mesh(device, groups.bundle, layout, groups.peers)
     emulated = (comm, device) if not isinstance(comm, Collectives) else None
     return sharded.ShardedSync(sharded.shard_stage(stage, device_mesh, emulated=emulated))
 

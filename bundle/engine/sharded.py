@@ -84,22 +84,21 @@ def set_grad(p: torch.Tensor, whole: torch.Tensor) -> None:
 def mesh(
     device: torch.device,
     shards: dist.ProcessGroup,
-    *,
-    shard_ranks: Sequence[int],
+    layout: Sequence[Sequence[int]],
     peers: dist.ProcessGroup | None = None,
-    layout: Sequence[Sequence[int]] | None = None,
 ) -> DeviceMesh:
-    """The device mesh FSDP shards over: ``shards`` alone (1-D), or with ``peers`` (the same
-    replica of the stage in every bundle) as the replicated dimension, ``layout`` its global ranks
-    (bundles x replicas)."""
+    """The device mesh FSDP shards over, ``layout`` its global ranks: ``shards`` alone (1-D, one
+    row), or with ``peers`` (the same replica of the stage in every bundle) as the replicated
+    dimension (a row per bundle, its replicas of the stage)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if peers is None:
-        return DeviceMesh.from_group(shards, device.type, mesh=list(shard_ranks))
+        (ranks,) = layout
+        return DeviceMesh.from_group(shards, device.type, mesh=list(ranks))
     return DeviceMesh.from_group(
         [peers, shards],
         device.type,
-        mesh=torch.tensor([list(row) for row in layout or ()], dtype=torch.int),
+        mesh=torch.tensor([list(row) for row in layout], dtype=torch.int),
         mesh_dim_names=("bundles", "replicas"),
     )
 

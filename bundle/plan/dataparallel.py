@@ -39,12 +39,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bundle.config import COMPRESSIONS, ParallelConfig, parse_aggregate, parse_bundle_sync
+from bundle.config import (
+    COMPRESSIONS,
+    ZERO_LEVELS,
+    ParallelConfig,
+    parse_aggregate,
+    parse_bundle_sync,
+)
 from bundle.errors import ConfigError
 from bundle.plan.cost import CostModel
 
 HALF = ("bf16", "fp16")
-ZERO_LEVELS = (0, 1, 3)  # --zero: off, the optimizer's state sharded, everything sharded
 _PSGD_MIN_RATE = 2  # PowerSGDState's min_compression_rate default, which the engine keeps
 _COMBINE_COPIES = 4  # stack, scale by shares, sort's values and indices (8-byte: two copies' worth)
 _GATHER_COPIES = 5  # what a master holds of the gathered buckets at once, the indices twice

@@ -153,32 +153,24 @@ def search_fitting(
     progress: Callable[[str], None] | None = None,
     schedules: tuple[str, ...] = SCHEDULES,
 ) -> list[Evaluated]:
-    """``search`` (among ``schedules``); where none of its plans fits in device memory, the search again under
-    ``--zero 3`` (if the run's options allow it: ``DataParallel.shardable``): the sharded plans
-    first where some of them fit (their commands say ``--zero 3``), the run's own after them."""
-    ranked = search(
-        cost,
-        workload=workload,
-        limits=limits,
-        exact=exact,
-        progress=progress,
-        schedules=schedules,
-    )
+    """``search`` (among ``schedules``); where none of its plans fits in device memory, the
+    search again under ``--zero 3`` (if the run's options allow it: ``DataParallel.shardable``):
+    the sharded plans first where some of them fit (their commands say ``--zero 3``), the run's
+    own after them."""
+
+    def under(w: Workload) -> list[Evaluated]:
+        return search(
+            cost, workload=w, limits=limits, exact=exact, progress=progress, schedules=schedules
+        )
+
+    ranked = under(workload)
     dp = workload.dp
     if any(e.fits for e in ranked) or dp.zero == FULL or not dp.shardable:
         return ranked
     if progress is not None:
         progress("no plan fits in device memory: searching again with --zero 3")
-    sharded = replace(workload, dp=replace(dp, zero=FULL))
     try:
-        found = search(
-            cost,
-            workload=sharded,
-            limits=limits,
-            exact=exact,
-            progress=progress,
-            schedules=schedules,
-        )
+        found = under(replace(workload, dp=replace(dp, zero=FULL)))
     except ConfigError:  # no stage on these devices has a replica to shard over
         return ranked
     return rank(found + ranked) if any(e.fits for e in found) else ranked
