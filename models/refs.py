@@ -32,15 +32,33 @@ def _import(name: str) -> Any:
                 sys.path.insert(0, os.getcwd())
             module = importlib.import_module(where)
     except Exception as exc:  # noqa: BLE001 - whatever the user's import raised
-        raise ConfigError(
-            "--model", name, f"cannot import {where}: {type(exc).__name__}: {exc}"
-        ) from None
+        raise ConfigError("--model", name, f"cannot import {where}: {_why(exc, where)}") from None
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
             raise ConfigError("--model", name, f"{where} has no attribute {attr!r}")
         target = getattr(target, part)
     return target
+
+
+# What pip installs for a package that is not there, where the distribution is named otherwise
+# (or Bundle works with a range of its releases: transformers').
+_PIP_NAMES = {"sklearn": "scikit-learn", "yaml": "pyyaml", "PIL": "pillow", "transformers": ""}
+
+
+def _why(exc: Exception, where: str) -> str:
+    """Why importing ``where`` failed: a missing package with the command that installs it, unless
+    the missing one is the user's own module (a path to fix, not a package to install)."""
+    package = (exc.name or "") if isinstance(exc, ModuleNotFoundError) else ""
+    package = package.partition(".")[0]
+    if not package or (package == where.partition(".")[0] and package not in _PIP_NAMES):
+        return f"{type(exc).__name__}: {exc}"
+    install = _PIP_NAMES.get(package) or package
+    if package == "transformers":
+        from bundle.models import hf
+
+        install = f"'transformers{hf.supported_range()}'"
+    return f"no module named {package!r} is installed (pip install {install})"
 
 
 def load_callable(name: str, what: str) -> Callable[..., Any]:

@@ -89,7 +89,7 @@ def load(path: str | None) -> Tokenizer:
         from transformers import AutoTokenizer
     except ImportError:
         raise DataError(
-            f"--tokenizer {path!r} has no tokenizer.json; reading it needs transformers"
+            f"--tokenizer {path!r} has no tokenizer.json; reading it needs transformers (pip install transformers)"
         ) from None
     try:
         with contextlib.redirect_stderr(io.StringIO()):

@@ -14,7 +14,7 @@ from bundle import models
 from bundle.engine.stage import split_model
 from bundle.launch.localworld import free_port
 from bundle.models import partition
-from tests.support.processes import SMALL, finish, image_folder, start, start_logged
+from tests.support.processes import SMALL, finish, image_folder, runtime_only, start, start_logged
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,10 @@ def summary(path) -> dict:
 
 
 def test_embedded_default_trains_digits_to_90_percent(tmp_path):
+    """With only what requirements.txt installs importable, as on a new user's machine."""
     metrics = tmp_path / "m.jsonl"
     t0 = time.monotonic()
-    code, out, err = finish(start("main.py", "--metrics-out", str(metrics)))
+    code, out, err = finish(start("main.py", "--metrics-out", str(metrics), env=runtime_only()))
     assert code == 0, err
     s = summary(metrics)
     assert s["val_accuracy"] >= 0.90, s

@@ -30,6 +30,18 @@ SMALL = [
 ]
 
 
+def runtime_only() -> dict[str, str]:
+    """The environment of a process (and of those it starts) that can import only what
+    ``pip install -r requirements.txt`` installs (tests/support/runtime_only)."""
+    guard = os.path.join(ROOT, "tests", "support", "runtime_only")
+    path = os.pathsep.join(p for p in (guard, os.environ.get("PYTHONPATH")) if p)
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "BUNDLE_RUNTIME_ONLY": os.path.join(ROOT, "requirements.txt"),
+    }
+
+
 def start(*args, **kw) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, *args],
