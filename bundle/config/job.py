@@ -101,10 +101,13 @@ class ParallelConfig:
         positive("--virtual-stages", V)
         try:
             REGISTRY[self.schedule].check_chunks(V)
+        except ScheduleError as exc:
+            raise ConfigError("--virtual-stages", V, str(exc)) from None
+        try:  # with the chunks right, what is left to refuse is the number of micro-batches
             if V > 1 and len(self.shape) > 1:
                 actions(self.schedule, 0, len(self.shape), self.micro_batches, V)
         except ScheduleError as exc:
-            raise ConfigError("--virtual-stages", V, str(exc)) from None
+            raise ConfigError("--micro-batches", self.micro_batches, str(exc)) from None
         if V == 1:
             return
         if self.shape != AUTO_SHAPE and len(self.shape) < 2:

@@ -389,3 +389,19 @@ def test_zero3_and_compile_run_with_every_other_schedule_and_sync():
             par |= {"shape": (2, 2), "virtual_stages": 2} if "interleaved" in schedule else {}
             cfg = make_config(parallel=par, compute={"compile": True})
             assert cfg.parallel.zero == 3 and cfg.compute.compile
+
+
+@pytest.mark.parametrize(
+    "schedule, micro_batches, says",
+    [("zbv", 1, "ZBV on 2 stages needs at least 3"), ("interleaved-1f1b", 5, "in rounds")],
+)
+def test_too_few_micro_batches_for_a_schedule_name_the_micro_batches(schedule, micro_batches, says):
+    """The flag to change is --micro-batches, not the chunks the schedule runs by default."""
+    from bundle.errors import ConfigError
+    from tests.support.config import make_config
+
+    with pytest.raises(ConfigError, match=says) as e:
+        # virtual_stages 0: the schedule's own number of chunks, as the command line leaves it
+        par = {"schedule": schedule, "micro_batches": micro_batches, "virtual_stages": 0}
+        make_config(parallel=par)
+    assert (e.value.key, e.value.value) == ("--micro-batches", micro_batches)
