@@ -84,6 +84,12 @@ def _hf(args: argparse.Namespace) -> str:
     return (
         f"wrote {done.out}: {done.cls}, {done.tensors} tensors in {done.shards} safetensors "
         f"file(s), {size_text(done.bytes)}{words} (the weights of {args.checkpoint})"
+        + (
+            f"; config.json leaves out the source's auto_map: the code it names never ran, the "
+            f"model trained and written is transformers' {done.cls}"
+            if done.dropped_auto_map
+            else ""
+        )
     )
 
 

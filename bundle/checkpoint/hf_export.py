@@ -51,6 +51,8 @@ class HFExport:
     shards: int
     bytes: int
     tokenizer: tuple[str, ...]
+    # The source config's auto_map (custom code the run never ran) was left out of config.json.
+    dropped_auto_map: bool = False
 
 
 # -- the record ------------------------------------------------------------------------------
@@ -301,6 +303,9 @@ def export_hf(
         raise CheckpointError(f"{exc}; nothing exported") from None
     info = ckpt.read_info(path)  # what was verified
     cls, config = _model_of(path, info, model_config)
+    # A --pretrained directory's auto_map names code of its own; Bundle built and trained the
+    # transformers class it names instead, so the export is that class, without a dangling map.
+    dropped = config.__dict__.pop("auto_map", None) is not None
     if hasattr(config, "use_cache"):
         config.use_cache = True  # off for training only; inference reuses it
     model = _loaded(cls, config, state, path)
@@ -329,6 +334,7 @@ def export_hf(
         shards=len(shards),
         bytes=sum(os.path.getsize(os.path.join(out, f)) for f in shards),
         tokenizer=copied,
+        dropped_auto_map=dropped,
     )
 
 

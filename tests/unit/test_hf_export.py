@@ -258,12 +258,14 @@ def test_a_step_without_the_record_is_rebuilt_from_its_arguments_and_model_confi
     assert torch.allclose(logits(loaded, ids), logits(sized, ids), atol=1e-5, rtol=0)
 
 
-def pretrained_step(tmp_path: Path, **generation) -> tuple[str, Path]:
+def pretrained_step(tmp_path: Path, keep_hub: bool = False, **generation) -> tuple[str, Path]:
     """A step of a run from --pretrained HUB, recorded as checkpoint_settings records it; HUB a
-    GPT-2's save_pretrained directory with a generation_config.json of its own (``generation``)."""
+    GPT-2's save_pretrained directory with a generation_config.json of its own (``generation``);
+    ``keep_hub``: HUB's config and weights as the caller saved them."""
     hub = tmp_path / "hub"
     model = build(*GPT2)
-    model.save_pretrained(str(hub))
+    if not keep_hub:
+        model.save_pretrained(str(hub))
     transformers.GenerationConfig(**generation).save_pretrained(str(hub))
     cfg = make_config(
         model={"pretrained": str(hub)}, checkpoint={"save_dir": str(tmp_path / "ckpt")}
@@ -300,6 +302,24 @@ def test_a_pretrained_run_exports_its_directory_s_own_generation_config(tmp_path
     assert len(err) == 1 and f"{hub} (the run's --pretrained) is gone" in err[0], err
     got = transformers.GenerationConfig.from_pretrained(out)
     assert (got.top_k, got.max_length) != (7, 33)
+
+
+def test_an_auto_map_of_the_pretrained_directory_is_left_out_of_the_export(tmp_path, capsys):
+    """Custom code a --pretrained config.json names never ran: the export is the class trained."""
+    hub = tmp_path / "hub"
+    build(*GPT2).save_pretrained(str(hub))
+    data = json.loads((hub / "config.json").read_text())
+    data["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MyGPT2"}
+    (hub / "config.json").write_text(json.dumps(data))
+    step, _ = pretrained_step(tmp_path, keep_hub=True)
+    assert "auto_map" in json.loads(Path(step, "bundle.json").read_text())["hf_config"]["config"]
+    capsys.readouterr()
+    out = str(tmp_path / "hf")
+    assert export_command(["export", step, "--hf", out]) == 0
+    said = capsys.readouterr().out
+    assert "leaves out the source's auto_map" in said and "GPT2LMHeadModel" in said, said
+    assert "auto_map" not in json.loads(Path(out, "config.json").read_text())
+    transformers.AutoModelForCausalLM.from_pretrained(out)  # no code asked for
 
 
 def test_a_pretrained_generation_config_is_read_as_json_data_only(tmp_path, capsys):
