@@ -418,6 +418,15 @@ def test_a_checkpoint_written_before_bundle_json_had_its_digest_resumes_bit_iden
         )
     )
     assert code == 0 and "resumed from" in err and "(step 6)" in err, err
-    assert_identical(FORMAT1 / "final.pt", tmp_path / "b.pt")
+    # Bit-identical on the CPU that wrote the files; another CPU's kernels round the last bit of
+    # the same steps differently (an uninterrupted run on an AMD EPYC differs from final.pt by up
+    # to 3e-8, as this resume does), while a piece of state lost on resume (momentum, the
+    # schedule's position, the data order) moves weights by far more than 1e-6.
+    a, b = (torch.load(p, weights_only=True) for p in (FORMAT1 / "final.pt", tmp_path / "b.pt"))
+    assert set(a) == set(b)
+    far = {
+        k: (a[k] - b[k]).abs().max().item() for k in a if not torch.allclose(a[k], b[k], 0, 1e-6)
+    }
+    assert not far, f"not the uninterrupted run's weights: {far}"
     newest = ckpt.read_info(str(save_dir / "step-10"))
     assert newest["format"] == ckpt.FORMAT and ckpt.damage(str(save_dir / "step-10")) is None
