@@ -28,6 +28,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Processes a test left running are named and killed (by id) before the summary."""
     session.config.stash[_STATUS] = int(exitstatus)
+    if session.config.pluginmanager.hasplugin("dsession"):
+        return  # pytest-xdist's controller runs no test: each worker ends what its tests left
     ended = leftovers.end_processes()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if ended and reporter is not None:
