@@ -19,10 +19,37 @@ from tests.support.config import make_config
 
 _EXIT_GRACE_S = 30.0
 _STATUS = pytest.StashKey[int]()
+_START = pytest.StashKey[tuple[float, tuple[int, int] | None]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     leftovers.mark_session()
+    config.stash[_START] = (time.monotonic(), _cpu_jiffies())
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, all) clock ticks of every CPU of the machine since boot (None: not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # all but idle and iowait
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """The suite's cost: wall time, and the CPU time the machine spent meanwhile (this suite and
+    everything it started, and whatever else ran beside it) as core-seconds and a share."""
+    if hasattr(config, "workerinput") or _START not in config.stash:
+        return
+    t0, cpu0 = config.stash[_START]
+    wall, cpu1 = time.monotonic() - t0, _cpu_jiffies()
+    line = f"suite: {wall:.0f} s wall"
+    if cpu0 is not None and cpu1 is not None and cpu1[1] > cpu0[1]:
+        cores = os.cpu_count() or 1
+        busy = (cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1])
+        line += f"; CPU {busy * wall * cores:.0f} core-s ({busy:.0%} of {cores} cores busy)"
+    terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
