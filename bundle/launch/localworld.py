@@ -29,10 +29,11 @@ if TYPE_CHECKING:
 
 
 # Imported once by the forkserver (never run: no torch op, no thread pool, no CUDA), so that its
-# children start with them.
+# children start with them; torch._dynamo as the supervisor's forkserver has it (process.PRELOAD).
 PRELOAD = [
     "torch",
     "torch.distributed",
+    "torch._dynamo",
     "torch.distributed.checkpoint",
     "bundle.session",
     "bundle.trainer",

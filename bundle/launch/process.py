@@ -272,8 +272,10 @@ def _report_failure(store: dist.Store, me: str, rank: int, phase: Phase, exc: Ba
 
 # What every worker imports: the node supervisor's forkserver imports it once, and each worker it
 # forks starts with it (a spawned worker spends a second or two of CPU importing these, at every
-# start, restart and heal). Nothing of it runs: no torch op, no thread pool, no CUDA.
-PRELOAD = ["torch", "torch.distributed", "bundle.launch.process"]
+# start, restart and heal). Nothing of it runs: no torch op, no thread pool, no CUDA. torch's
+# optimizers import torch._dynamo when they take their first parameters (Optimizer.add_param_group
+# is torch._disable_dynamo's): 2.5 s of CPU in every worker unless the forkserver has it.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "bundle.launch.process"]
 
 
 def worker_context() -> WorkerContext:

@@ -137,3 +137,23 @@ def test_a_forked_worker_starts_its_own_children_as_its_parent_would():
     from bundle.launch.localworld import run_world
 
     assert run_world(1, _start_method) == [multiprocessing.get_start_method()]
+
+
+def test_a_worker_forked_from_the_preloaded_forkserver_imports_nothing_more_of_torch_to_train():
+    """What a worker's first optimizer imports (torch._dynamo, 2.5 s of CPU) is in PRELOAD, so
+    each worker forked from the forkserver starts with it instead of importing it again."""
+    from bundle.launch import localworld, process
+
+    for preload in (process.PRELOAD, localworld.PRELOAD):
+        probe = (
+            f"import importlib, sys, torch\n"
+            f"for m in {preload!r}: importlib.import_module(m)\n"
+            "before = set(sys.modules)\n"
+            "w = torch.nn.Parameter(torch.zeros(2))\n"
+            "torch.optim.SGD([w], lr=0.1).step(); torch.optim.AdamW([w]).step()\n"
+            "print(sorted(m for m in set(sys.modules) - before if m.startswith('torch')))\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+        )
+        assert out.stdout.strip() == "[]", out.stdout
