@@ -140,7 +140,7 @@ def recorded_model(name: object, where: str, *, trust: bool) -> str:
             return name
         raise ConfigError(where, name, f"choose a model of: {', '.join(models.available())}")
     package, _, cls = name.partition(":")
-    if package == "transformers" and cls.isidentifier() and _transformers_model(cls):
+    if package == "transformers" and cls.isidentifier() and _transformers_model(cls, where):
         return name
     if trust:
         return name
@@ -152,15 +152,20 @@ def recorded_model(name: object, where: str, *, trust: bool) -> str:
     )
 
 
-def _transformers_model(cls: str) -> bool:
-    """Whether ``transformers.<cls>`` is a model class (a PreTrainedModel)."""
+def _transformers_model(cls: str, where: str) -> bool:
+    """Whether ``transformers.<cls>`` is a model class (a PreTrainedModel); without transformers
+    installed, one line that says how to install it."""
     from bundle.models import hf
 
     try:
         import transformers
 
         return hf.is_pretrained_class(getattr(transformers, cls, None))
-    except Exception:  # noqa: BLE001 - not installed, or its lazy import failed: not one
+    except Exception as exc:  # noqa: BLE001 - its lazy import failed: not one
+        if hf.missing(exc):
+            raise ConfigError(
+                where, f"transformers:{cls}", f"needs transformers ({hf.install_command()})"
+            ) from None
         return False
 
 

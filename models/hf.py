@@ -39,6 +39,16 @@ def supported_range() -> str:
     return f">={a}.{b},<{c}" + (f".{d}" if d else "")
 
 
+def install_command() -> str:
+    """What installs a transformers release this tool works with."""
+    return f"pip install 'transformers{supported_range()}'"
+
+
+def missing(exc: BaseException) -> bool:
+    """Whether ``exc`` says that transformers itself is not installed."""
+    return isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "transformers"
+
+
 def check_release(version: str) -> None:
     """Refuse a ``transformers`` release outside ``SUPPORTED``, saying which releases work."""
     match = re.match(r"(\d+)\.(\d+)", version)
@@ -47,8 +57,7 @@ def check_release(version: str) -> None:
         raise ConfigError(
             "transformers",
             version,
-            f"the releases that work are transformers{supported_range()} "
-            f"(pip install 'transformers{supported_range()}')",
+            f"the releases that work are transformers{supported_range()} ({install_command()})",
         )
 
 

@@ -41,24 +41,24 @@ def _import(name: str) -> Any:
     return target
 
 
-# What pip installs for a package that is not there, where the distribution is named otherwise
-# (or Bundle works with a range of its releases: transformers').
-_PIP_NAMES = {"sklearn": "scikit-learn", "yaml": "pyyaml", "PIL": "pillow", "transformers": ""}
+# What pip installs for a package that is not there, where the distribution is named otherwise.
+_PIP_NAMES = {"sklearn": "scikit-learn", "yaml": "pyyaml", "PIL": "pillow"}
 
 
 def _why(exc: Exception, where: str) -> str:
     """Why importing ``where`` failed: a missing package with the command that installs it, unless
     the missing one is the user's own module (a path to fix, not a package to install)."""
+    from bundle.models import hf
+
+    if hf.missing(exc):
+        return f"transformers is not installed ({hf.install_command()})"
     package = (exc.name or "") if isinstance(exc, ModuleNotFoundError) else ""
     package = package.partition(".")[0]
-    if not package or (package == where.partition(".")[0] and package not in _PIP_NAMES):
+    if not package or package == where.partition(".")[0]:
         return f"{type(exc).__name__}: {exc}"
-    install = _PIP_NAMES.get(package) or package
-    if package == "transformers":
-        from bundle.models import hf
-
-        install = f"'transformers{hf.supported_range()}'"
-    return f"no module named {package!r} is installed (pip install {install})"
+    return (
+        f"no module named {package!r} is installed (pip install {_PIP_NAMES.get(package, package)})"
+    )
 
 
 def load_callable(name: str, what: str) -> Callable[..., Any]:

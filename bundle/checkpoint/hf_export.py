@@ -113,7 +113,11 @@ def model_class(name: object, where: str) -> type:
         import transformers
 
         cls = getattr(transformers, name, None)
-    except Exception:  # noqa: BLE001 - not installed, or its lazy import failed: not one
+    except Exception as exc:  # noqa: BLE001 - not installed, or its lazy import failed: not one
+        if hf.missing(exc):
+            raise ConfigError(
+                where, name, f"building it needs transformers ({hf.install_command()})"
+            ) from None
         cls = None
     if not hf.is_pretrained_class(cls):
         raise ConfigError(where, name, "must name a transformers model class")

@@ -145,3 +145,22 @@ def test_the_image_slurm_and_kubernetes_install_requirements_txt_and_nothing_of_
         assert "pip install" not in (ROOT / path).read_text(), path
     assert "image: bundle:" in (ROOT / "docker/k8s/bundle.yaml").read_text()
     assert "$dir/.venv/bin/python" in (ROOT / "scripts/slurm/bundle.sbatch").read_text()
+
+
+def test_each_way_to_a_transformers_class_says_how_to_install_it_when_it_is_missing(monkeypatch):
+    """--model transformers:CLASS, export --hf and bundle.generate of a checkpoint that records
+    such a class: one line with the command, not "not a model class"."""
+    from bundle import generate
+    from bundle.checkpoint import hf_export
+    from bundle.errors import ConfigError
+    from bundle.models import hf, refs
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ModuleNotFoundError
+    calls = [
+        lambda: refs.load_callable("transformers:GPT2LMHeadModel", "--model"),
+        lambda: hf_export.model_class("GPT2LMHeadModel", "bundle.json hf_config class"),
+        lambda: generate._transformers_model("GPT2LMHeadModel", "bundle.json model"),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigError, match=re.escape(hf.install_command())):
+            call()
