@@ -88,8 +88,11 @@ def load(path: str | None) -> Tokenizer:
     try:
         from transformers import AutoTokenizer
     except ImportError:
+        from bundle.models import hf
+
         raise DataError(
-            f"--tokenizer {path!r} has no tokenizer.json; reading it needs transformers (pip install transformers)"
+            f"--tokenizer {path!r} has no tokenizer.json; reading it needs transformers "
+            f"({hf.install_command()})"
         ) from None
     try:
         with contextlib.redirect_stderr(io.StringIO()):

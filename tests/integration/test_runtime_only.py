@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from bundle.models import hf
 from tests.support.processes import finish, runtime_only, start
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ def test_help_and_each_hugging_face_feature_without_its_package(tmp_path):
     (hub / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"text": "hello"}\n')
-    install_transformers = "(pip install 'transformers>=4.56,<6')"
+    install_transformers = f"({hf.install_command()})"
     asks = {
         ("--model", "transformers:GPT2LMHeadModel"): install_transformers,
         ("--pretrained", str(hub)): install_transformers,
@@ -41,7 +42,7 @@ def test_help_and_each_hugging_face_feature_without_its_package(tmp_path):
             str(rows),
             "--tokenizer",
             str(hub),
-        ): ("(pip install transformers)"),
+        ): install_transformers,
     }
     env = runtime_only()
     guard = start("-c", GUARD, env=env)

@@ -74,21 +74,20 @@ def installed_with(names: Iterable[str]) -> set[str]:
     return seen
 
 
-def refused(allowed: set[str]) -> dict[str, list[str]]:
-    """Top-level import name -> its distributions, for each name no allowed distribution gives."""
-    out = {}
-    for top, dists in importlib.metadata.packages_distributions().items():
-        if top in sys.stdlib_module_names:
-            continue
-        if not any(normalized(d) in allowed for d in dists):
-            out[top] = sorted(set(dists))
-    return out
+def refused(allowed: set[str]) -> set[str]:
+    """The top-level import names that no allowed distribution gives."""
+    return {
+        top
+        for top, dists in importlib.metadata.packages_distributions().items()
+        if top not in sys.stdlib_module_names
+        and not any(normalized(d) in allowed for d in dists)
+    }
 
 
 class _PathFinderWithout:
     """The path finder, blind to the refused top-level names (and everything under them)."""
 
-    def __init__(self, finder: object, hidden: dict[str, list[str]]) -> None:
+    def __init__(self, finder: object, hidden: set[str]) -> None:
         self._finder, self.hidden = finder, hidden
 
     def find_spec(self, name, path=None, target=None):  # type: ignore[no-untyped-def]
@@ -100,7 +99,7 @@ class _PathFinderWithout:
         return getattr(self._finder, attr)
 
 
-def install(requirements: str) -> dict[str, list[str]]:
+def install(requirements: str) -> set[str]:
     """Hide every package outside ``requirements`` and its dependencies; returns what is hidden."""
     hidden = refused(installed_with(named(requirements) | {"bundle"}))
     for i, finder in enumerate(sys.meta_path):
