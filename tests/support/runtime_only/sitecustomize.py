@@ -79,8 +79,7 @@ def refused(allowed: set[str]) -> set[str]:
     return {
         top
         for top, dists in importlib.metadata.packages_distributions().items()
-        if top not in sys.stdlib_module_names
-        and not any(normalized(d) in allowed for d in dists)
+        if top not in sys.stdlib_module_names and not any(normalized(d) in allowed for d in dists)
     }
 
 
