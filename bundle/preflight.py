@@ -177,6 +177,7 @@ def check_model(
             )
             if note:
                 print(f"main.py: note: {note}", file=sys.stderr)
+        adapted = models.adapt(model, cfg.model, seed=cfg.train.seed)
         pieces = cut(model, cfg.model, num_stages, input_shape, inputs=inputs)
     if cfg.compute.channels_last and not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         raise ConfigError(
@@ -184,7 +185,9 @@ def check_model(
             cfg.model.name,
             "needs a CNN (a model with 2-d convolutions)",
         )
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    # A LoRA run's checkpoints hold what trains and the buffers; the frozen base is read again.
+    frozen = models.lora.frozen_names(model) if adapted is not None else set()
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in frozen}
     return shapes, capture_of(pieces, cfg.model, input_shape, inputs)
 
 

@@ -23,7 +23,7 @@ from bundle.engine.parts import Chunk, EngineParts, MicroBatch, StepOptions
 from bundle.engine.precision import Policy
 from bundle.engine.stage import Stage, joined
 from bundle.engine.stage_engine import StageEngine
-from bundle.engine.stages import Pieces, boundary_metas, build_stages
+from bundle.engine.stages import Pieces, boundary_metas, build_stages, lora_record
 from bundle.engine.transport import Transport, post_with_torch
 from bundle.ir.schedule import REGISTRY
 from bundle.models.cut import Capture
@@ -281,6 +281,9 @@ def checkpoint_settings(cfg: RunConfig, session: Session) -> dict[str, object]:
             config_file=cfg.model.config_file,
             pretrained=cfg.model.pretrained,
         )
+    lora = None
+    if cfg.checkpoint.save_dir and cfg.model.lora:
+        lora = lora_record(cfg, tuple(session.splits.input_shape), session.splits.num_classes)
     return {
         **ckpt.run_settings(cfg),
         **data.identity(cfg.data),
@@ -290,6 +293,7 @@ def checkpoint_settings(cfg: RunConfig, session: Session) -> dict[str, object]:
         "layout": session.layout.as_dict(),
         "torch": torch.__version__,
         **({"hf_config": hf} if hf else {}),
+        **({"lora_adapters": lora} if lora else {}),
     }
 
 
@@ -316,6 +320,7 @@ def make_checkpointer(
             outer=session.engine.outer,
             hop=session.engine.sync.hop,
             extra=scaler.state() if scaler else {},
+            frozen_base=cfg.model.lora is not None,
         ),
         groups=session.groups,
         comm=session.comm,

@@ -23,7 +23,7 @@ never traced.
 Modules, from the bottom: ``refs`` (a user's function by reference), ``inputs``, ``outputs`` (a
 batch's named inputs; the output rule and ``Whole``), ``small``, ``gpt``, ``vision`` (the models shipped), ``hf``, ``pretrained``
 (``transformers`` classes; ``--pretrained DIR``), ``export`` (the torch.export capture),
-``segment`` (one block of a graph split), ``analysis`` (the traced graph read once: where modules
+``lora`` (adapters on a frozen model), ``segment`` (one block of a graph split), ``analysis`` (the traced graph read once: where modules
 begin, what crosses, what is recomputed), ``graph`` (the capture and the cut), ``split_io`` (a
 split as bytes), ``partition`` (``--partition`` specs: where each piece begins, checked against
 the blocks; the balanced cut), ``cut`` (a model's blocks cut into pieces there, and its graph
@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from bundle.config import ModelConfig, is_reference
 from bundle.errors import ConfigError, PartitionError
-from bundle.models import graph, hf, pretrained
+from bundle.models import graph, hf, lora, pretrained
 from bundle.models.gpt import GPT
 from bundle.models.inputs import Batch, Inputs
 from bundle.models.outputs import Whole, call_kwargs, check_forward, select
@@ -69,6 +69,7 @@ __all__ = [
     "build",
     "build_model",
     "build_on_meta",
+    "adapt",
     "example_input",
     "forward",
     "input_dtype",
@@ -317,6 +318,16 @@ def build_model(
     if cfg.weights:
         load_weights(model, cfg.weights, strict=cfg.weights_strict)
     return model
+
+
+def adapt(model: nn.Module, cfg: ModelConfig, *, seed: int) -> lora.Adapted | None:
+    """``--lora`` applied to the whole model, before it is cut (None: no ``--lora``): adapters on
+    its targets (from ``--lora-init``'s file where given), the rest frozen but ``--lora-train``'s
+    modules (``models.lora``)."""
+    spec = cfg.lora_spec
+    if spec is None:
+        return None
+    return lora.apply(model, spec, seed=seed, train=cfg.lora_trained, init=cfg.lora_init)
 
 
 def input_dtype(model: nn.Module) -> torch.dtype:

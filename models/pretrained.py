@@ -31,7 +31,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from bundle.errors import ConfigError
-from bundle.models import hf
+from bundle.models import hf, lora
 from bundle.models.hf import LANGUAGE_MODELS, POSITION_FIELDS, current_name
 from bundle.models.refs import load_callable
 
@@ -257,7 +257,11 @@ def match(model: nn.Module, ckpt: Checkpoint, *, strict: bool = False) -> Match:
     checkpoint's name as transformers renames it on load (``current_name``), the source being the
     name it is saved under. Refused (``strict``: anything that does not fit; else nothing fits)
     in one line."""
-    own = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    # LoRA's adapters are no base checkpoint's (models.lora initialises them).
+    adapters = lora.adapter_names(model)
+    own = {
+        k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items() if k not in adapters
+    }
     # the saved names by their current ones; a tensor saved under its current name comes last: wins
     saved = {current_name(n): n for n in sorted(ckpt.spans, key=lambda n: current_name(n) == n)}
     tied = _tied(model)

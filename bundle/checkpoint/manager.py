@@ -138,6 +138,7 @@ class Checkpointer:
         out.update({f"outer.{key}": v for key, v in parts["outer"].items()})
         out.update({f"{self._hop_key}{key}": v for key, v in parts["hop"].items()})
         out.update(parts["extra"])
+        out.update({f"base.{name}": d for name, d in self.parts.base_digests().items()})
         return out
 
     @property
@@ -367,6 +368,9 @@ class Checkpointer:
             if self.hop is not None and same_layout and k.startswith(self._hop_key)
         }
         want.update(hop_state)
+        digests = self.parts.base_digests()
+        base = {f"base.{n}": torch.zeros_like(d) for n, d in digests.items()}
+        want.update(base)
         missing = sorted(k for k in want if k not in stored)
         if missing:
             raise CheckpointError(f"{path} lacks {len(missing)} entries, e.g. {missing[:3]}")
@@ -376,6 +380,13 @@ class Checkpointer:
             dcp.load(want, storage_reader=ckpt.safe_reader(path), process_group=self.group)
         except _save_errors() as exc:
             raise CheckpointError(f"cannot load {path}: {ckpt.cause_of(exc)}") from exc
+        changed = [n for n, d in digests.items() if not torch.equal(base[f"base.{n}"], d)]
+        if changed:
+            raise CheckpointError(
+                f"--resume {path}: the frozen base differs from the one its adapters were "
+                f"trained on ({len(changed)} tensors of stage {self.coord.stage}, e.g. "
+                f"{changed[0]}); give the same --pretrained, --weights and --seed"
+            )
         for p, slots in optim_state.items():
             self.optimizer.state[p].update(slots)
         if self.outer is not None and not resumes_outer:

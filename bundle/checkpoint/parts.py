@@ -7,6 +7,7 @@ wrote; ``optimizer_slots`` says which tensors a restore reads a parameter's opti
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -30,10 +31,31 @@ class RankParts:
     outer: OuterSync | None = None
     hop: Hop | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A LoRA run (--lora): the frozen base is not the checkpoint's to hold (it is read again from
+    # where it came from); a digest of each of its tensors is, and is checked on resume.
+    frozen_base: bool = False
+    _digests: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def params(self) -> dict[str, torch.nn.Parameter]:
-        """The stage's parameters by full-model name."""
-        return {self.stage.full_name(n): p for n, p in self.stage.named_parameters()}
+        """The stage's parameters by full-model name (of a LoRA run: those that train)."""
+        return {
+            self.stage.full_name(n): p
+            for n, p in self.stage.named_parameters()
+            if p.requires_grad or not self.frozen_base
+        }
+
+    def base_digests(self) -> dict[str, torch.Tensor]:
+        """SHA-256 of each frozen base tensor this rank holds whole (uint8[32] by full-model
+        name; computed once: the base never changes). None but of a LoRA run."""
+        if self.frozen_base and not self._digests:
+            for n, p in self.stage.named_parameters():
+                if not p.requires_grad and not is_sharded(p) and not p.is_meta:
+                    data = p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                    digest = hashlib.sha256(data.tobytes()).digest()
+                    self._digests[self.stage.full_name(n)] = torch.frombuffer(
+                        bytearray(digest), dtype=torch.uint8
+                    )
+        return self._digests
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The stage's buffers by full-model name."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ast
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -40,6 +40,10 @@ from bundle.config.job import ObserveConfig as ObserveConfig
 from bundle.config.job import ParallelConfig as ParallelConfig
 from bundle.config.job import parse_shape as parse_shape
 from bundle.config.job import parse_steps as parse_steps
+from bundle.config.lora import LoRASpec as LoRASpec
+from bundle.config.lora import lora_of_adapter as lora_of_adapter
+from bundle.config.lora import parse_lora as parse_lora
+from bundle.config.lora import parse_names as parse_names
 from bundle.config.reach import NODE_LOCAL as NODE_LOCAL
 from bundle.config.reach import NODES_AGREE_IF_SET as NODES_AGREE_IF_SET
 from bundle.config.reach import RECORDED as RECORDED
@@ -124,9 +128,38 @@ class ModelConfig:
     # A save_pretrained directory: its class, config and safetensors weights (models.pretrained);
     # recorded, so a checkpoint says what it started from; paths may differ between nodes.
     pretrained: str | None = field(default=None, metadata={**RECORDED, **NODE_LOCAL})
+    # LoRA adapters on a frozen base (bundle.config.lora's spec, models.lora); --lora-init's
+    # adapter_config.json fills it when only that is given.
+    lora: str | None = field(default=None, metadata=RECORDED)
+    # Modules trained whole beside the adapters (a new head), as module-name suffixes.
+    lora_train: str | None = field(default=None, metadata=RECORDED)
+    # A directory PEFT saved an adapter to: the adapters' first values.
+    lora_init: str | None = field(default=None, metadata=NODE_LOCAL)
 
     def __post_init__(self) -> None:
         parse_model_args(self.args)
+        if self.lora_init is not None:
+            from_file = lora_of_adapter(self.lora_init)
+            given = parse_lora(self.lora)
+            if (
+                given is not None
+                and replace(given, targets=tuple(sorted(given.targets))) != from_file
+            ):
+                raise ConfigError(
+                    "--lora-init",
+                    self.lora_init,
+                    f"its adapter is {from_file.text()}, --lora asks for {given.text()}: "
+                    "leave --lora out to take the adapter's",
+                )
+            object.__setattr__(self, "lora", from_file.text())
+        parse_lora(self.lora)
+        if self.lora is None:
+            for flag, given in (("--lora-train", self.lora_train),):
+                if given:
+                    raise ConfigError(
+                        flag, given, "trains modules beside LoRA adapters: give --lora"
+                    )
+        parse_names("--lora-train", self.lora_train)
         if self.pretrained is not None:
             for flag, given, what in (
                 ("--weights", self.weights, "weights"),
@@ -146,6 +179,14 @@ class ModelConfig:
     @property
     def kwargs(self) -> dict[str, Any]:
         return parse_model_args(self.args)
+
+    @property
+    def lora_spec(self) -> LoRASpec | None:
+        return parse_lora(self.lora)
+
+    @property
+    def lora_trained(self) -> tuple[str, ...]:
+        return parse_names("--lora-train", self.lora_train)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -77,13 +77,13 @@ def make_sync(
     comm: Comm,
 ) -> GradSync:
     par = cfg.parallel
-    if len(topo.stage_group(coord.stage)) == 1 or not any(
-        p.requires_grad for p in stage.parameters()
-    ):
-        return GradSync(stage)  # nothing to sum (a piece of only a reshape has no weights)
+    if len(topo.stage_group(coord.stage)) == 1:
+        return GradSync(stage)
+    if par.zero == 3 and any(True for _ in stage.parameters()):
+        return _sharded(topo, coord, stage, groups, device, comm)  # a frozen base too
+    if not any(p.requires_grad for p in stage.parameters()):
+        return GradSync(stage)  # nothing to sum (a reshape; a piece of a frozen base)
     per_step = par.bundle_sync == "step"
-    if par.zero == 3:
-        return _sharded(topo, coord, stage, groups, device, comm)
 
     def hop(group: dist.ProcessGroup) -> Hop:
         return make_hop(

@@ -187,3 +187,15 @@ class ShardedSync(GradSync):
     block's gradients (and all-reduce the shards across bundles, hierarchical) in every
     micro-batch's backward; nothing is left to do after the last one. (A split backward is
     refused before start: FSDP would reduce-scatter before the weight half.)"""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__(stage)
+        # What FSDP reduce-scatters in each backward: the whole gradient of every parameter that
+        # trains (a DTensor's numel is the whole tensor's); a frozen base sends nothing.
+        self.per_backward = sum(
+            p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad
+        )
+
+    def backward(self, outputs, grads, *, last: bool, run=None) -> None:  # type: ignore[no-untyped-def]
+        super().backward(outputs, grads, last=last, run=run)
+        self.wire.add(self.per_backward, self.per_backward)

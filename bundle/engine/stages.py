@@ -35,10 +35,12 @@ def build_stages(
     ``--pretrained``: the model is built with its parameters on the meta device and cut, and
     only the stages in ``keep`` (None: all) are given memory and read from the checkpoint; the
     others keep meta tensors (a weight tied to a kept stage's is that stage's tensor).
-    ``inputs``: the batch's named inputs (None: one tensor)."""
+    ``inputs``: the batch's named inputs (None: one tensor). ``--lora`` adapts the model before
+    it is cut (``models.adapt``)."""
     torch.manual_seed(cfg.train.seed)
     if not cfg.model.pretrained:
         model = models.build_model(cfg.model, num_classes, input_shape)
+        models.adapt(model, cfg.model, seed=cfg.train.seed)
         return cut_stages(model, cfg.model, num_stages, input_shape, capture, inputs)
     model = models.pretrained.build_empty(
         cfg.model.name,
@@ -47,6 +49,7 @@ def build_stages(
         input_shape=input_shape,
         args=cfg.model.kwargs,
     )
+    models.adapt(model, cfg.model, seed=cfg.train.seed)
     stages = cut_stages(model, cfg.model, num_stages, input_shape, capture, inputs)
     models.pretrained.load(
         model,
@@ -57,6 +60,31 @@ def build_stages(
         keep=keep,
     )
     return stages
+
+
+def lora_record(cfg: RunConfig, input_shape: tuple[int, ...], num_classes: int) -> dict:
+    """What a checkpoint records of a ``--lora`` run's adapters (``models.lora.Adapted``), from
+    the model built again on the meta device (no memory)."""
+    with torch.device("meta"):
+        if cfg.model.pretrained:
+            model = models.pretrained.build(
+                cfg.model.name,
+                cfg.model.pretrained,
+                num_classes=num_classes,
+                input_shape=input_shape,
+                args=cfg.model.kwargs,
+            )
+        else:
+            model = models.build_on_meta(
+                cfg.model.name,
+                num_classes=num_classes,
+                input_shape=input_shape,
+                args=cfg.model.kwargs,
+                config_file=cfg.model.config_file,
+            )
+        adapted = models.adapt(model, cfg.model, seed=cfg.train.seed)
+    assert adapted is not None, "lora_record is for a --lora run"
+    return adapted.record()
 
 
 def cut_stages(

@@ -39,11 +39,13 @@ class Tie:
 
 
 def find(stages: Sequence[Stage]) -> list[Tie]:
-    """The parameters that more than one stage uses, in the order the first stage meets them."""
+    """The parameters that more than one stage uses and train, in the order the first stage
+    meets them (a frozen one, a LoRA run's tied embedding, never changes: nothing to sum)."""
     holders: dict[int, list[tuple[int, str]]] = {}
     for i, stage in enumerate(stages):
         for name, p in stage.named_parameters():
-            holders.setdefault(id(p), []).append((i, stage.full_name(name)))
+            if p.requires_grad:
+                holders.setdefault(id(p), []).append((i, stage.full_name(name)))
     return [Tie(tuple(h)) for h in holders.values() if len(h) > 1]
 
 

@@ -125,6 +125,13 @@ class RunFacts:
     # Gradient (and, meeting every H steps, parameter) bytes the reporting process sent in its
     # stage's sync over the run, against the same sync in fp32 every step: 1.0 exact, 0.5 bf16.
     grad_wire_ratio: float
+    # Gradient bytes the reporting process handed its stage's sync per step of this attempt
+    # (its chunks' together; --zero 3: what FSDP reduce-scatters): what a frozen base saves.
+    grad_sync_bytes: int
+    # Of the whole model (a weight tied across stages counted once per stage holding it), as
+    # PEFT's print_trainable_parameters counts them: what trains, and every parameter.
+    trainable_params: int
+    all_params: int
     # Present only where they apply: loss scaling, a CUDA process, a planned run, a trace.
     skipped_steps: int | None = None
     loss_scale: float | None = None

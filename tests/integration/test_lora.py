@@ -1,0 +1,146 @@
+"""LoRA exact against PEFT: an adapter PEFT saved goes in with ``--lora-init``, and Bundle's
+hybrid training of it on a frozen base ends where one process training ``peft.PeftModel`` on the
+same global batches ends, with AdamW, for a tiny Llama and a tiny GPT-2 (whose ``Conv1D``
+PEFT adapts transposed): the first step's gradient of every adapter within 1e-5, and after
+3 steps every adapter within 1e-5 and every frozen weight exactly where it started.
+
+The variants cover the shapes (1,1; 2,1 x 2 bundles; 1,2), both syncs, ZeRO-1 and ZeRO-3 (which
+shards the frozen base too), 1F1B, GPipe, interleaving and ZBV (whose weight half has only the
+adapters to compute), on gloo and under nccl-emu with its communicators one call at a time. A
+world runs several variants, each a fresh session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bundle.engine.sharded import full
+from bundle.launch.localworld import run_world
+from bundle.session import build_session, train_stream
+from bundle.topology import Topology
+from tests.integration.test_any_model import first_grads
+from tests.support.reference import TOL, equivalence_config
+
+pytestmark = pytest.mark.slow
+peft = pytest.importorskip("peft")
+
+USER = "tests.support.user_models"
+MODELS = {"llama": ("q_proj", "v_proj", "down_proj"), "gpt2": ("c_attn", "c_proj")}
+STEPS = 3
+# (model, schedule, sync, zero, backend) per world, by (shape, bundles)
+WORLDS = {
+    ((1, 1), 1): [
+        ("gpt2", "interleaved-1f1b", "flat", 0, "gloo"),
+        ("llama", "gpipe", "flat", 0, "nccl-emu"),
+    ],
+    ((2, 1), 2): [
+        ("llama", "1f1b", "flat", 0, "gloo"),
+        ("gpt2", "1f1b", "hierarchical", 1, "gloo"),
+        ("llama", "zbv", "hierarchical", 0, "gloo"),
+        ("gpt2", "1f1b", "flat", 3, "gloo"),
+    ],
+    ((1, 2), 1): [
+        ("gpt2", "zbv", "flat", 1, "strict"),
+        ("llama", "1f1b", "hierarchical", 3, "strict"),
+        ("llama", "interleaved-1f1b", "flat", 0, "strict"),
+    ],
+}
+
+
+def lora_config(model, shape, bundles, schedule, sync, zero, backend, text, adapter):
+    chunks = 2 if schedule in ("interleaved-1f1b", "zbv") else 1
+    micro = 4 if chunks > 1 else 3
+    cfg = equivalence_config(
+        shape,
+        bundles,
+        schedule,
+        micro,
+        sync,
+        "mlp",
+        chunks=chunks,
+        sections={
+            "model": {"name": f"{USER}:{model}", "lora_init": adapter},
+            "data": {"dataset": "text", "seq_len": 8, "data_file": text},
+            "train": {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1, "momentum": 0.0},
+            "parallel": {"zero": zero},
+            "launch": {
+                "backend": "nccl-emu" if backend == "strict" else backend,
+                "emu_strict": backend == "strict",
+            },
+        },
+    )
+    return cfg
+
+
+def _world(rank: int, world: int, shape, bundles, text: str, adapters: dict, refs_file: str):
+    failures = []
+    refs = torch.load(refs_file, weights_only=True)
+    for model, schedule, sync, zero, backend in WORLDS[(tuple(shape), bundles)]:
+        name = f"{model} {schedule} {sync} zero{zero} {backend}"
+        cfg = lora_config(
+            model, shape, bundles, schedule, sync, zero, backend, text, adapters[model]
+        )
+        topo = Topology.from_config(cfg)
+        session = build_session(cfg, topo, rank, torch.device("cpu"))
+        grads = first_grads(session)
+        batches = train_stream(session, topo, cfg.train.seed, STEPS, 0)
+        for step in range(STEPS):
+            session.engine.train_step(step, next(batches))
+        mine = {k: full(v).detach().clone() for k, v in session.stage.full_state_dict().items()}
+        grads = {k: full(v) for k, v in grads.items()}
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object((topo.coord(rank), mine, grads), gathered, dst=0)
+        if rank != 0:
+            continue
+        init, ref, ref_grads = refs[model]
+        covered: set[str] = set()
+        for coord, params, got_grads in gathered:
+            covered |= set(got_grads)
+            for key, value in params.items():
+                want = ref[key] if key in ref_grads else init[key]
+                tol = TOL if key in ref_grads else 0.0
+                err = (value - want).abs().max().item()
+                if err > tol:
+                    failures.append(f"{name} {coord}: {key} off by {err:.2e}")
+            for key, value in got_grads.items():
+                err = (value - ref_grads[key]).abs().max().item() if key in ref_grads else 1.0
+                if err > TOL:
+                    failures.append(f"{name} {coord}: gradient of {key} off by {err:.2e}")
+        if covered != set(ref_grads):
+            failures.append(f"{name}: trained {sorted(covered)[:3]}, PEFT {sorted(ref_grads)[:3]}")
+    return failures
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The corpus, a PEFT adapter per model, and PEFT's run of each (init, end, first grads)."""
+    from tests.support.lora_reference import peft_reference, save_adapter
+
+    root = tmp_path_factory.mktemp("lora")
+    text = root / "corpus.txt"
+    text.write_text(Path(torch.__file__).with_name("functional.py").read_text()[:20000])
+    adapters, refs = {}, {}
+    for model, targets in MODELS.items():
+        cfg = lora_config(model, (1,), 1, "gpipe", "flat", 0, "gloo", str(text), None)
+        adapters[model] = save_adapter(cfg, str(root / model), r=4, alpha=8, targets=targets)
+        cfg = lora_config(model, (1,), 1, "gpipe", "flat", 0, "gloo", str(text), adapters[model])
+        grads: dict = {}
+        ref = peft_reference(cfg, adapters[model], grads=grads)
+        init = peft_reference(cfg, adapters[model], steps=0)
+        moved = max((ref[k] - init[k]).abs().max().item() for k in grads)
+        assert moved > 1e3 * TOL, f"{model}: PEFT's run hardly moved the adapters ({moved:.1e})"
+        refs[model] = (init, ref, grads)
+    torch.save(refs, root / "refs.pt")  # read by the world's rank 0 (no tensors through a pipe)
+    return str(text), adapters, str(root / "refs.pt")
+
+
+@pytest.mark.parametrize(
+    "shape,bundles", list(WORLDS), ids=[f"{','.join(map(str, s))}x{b}" for s, b in WORLDS]
+)
+def test_lora_equals_peft(shape, bundles, setup):
+    text, adapters, refs = setup
+    results = run_world(sum(shape) * bundles, _world, shape, bundles, text, adapters, refs)
+    assert results[0] == [], "\n".join(results[0])
