@@ -181,6 +181,20 @@ def _chunks(
     return out
 
 
+def param_counts(session: Session) -> tuple[int, int]:
+    """The whole model's parameters that train, and all of them (PEFT's counts): each stage
+    counted by its first replica of bundle 0 (collective over the job's control group)."""
+    coord = session.coord
+    counts = torch.zeros(2, dtype=torch.float64)
+    if coord.bundle == 0 and coord.replica == 0:
+        for p in session.stage.parameters():
+            counts[0 if p.requires_grad else 1] += p.numel()
+        counts[1] += counts[0]
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts, group=session.groups.control)
+    return int(counts[0]), int(counts[1])
+
+
 def make_loss(cfg: RunConfig) -> Loss:
     """``--loss module:function``, else cross-entropy (with ``--label-smoothing``)."""
     if cfg.model.loss:

@@ -29,7 +29,7 @@ from bundle.observe.trace import KernelProfiler
 from bundle.runtime import keys
 from bundle.runtime.phase import Phase
 from bundle.runtime.preemption import Regroup, Stopped, StopRequest, StopVote, maybe_fail
-from bundle.session import Session, make_checkpointer, train_stream
+from bundle.session import Session, make_checkpointer, param_counts, train_stream
 from bundle.topology import Topology
 
 
@@ -241,19 +241,6 @@ class Trainer:
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.session.groups.control)
         return round(float(most[0]), 3), round(float(most[1]), 1), tuple(int(b) for b in most[2:])
 
-    def _param_counts(self) -> tuple[int, int]:
-        """The whole model's parameters that train, and all of them: each stage counted by its
-        first replica of bundle 0 (collective)."""
-        coord = self.session.coord
-        counts = torch.zeros(2, dtype=torch.float64)
-        if coord.bundle == 0 and coord.replica == 0:
-            for p in self.session.stage.parameters():
-                counts[0 if p.requires_grad else 1] += p.numel()
-            counts[1] += counts[0]
-        if dist.is_initialized():
-            dist.all_reduce(counts, group=self.session.groups.control)
-        return int(counts[0]), int(counts[1])
-
     def _facts(self, elapsed: float, replaced_samples: int | None = None) -> RunFacts:
         cfg, topo, engine = self.run.cfg, self.run.topo, self.engine
         params = list(self.session.stage.parameters())
@@ -266,7 +253,7 @@ class Trainer:
         spent = compiled.seconds() if cfg.compute.compile else 0.0
         data_wait, rss, most = self._most((*held, int(spent * 1e3)))
         most, compile_ms = most[:-1], most[-1]
-        counts = self._param_counts()
+        counts = param_counts(self.session)
         scaler, device = engine.scaler, engine.device
         # The reporting process's own peak (make gpu-check reads it).
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

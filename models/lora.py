@@ -79,7 +79,8 @@ DEFAULT_TARGETS: Mapping[str, tuple[str, ...]] = {
 
 def is_conv1d(m: nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2's linear layers, weight ``[in, out]``)."""
-    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and hasattr(m, "weight")
+    is_one = any(c.__name__ == "Conv1D" for c in type(m).__mro__)
+    return is_one and hasattr(m, "nf") and hasattr(m, "weight")
 
 
 def adaptable(m: nn.Module) -> bool:

@@ -10,6 +10,7 @@ The package, from the leaves up:
 - ``reach``: how far a setting reaches (node-local, recorded), declared in its field's metadata;
 - ``sync``: the data-parallel options' spellings and the combinations refused;
 - ``yaml_input``: YAML a user gives, read as data (no alias that expands);
+- ``lora``: ``--lora``'s spec, and the one of an adapter PEFT saved (``--lora-init``);
 - ``job``: the sections of how a job runs (layout, compute, launch, checkpoints, observing);
 - this module: what is trained and the frozen ``RunConfig`` gathering every section;
 - ``options``: the options table ``RunConfig`` is declared in: the parser, ``--help`` and the
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -41,9 +42,9 @@ from bundle.config.job import ParallelConfig as ParallelConfig
 from bundle.config.job import parse_shape as parse_shape
 from bundle.config.job import parse_steps as parse_steps
 from bundle.config.lora import LoRASpec as LoRASpec
-from bundle.config.lora import lora_of_adapter as lora_of_adapter
 from bundle.config.lora import parse_lora as parse_lora
 from bundle.config.lora import parse_names as parse_names
+from bundle.config.lora import resolve_lora
 from bundle.config.reach import NODE_LOCAL as NODE_LOCAL
 from bundle.config.reach import NODES_AGREE_IF_SET as NODES_AGREE_IF_SET
 from bundle.config.reach import RECORDED as RECORDED
@@ -138,28 +139,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         parse_model_args(self.args)
-        if self.lora_init is not None:
-            from_file = lora_of_adapter(self.lora_init)
-            given = parse_lora(self.lora)
-            if (
-                given is not None
-                and replace(given, targets=tuple(sorted(given.targets))) != from_file
-            ):
-                raise ConfigError(
-                    "--lora-init",
-                    self.lora_init,
-                    f"its adapter is {from_file.text()}, --lora asks for {given.text()}: "
-                    "leave --lora out to take the adapter's",
-                )
-            object.__setattr__(self, "lora", from_file.text())
-        parse_lora(self.lora)
-        if self.lora is None:
-            for flag, given in (("--lora-train", self.lora_train),):
-                if given:
-                    raise ConfigError(
-                        flag, given, "trains modules beside LoRA adapters: give --lora"
-                    )
-        parse_names("--lora-train", self.lora_train)
+        object.__setattr__(self, "lora", resolve_lora(self.lora, self.lora_init, self.lora_train))
         if self.pretrained is not None:
             for flag, given, what in (
                 ("--weights", self.weights, "weights"),

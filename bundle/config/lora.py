@@ -10,7 +10,7 @@ unset, the model family's usual ones (``models.lora.DEFAULT_TARGETS``). ``--lora
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bundle.errors import ConfigError
 
@@ -162,3 +162,24 @@ def lora_of_adapter(directory: str) -> LoRASpec:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(flag, directory, f"{ADAPTER_CONFIG} is not valid: {exc!r}") from None
+
+
+def resolve_lora(lora: str | None, init: str | None, train: str | None) -> str | None:
+    """``--lora`` as the run takes it: ``--lora-init``'s adapter's spec where only that is given
+    (the two must agree where both are); ``--lora-train`` only with one of them."""
+    if init is not None:
+        from_file = lora_of_adapter(init)
+        given = parse_lora(lora)
+        if given is not None and replace(given, targets=tuple(sorted(given.targets))) != from_file:
+            raise ConfigError(
+                "--lora-init",
+                init,
+                f"its adapter is {from_file.text()}, --lora asks for {given.text()}: "
+                "leave --lora out to take the adapter's",
+            )
+        lora = from_file.text()
+    parse_lora(lora)
+    if lora is None and train:
+        raise ConfigError("--lora-train", train, "trains modules beside LoRA adapters: give --lora")
+    parse_names("--lora-train", train)
+    return lora

@@ -290,12 +290,11 @@ OPTIONS: tuple[Option, ...] = (
                 "load what fits, initialise the rest, say which in one line)"),
     Option(MODEL, "--lora", "model.lora", metavar="r=R,alpha=A,dropout=P,targets=M1,M2|on",
            help="train LoRA adapters on a frozen model: rank r (8), scale alpha/r (alpha 16), "
-                "dropout on their input (0), on the modules whose names end in the targets "
-                "(or all-linear; default: the model family's usual ones, as PEFT's); "
-                "only the adapters get gradients, optimizer state and sync (docs/finetuning.md)"),
+                "input dropout (0), on modules whose names end in the targets (or all-linear; "
+                "default: the family's usual ones, as PEFT's); docs/finetuning.md"),
     Option(MODEL, "--lora-train", "model.lora_train", metavar="M1,M2",
-           help="with --lora: modules trained whole beside the adapters, by name suffix (a new "
-                "head: score, classifier), as PEFT's modules_to_save"),
+           help="with --lora: modules trained whole beside the adapters, by name suffix (a "
+                "new head), as PEFT's modules_to_save"),
     Option(MODEL, "--lora-init", "model.lora_init", metavar="DIR",
            help="start the adapters from one PEFT saved (adapter_config.json, "
                 "adapter_model.safetensors); its r, alpha and targets are --lora's"),

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bundle.checkpoint import format as ckpt
 from bundle.engine.sharded import full
 from bundle.launch.localworld import run_world
 from bundle.session import build_session, train_stream
@@ -32,15 +33,15 @@ MODELS = {"llama": ("q_proj", "v_proj", "down_proj"), "gpt2": ("c_attn", "c_proj
 STEPS = 3
 # (model, schedule, sync, zero, backend) per world, by (shape, bundles)
 WORLDS = {
-    ((1, 1), 1): [
-        ("gpt2", "interleaved-1f1b", "flat", 0, "gloo"),
-        ("llama", "gpipe", "flat", 0, "nccl-emu"),
-    ],
     ((2, 1), 2): [
         ("llama", "1f1b", "flat", 0, "gloo"),
         ("gpt2", "1f1b", "hierarchical", 1, "gloo"),
         ("llama", "zbv", "hierarchical", 0, "gloo"),
         ("gpt2", "1f1b", "flat", 3, "gloo"),
+    ],
+    ((1, 1), 1): [
+        ("gpt2", "interleaved-1f1b", "flat", 0, "gloo"),
+        ("llama", "gpipe", "flat", 0, "nccl-emu"),
     ],
     ((1, 2), 1): [
         ("gpt2", "zbv", "flat", 1, "strict"),
@@ -75,8 +76,11 @@ def lora_config(model, shape, bundles, schedule, sync, zero, backend, text, adap
     return cfg
 
 
-def _world(rank: int, world: int, shape, bundles, text: str, adapters: dict, refs_file: str):
-    failures = []
+def _world(rank: int, world: int, shape, bundles, setup, reshape) -> tuple[list[str], str | None]:
+    """Every variant of the world's shape against PEFT; then the reshape's save (at 2,1 x 2) or
+    its resume (at 1,1). Rank 0 returns the mismatches, and the checkpoint saved."""
+    text, adapters, refs_file = setup
+    failures: list[str] = []
     refs = torch.load(refs_file, weights_only=True)
     for model, schedule, sync, zero, backend in WORLDS[(tuple(shape), bundles)]:
         name = f"{model} {schedule} {sync} zero{zero} {backend}"
@@ -111,7 +115,72 @@ def _world(rank: int, world: int, shape, bundles, text: str, adapters: dict, ref
                     failures.append(f"{name} {coord}: gradient of {key} off by {err:.2e}")
         if covered != set(ref_grads):
             failures.append(f"{name}: trained {sorted(covered)[:3]}, PEFT {sorted(ref_grads)[:3]}")
-    return failures
+    saved = _reshape(rank, world, shape, bundles, setup, reshape, refs["llama"], failures)
+    return failures, saved
+
+
+# The reshape: llama's adapters saved after SAVED steps at 2,1 x 2 bundles (1F1B, flat), resumed
+# at 1,1 (GPipe, hierarchical) to STEPS: what trains and AdamW's state arrive bit for bit, the
+# base's digests agree, and the end is PEFT's (1e-5) with the frozen base untouched.
+SAVED = 2
+RESHAPE = {((2, 1), 2): ("1f1b", "flat", SAVED), ((1, 1), 1): ("gpipe", "hierarchical", STEPS)}
+
+
+def _reshape(rank, world, shape, bundles, setup, reshape, refs, failures) -> str | None:
+    from dataclasses import replace
+
+    from bundle.config import CheckpointConfig
+    from bundle.session import make_checkpointer
+
+    key = (tuple(shape), bundles)
+    if key not in RESHAPE:
+        return None
+    (text, adapters, _), (save_dir, path) = setup, reshape
+    schedule, sync, steps = RESHAPE[key]
+    cfg = lora_config("llama", shape, bundles, schedule, sync, 0, "gloo", text, adapters["llama"])
+    cfg = replace(
+        cfg, train=replace(cfg.train, steps=steps), checkpoint=CheckpointConfig(save_dir=save_dir)
+    )
+    topo = Topology.from_config(cfg)
+    session = build_session(cfg, topo, rank, torch.device("cpu"))
+    saver = make_checkpointer(cfg, topo, rank, session)
+    start = saver.restore(path)
+    state = saver.state()  # what the checkpoint holds of this rank, as loaded
+    loaded = {k: v.detach().clone() for k, v in state.items() if not k.startswith("base.")}
+    batches = train_stream(session, topo, cfg.train.seed, steps, 0, start=start)
+    for step in range(start, steps):
+        session.engine.train_step(step, next(batches))
+    if path is None:
+        saver.save(steps)
+        stored = ckpt.weights(saver.last_saved)
+        stage = session.stage
+        frozen = [stage.full_name(n) for n, p in stage.named_parameters() if not p.requires_grad]
+        held = [k for k in frozen if k in stored]
+        if not frozen or held:
+            failures.append(f"reshape: frozen {len(frozen)}, in the checkpoint: {held[:2]}")
+        return saver.last_saved
+    init, ref, ref_grads = refs
+    if start != SAVED:
+        failures.append(f"reshape: resumed at step {start}, not {SAVED}")
+    want = ckpt_entries(path)
+    for k, v in loaded.items():
+        if k in want and not torch.equal(v, want[k]):
+            failures.append(f"reshape rank {rank}: {k} not loaded bit for bit")
+    for name, value in session.stage.full_state_dict().items():
+        target, tol = (ref[name], TOL) if name in ref_grads else (init[name], 0.0)
+        err = (value - target).abs().max().item()
+        if err > tol:
+            failures.append(f"reshape rank {rank}: {name} off by {err:.2e} after resuming")
+    return None
+
+
+def ckpt_entries(path: str) -> dict[str, torch.Tensor]:
+    """Every entry of checkpoint ``path`` (the model's, the optimizer's, the digests)."""
+    import torch.distributed.checkpoint as dcp
+
+    want = {k: torch.empty(s, dtype=d) for k, (s, d) in ckpt.entries(path).items()}
+    dcp.load(want, storage_reader=ckpt.safe_reader(path), no_dist=True)
+    return want
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +206,12 @@ def setup(tmp_path_factory):
     return str(text), adapters, str(root / "refs.pt")
 
 
-@pytest.mark.parametrize(
-    "shape,bundles", list(WORLDS), ids=[f"{','.join(map(str, s))}x{b}" for s, b in WORLDS]
-)
-def test_lora_equals_peft(shape, bundles, setup):
-    text, adapters, refs = setup
-    results = run_world(sum(shape) * bundles, _world, shape, bundles, text, adapters, refs)
-    assert results[0] == [], "\n".join(results[0])
+def test_lora_equals_peft_at_every_shape_and_resumes_under_another(setup, tmp_path):
+    """The worlds in order: 2,1 x 2 (saving the reshape's checkpoint), 1,1 (resuming it), 1,2."""
+    save_dir, path = str(tmp_path / "ckpt"), None
+    for shape, bundles in WORLDS:
+        results = run_world(sum(shape) * bundles, _world, shape, bundles, setup, (save_dir, path))
+        failures, saved = results[0]
+        assert failures == [], "\n".join(failures)
+        path = saved or path
+    assert path is not None and path.endswith(f"step-{SAVED}")

@@ -89,6 +89,8 @@ def shared(**sections):
             "weights_strict": False,
             "loss": None,
             "output": None,
+            "lora": None,
+            "lora_train": None,
         },
         "data": {
             "dataset": "digits",
@@ -187,6 +189,8 @@ RECORDED_DEFAULT = {
     "loss": None,
     "model_output": None,
     "pretrained": None,
+    "lora": None,
+    "lora_train": None,
     "text_field": "text",
     "label_field": None,
     "seq_len": 64,
