@@ -24,6 +24,8 @@ torchvision, or ``transformers:ClassName``; a factory it names (``package.module
 model is built on the meta device and its tensors' shapes compared with the checkpoint's before
 the model is allocated. A ``transformers`` model's step records its config (``hf_config``): the
 model is rebuilt from it unless ``--model``, ``--model-args`` or ``--model-config`` is given.
+A ``--lora`` run's step samples the plain model, its adapters merged into the frozen base built
+again as the run built it (``checkpoint.merged``; ``--base FILE|DIR``: where that base came from).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="DIR",
                    help="the tokenizer it was trained with (a step directory records it; "
                         "default: byte-level)")  # fmt: skip
+    p.add_argument("--base", metavar="FILE|DIR",
+                   help="a --lora run's step: the --weights file or --pretrained directory its "
+                        "frozen base came from (default: as the step records)")  # fmt: skip
     p.add_argument(TRUST, action="store_true",
                    help="run the model factory a step directory names (package.module:function): "
                         "only for checkpoints you trust, like transformers' trust_remote_code")  # fmt: skip
@@ -195,7 +200,14 @@ def _recorded(info: dict, path: str, args: argparse.Namespace) -> dict[str, Any]
 
 
 def _step_source(path: str, args: argparse.Namespace) -> Source:
-    info = _recorded(ckpt.read_info(path), path, args)
+    from bundle.checkpoint import merged
+
+    raw = ckpt.read_info(path)
+    info = _recorded(raw, path, args)
+    if args.base is not None and not merged.is_lora(raw):
+        raise ConfigError(
+            "--base", args.base, f"is for a --lora run's step; {path} holds no adapters"
+        )
     trained = info["input_shape"][0]
     if args.seq_len is not None and args.seq_len > trained:
         raise ConfigError(
@@ -211,8 +223,22 @@ def _step_source(path: str, args: argparse.Namespace) -> Source:
         tokenizer=args.tokenizer or info["tokenizer"],
         context=args.seq_len or trained,
         trained=trained,
-        state=lambda: ckpt.weights(path),
+        state=lambda: _weights(path, raw, args) if merged.is_lora(raw) else ckpt.weights(path),
         hf=info["hf"],
+    )
+
+
+def _weights(path: str, info: dict, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """A ``--lora`` step's plain model: its adapters merged into the base built again."""
+    from bundle.checkpoint import merged
+
+    return merged.merged_state(
+        path,
+        info,
+        ckpt.weights(path),
+        base=args.base,
+        model_config=args.model_config,
+        trust=args.trust_checkpoint_code,
     )
 
 
@@ -278,10 +304,12 @@ def source(args: argparse.Namespace) -> Source:
     """The model's description and its weights, from a step directory (or the newest of a save
     directory), a ``save_pretrained`` directory, or a weights file."""
     path = args.checkpoint
-    if os.path.isdir(path):
-        if hf_export.is_pretrained(path):
-            return _pretrained_source(path, args)
+    if os.path.isdir(path) and not hf_export.is_pretrained(path):
         return _step_source(ckpt.step_or_newest(path, _note), args)
+    if args.base is not None:
+        raise ConfigError("--base", args.base, "is for a --lora run's step directory")
+    if os.path.isdir(path):
+        return _pretrained_source(path, args)
     if not os.path.isfile(path):
         raise ConfigError("CHECKPOINT", path, "no such step directory or weights file")
     return _file_source(path, args)

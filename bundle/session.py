@@ -104,6 +104,7 @@ def build_session(
     stages = build_stages(
         cfg, S * V, splits.input_shape, splits.num_classes, capture, keep=keep, inputs=splits.inputs
     )
+    frozen = 0 if V > 1 else frozen_front(stages)
     tied = ties.find(stages)
     tied = tied if V == 1 else ties.by_stage(tied, lambda j: pipe.place(j)[0])
     policy = Policy.of(cfg.compute, device)
@@ -143,12 +144,22 @@ def build_session(
             loss=make_loss(cfg),
             # gloo alone lets a receive progress on its own: there it is posted ahead (bundle.ir.p2p).
             early_receives=backend == "gloo",
+            frozen=frozen,
         ),
         device=device,
         timer=timing.make_timer(device),
     )
     arrive("ready to train")
     return Session(engine, stage, splits, coord, groups, optimizer, layout, comm)
+
+
+def frozen_front(stages: list[Stage]) -> int:
+    """How many stages from the front have nothing to train (a frozen embedding before the
+    adapters, a piece that only reshapes): no gradient needs to reach them (bundle.ir.p2p)."""
+    n = 0
+    while n < len(stages) - 1 and not any(p.requires_grad for p in stages[n].parameters()):
+        n += 1
+    return n
 
 
 def _chunks(

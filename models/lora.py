@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -173,7 +173,7 @@ def targets_of(model: nn.Module, spec: LoRASpec) -> tuple[dict[str, nn.Module], 
     targets = spec.targets
     if not targets:
         kind = family(model)
-        if kind not in DEFAULT_TARGETS:
+        if kind is None or kind not in DEFAULT_TARGETS:
             raise ConfigError(
                 FLAG,
                 spec.text(),
@@ -242,7 +242,7 @@ def apply(
 
 
 def _adapt(m: nn.Module, spec: LoRASpec, name: str, seed: int) -> None:
-    w = m.weight
+    w = cast(torch.Tensor, m.weight)
     d_in, d_out = (w.shape[0], w.shape[1]) if is_conv1d(m) else (w.shape[1], w.shape[0])
     # On the meta device where the model's tensors are built there (checks before launch); a
     # base built empty to be filled from files (--pretrained) gets real adapters at once.
@@ -251,7 +251,7 @@ def _adapt(m: nn.Module, spec: LoRASpec, name: str, seed: int) -> None:
     m.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
     m.lora_A = nn.Linear(d_in, spec.r, bias=False, device=device, dtype=torch.float32)
     m.lora_B = nn.Linear(spec.r, d_out, bias=False, device=device, dtype=torch.float32)
-    m.scaling = spec.scaling
+    m.scaling = spec.scaling  # type: ignore[assignment]
     if m.lora_A.weight.is_meta:
         return
     digest = hashlib.sha256(f"{seed}/lora/{name}".encode()).digest()

@@ -6,8 +6,13 @@ Modules, from the data up:
 - ``format``: the final weights file, resumable ``step-N`` directories (DCP), their settings and
   checksums, re-saves that keep a whole copy and what a kill left put right, resolving
   ``--resume`` past damaged ones, export (``python -m bundle.checkpoint export``);
+- ``hf_record``: a ``transformers`` model's class and config as a step records them
+  (``hf_config``), and the model built again from that record, checked first;
+- ``merged``: a ``--lora`` run's step as the plain model: its frozen base built again as the run
+  built it, checked against the step's digests, the adapters folded in;
 - ``hf_export``: a ``transformers`` model's step as a ``from_pretrained`` directory (``export
-  --hf``), and such a directory read back as data (``bundle.generate``);
+  --hf``; a ``--lora`` run's merged), and such a directory read back as data (``bundle.generate``);
+- ``peft_export``: a ``--lora`` run's adapters as the directory PEFT reads (``export --peft``);
 - ``hf_files``: what goes into an export beside the weights, read as data: the run's tokenizer
   files (an exact list of names) and a ``--pretrained`` directory's generation config;
 - ``lock``: ``DirLock``, one job per save directory;

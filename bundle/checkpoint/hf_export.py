@@ -12,7 +12,8 @@ than one): a weight tied to another is written once, as ``transformers`` writes 
 started from ``--pretrained DIR`` carries DIR's own ``generation_config.json`` instead, read as
 data (``hf_files``). The run's tokenizer is copied beside them: plain files of an exact list of
 names. Everything is written to ``OUT.partial`` and renamed, so a half-written export is never
-taken for a whole one.
+taken for a whole one. A ``--lora`` run's step is written as the plain model, its adapters
+merged into the frozen base rebuilt (``merged``); ``export --peft`` writes the adapters alone.
 
 ``read_pretrained`` reads such a directory back as data: the class its ``config.json`` names
 (a model class of ``transformers``, nothing else), the weights from safetensors files only.
@@ -24,7 +25,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +35,15 @@ from torch import nn
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint import hf_files
 from bundle.checkpoint.hf_files import TOKENIZER_FILES, copy_tokenizer
+from bundle.checkpoint.hf_record import RECORD as RECORD
+from bundle.checkpoint.hf_record import config_from as config_from
+from bundle.checkpoint.hf_record import model_class as model_class
+from bundle.checkpoint.hf_record import on_meta as on_meta
+from bundle.checkpoint.hf_record import record as record
+from bundle.checkpoint.hf_record import record_for as record_for
+from bundle.checkpoint.hf_record import tied as tied
+from bundle.checkpoint.hf_record import with_tied as with_tied
 from bundle.errors import BundleError, CheckpointError, ConfigError
-
-RECORD = "hf_config"  # bundle.json's key: {"class": "GPT2LMHeadModel", "config": {...}}
-_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 
 
 @dataclass(frozen=True)
@@ -53,132 +59,6 @@ class HFExport:
     tokenizer: tuple[str, ...]
     # The source config's auto_map (custom code the run never ran) was left out of config.json.
     dropped_auto_map: bool = False
-
-
-# -- the record ------------------------------------------------------------------------------
-
-
-def record(model: nn.Module) -> dict[str, Any] | None:
-    """A ``transformers`` model's class and config as JSON data (None: not such a model)."""
-    from bundle.models import hf
-
-    config = getattr(model, "config", None)
-    if not hf.is_pretrained_class(type(model)) or config is None:
-        return None
-    return {
-        "class": type(model).__name__,
-        "config": json.loads(config.to_json_string(use_diff=False)),
-    }
-
-
-def record_for(
-    name: str,
-    *,
-    num_classes: int,
-    input_shape: tuple[int, ...],
-    args: Mapping[str, Any],
-    config_file: str | None = None,
-    pretrained: str | None = None,
-) -> dict[str, Any] | None:
-    """The record of model ``name`` as a run builds it (``--model-config``, or ``--pretrained``'s
-    config.json) on the meta device (no memory); None for a model that is no
-    ``transformers:Class``."""
-    if not name.startswith("transformers:"):
-        return None
-    from bundle import models
-
-    if pretrained:
-        with torch.device("meta"):
-            meta = models.pretrained.build(
-                name, pretrained, num_classes=num_classes, input_shape=input_shape, args=args
-            )
-    else:
-        meta = models.build_on_meta(
-            name,
-            num_classes=num_classes,
-            input_shape=input_shape,
-            args=args,
-            config_file=config_file,
-        )
-    return record(meta)
-
-
-def model_class(name: object, where: str) -> type:
-    """``transformers.<name>``, if it is a model class of transformers (nothing else is built)."""
-    from bundle.models import hf
-
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ConfigError(where, name, "must name a transformers model class")
-    try:
-        import transformers
-
-        cls = getattr(transformers, name, None)
-    except Exception as exc:  # noqa: BLE001 - not installed, or its lazy import failed: not one
-        if hf.missing(exc):
-            raise ConfigError(
-                where, name, f"building it needs transformers ({hf.install_command()})"
-            ) from None
-        cls = None
-    if not hf.is_pretrained_class(cls):
-        raise ConfigError(where, name, "must name a transformers model class")
-    return cls  # type: ignore[return-value]
-
-
-def config_from(rec: object, where: str) -> tuple[type, Any]:
-    """The model class and its config from a record, checked as data first."""
-    if not isinstance(rec, dict) or not isinstance(rec.get("config"), dict):
-        raise ConfigError(where, type(rec).__name__, "must be {class, config} as a run records it")
-    cls = model_class(rec.get("class"), f"{where} class")
-    config_class = cls.config_class  # type: ignore[attr-defined]
-    data = rec["config"]
-    kind = data.get("model_type")
-    if kind and getattr(config_class, "model_type", "") and kind != config_class.model_type:
-        raise ConfigError(
-            f"{where} model_type", kind, f"{cls.__name__} takes {config_class.model_type!r}"
-        )
-    try:
-        return cls, config_class.from_dict(_ids_in_vocabulary(data))
-    except Exception as exc:  # noqa: BLE001 - the library refused it: one line
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(where, cls.__name__, f"its config cannot be read: {why}") from None
-
-
-def _ids_in_vocabulary(data: dict[str, Any]) -> dict[str, Any]:
-    """The config with special token ids outside its vocabulary cleared: they name no token (a
-    class's defaults, GPT-2's 50256, in a model Bundle sized to 256 bytes), and transformers warns
-    of them at every load."""
-    vocab = data.get("vocab_size")
-    if not isinstance(vocab, int):
-        return data
-    outside = [k for k in _TOKEN_IDS if isinstance(data.get(k), int) and not 0 <= data[k] < vocab]
-    return {**data, **dict.fromkeys(outside)}
-
-
-def on_meta(cls: type, config: Any) -> nn.Module:
-    """The model with its tensors on the meta device (nothing allocated)."""
-    with torch.device("meta"):
-        model: nn.Module = cls(config)
-    return model
-
-
-def tied(model: nn.Module) -> dict[str, str]:
-    """Each name of the model's state under which a tensor comes again -> its first name
-    (GPT-2's ``lm_head.weight`` -> ``transformer.wte.weight``)."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, value in model.state_dict(keep_vars=True).items():
-        seen = first.setdefault(id(value), name)
-        if seen != name:
-            aliases[name] = seen
-    return aliases
-
-
-def with_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with the tied copies an export leaves out, as the model ties them."""
-    for alias, name in tied(model).items():
-        if alias not in state and name in state:
-            state[alias] = state[name]
-    return state
 
 
 # -- export ----------------------------------------------------------------------------------
@@ -287,18 +167,15 @@ def export_hf(
     force: bool = False,
     model_config: str | None = None,
     tokenizer: str | None = None,
+    base: str | None = None,
 ) -> HFExport:
     """Write step ``path`` of a ``transformers`` model as a ``from_pretrained`` directory ``out``
-    (see the module doc); ``force`` replaces an ``out`` already there."""
+    (see the module doc); ``force`` replaces an ``out`` already there. A ``--lora`` run's step is
+    the model with its adapters merged (``merged``; ``base``: where its frozen base is)."""
+    from bundle.checkpoint import merged
+
     limit = shard_size(max_shard_size)
-    out = os.path.normpath(out)  # OUT/ would put OUT.partial inside OUT
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint directory; nothing exported")
-    inside = os.path.relpath(os.path.realpath(path), os.path.realpath(out))
-    if not (inside == os.pardir or inside.startswith(os.pardir + os.sep)):
-        raise ConfigError("--hf", out, f"it holds the checkpoint {path}: choose another directory")
-    if os.path.lexists(out) and not force:
-        raise ConfigError("--hf", out, "it exists: give --force to replace it")
+    out = check_out(path, out, flag="--hf", force=force)
     with contextlib.suppress(CheckpointError):  # unreadable: the verification says why
         _transformers(path, ckpt.read_info(path))  # another kind of model: before reading it
     try:
@@ -307,6 +184,12 @@ def export_hf(
         raise CheckpointError(f"{exc}; nothing exported") from None
     info = ckpt.read_info(path)  # what was verified
     cls, config = _model_of(path, info, model_config)
+    if merged.is_lora(info):
+        state = merged.merged_state(path, info, state, base=base, model_config=model_config)
+    elif base is not None:
+        raise ConfigError(
+            merged.BASE, base, f"is for a --lora run's step; {path} holds no adapters"
+        )
     # A --pretrained directory's auto_map names code of its own; Bundle built and trained the
     # transformers class it names instead, so the export is that class, without a dangling map.
     dropped = config.__dict__.pop("auto_map", None) is not None
@@ -319,16 +202,16 @@ def export_hf(
     if isinstance(pretrained, str) and model.can_generate():  # type: ignore[operator]
         generation = hf_files.generation_config(pretrained)
     partial = f"{out}.partial"
-    _remove(partial)
+    remove(partial)
     try:
         with _quiet():
             model.save_pretrained(partial, max_shard_size=limit)  # type: ignore[operator]
             if generation is not None:  # instead of the one made from the model's config
                 generation.save_pretrained(partial)
         copied = copy_tokenizer(source, partial) if isinstance(source, str) else ()
-        _swap_in(partial, out)
+        swap_in(partial, out)
     except BaseException:
-        _remove(partial)
+        remove(partial)
         raise
     shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
     return HFExport(
@@ -342,22 +225,36 @@ def export_hf(
     )
 
 
-def _remove(path: str) -> None:
+def check_out(path: str, out: str, *, flag: str, force: bool) -> str:
+    """The directory ``out`` an export of step ``path`` writes (normalised), refused in one line
+    where it holds the checkpoint, or exists without ``force``."""
+    out = os.path.normpath(out)  # OUT/ would put OUT.partial inside OUT
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory; nothing exported")
+    inside = os.path.relpath(os.path.realpath(path), os.path.realpath(out))
+    if not (inside == os.pardir or inside.startswith(os.pardir + os.sep)):
+        raise ConfigError(flag, out, f"it holds the checkpoint {path}: choose another directory")
+    if os.path.lexists(out) and not force:
+        raise ConfigError(flag, out, "it exists: give --force to replace it")
+    return out
+
+
+def remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):
         os.unlink(path)
 
 
-def _swap_in(partial: str, out: str) -> None:
+def swap_in(partial: str, out: str) -> None:
     """``partial`` (whole) becomes ``out``; an ``out`` there (``--force``) is moved aside first
     and removed last."""
     aside = f"{out}.replaced"
     if os.path.lexists(out):
-        _remove(aside)
+        remove(aside)
         os.replace(out, aside)
     os.replace(partial, out)
-    _remove(aside)
+    remove(aside)
 
 
 # -- reading an export back --------------------------------------------------------------------

@@ -19,6 +19,12 @@ from bundle.engine.sharded import is_sharded
 from bundle.engine.stage import Stage
 
 
+def digest_of(t: torch.Tensor) -> torch.Tensor:
+    """SHA-256 of a tensor's bytes (uint8[32]): what a checkpoint keeps of a frozen base tensor."""
+    data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+    return torch.frombuffer(bytearray(hashlib.sha256(data.tobytes()).digest()), dtype=torch.uint8)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankParts:
     """What one rank's checkpoint holds: its stage's parameters and buffers, its optimizer's state
@@ -50,11 +56,7 @@ class RankParts:
         if self.frozen_base and not self._digests:
             for n, p in self.stage.named_parameters():
                 if not p.requires_grad and not is_sharded(p) and not p.is_meta:
-                    data = p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-                    digest = hashlib.sha256(data.tobytes()).digest()
-                    self._digests[self.stage.full_name(n)] = torch.frombuffer(
-                        bytearray(digest), dtype=torch.uint8
-                    )
+                    self._digests[self.stage.full_name(n)] = digest_of(p)
         return self._digests
 
     def buffers(self) -> dict[str, torch.Tensor]:

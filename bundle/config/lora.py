@@ -10,7 +10,9 @@ unset, the model family's usual ones (``models.lora.DEFAULT_TARGETS``). ``--lora
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from bundle.errors import ConfigError
 
@@ -80,7 +82,15 @@ def parse_lora(text: str | None) -> LoRASpec | None:
     )
 
 
-def _number(text, values, key, kind, default, ok, what):  # type: ignore[no-untyped-def]
+def _number(
+    text: str,
+    values: dict[str, str],
+    key: str,
+    kind: Callable[[str], Any],
+    default: Any,
+    ok: Callable[[Any], bool],
+    what: str,
+) -> Any:
     if key not in values:
         return default
     try:

@@ -102,7 +102,7 @@ def make_optimizer(
         raise ConfigError("--optimizer", cfg.optimizer, f"choose one of: {', '.join(OPTIMIZERS)}")
     kind, options = OPTIMIZERS[cfg.optimizer](cfg)
     options["lr"] = cfg.lr
-    if shard_over is None:
+    if shard_over is None or not any(g["params"] for g in groups):  # nothing to shard: frozen
         return kind(groups, **options)
     return _zero_class()(
         groups,

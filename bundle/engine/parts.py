@@ -71,14 +71,16 @@ class EngineParts:
 class StepOptions:
     """How the engine runs a step: the ``schedule`` (a name in bundle.ir.schedule's
     registry), the compute ``policy`` (None: the device's defaults), the loss ``scaler`` (None:
-    unscaled), the ``loss`` (None: cross-entropy), and ``early_receives``: receives posted ahead
-    of their turn (bundle.ir.p2p; only gloo lets a receive progress on its own)."""
+    unscaled), the ``loss`` (None: cross-entropy), ``early_receives``: receives posted ahead
+    of their turn (bundle.ir.p2p; only gloo lets a receive progress on its own), and ``frozen``:
+    the leading stages with nothing to train, which get no gradient (bundle.ir.p2p)."""
 
     schedule: str
     policy: Policy | None = None
     scaler: LossScaler | None = None
     loss: Loss | None = None
     early_receives: bool = False
+    frozen: int = 0
 
 
 @dataclass(frozen=True)

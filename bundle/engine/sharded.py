@@ -196,6 +196,6 @@ class ShardedSync(GradSync):
             p.numel() * p.element_size() for p in stage.parameters() if p.requires_grad
         )
 
-    def backward(self, outputs, grads, *, last: bool, run=None) -> None:  # type: ignore[no-untyped-def]
+    def backward(self, outputs, grads, *, last: bool, run=None) -> None:
         super().backward(outputs, grads, last=last, run=run)
         self.wire.add(self.per_backward, self.per_backward)

@@ -90,8 +90,17 @@ class StageEngine:
             topo.micro_batches,
             chunks=V,
             early_receives=options.early_receives,
+            frozen=options.frozen,
         )
         self.actions = list(self.plan.actions)
+        # A chunk that sends no gradient back needs none of its input's; one that runs no
+        # backward (a frozen stage before the first that trains) keeps no activations for one.
+        self.input_grads = [
+            any(a.op is Op.SEND_GRAD and a.chunk == c for a in self.actions) for c in range(V)
+        ]
+        self.runs_backward = [
+            any(a.op in RELEASES and a.chunk == c for a in self.actions) for c in range(V)
+        ]
         # Which of its call's receives a receive is (a call may hold several: bundle.ir.rounds).
         self._nth = [
             [o for o in self.plan.calls[n].ops if o.op in RECVS].index(a) if a.op in RECVS else -1
@@ -109,6 +118,7 @@ class StageEngine:
         self.last_backward = {
             max(i for i, a in enumerate(self.actions) if a.op in RELEASES and a.chunk == c)
             for c in range(V)
+            if self.runs_backward[c]
         }
         self.inv_batch = 1.0 / topo.global_batch
         # What a split backward's weight half accumulates into (listed once, not per micro-batch).
@@ -192,7 +202,10 @@ class StageEngine:
                 xs = posted[plan.call_of[i]].wait()[self._nth[i]]
                 # A fresh autograd leaf over the reused buffer (in its wire form, so its gradient
                 # is too), so gradients never accumulate across micro-batches or steps.
-                st.inputs[k] = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
+                grad = self.input_grads[a.chunk]
+                st.inputs[k] = tuple(
+                    x.detach().requires_grad_(grad and x.is_floating_point()) for x in xs
+                )
             elif a.op is Op.FORWARD:
                 micro = micro_data[k] if micro_data is not None else (None, None)
                 self._forward(sts, a.chunk, k, micro)
@@ -228,7 +241,7 @@ class StageEngine:
             xs = tuple(m.from_wire(x) for m, x in zip(transport.in_meta, st.inputs[k], strict=True))
         chunk.stage.recompute = self.recompute[c][k]
         side = self._side(chunk.stage, micro, xs if self.first[c] else None)
-        with chunk.sync.no_sync(), policy.autocast():
+        with chunk.sync.no_sync(), policy.autocast(), torch.set_grad_enabled(self.runs_backward[c]):
             out = chunk.sync.module(*xs, side=side)
         if self.saved_bytes is not None and self.recompute[c][k]:
             self._measure_recompute(self.saved_bytes, chunk.stage, k, xs, side)

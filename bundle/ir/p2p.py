@@ -89,13 +89,32 @@ def _adjacent_pairs(
     }
 
 
+# What a stage before the first that trains does without (and that one, of its input: SEND_GRAD).
+_NO_GRADIENT = frozenset(
+    {Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.SEND_GRAD, Op.RECV_GRAD}
+)
+
+
+def without_gradients(acts: list[Action], stage: int, frozen: int) -> list[Action]:
+    """``acts`` of ``stage`` when the first ``frozen`` stages have nothing to train (a frozen
+    embedding before a LoRA model's adapters): no gradient flows into them, so they run no
+    backward and neither receive a gradient nor send one, and stage ``frozen``, whose input needs
+    no gradient, sends none back. Both sides of each boundary drop the same messages."""
+    if stage < frozen:
+        return [a for a in acts if a.op not in _NO_GRADIENT]
+    if stage == frozen:
+        return [a for a in acts if a.op is not Op.SEND_GRAD]
+    return acts
+
+
 def stage_calls(
-    schedule: str, stage: int, num_stages: int, micro_batches: int
+    schedule: str, stage: int, num_stages: int, micro_batches: int, *, frozen: int = 0
 ) -> tuple[list[Action], list[Call]]:
     """The stage's action list and its calls, in the order they are posted (one chunk per
-    stage; several post in rounds, bundle.ir.rounds)."""
+    stage; several post in rounds, bundle.ir.rounds); ``frozen``: the leading stages that get
+    no gradient (bundle.ir.schedule.without_gradients)."""
     S = num_stages
-    acts = [actions(schedule, s, S, micro_batches) for s in range(S)]
+    acts = [without_gradients(actions(schedule, s, S, micro_batches), s, frozen) for s in range(S)]
     mine = acts[stage]
     for a in mine:
         if a.op not in COMM and a.op not in COMPUTE:
@@ -163,6 +182,7 @@ def step_plan(
     *,
     chunks: int = 1,
     early_receives: bool = False,
+    frozen: int = 0,
 ) -> StepPlan:
     """The stage's step: NCCL's calls (``stage_calls``, each posted where its first action stands),
     or with ``early_receives`` gloo's: every action its own call, a receive posted as the step
@@ -170,7 +190,8 @@ def step_plan(
     while the stage computes. gloo progresses each operation on its own, so that order is safe
     there and saves a round trip per message; under NCCL's ordering it deadlocks (``replay``).
     With several chunks per stage, the calls are posted in lockstep rounds on every backend
-    (bundle.ir.rounds).
+    (bundle.ir.rounds). ``frozen``: the leading stages with nothing to train, which get no
+    gradient (one chunk per stage; with several, every stage runs its whole schedule).
     """
     if chunks > 1:
         mine, ops, posts, slots = lockstep(schedule, stage, num_stages, micro_batches, chunks)
@@ -182,7 +203,7 @@ def step_plan(
             tuple(where.get(a, -1) for a in mine),
             slots,
         )
-    acts, cs = stage_calls(schedule, stage, num_stages, micro_batches)
+    acts, cs = stage_calls(schedule, stage, num_stages, micro_batches, frozen=frozen)
     if early_receives:
         cs = [Call((a,)) for a in acts if a.op in COMM]
     index = {a: n for n, c in enumerate(cs) for a in c.ops}
@@ -347,6 +368,7 @@ def programs(
     chunks: int = 1,
     early_receives: bool = False,
     row_bytes: int = 1,
+    frozen: int = 0,
 ) -> dict[int, list[Step]]:
     """Every rank's calls and waits in one training step, as the engine posts them.
 
@@ -364,6 +386,7 @@ def programs(
             topo.micro_batches,
             chunks=chunks,
             early_receives=early_receives,
+            frozen=frozen,
         )
         sizes = topo.micro_sizes(c.bundle)
         prog: list[Step] = []

@@ -31,11 +31,13 @@ peft = pytest.importorskip("peft")
 USER = "tests.support.user_models"
 MODELS = {"llama": ("q_proj", "v_proj", "down_proj"), "gpt2": ("c_attn", "c_proj")}
 STEPS = 3
-# (model, schedule, sync, zero, backend) per world, by (shape, bundles)
+# (model, schedule, sync, zero, backend[, where stage 1 begins]) per world, by (shape, bundles).
+# Stage 1 beginning at the first block leaves stage 0 the embeddings alone, nothing to train:
+# no gradient reaches it, and stage 1 sends none back (bundle.ir.p2p.without_gradients).
 WORLDS = {
     ((2, 1), 2): [
         ("llama", "1f1b", "flat", 0, "gloo"),
-        ("gpt2", "1f1b", "hierarchical", 1, "gloo"),
+        ("gpt2", "zb-h1", "hierarchical", 1, "gloo", "transformer.h.0"),
         ("llama", "zbv", "hierarchical", 0, "gloo"),
         ("gpt2", "1f1b", "flat", 3, "gloo"),
     ],
@@ -45,13 +47,13 @@ WORLDS = {
     ],
     ((1, 2), 1): [
         ("gpt2", "zbv", "flat", 1, "strict"),
-        ("llama", "1f1b", "hierarchical", 3, "strict"),
+        ("llama", "1f1b", "hierarchical", 3, "strict", "model.layers.0"),
         ("llama", "interleaved-1f1b", "flat", 0, "strict"),
     ],
 }
 
 
-def lora_config(model, shape, bundles, schedule, sync, zero, backend, text, adapter):
+def lora_config(model, shape, bundles, schedule, sync, zero, backend, text, adapter, part=None):
     chunks = 2 if schedule in ("interleaved-1f1b", "zbv") else 1
     micro = 4 if chunks > 1 else 3
     cfg = equivalence_config(
@@ -63,7 +65,7 @@ def lora_config(model, shape, bundles, schedule, sync, zero, backend, text, adap
         "mlp",
         chunks=chunks,
         sections={
-            "model": {"name": f"{USER}:{model}", "lora_init": adapter},
+            "model": {"name": f"{USER}:{model}", "lora_init": adapter, "partition": part},
             "data": {"dataset": "text", "seq_len": 8, "data_file": text},
             "train": {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.1, "momentum": 0.0},
             "parallel": {"zero": zero},
@@ -82,10 +84,10 @@ def _world(rank: int, world: int, shape, bundles, setup, reshape) -> tuple[list[
     text, adapters, refs_file = setup
     failures: list[str] = []
     refs = torch.load(refs_file, weights_only=True)
-    for model, schedule, sync, zero, backend in WORLDS[(tuple(shape), bundles)]:
-        name = f"{model} {schedule} {sync} zero{zero} {backend}"
+    for model, schedule, sync, zero, backend, *part in WORLDS[(tuple(shape), bundles)]:
+        name = f"{model} {schedule} {sync} zero{zero} {backend} {part}"
         cfg = lora_config(
-            model, shape, bundles, schedule, sync, zero, backend, text, adapters[model]
+            model, shape, bundles, schedule, sync, zero, backend, text, adapters[model], *part
         )
         topo = Topology.from_config(cfg)
         session = build_session(cfg, topo, rank, torch.device("cpu"))
@@ -95,6 +97,8 @@ def _world(rank: int, world: int, shape, bundles, setup, reshape) -> tuple[list[
             session.engine.train_step(step, next(batches))
         mine = {k: full(v).detach().clone() for k, v in session.stage.full_state_dict().items()}
         grads = {k: full(v) for k, v in grads.items()}
+        if part and session.coord.stage == 0 and session.engine.runs_backward[0]:
+            failures.append(f"{name}: the frozen stage 0 ran a backward")
         gathered = [None] * world if rank == 0 else None
         dist.gather_object((topo.coord(rank), mine, grads), gathered, dst=0)
         if rank != 0:

@@ -212,7 +212,7 @@ def test_unfused_1f1b_crosses_and_deadlocks_unless_sends_are_eager(monkeypatch):
     and stage 1's send_grad0 each head their stream, each waiting for a receive queued behind the
     other's), unless messages are small enough for NCCL to send eagerly."""
 
-    def unfused(schedule, stage, num_stages, micro):
+    def unfused(schedule, stage, num_stages, micro, frozen=0):
         acts = actions(schedule, stage, num_stages, micro)
         return acts, [Call((a,)) for a in acts if a.op in p2p.COMM]
 
@@ -229,3 +229,30 @@ def test_unfused_1f1b_crosses_and_deadlocks_unless_sends_are_eager(monkeypatch):
 def test_replay_names_a_rank_that_waits_forever():
     progs = {0: [("post", [("recv", 1, 4)]), ("wait", 0)], 1: []}
     assert replay(progs) == ["rank 0: call 0 stuck on recv from rank 1"]
+
+
+def test_stages_before_the_first_that_trains_get_no_gradient_as_literal_calls():
+    """A frozen stage 0 (a LoRA model's embedding) sends its activations and runs no backward;
+    stage 1, whose input needs no gradient, sends none back."""
+    assert _text(p2p.stage_calls("1f1b", 0, 2, 3, frozen=1)[1]) == _c(
+        "send_act0 | send_act1 | send_act2"
+    )
+    assert _text(p2p.stage_calls("1f1b", 1, 2, 3, frozen=1)[1]) == _c(
+        "recv_act0 | recv_act1 | recv_act2"
+    )
+    front = p2p.stage_calls("zb-h1", 0, 3, 4, frozen=2)[0]
+    assert {a.op.value for a in front} == {"forward", "send_act"}
+    middle = p2p.stage_calls("zb-h1", 1, 3, 4, frozen=2)[0]
+    assert {a.op.value for a in middle} == {"recv_act", "forward", "send_act"}
+    last = p2p.stage_calls("zb-h1", 2, 3, 4, frozen=2)[0]
+    assert "send_grad" not in {a.op.value for a in last}
+    assert "backward_weight" in {a.op.value for a in last}
+
+
+@pytest.mark.parametrize("schedule", ONE_CHUNK)
+def test_calls_without_gradients_into_a_frozen_front_complete_under_nccls_ordering(schedule):
+    for shape, bundles, micro in (((1, 1), 1, 3), ((2, 1, 3), 2, 4), ((1, 2, 2, 1), 1, 5)):
+        for frozen in range(1, len(shape)):
+            topo = _topo(shape, bundles, micro)
+            stuck = replay(programs(topo, schedule, frozen=frozen))
+            assert stuck == [], (shape, bundles, micro, frozen, stuck)
