@@ -63,6 +63,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-classes", type=int, default=1000)
     p.add_argument("--seq-len", type=int, default=64, help="gpt: tokens per sample")
     p.add_argument("--model-args", help="keyword arguments of the model's builder (main.py's)")
+    p.add_argument(
+        "--lora",
+        metavar="r=R,alpha=A,targets=M1,M2|on",
+        help="main.py's --lora: adapters on a frozen model; only what trains holds gradients and "
+        "optimizer state and is synced, and a frozen layer's backward has no weight gradient",
+    )
+    p.add_argument("--lora-train", metavar="M1,M2", help="main.py's --lora-train (with --lora)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--recompute", choices=RECOMPUTES, default="never")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size")
@@ -160,6 +167,8 @@ def _request(args: argparse.Namespace, cluster) -> planner.Request:
         max_stages=args.max_stages,
         max_micro=args.max_micro_batches,
         model_args=args.model_args,
+        lora=args.lora,
+        lora_train=args.lora_train,
     )
 
 
@@ -206,11 +215,6 @@ def plan(args: argparse.Namespace) -> dict:
     mixed = planner.plan_mixed(request, cost, progress=_say) if cost.cluster.mixed else None
     ranked = mixed.ranked if mixed else planner.plan(request, cost, progress=_say)
     data = _data(args)
-    extra = ["--dataset", "synthetic", "--image-size", str(args.image_size)]
-    extra += ["--num-classes", str(args.num_classes)] if request.model != "digits_cnn" else []
-    if data["dataset"] == "text":  # add --data-file FILE.txt
-        extra = ["--dataset", "text", "--seq-len", str(args.seq_len)]
-    extra += ["--model-args", args.model_args] if args.model_args else []
     job = report.Job(
         model=request.model,
         batch=request.batch,
@@ -219,7 +223,7 @@ def plan(args: argparse.Namespace) -> dict:
         recompute=request.recompute,
         optimizer=request.optimizer,
         momentum=request.momentum,
-        extra=tuple(extra) if request.model != "digits_cnn" else (),
+        extra=_extra(args, data),
         data=data,
     )
     top = report.distinct(ranked)[: args.top]
@@ -238,6 +242,9 @@ def plan(args: argparse.Namespace) -> dict:
         "optimizer": request.optimizer,
         "zero": best.plan.dp.zero,  # 3 where the planner sharded to fit (the request's else)
         "optimizer_state_bytes_per_param": cost.state_bytes,
+        # What trains (the trainer's summary names them alike): fewer than all with --lora.
+        "trainable_params": int(cost.trained.sum()),
+        "all_params": int(cost.params.sum()),
         "plans": rows,
         "data_parallel": report.row(dp, job, cost),
         "speedup_over_data_parallel": round(best.samples_per_s / dp.samples_per_s, 3),
@@ -250,6 +257,7 @@ def plan(args: argparse.Namespace) -> dict:
     print(
         f"{request.model}, batch {request.batch}, {request.devices} devices on {cost.cluster.name}"
         f"; {request.optimizer}: {cost.state_bytes} bytes of state per parameter{sharded}"
+        f"{_trains(cost)}"
     )
     print(report.table(rows, cost.cluster.memory_bytes, mixed=mixed is not None))
     fits = "" if dp.fits else " (does not fit in memory)"
@@ -272,6 +280,28 @@ def plan(args: argparse.Namespace) -> dict:
         title = f"{request.model} {rows[0]['shape']} x{best.plan.num_bundles}"
         report.draw(args.png, shown, rows, title)
     return out
+
+
+def _extra(args: argparse.Namespace, data: dict[str, Any]) -> tuple[str, ...]:
+    """main.py's arguments beside the plan's: the data, --model-args and what trains."""
+    extra = ["--dataset", "synthetic", "--image-size", str(args.image_size)]
+    extra += ["--num-classes", str(args.num_classes)]
+    if data["dataset"] == "text":  # add --data-file FILE.txt
+        extra = ["--dataset", "text", "--seq-len", str(args.seq_len)]
+    if args.model == "digits_cnn":  # its own data set, main.py's default
+        extra = []
+    extra += ["--model-args", args.model_args] if args.model_args else []
+    for flag, value in (("--lora", args.lora), ("--lora-train", args.lora_train)):
+        extra += [flag, value] if value is not None else []
+    return tuple(extra)
+
+
+def _trains(cost) -> str:
+    """What the header line says of a model that does not train whole (``--lora``)."""
+    trained, params = cost.trained.sum(), cost.params.sum()
+    if trained == params:
+        return ""
+    return f"; {trained:,.0f} of {params:,.0f} parameters train ({trained / params:.2%})"
 
 
 def _sharding(asked: int, planned: int) -> str:

@@ -1,15 +1,20 @@
 """A model's anatomy, counted on the meta device: no memory, no arithmetic.
 
 Per block of ``models.blocks(model)``, counted at two row counts so that every count is
-``fixed + per_row * rows``: parameters (and their shapes, for PowerSGD's cost); what a cut after
-the block sends; the bytes the block's forward saves for backward (storages once, parameters
-never, as ``bundle.engine.memory.SavedBytes`` counts them; and how many of those its predecessor
-saves too: the tensor between them); and every operator's FLOPs and bytes moved, forward and
-backward, for the roofline estimate of a device the planner does not run on.
+``fixed + per_row * rows``: parameters, how many of them are frozen (``--lora``'s base: no
+gradient, no optimizer state, no sync), and the shapes of those that train (for PowerSGD's cost);
+what a cut after the block sends; the bytes the block's forward saves for backward (storages
+once, parameters never, as ``bundle.engine.memory.SavedBytes`` counts them; and how many of those
+its predecessor saves too: the tensor between them); and every operator's FLOPs and bytes moved,
+forward and backward, for the roofline estimate of a device the planner does not run on. The
+model is built as the run trains it (``ModelSpec.build``): with ``--lora`` its base is frozen
+before it is counted, so a frozen layer's backward counts its input's gradient and no weight
+gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,10 +24,42 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from bundle import models
-from bundle.config import parse_model_args
+from bundle.config import ModelConfig, parse_model_args
 
 # (flops per row, bytes fixed, bytes per row, 1 if the op computes in the autocast dtype)
 Op = tuple[float, float, float, int]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model a profile is of: its name (``--model``), one row's input shape, its classes, its
+    ``--model-args``, and what of it trains (``--lora``, ``--lora-train``; None: all of it)."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    args: str | None = None
+    lora: str | None = None
+    lora_train: str | None = None
+
+    def build(self, *, meta: bool = False) -> torch.nn.Module:
+        """The model as the run has it: ``--model-args`` passed and ``--lora`` applied
+        (``models.adapt``), so that what requires a gradient is what the run trains; with
+        ``meta`` on the meta device, adapters too."""
+        make = models.build_on_meta if meta else models.build
+        model = make(
+            self.name,
+            num_classes=self.num_classes,
+            input_shape=self.input_shape,
+            args=parse_model_args(self.args),
+        )
+        if self.lora is not None:
+            cfg = ModelConfig(
+                name=self.name, args=self.args, lora=self.lora, lora_train=self.lora_train
+            )
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                models.adapt(model, cfg, seed=0)
+        return model
 
 
 @dataclass(frozen=True)
@@ -51,13 +88,20 @@ class BlockAnatomy:
     saved_shared: Linear  # of those, the bytes the previous block saves too (its output)
     fwd_ops: tuple[Op, ...]
     bwd_ops: tuple[Op, ...]
-    param_shapes: tuple[tuple[int, ...], ...] = ()  # PowerSGD's cost needs them; () if not counted
+    # Of the parameters that train: PowerSGD's cost needs them; () if not counted.
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+    frozen: int = 0  # of ``params``, those that do not train (--lora's base)
+
+    @property
+    def trained(self) -> int:
+        """Parameters that get a gradient, optimizer state and a place in the sync."""
+        return self.params - self.frozen
 
 
 @dataclass(frozen=True)
 class Anatomy:
     model: str
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
     num_classes: int
     blocks: tuple[BlockAnatomy, ...]
 
@@ -95,14 +139,11 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _count_blocks(
-    model_name: str, input_shape, num_classes: int, rows: int, args: str | None = None
-) -> list[dict]:
+def _count_blocks(spec: ModelSpec, rows: int) -> list[dict]:
     """One pass over the blocks on the meta device at ``rows`` rows."""
     torch.manual_seed(0)
-    model = models.build_on_meta(
-        model_name, num_classes=num_classes, input_shape=input_shape, args=parse_model_args(args)
-    )
+    input_shape = spec.input_shape
+    model = spec.build(meta=True)
     with torch.device("meta"):
         blocks = models.blocks(model, input_shape)
     x: tuple[torch.Tensor, ...] = (
@@ -132,7 +173,8 @@ def _count_blocks(
             {
                 "name": name,
                 "params": sum(p.numel() for p in block.parameters()),
-                "param_shapes": [tuple(p.shape) for p in block.parameters()],
+                "param_shapes": [tuple(p.shape) for p in block.parameters() if p.requires_grad],
+                "frozen": sum(p.numel() for p in block.parameters() if not p.requires_grad),
                 "out_elems": [o.numel() // rows for o in outs if o.is_floating_point()],
                 "out_other": sum(o.nbytes // rows for o in outs if not o.is_floating_point()),
                 "saved": sum(saved.values()),
@@ -149,8 +191,14 @@ def _count_blocks(
 def count_anatomy(
     model_name: str, input_shape, num_classes: int, args: str | None = None
 ) -> Anatomy:
-    """The anatomy of a model, counted at 2 and 4 rows and fitted linearly in rows."""
-    two, four = (_count_blocks(model_name, input_shape, num_classes, r, args) for r in (2, 4))
+    """The anatomy of a model that trains whole, counted at 2 and 4 rows (``count``)."""
+    return count(ModelSpec(model_name, tuple(input_shape), num_classes, args))
+
+
+def count(spec: ModelSpec) -> Anatomy:
+    """The anatomy of ``spec``'s model as the run trains it, counted at 2 and 4 rows and fitted
+    linearly in rows."""
+    two, four = (_count_blocks(spec, r) for r in (2, 4))
     blocks = []
     for a, b in zip(two, four, strict=True):
         ops = {}
@@ -170,6 +218,7 @@ def count_anatomy(
                 fwd_ops=ops["fwd"],
                 bwd_ops=ops["bwd"],
                 param_shapes=tuple(tuple(int(d) for d in s) for s in a["param_shapes"]),
+                frozen=a["frozen"],
             )
         )
-    return Anatomy(model_name, tuple(input_shape), num_classes, tuple(blocks))
+    return Anatomy(spec.name, tuple(spec.input_shape), spec.num_classes, tuple(blocks))

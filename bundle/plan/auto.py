@@ -32,7 +32,7 @@ from bundle.errors import ConfigError
 from bundle.ir.schedule import REGISTRY, SCHEDULES
 from bundle.plan import planner
 from bundle.plan import profile as prof
-from bundle.plan.anatomy import count_anatomy
+from bundle.plan.anatomy import count
 from bundle.plan.cluster import nominal
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import DataParallel
@@ -75,6 +75,8 @@ def _request(cfg: RunConfig, nodes: int, per_node: int) -> planner.Request:
         optimizer=cfg.train.optimizer,
         momentum=cfg.train.momentum,
         model_args=cfg.model.args,
+        lora=cfg.model.lora,
+        lora_train=cfg.model.lora_train,
         dp=DataParallel.of(cfg.parallel),
     )
 
@@ -84,9 +86,7 @@ def _cost(cfg: RunConfig, request: planner.Request) -> tuple[CostModel, str]:
     if cfg.launch.torchrun or request.nodes > 1:
         kind = _device_type(cfg)
         cluster = nominal(kind, request.nodes, request.per_node)
-        anatomy = count_anatomy(
-            request.model, request.input_shape, request.num_classes, request.model_args
-        )
+        anatomy = count(request.spec)
         cost = CostModel(
             anatomy=anatomy,
             cluster=cluster,

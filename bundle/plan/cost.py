@@ -16,10 +16,13 @@
   1 MiB), each ready when the last backward has passed its parameters where communication runs
   beside compute (GPUs), and when the backward is over where it takes the same cores (gloo on a
   CPU: its reductions and copies compete with the backward, so nothing is hidden).
-- **Memory** per device: fp32 parameters and gradients (and DDP's bucket copies), the optimizer's
-  state (its bytes per parameter from ``bundle.engine.optim.STATE_BYTES``: none for plain SGD, a
-  momentum buffer, Adam's two moments; ZeRO-1 shares it out: ``bundle.plan.dataparallel``;
-  ZeRO-3 the parameters and gradients too, one block gathered at a time: ``bundle.plan.zero``), the
+- **What trains**: with ``--lora`` only what trains has gradients, optimizer state and sync; the
+  frozen base takes memory (and ZeRO-3's gathers), and its backward has no weight half.
+- **Memory** per device: fp32 parameters, the gradients of those that train (and DDP's bucket
+  copies), their optimizer state (its bytes per parameter from ``bundle.engine.optim.STATE_BYTES``:
+  none for plain SGD, a momentum buffer, Adam's two moments; ZeRO-1 shares it out:
+  ``bundle.plan.dataparallel``; ZeRO-3 the parameters and gradients too, one block gathered at a
+  time: ``bundle.plan.zero``), the
   activations the schedule holds (``--recompute`` keeps only stage inputs, plus the micro-batch a
   backward rebuilds) and the receive buffers (the data-parallel options' state:
   ``bundle.plan.dataparallel``).
@@ -186,6 +189,7 @@ class CostModel:
         self._times: dict[float, tuple[np.ndarray, np.ndarray, float]] = {}
         self._prefix: dict[float, np.ndarray] = {}
         self.params = np.array([b.params for b in anatomy.blocks], dtype=float)
+        self.trained = np.array([b.trained for b in anatomy.blocks], dtype=float)
         self._act_scale = 0.5 if self.precision != "fp32" else 1.0
         self._types = {t.key: self._for_type(t) for t in cluster.types}
 
@@ -256,6 +260,14 @@ class CostModel:
     # half for matrix products and convolutions); a block without weights has none.
     WEIGHT_SHARE = 0.5
 
+    def weight_share(self, a: int, b: int) -> np.ndarray:
+        """Per block ``a..b-1``, the share of its backward that computes weight gradients. Every
+        parameter costs dX work, only one that trains dW work (``WEIGHT_SHARE`` of a block that
+        trains whole): a frozen block's backward is all dX, a LoRA block's nearly so."""
+        dw = self.WEIGHT_SHARE / (1.0 - self.WEIGHT_SHARE) * self.trained[a:b]
+        whole = self.params[a:b] + dw
+        return np.divide(dw, whole, out=np.zeros_like(dw), where=whole > 0)
+
     def backward_input(self, a: int, b: int, rows: float, *, recompute: bool) -> float:
         """A split backward's input half (bundle.engine.split_backward); nothing on the first
         stage, whose inputs need no gradient."""
@@ -272,7 +284,7 @@ class CostModel:
 
     def _half(self, a: int, b: int, rows: float, recompute: bool, *, weights: bool) -> float:
         fwd, bwd, _ = self.block_times(rows)
-        share = np.where(self.params[a:b] > 0, self.WEIGHT_SHARE, 0.0)
+        share = self.weight_share(a, b)
         part = bwd[a:b] * (share if weights else 1.0 - share)
         again = float(fwd[a:b].sum()) if recompute else 0.0
         return float(part.sum()) + again + self.host(self.overheads.compute_action)
@@ -346,9 +358,14 @@ class CostModel:
             return 2 * 2 * nbytes / (speed.memory_bandwidth * speed.efficiency)
         return self.host(2 * nbytes / self.overheads.copy_bandwidth)
 
-    def grad_bytes(self, a: int, b: int) -> float:
-        """Bytes of the fp32 gradients (or parameters) of blocks ``a..b-1``."""
+    def param_bytes(self, a: int, b: int) -> float:
+        """Bytes of the fp32 parameters of blocks ``a..b-1``, frozen ones too."""
         return float(self.params[a:b].sum()) * _MASTER_BYTES
+
+    def grad_bytes(self, a: int, b: int) -> float:
+        """Bytes of the fp32 gradients of blocks ``a..b-1`` (of the parameters that train: what
+        the sync sums, the optimizer steps and the options keep a copy of)."""
+        return float(self.trained[a:b].sum()) * _MASTER_BYTES
 
     def buckets(self, a: int, b: int, *, ddp: bool) -> list[tuple[int, float]]:
         """Gradient buckets of a stage as (index of the block whose backward completes it,
@@ -356,7 +373,7 @@ class CostModel:
         out: list[tuple[int, float]] = []
         size, cap = 0.0, DDP_FIRST_BUCKET if ddp else self.bucket_bytes
         for j in range(b - 1, a - 1, -1):
-            nbytes = self.params[j] * _MASTER_BYTES
+            nbytes = self.trained[j] * _MASTER_BYTES
             if nbytes == 0:
                 continue
             size += nbytes
@@ -368,7 +385,7 @@ class CostModel:
         return out
 
     def optimizer(self, a: int, b: int) -> float:
-        params = float(self.params[a:b].sum())
+        params = float(self.trained[a:b].sum())
         if isinstance(self._source, Timings):
             return params * self._source.optimizer_per_param * self.compute_scale
         speed = _speed(self.cluster)
@@ -397,8 +414,8 @@ class CostModel:
         """Peak bytes of one replica running blocks ``a..b-1`` through ``acts``; ``shards``: the
         replicas its optimizer state is sharded over (``--zero 1``: its stage group; ``--zero 3``: its
         shard group, whose parameters and gradients ``bundle.plan.zero.memory`` shares out)."""
-        count = float(self.params[a:b].sum())
-        params = count * _MASTER_BYTES
+        count = float(self.trained[a:b].sum())
+        params, grads = self.param_bytes(a, b), self.grad_bytes(a, b)
         live = peak = in_flight = peak_in_flight = 0.0
         for act in acts:
             k = act.micro
@@ -422,9 +439,9 @@ class CostModel:
         buffers += 2 * (self.boundary_bytes(b, top, grad=True) if b < self.n else 0.0)
         return Memory(
             params=params,
-            grads=params,
+            grads=grads,
             optimizer=count * self.state_bytes / shards,
-            buckets=params if synced and ddp else 0.0,
+            buckets=grads if synced and ddp else 0.0,
             activations=peak,
             buffers=buffers,
         )

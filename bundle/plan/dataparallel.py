@@ -190,12 +190,12 @@ def _block_wire(cost: CostModel, dp: DataParallel) -> np.ndarray:
         return full
     out = full.copy()
     for j, block in enumerate(cost.anatomy.blocks):
-        shapes = block.param_shapes
-        if not shapes and block.params:  # no shapes counted: one square matrix (module docstring)
-            side = max(1, math.isqrt(block.params))
-            shapes = ((side, block.params // side),)
+        shapes, trained = block.param_shapes, block.trained
+        if not shapes and trained:  # no shapes counted: one square matrix (module docstring)
+            side = max(1, math.isqrt(trained))
+            shapes = ((side, trained // side),)
         elems = sum(powersgd_elems(s, dp.powersgd_rank) for s in shapes)
-        out[j] = full[j] * min(1.0, elems / block.params) if block.params else 0.0
+        out[j] = full[j] * min(1.0, elems / trained) if trained else 0.0
     return out
 
 

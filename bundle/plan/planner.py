@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from bundle import models
-from bundle.config import TrainConfig
+from bundle.config import ModelConfig, TrainConfig
 from bundle.errors import ConfigError
 from bundle.plan import calibrate, isolate, shares
 from bundle.plan import profile as prof
@@ -39,6 +39,8 @@ class Request:
     max_stages: int = 4
     max_micro: int = 64
     model_args: str | None = None  # --model-args of the model measured
+    lora: str | None = None  # --lora: adapters on a frozen base, all that trains
+    lora_train: str | None = None  # --lora-train: modules trained whole beside them
     dp: DataParallel = DataParallel()  # costed as given, never searched
 
     @property
@@ -47,8 +49,15 @@ class Request:
 
     @property
     def spec(self) -> prof.ModelSpec:
-        """The model profiled: its name, input shape, classes and --model-args."""
-        return prof.ModelSpec(self.model, self.input_shape, self.num_classes, self.model_args)
+        """The model profiled: its name, input shape, classes, --model-args and what trains."""
+        return prof.ModelSpec(
+            self.model,
+            self.input_shape,
+            self.num_classes,
+            self.model_args,
+            lora=self.lora,
+            lora_train=self.lora_train,
+        )
 
     def execution(self, *, overlap: bool = True) -> Execution:
         """How the job runs, for its costs; ``overlap``: whether its gradient sync runs beside the
@@ -91,8 +100,10 @@ def check(request: Request, cluster: Cluster | None) -> None:
     ):
         if value < 1:
             raise ConfigError(flag, value, "must be an integer >= 1")
-    # An unknown --optimizer or a --momentum out of range: the trainer's own ConfigError.
+    # An unknown --optimizer or a --momentum out of range, a malformed --lora: the trainer's own
+    # ConfigError (a target the model lacks is refused when the model is counted).
     TrainConfig(optimizer=request.optimizer, momentum=request.momentum)
+    ModelConfig(name=request.model, lora=request.lora, lora_train=request.lora_train)
     if request.batch < request.devices:
         raise ConfigError(
             "--batch-size",

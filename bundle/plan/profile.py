@@ -4,9 +4,12 @@ Timings are measured on the local device: per block, forward and backward second
 row counts (warm-up, then the median of repeats), the loss's, and an SGD step's per parameter.
 Between grid points a time is interpolated linearly in rows.
 
+A ``--lora`` model is timed as it trains (``ModelSpec.build``): its frozen layers compute their
+inputs' gradients only, and the optimizer step is timed on what trains.
+
 Timings and anatomies (``bundle.plan.anatomy``) are cached as JSON under a cache directory
-(``bundle.plan.cache``), keyed by (model, input, classes) for the anatomy and additionally by
-(device, dtype, threads, grid) for timings.
+(``bundle.plan.cache``), keyed by (model, input, classes, LoRA) for the anatomy and additionally
+by (device, dtype, threads, grid) for timings.
 """
 
 from __future__ import annotations
@@ -24,24 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from bundle import models
-from bundle.config import parse_model_args
 from bundle.engine.precision import Policy
-from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear, count_anatomy
+from bundle.plan.anatomy import Anatomy, BlockAnatomy, Linear, count
+from bundle.plan.anatomy import ModelSpec as ModelSpec
 from bundle.plan.cache import NOT_CACHED as NOT_CACHED
 from bundle.plan.cache import ProfileCache
 from bundle.plan.cache import default_cache_dir as default_cache_dir
 from bundle.plan.conditions import Conditions, Watch
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The model a profile is of: its name (``--model``), one row's input shape, its classes and
-    its ``--model-args``."""
-
-    name: str
-    input_shape: tuple[int, ...]
-    num_classes: int
-    args: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,12 +141,7 @@ def measure_timings(
     policy = Policy(precision=precision, device_type=device.type)
     input_shape, num_classes = spec.input_shape, spec.num_classes
     torch.manual_seed(0)
-    model = models.build(
-        spec.name,
-        num_classes=num_classes,
-        input_shape=input_shape,
-        args=parse_model_args(spec.args),
-    ).to(device)
+    model = spec.build().to(device)
     blocks = models.blocks(model, input_shape)
     dtype = models.input_dtype(model)
     fwd_grid, bwd_grid, loss_grid = [], [], []
@@ -303,10 +290,17 @@ def _anatomy_from(doc: dict) -> Anatomy:
             fwd_ops=tuple(tuple(o) for o in b["fwd_ops"]),
             bwd_ops=tuple(tuple(o) for o in b["bwd_ops"]),
             param_shapes=tuple(tuple(s) for s in b.get("param_shapes", ())),
+            frozen=b.get("frozen", 0),
         )
         for b in doc["blocks"]
     )
     return Anatomy(doc["model"], tuple(doc["input_shape"]), doc["num_classes"], blocks)
+
+
+def _trains(spec: ModelSpec) -> dict[str, str | None]:
+    """What of the model trains, in a cache key: nothing for a model trained whole (the keys of
+    entries made before ``--lora`` stay as they were)."""
+    return {"lora": spec.lora, "lora_train": spec.lora_train} if spec.lora is not None else {}
 
 
 def anatomy(spec: ModelSpec, cache: ProfileCache) -> Anatomy:
@@ -318,10 +312,11 @@ def anatomy(spec: ModelSpec, cache: ProfileCache) -> Anatomy:
         "classes": spec.num_classes,
         "torch": torch.__version__,
         "shapes": True,  # entries from before parameter shapes were counted are counted again
+        **_trains(spec),
     }
     doc = cache.get("anatomy", key)
     if doc is None:
-        found = count_anatomy(spec.name, tuple(spec.input_shape), spec.num_classes, spec.args)
+        found = count(spec)
         cache.put("anatomy", key, asdict(found))
         return found
     return _anatomy_from(doc)
@@ -347,6 +342,7 @@ def timings(
         "precision": precision,
         "rows": list(rows),
         "torch": torch.__version__,
+        **_trains(spec),
     }
     doc = cache.get("timings", key)
     if doc is not None:

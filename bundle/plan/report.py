@@ -75,8 +75,9 @@ def run_options(plan: Plan, job: Job, cost: CostModel) -> dict[str, Any]:
         "num_nodes": -(-plan.processes // plan.procs_per_node),
     }
     given = dict(zip(job.extra[::2], job.extra[1::2], strict=True))
-    if "--model-args" in given:
-        run["model_args"] = given["--model-args"]
+    for flag in ("--model-args", "--lora", "--lora-train"):
+        if flag in given:
+            run[flag[2:].replace("-", "_")] = given[flag]
     if plan.chunks > 1:
         run["virtual_stages"] = plan.chunks
     if len(plan.shape) > 1:

@@ -357,7 +357,7 @@ def _sync_estimate(
     """Stage ``s``'s whole gradient as one bucket through the sync the plan runs (``groups``:
     its groups' nodes, ``_group_nodes``)."""
     cost = hop.cost
-    nbytes = float(cost.params[a:b].sum()) * 4
+    nbytes = cost.grad_bytes(a, b)
     flat, inner, masters = groups
     (wire,) = hop.wire_bytes([(a, nbytes)], b)
     if not plan.dp.two_hops(plan.grad_sync):

@@ -8,7 +8,8 @@ over its replicas (FSDP2, one ``fully_shard`` per block), each block gathered fo
 - **Memory** per replica: parameters, gradients and optimizer state divided by the shard group's
   size, no DDP buckets, and on top one block's full parameters and gradients at a time (the
   largest block's, ``Memory.gathered``; with model chunks the largest of all the stage's blocks:
-  one is gathered at a time).
+  one is gathered at a time). A ``--lora`` base is sharded and gathered too, but has no
+  gradient: it adds to the parameters and the gathers, not to the reduce-scatters.
 - **Time** per micro-batch, with the collectives of ``bundle.plan.cost`` (the bandwidth model of
   the gradient sync): the forward all-gathers each block's parameters (every member receives the
   other members' shards); the backward gathers them again and reduce-scatters each block's
@@ -66,13 +67,17 @@ def memory(cost: CostModel, mem: Memory, pieces: list[tuple[int, int]], over: in
     parameters and gradients sharded over ``over`` replicas and one block gathered at a time."""
     if over < 2:
         return mem
-    largest = max((cost.grad_bytes(j, j + 1) for a, b in pieces for j in range(a, b)), default=0.0)
+    blocks = [j for a, b in pieces for j in range(a, b)]
+    # The block's full parameters and its full gradient (none for a frozen one).
+    largest = max(
+        (cost.param_bytes(j, j + 1) + cost.grad_bytes(j, j + 1) for j in blocks), default=0.0
+    )
     return replace(
         mem,
         params=mem.params / over,
         grads=mem.grads / over,
         buckets=0.0,
-        gathered=2 * largest,  # the block's full parameters and its full gradient
+        gathered=largest,
     )
 
 
@@ -100,10 +105,12 @@ class Collectives:
         if key not in self._memo:
             inner, across = self.groups(s)
             n, cost = len(inner), self.cost
-            blocks = [cost.grad_bytes(j, j + 1) for j in range(lo, hi)]
-            blocks = [b for b in blocks if b > 0]
-            gather = sum(cost.allgather(b / n, inner) for b in blocks)
-            reduce = sum(cost.reduce(b, inner) + cost.allreduce(b / n, across) for b in blocks)
+            params = [cost.param_bytes(j, j + 1) for j in range(lo, hi)]
+            grads = [cost.grad_bytes(j, j + 1) for j in range(lo, hi)]
+            gather = sum(cost.allgather(b / n, inner) for b in params if b > 0)
+            reduce = sum(
+                cost.reduce(b, inner) + cost.allreduce(b / n, across) for b in grads if b > 0
+            )
             self._memo[key] = (gather, reduce)
         return self._memo[key]
 
