@@ -57,14 +57,20 @@ def exported(tmp_path_factory) -> dict[str, str]:
     save_dir = str(root / "ckpt")
     p = start(
         "main.py",
-        *("--bundle-shape", "2,1", "--model", "transformers:GPT2LMHeadModel"),
+        *("--bundle-shape", "1,2", "--model", "transformers:GPT2LMHeadModel"),
         *("--model-args", GPT2, "--dataset", "text", "--data-file", "docs/checkpoints.md"),
         *("--seq-len", str(SEQ), "--batch-size", "8", "--itr", str(STEPS), "--no-eval"),
         *("--optimizer", "adamw", "--lr", "0.01", "--seed", str(SEED)),
         *("--lora", LORA, "--lora-train", "ln_f", "--save-dir", save_dir),
     )
-    rc, _, err = finish(p, timeout=300)
+    rc, out, err = finish(p, timeout=300)
     assert rc == 0, err[-3000:]
+    # The summary: what trains, of the whole model, and what the rear's two replicas synced (the
+    # gradients of what trains there, once a step; the frozen base's are none of it).
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert 0 < summary["trainable_params"] < summary["all_params"] / 10, summary
+    assert 0 < summary["grad_sync_bytes"] == summary["grad_bytes"], summary
+    assert summary["grad_bytes"] < summary["param_bytes"] / 4, summary  # full: equal
     paths = {"save_dir": save_dir, "step": ckpt.step_dir(save_dir, STEPS)}
     for kind, argv in (
         ("peft", ["--peft", str(root / "peft")]),
