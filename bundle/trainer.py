@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from bundle import data, log
+from bundle.checkpoint import final as final_weights
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.manager import Checkpointer
 from bundle.config import RunConfig, parse_bundle_sync
@@ -214,13 +215,9 @@ class Trainer:
         dist.broadcast_object_list(final, src=0, group=groups.control)
         if final[0]:
             self.phase.enter("checkpoint")
-            ckpt.save_distributed(
-                final[0],
-                self.session.stage,
-                self.run.topo,
-                self.session.coord,
-                group=groups.control,
-            )
+            session, lora = self.session, self.run.cfg.model.lora is not None
+            args = (final[0], session.stage, self.run.topo, session.coord)
+            final_weights.save_distributed(*args, group=groups.control, trained_only=lora)
 
     def _replaced_samples(self) -> int | None:
         """--skip-bad-samples: the job's replaced samples, summed over every rank (collective)."""

@@ -6,6 +6,8 @@ Modules, from the data up:
 - ``format``: the final weights file, resumable ``step-N`` directories (DCP), their settings and
   checksums, re-saves that keep a whole copy and what a kill left put right, resolving
   ``--resume`` past damaged ones, export (``python -m bundle.checkpoint export``);
+- ``final``: ``--checkpoint FILE``, the weights at the end of a run gathered from the stages
+  into one file (a ``--lora`` run's: what trains);
 - ``hf_record``: a ``transformers`` model's class and config as a step records them
   (``hf_config``), and the model built again from that record, checked first;
 - ``merged``: a ``--lora`` run's step as the plain model: its frozen base built again as the run

@@ -10,20 +10,21 @@ A resumable checkpoint is the directory ``SAVE_DIR/step-N`` (N = training steps 
 
 It is written as ``step-N.tmp`` and renamed when all three are there; a step written again is
 swapped in (``publish``) so that a whole copy of it exists at every moment, and what a kill leaves
-is put right by the next job's first process (``recover``). A checkpoint is trusted only
-once verified (``damage``): ``.metadata`` and ``bundle.json`` present and readable, ``bundle.json``
+is put right by the next job's first process (``recover``). A checkpoint is trusted only once
+verified (``damage``): ``.metadata`` and ``bundle.json`` present and readable, ``bundle.json``
 matching its digest, every file it lists there with its size and checksum, and the index made only
 of what a DCP index holds (an exact allow-list: a checkpoint is data, never code; see
 docs/security.md). ``--resume auto`` passes over a damaged one to the newest whole one; naming a
-damaged one is refused. Entries are keyed by
-full-model names, so any shape, partition or node count reads them (DCP hands every rank the keys
-its stage asks for, from whichever files hold them):
+damaged one is refused. Entries are keyed by full-model names, so any shape, partition or node
+count reads them (DCP hands every rank the keys its stage asks for, from whichever files hold
+them):
 
     model.<name>              parameters (replicas agree, DCP keeps one copy) and the buffers of
                               the canonical replica (bundle 0, replica 0 of each stage)
     optim.<name>.<state>      optimizer state, e.g. ``optim.fc.weight.momentum_buffer``
     replica.<rank>.<name>     the buffers of every other replica (BatchNorm statistics differ
                               between replicas); read back only under the same layout
+    base.<name>               a --lora run's frozen base tensor's SHA-256 (the base is not kept)
 
 ``python -m bundle.checkpoint export SAVE_DIR/step-N model.pt`` writes the ``--checkpoint`` format.
 """
@@ -39,18 +40,13 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from bundle.checkpoint import index
 from bundle.config import RunConfig
-from bundle.engine.sharded import on_host
-from bundle.engine.stage import Stage
 from bundle.errors import CheckpointError
-from bundle.topology import Coord, Topology
 
 INFO = "bundle.json"
 # 2: bundle.json carries its own digest. Format 1 (older) is read as before, by its file checksums.
@@ -120,30 +116,6 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def _unwrap(stage: nn.Module) -> Stage:
-    return cast(Stage, getattr(stage, "module", stage))  # a stage, or DDP around one
-
-
-def save_distributed(
-    path: str, stage: nn.Module, topo: Topology, coord: Coord, *, group: dist.ProcessGroup
-) -> None:
-    """Bundle 0's stage masters send their stage to rank 0, which writes the whole model
-    (gathered first where it is sharded: ``--zero 3``).
-
-    ``group`` spans the job on gloo (the control group): on the default group of an NCCL job,
-    gather_object would pickle through CUDA tensors on the training communicator.
-    """
-    mine = on_host(_unwrap(stage).full_state_dict(), keep=coord.bundle == 0 and coord.replica == 0)
-    parts: list | None = [None] * topo.world_size if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0, group=group)
-    if parts is not None:
-        state: dict[str, torch.Tensor] = {}
-        for part in parts:
-            if part:
-                state.update(part)
-        save(path, state)
 
 
 # -- step-N directories --------------------------------------------------------------------------

@@ -7,7 +7,6 @@ wrote; ``optimizer_slots`` says which tensors a restore reads a parameter's opti
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -17,12 +16,14 @@ from bundle.engine.hops import Hop
 from bundle.engine.outer import OuterSync
 from bundle.engine.sharded import is_sharded
 from bundle.engine.stage import Stage
+from bundle.models.quant import Frozen, sha256
 
 
 def digest_of(t: torch.Tensor) -> torch.Tensor:
-    """SHA-256 of a tensor's bytes (uint8[32]): what a checkpoint keeps of a frozen base tensor."""
-    data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-    return torch.frombuffer(bytearray(hashlib.sha256(data.tobytes()).digest()), dtype=torch.uint8)
+    """SHA-256 of a tensor's bytes (uint8[32]): what a checkpoint keeps of a frozen base tensor;
+    of one stored in fewer bytes (``--base-dtype``), of the tensor it was stored from, so that
+    the base built again in full (a resume, an export's merge) is checked as it is."""
+    return t.source if isinstance(t, Frozen) else sha256(t)
 
 
 @dataclass(frozen=True, kw_only=True)

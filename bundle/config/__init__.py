@@ -20,6 +20,7 @@ The package, from the leaves up:
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -63,6 +64,8 @@ DATASETS = ("digits", "imagefolder", "synthetic", "text", "tokens", "hf")
 # The ones made of tokens: --seq-len windows, a tokenizer (bundle.data).
 TOKEN_DATASETS = ("text", "tokens", "hf")
 OPTIMIZERS = ("sgd", "adamw", "adam")
+# How a LoRA run stores its frozen base (models.quant); unset: as the model was built or loaded.
+BASE_DTYPES = ("fp32", "bf16", "nf4")
 
 
 def is_reference(text: str) -> bool:
@@ -136,10 +139,14 @@ class ModelConfig:
     lora_train: str | None = field(default=None, metadata=RECORDED)
     # A directory PEFT saved an adapter to: the adapters' first values.
     lora_init: str | None = field(default=None, metadata=NODE_LOCAL)
+    # The frozen base stored in fewer bytes (models.quant): nf4 (linear weights in 4 bits, the
+    # rest bf16), bf16 or fp32; each process converts its own pieces.
+    base_dtype: str | None = field(default=None, metadata=RECORDED)
 
     def __post_init__(self) -> None:
         parse_model_args(self.args)
         object.__setattr__(self, "lora", resolve_lora(self.lora, self.lora_init, self.lora_train))
+        self._check_base_dtype()
         if self.pretrained is not None:
             for flag, given, what in (
                 ("--weights", self.weights, "weights"),
@@ -155,6 +162,15 @@ class ModelConfig:
                 object.__setattr__(self, "name", _architecture(self.pretrained) or self.name)
         if self.loss is not None and not is_reference(self.loss):
             raise ConfigError("--loss", self.loss, "name a function as package.module:function")
+
+    def _check_base_dtype(self) -> None:
+        flag, value = "--base-dtype", self.base_dtype
+        if value is not None and value not in BASE_DTYPES:
+            raise ConfigError(flag, value, f"choose one of: {', '.join(BASE_DTYPES)}")
+        if value is not None and self.lora is None:
+            raise ConfigError(flag, value, "stores the weights that do not train: give --lora")
+        if value == "nf4" and importlib.util.find_spec("torchao") is None:
+            raise ConfigError(flag, value, "needs torchao: pip install torchao")
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -345,6 +361,9 @@ class RunConfig:
                 "keeps convolution weights in a non-contiguous layout, which --zero 3 (FSDP2) "
                 "cannot shard; use one of them",
             )
+        if self.parallel.zero == 3 and self.model.base_dtype is not None:
+            why = "keeps each process's frozen base whole, which --zero 3 (FSDP2) would shard"
+            raise ConfigError("--base-dtype", self.model.base_dtype, f"{why}; use --zero 1")
         if self.compute.compile and REGISTRY[self.parallel.schedule].split_backward:
             raise ConfigError(
                 "--schedule",

@@ -149,8 +149,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(PAR, "--bundle-shape", "parallel.shape", metavar="W0,W1,...|auto",
            help="replicas per stage of one bundle, e.g. 1,1 (front+rear) or 4,2; auto: the "
                 "planner's shape, split, micro-batches, schedule and sync for this job's processes"),
-    Option(PAR, "--num-bundle", "parallel.num_bundles", metavar="N",
-           help="bundles in the whole job"),
+    Option(PAR, "--num-bundle", "parallel.num_bundles", metavar="N", help="bundles in the whole job"),
     Option(PAR, "--DP-ONLY", None, kind=bool,
            help="pure data parallelism: one stage over all processes"),
     Option(PAR, "--num-hp", None, kind=int, metavar="N",
@@ -241,8 +240,7 @@ OPTIONS: tuple[Option, ...] = (
            help="write resumable checkpoints to DIR/step-N "
                 "(on multi-node jobs: a filesystem every node sees)"),
     Option(CKPT, "--save-every", "checkpoint.save_every", metavar="STEPS",
-           help="checkpoint every this many steps (0: at the end of every epoch); "
-                "always at the end"),
+           help="checkpoint every this many steps (0: at the end of every epoch); always at the end"),
     Option(CKPT, "--keep", "checkpoint.keep", metavar="K", help="newest complete checkpoints kept"),
     Option(CKPT, "--resume", "checkpoint.resume", metavar="auto|DIR/step-N",
            help="auto: the newest complete checkpoint in --save-dir (fresh start if none); "
@@ -298,6 +296,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(MODEL, "--lora-init", "model.lora_init", metavar="DIR",
            help="start the adapters from one PEFT saved (adapter_config.json, "
                 "adapter_model.safetensors); its r, alpha and targets are --lora's"),
+    Option(MODEL, "--base-dtype", "model.base_dtype", choices=C.BASE_DTYPES,
+           help="with --lora: the frozen base in nf4 (linear weights; rest bf16), bf16 or fp32"),
     Option(MODEL, "--loss", "model.loss", metavar="package.module:function",
            help="loss(outputs, labels) -> the mean over the micro-batch's rows "
                 "(default: cross-entropy over the last dimension, per row or per token)"),

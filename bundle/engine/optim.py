@@ -123,9 +123,13 @@ def holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 def local_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t`` this process holds: of a DTensor (a parameter sharded by FSDP2, its
-    gradient, its optimizer state), the local shard, not the global tensor."""
+    gradient, its optimizer state), the local shard, not the global tensor; of a frozen base
+    tensor stored in fewer bytes (``--base-dtype``), what it stores."""
     if is_sharded(t):
         t = cast(Any, t).to_local()
+    stored = getattr(t, "stored_bytes", None)  # a frozen base kept in fewer bytes (models.quant)
+    if isinstance(stored, int):
+        return stored
     return t.numel() * t.element_size()
 
 

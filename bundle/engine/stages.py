@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from bundle import models
+from bundle import log, models
 from bundle.config import ModelConfig, RunConfig
 from bundle.engine.precision import Policy
 from bundle.engine.stage import Stage
 from bundle.engine.transport import Boundaries, TensorMeta
 from bundle.ir.schedule import Pipe
+from bundle.models import quant
 from bundle.models.cut import Capture, cut
 from bundle.models.inputs import Inputs
 
@@ -36,12 +37,14 @@ def build_stages(
     only the stages in ``keep`` (None: all) are given memory and read from the checkpoint; the
     others keep meta tensors (a weight tied to a kept stage's is that stage's tensor).
     ``inputs``: the batch's named inputs (None: one tensor). ``--lora`` adapts the model before
-    it is cut (``models.adapt``)."""
+    it is cut (``models.adapt``); ``--base-dtype`` then stores the frozen base of the stages in
+    ``keep``, once they are loaded (``store_base``)."""
     torch.manual_seed(cfg.train.seed)
     if not cfg.model.pretrained:
         model = models.build_model(cfg.model, num_classes, input_shape)
         models.adapt(model, cfg.model, seed=cfg.train.seed)
-        return cut_stages(model, cfg.model, num_stages, input_shape, capture, inputs)
+        stages = cut_stages(model, cfg.model, num_stages, input_shape, capture, inputs)
+        return store_base(model, stages, cfg.model, keep)
     model = models.pretrained.build_empty(
         cfg.model.name,
         cfg.model.pretrained,
@@ -59,6 +62,29 @@ def build_stages(
         pieces=stages,
         keep=keep,
     )
+    return store_base(model, stages, cfg.model, keep)
+
+
+def store_base(
+    model: torch.nn.Module,
+    stages: list[Stage],
+    cfg: ModelConfig,
+    keep: Collection[int] | None = None,
+) -> list[Stage]:
+    """``--base-dtype``: the frozen base of the stages in ``keep`` (None: all) stored as it says
+    (``models.quant``), each process its own; what it saved said once."""
+    if cfg.base_dtype is None:
+        return stages
+    fit, misfit = quant.linear_weights(model)
+    kept = [s for i, s in enumerate(stages) if keep is None or i in keep]
+    done = quant.convert(kept, cfg.base_dtype, fit)
+    say = log.get().info
+    say(f"--base-dtype {cfg.base_dtype}: {done.text()}")
+    if cfg.base_dtype == "nf4" and misfit:
+        say(
+            f"--base-dtype nf4: {len(misfit)} linear weights stay bf16, their size not a "
+            f"multiple of {quant.NF4_BLOCK} (e.g. {misfit[0]})"
+        )
     return stages
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bundle.checkpoint import final as final_weights
 from bundle.checkpoint import format as ckpt
 from bundle.engine.optim import local_bytes
 from bundle.engine.sharded import full, is_sharded
@@ -94,7 +95,9 @@ def _widths(rank: int, world: int, backend: str, text: str, weights: str) -> lis
             if v == 0:
                 topo = Topology.from_config(cfg)
                 group = session.groups.control
-                ckpt.save_distributed(weights, session.stage, topo, topo.coord(rank), group=group)
+                final_weights.save_distributed(
+                    weights, session.stage, topo, topo.coord(rank), group=group
+                )
         params = list(session.stage.parameters())
         held = (sum(local_bytes(p) for p in params), all(is_sharded(p) for p in params))
         out.append((_whole(session), held))

@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from bundle import cli
+from bundle.checkpoint import final as final_weights
 from bundle.checkpoint import format as ckpt
 from bundle.checkpoint.__main__ import export
 from bundle.checkpoint.__main__ import main as export_command
@@ -264,11 +265,11 @@ def test_the_final_export_gathers_on_the_group_it_is_given(tmp_path, monkeypatch
         parts[0] = obj
 
     control = object()
-    monkeypatch.setattr(ckpt.dist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(ckpt.dist, "gather_object", gather_object)
+    monkeypatch.setattr(final_weights.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(final_weights.dist, "gather_object", gather_object)
     topo = Topology(shape=(1,), num_bundles=1, procs_per_node=1, global_batch=2, micro_batches=1)
     out = tmp_path / "model.pt"
-    ckpt.save_distributed(str(out), Stage(), topo, topo.coord(0), group=control)
+    final_weights.save_distributed(str(out), Stage(), topo, topo.coord(0), group=control)
     assert calls == [(0, control)]
     assert torch.equal(torch.load(out, weights_only=True)["fc.weight"], torch.ones(2, 3))
 

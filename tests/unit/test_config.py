@@ -91,6 +91,7 @@ def shared(**sections):
             "output": None,
             "lora": None,
             "lora_train": None,
+            "base_dtype": None,
         },
         "data": {
             "dataset": "digits",
@@ -191,6 +192,7 @@ RECORDED_DEFAULT = {
     "pretrained": None,
     "lora": None,
     "lora_train": None,
+    "base_dtype": None,
     "text_field": "text",
     "label_field": None,
     "seq_len": 64,
