@@ -47,4 +47,5 @@ def test_an_nf4_base_trains_and_resumes_bit_identical(tmp_path):
     assert losses(tmp_path / "resumed.jsonl") == {5: straight[5], 6: straight[6]}
     assert_identical(tmp_path / "straight.pt", tmp_path / "resumed.pt")
     final = torch.load(tmp_path / "straight.pt", weights_only=True)
-    assert final["layers.0.attn.qkv.weight"].dtype == torch.float32  # written widened
+    assert "layers.0.attn.qkv.lora_A.weight" in final  # what trains: the adapters, not the base
+    assert not any(k.endswith("qkv.weight") for k in final), sorted(final)[:4]
