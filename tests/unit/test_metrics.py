@@ -39,6 +39,7 @@ def trainer_of(*argv: str) -> Trainer:
         device=torch.device("cpu"),
         peak_in_flight=1,
         sync=SimpleNamespace(wire=SimpleNamespace(ratio=1.0)),
+        chunks=[SimpleNamespace(sync=SimpleNamespace(wire=SimpleNamespace(sent=96)))],
     )
     stage = torch.nn.Linear(3, 2)  # 6 + 2 float32 parameters, the bias frozen
     stage.bias.requires_grad_(False)
@@ -46,7 +47,8 @@ def trainer_of(*argv: str) -> Trainer:
     stage(torch.ones(1, 3)).sum().backward()
     optimizer.step()  # a momentum buffer of the weight's size
     optimizer.zero_grad()  # as after every step: the gradients are counted from the parameters
-    session: object = SimpleNamespace(engine=engine, optimizer=optimizer, stage=stage)
+    coord = topo.coord(run.rank)
+    session: object = SimpleNamespace(engine=engine, optimizer=optimizer, stage=stage, coord=coord)
     parts: object = SimpleNamespace(stalls=[])
     return Trainer(
         run,
@@ -88,3 +90,6 @@ def test_the_summary_counts_the_bytes_held_and_the_largest_over_the_job(world_of
     assert most == (32, 24, 24) and all(type(b) is int for b in most)
     printed = json.loads(Summary(facts, 10.0, 1.0).line())
     assert printed["grad_bytes"] == 24 and printed["most_param_bytes"] == 32
+    # The whole model's counts (the bias frozen), and the sync's 96 bytes over the 3 steps run.
+    assert (printed["trainable_params"], printed["all_params"]) == (6, 8)
+    assert printed["grad_sync_bytes"] == 32
