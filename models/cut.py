@@ -42,6 +42,7 @@ def capture_key(cfg: ModelConfig, input_shape: Sequence[int], inputs: Inputs | N
     return repr(
         (cfg.name, sorted(cfg.kwargs.items()), cfg.config_file, cfg.pretrained, cfg.partition)
         + (cfg.output, tuple(input_shape), inputs.key() if inputs else None)
+        + ((cfg.lora, cfg.lora_train) if cfg.lora else ())  # adapters are in the graph
     )
 
 

@@ -38,11 +38,9 @@ WORLDS = {
     ((2, 1), 2): [
         ("llama", "1f1b", "flat", 0, "gloo"),
         ("gpt2", "zb-h1", "hierarchical", 1, "gloo", "transformer.h.0"),
-        ("llama", "zbv", "hierarchical", 0, "gloo"),
         ("gpt2", "1f1b", "flat", 3, "gloo"),
     ],
     ((1, 1), 1): [
-        ("gpt2", "interleaved-1f1b", "flat", 0, "gloo"),
         ("llama", "gpipe", "flat", 0, "nccl-emu"),
     ],
     ((1, 2), 1): [
@@ -78,19 +76,49 @@ def lora_config(model, shape, bundles, schedule, sync, zero, backend, text, adap
     return cfg
 
 
-def _world(rank: int, world: int, shape, bundles, setup, reshape) -> tuple[list[str], str | None]:
-    """Every variant of the world's shape against PEFT; then the reshape's save (at 2,1 x 2) or
-    its resume (at 1,1). Rank 0 returns the mismatches, and the checkpoint saved."""
-    text, adapters, refs_file = setup
-    failures: list[str] = []
-    refs = torch.load(refs_file, weights_only=True)
+def variants(shape, bundles, setup) -> dict[str, tuple[str, object]]:
+    """The world's variants by name: (model, config)."""
+    text, adapters, _ = setup
+    out = {}
     for model, schedule, sync, zero, backend, *part in WORLDS[(tuple(shape), bundles)]:
         name = f"{model} {schedule} {sync} zero{zero} {backend} {part}"
-        cfg = lora_config(
-            model, shape, bundles, schedule, sync, zero, backend, text, adapters[model], *part
+        out[name] = (
+            model,
+            lora_config(
+                model, shape, bundles, schedule, sync, zero, backend, text, adapters[model], *part
+            ),
         )
+    return out
+
+
+def captures(shape, bundles, setup) -> dict[str, object]:
+    """Each variant's graph split, made once here as main.py's checks make it before launch,
+    so that the world's processes load it instead of capturing the model each."""
+    from bundle.preflight import check_model
+    from bundle.topology import Topology as Topo
+
+    made = {name: cfg for name, (_, cfg) in variants(shape, bundles, setup).items()}
+    if (tuple(shape), bundles) in RESHAPE:
+        made["reshape"] = reshape_config(shape, bundles, setup, "")
+    return {
+        name: check_model(cfg, Topo.from_config(cfg).num_stages * cfg.parallel.virtual_stages)[1]
+        for name, cfg in made.items()
+    }
+
+
+def _world(
+    rank: int, world: int, shape, bundles, setup, reshape, made
+) -> tuple[list[str], str | None]:
+    """Every variant of the world's shape against PEFT (from the graph splits ``made``); then
+    the reshape's save (at 2,1 x 2) or its resume (at 1,1). Rank 0 returns the mismatches, and
+    the checkpoint saved."""
+    _, _, refs_file = setup
+    failures: list[str] = []
+    refs = torch.load(refs_file, weights_only=True)
+    for name, (model, cfg) in variants(shape, bundles, setup).items():
+        part = cfg.model.partition is not None  # stage 0: the embeddings alone, frozen
         topo = Topology.from_config(cfg)
-        session = build_session(cfg, topo, rank, torch.device("cpu"))
+        session = build_session(cfg, topo, rank, torch.device("cpu"), capture=made[name])
         grads = first_grads(session)
         batches = train_stream(session, topo, cfg.train.seed, STEPS, 0)
         for step in range(STEPS):
@@ -119,7 +147,7 @@ def _world(rank: int, world: int, shape, bundles, setup, reshape) -> tuple[list[
                     failures.append(f"{name} {coord}: gradient of {key} off by {err:.2e}")
         if covered != set(ref_grads):
             failures.append(f"{name}: trained {sorted(covered)[:3]}, PEFT {sorted(ref_grads)[:3]}")
-    saved = _reshape(rank, world, shape, bundles, setup, reshape, refs["llama"], failures)
+    saved = _reshape(rank, world, shape, bundles, setup, reshape, refs["llama"], failures, made)
     return failures, saved
 
 
@@ -130,23 +158,30 @@ SAVED = 2
 RESHAPE = {((2, 1), 2): ("1f1b", "flat", SAVED), ((1, 1), 1): ("gpipe", "hierarchical", STEPS)}
 
 
-def _reshape(rank, world, shape, bundles, setup, reshape, refs, failures) -> str | None:
+def reshape_config(shape, bundles, setup, save_dir: str):
+    """The reshape's run at ``shape``: llama, saving to (or resuming from) ``save_dir``."""
     from dataclasses import replace
 
     from bundle.config import CheckpointConfig
-    from bundle.session import make_checkpointer
 
-    key = (tuple(shape), bundles)
-    if key not in RESHAPE:
-        return None
-    (text, adapters, _), (save_dir, path) = setup, reshape
-    schedule, sync, steps = RESHAPE[key]
+    text, adapters, _ = setup
+    schedule, sync, steps = RESHAPE[(tuple(shape), bundles)]
     cfg = lora_config("llama", shape, bundles, schedule, sync, 0, "gloo", text, adapters["llama"])
-    cfg = replace(
+    return replace(
         cfg, train=replace(cfg.train, steps=steps), checkpoint=CheckpointConfig(save_dir=save_dir)
     )
+
+
+def _reshape(rank, world, shape, bundles, setup, reshape, refs, failures, made) -> str | None:
+    from bundle.session import make_checkpointer
+
+    if (tuple(shape), bundles) not in RESHAPE:
+        return None
+    save_dir, path = reshape
+    cfg = reshape_config(shape, bundles, setup, save_dir)
+    steps = cfg.train.steps
     topo = Topology.from_config(cfg)
-    session = build_session(cfg, topo, rank, torch.device("cpu"))
+    session = build_session(cfg, topo, rank, torch.device("cpu"), capture=made["reshape"])
     saver = make_checkpointer(cfg, topo, rank, session)
     start = saver.restore(path)
     state = saver.state()  # what the checkpoint holds of this rank, as loaded
@@ -214,7 +249,9 @@ def test_lora_equals_peft_at_every_shape_and_resumes_under_another(setup, tmp_pa
     """The worlds in order: 2,1 x 2 (saving the reshape's checkpoint), 1,1 (resuming it), 1,2."""
     save_dir, path = str(tmp_path / "ckpt"), None
     for shape, bundles in WORLDS:
-        results = run_world(sum(shape) * bundles, _world, shape, bundles, setup, (save_dir, path))
+        made = captures(shape, bundles, setup)
+        args = (shape, bundles, setup, (save_dir, path), made)
+        results = run_world(sum(shape) * bundles, _world, *args)
         failures, saved = results[0]
         assert failures == [], "\n".join(failures)
         path = saved or path
