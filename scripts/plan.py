@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--validate", action="store_true", help="predicted vs measured runs here")
     p.add_argument("--smoke", action="store_true", help="with --validate: two tiny configurations")
+    p.add_argument(
+        "--spread",
+        type=float,
+        metavar="FRACTION",
+        help="with --validate: measure a configuration again until its rounds' spread is at most "
+        "this (default 0.10)",
+    )
+    p.add_argument(
+        "--max-rounds", type=int, metavar="N", help="with --validate: rounds at most (default 11)"
+    )
     args = p.parse_args(argv)
     if not args.validate and not args.model:
         p.error("--model is required (or --validate)")
@@ -331,6 +342,10 @@ def validate(args: argparse.Namespace) -> dict:
     import plan_validate
 
     spec = plan_validate.SMOKE if args.smoke else plan_validate.FULL
+    if args.spread is not None:
+        spec = replace(spec, spread=args.spread)
+    if args.max_rounds is not None:
+        spec = replace(spec, max_rounds=args.max_rounds)
     results, wall = plan_validate.run(spec)
     out = plan_validate.predict(spec, results)
     out["wall_s"] = round(wall, 1)

@@ -27,9 +27,12 @@ CATEGORY_COLORS = {
     "data": "#ccb974",
     "forward": "#4c72b0",
     "backward": "#dd8452",
+    "copy": "#da8bc3",
+    "post": "#64b5cd",
     "wait_act": "#b0b0b0",
     "wait_grad": "#6e6e6e",
     "send": "#8172b3",
+    "engine": "#937860",  # the engine's own work on a send or a receive
     "sync": "#c44e52",
     "optimizer": "#55a868",
     "other": "#e4e4e4",  # the training loop's own work: stop vote, checkpoint polls

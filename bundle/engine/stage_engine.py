@@ -33,7 +33,7 @@ from bundle.ir.schedule import (
     peak_in_flight,
     unknown,
 )
-from bundle.observe.timing import MARK_OF_OP, Mark, StepTimer
+from bundle.observe.timing import Mark, StepTimer, last_mark
 from bundle.topology import Coord, Topology
 
 # Callers name these by this module, where they lived first.
@@ -106,9 +106,13 @@ class StageEngine:
             [o for o in self.plan.calls[n].ops if o.op in RECVS].index(a) if a.op in RECVS else -1
             for a, n in zip(self.actions, self.plan.call_of, strict=True)
         ]
-        # Each action ends with a lap of the step timer (see bundle.observe.timing).
+        # Each action ends with a lap of the step timer, some lap inside (bundle.observe.timing).
         self.timer = timer or StepTimer()
-        self._marks = [MARK_OF_OP[a.op] for a in self.actions]
+        self._marks = [last_mark(a.op, wire=not self.last[a.chunk]) for a in self.actions]
+        # The micro-batch a post lap is labelled with: that of the first call posted there.
+        self._post_micro = [
+            self.plan.calls[p[0]].ops[0].micro if p else -1 for p in self.plan.post_at
+        ]
         self.recompute = [
             self.policy.recomputes(self.actions, topo.micro_batches, chunk=c) for c in range(V)
         ]
@@ -196,10 +200,14 @@ class StageEngine:
         for i, a in enumerate(self.actions):
             k, st = a.micro, sts[a.chunk]
             self._at = (step, a)
-            for n in plan.post_at[i]:  # the calls posted here, each with every op in it
-                posted[n] = post_call([self._part(op, sts[op.chunk]) for op in plan.calls[n].ops])
+            if plan.post_at[i]:
+                for n in plan.post_at[i]:  # the calls posted here, each with every op in it
+                    ops = plan.calls[n].ops
+                    posted[n] = post_call([self._part(op, sts[op.chunk]) for op in ops])
+                lap(Mark.POST, self._post_micro[i])
             if a.op is Op.RECV_ACT:
                 xs = posted[plan.call_of[i]].wait()[self._nth[i]]
+                lap(Mark.WAIT_ACT, k)
                 # A fresh autograd leaf over the reused buffer (in its wire form, so its gradient
                 # is too), so gradients never accumulate across micro-batches or steps.
                 grad = self.input_grads[a.chunk]
@@ -211,6 +219,7 @@ class StageEngine:
                 self._forward(sts, a.chunk, k, micro)
             elif a.op is Op.RECV_GRAD:
                 st.grads[k] = posted[plan.call_of[i]].wait()[self._nth[i]]
+                lap(Mark.WAIT_GRAD, k)
             elif a.op is Op.BACKWARD:
                 self._backward(sts, a.chunk, k, last=i in self.last_backward)
             elif a.op is Op.BACKWARD_INPUT:
@@ -252,6 +261,7 @@ class StageEngine:
             st.loss_sum += loss.detach()
             st.outputs[k] = (self.scaler.scaled(loss) if self.scaler else loss,)
         else:
+            self.timer.lap(Mark.FORWARD, k)  # what follows is the copy into wire form (if any)
             st.outputs[k] = tuple(
                 m.to_wire(o) for m, o in zip(transport.out_meta, out, strict=True)
             )

@@ -2,21 +2,29 @@
 
 Every action of a step ends with ``timer.lap(mark, micro)``, which charges the time since the
 previous lap to that action, so a step's time is split between categories with nothing left
-over and nothing counted twice. On the CPU the clock is the host's monotonic clock
-(``perf_counter_ns``, one call per action); on CUDA each lap records an event on the current
+over and nothing counted twice. An action that talks to a neighbour laps inside too: posting its
+calls (``post``), waiting for a receive (``wait_act``/``wait_grad``), putting a forward's outputs in
+their wire form (``copy``), and the engine's own work around them (``engine``), so a boundary's cost
+is seen apart from the compute. On the CPU the clock is the host's monotonic clock
+(``perf_counter_ns``, one call per lap); on CUDA each lap records an event on the current
 stream and a window's events are read once, when the window closes, so timing never adds a
 synchronisation inside a step. Steps chosen for ``--trace`` also keep every lap as a slice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 from time import perf_counter_ns
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from bundle.ir.schedule import REGISTRY, Op
+
+if TYPE_CHECKING:
+    from bundle.ir.p2p import StepPlan
 
 
 class Mark(IntEnum):
@@ -37,6 +45,13 @@ class Mark(IntEnum):
     # as backward in the breakdown.
     BACKWARD_INPUT = 11
     BACKWARD_WEIGHT = 12
+    # Inside the actions that cross a boundary: posting calls (building their operations and
+    # handing them to the backend), a forward's outputs put in their wire form, and the engine's
+    # own work on a receive or a send besides posting and waiting (a send's lap is SEND_ACT or
+    # SEND_GRAD, counted as this).
+    POST = 13
+    COPY = 14
+    ENGINE = 15
 
 
 MARK_OF_OP = {
@@ -51,20 +66,52 @@ MARK_OF_OP = {
 }
 LABELS = {m: m.name.lower().replace("_", " ") for m in Mark}
 
-# The breakdown's categories, in the order tables show them; sends and their waits are one.
+
+def step_laps(plan: StepPlan, *, wire: Sequence[bool]) -> list[tuple[Mark, int]]:
+    """(mark, micro) of every lap of one step's actions, in the engine's order: the calls posted
+    as an action begins (labelled by the first one's micro-batch), a receive's wait, a forward's
+    compute before its outputs go into wire form (its chunk's ``wire``), the action's last lap."""
+    laps = []
+    for a, posts in zip(plan.actions, plan.post_at, strict=True):
+        if posts:
+            laps.append((Mark.POST, plan.calls[posts[0]].ops[0].micro))
+        if a.op in (Op.RECV_ACT, Op.RECV_GRAD) or (a.op is Op.FORWARD and wire[a.chunk]):
+            laps.append((MARK_OF_OP[a.op], a.micro))
+        laps.append((last_mark(a.op, wire=wire[a.chunk]), a.micro))
+    return laps
+
+
+def last_mark(op: Op, *, wire: bool) -> Mark:
+    """The mark of an action's last lap (its earlier ones: ``Mark.POST`` for the calls posted as
+    it begins, and a receive's wait): after its wait, a receive's remaining work is the engine's
+    own; a forward whose outputs go out in ``wire`` form ends converting them."""
+    if op in (Op.RECV_ACT, Op.RECV_GRAD):
+        return Mark.ENGINE
+    if op is Op.FORWARD and wire:
+        return Mark.COPY
+    return MARK_OF_OP[op]
+
+
+# The breakdown's categories, in the order tables show them: ``send`` is waiting for the step's
+# sends to complete, ``engine`` the engine's own work on a send or a receive.
 CATEGORIES = (
     "data",
     "forward",
     "backward",
+    "copy",
+    "post",
     "wait_act",
     "wait_grad",
     "send",
+    "engine",
     "sync",
     "optimizer",
     "other",
 )
 CATEGORY_OF = {
     m: "send"
+    if m is Mark.SEND_WAIT
+    else "engine"
     if m.name.startswith("SEND")
     else "backward"
     if m.name.startswith("BACKWARD")

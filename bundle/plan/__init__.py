@@ -8,6 +8,7 @@ Modules, from the data up:
 - ``conditions``: what a profile was measured under (load, CPU share, spread) and whether to trust it;
 - ``cluster``: the devices and links a plan runs on (YAML cluster files, or this machine);
 - ``isolate``: a measurement run in a spawned child process (no CUDA left in the caller);
+- ``messages``: what one point-to-point message costs here: a ping-pong over the boundary's sizes;
 - ``calibrate``: the engine's own overheads and this machine's loopback links, measured once;
 - ``shares``: how much slower than its CPU share an emulated device computes, measured once;
 - ``cost``: seconds and bytes of a plan's pieces: stage compute, transfers, gradient sync, memory;

@@ -4,13 +4,17 @@
   this process at 1 and 16 micro-batches of one row; what its steps take beyond the model's own
   forward and backward (as ``profile`` measures them) is the overhead per compute action and per
   step.
-- ``p2p`` and ``collective``: two gloo processes time a ping-pong and an all-reduce at a small and
-  a large size (latency from the small one, bandwidth from the large one).
+- ``messages`` and ``collective``: two gloo processes time a ping-pong over a grid of sizes
+  (``bundle.plan.messages``: each message's call on either side and its one-way time) and an
+  all-reduce at a small and a large size (latency from the small one, bandwidth from the large
+  one). ``p2p`` and the calls are the messages fitted at the busy probe's boundary;
+  ``for_boundary`` fits them at a plan's own.
 - ``comm_action``: the same two processes run a small MLP as a ``1,1`` pipeline at 16
   micro-batches of 64 rows under each schedule, both cores busy about a millisecond per stage and
-  micro-batch; the cost per send and receive is what makes the simulator, given the links, the
-  compute overheads and the MLP's profile (timed between the steps), match those steps. On a
-  shared CPU it is far from free: a gloo call waits for gloo's own threads, which wait for a core.
+  micro-batch; the engine's own cost per send and receive action, beyond the calls the messages
+  measured, is what makes the simulator, given the links, the calls, the compute overheads and
+  the MLP's profile (timed between the steps), match those steps. On a shared CPU it is far from
+  free: a gloo call waits for gloo's own threads, which wait for a core.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from bundle.engine.stage_engine import StageEngine
 from bundle.engine.transport import Boundaries, Transport
 from bundle.ir.schedule import ONE_CHUNK
 from bundle.launch import localworld
+from bundle.plan import messages
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import Cluster, Link
@@ -64,6 +69,15 @@ class Calibration:
     overheads: Overheads
     p2p: Link
     collective: Link
+    points: tuple[messages.Point, ...] = ()  # the ping-pong's (bundle.plan.messages)
+
+    def for_boundary(self, sizes: tuple[float, float] | None) -> Calibration:
+        """The messages fitted at ``sizes`` (fewest, most bytes of a message; None: as measured
+        at the busy probe's): the point-to-point link and each side's call."""
+        if sizes is None or not self.points:
+            return self
+        cost = messages.fit(self.points, *sizes)
+        return replace(self, overheads=cost.overheads(self.overheads), p2p=cost.link)
 
 
 class ProbePass:
@@ -190,22 +204,6 @@ def fit_engine(tiny: prof.Timings, runner: dict[int, float], copy: float) -> Ove
 # -- two processes ---------------------------------------------------------------------------
 
 
-def _ping_pong(rank: int, nbytes: int, reps: int) -> float:
-    buf = torch.zeros(max(1, nbytes // 4))
-    times = []
-    for _ in range(reps + 2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        else:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
-        times.append((time.perf_counter() - t0) / 2)
-    return statistics.median(times[2:])
-
-
 def _allreduce(nbytes: int, reps: int) -> float:
     buf = torch.zeros(max(1, nbytes // 4))
     times = []
@@ -217,13 +215,35 @@ def _allreduce(nbytes: int, reps: int) -> float:
     return statistics.median(times[2:])
 
 
-def measure_links(rank: int, reps: int = 15) -> tuple[Link, Link]:
-    """(point-to-point, collective) links between ranks 0 and 1 of gloo; call on both."""
-    small, large = _ping_pong(rank, _SMALL, reps), _ping_pong(rank, _LARGE, reps)
-    p2p = Link(_LARGE / max(large - small, 1e-9), small)
+def measure_links(rank: int, reps: int = 15) -> dict:
+    """Between ranks 0 and 1 of gloo (call on both): the ping-pong's points over
+    ``messages.GRID`` and the collective link."""
+    points = messages.ping_pong(rank)
     # A two-process ring all-reduce: bytes / bandwidth + 2 latencies.
     small, large = _allreduce(_SMALL, reps), _allreduce(_LARGE, reps)
-    return p2p, Link(_LARGE / max(large - small, 1e-9), small / 2)
+    return {
+        "messages": points,
+        "collective": asdict(Link(_LARGE / max(large - small, 1e-9), small / 2)),
+    }
+
+
+def busy_boundary() -> tuple[float, float] | None:
+    """The bytes of the busy probe's messages (its ``1,1`` split, as ``fit_comm_action`` cuts it)."""
+    anatomy = count_anatomy(BUSY.model, BUSY.input_shape, BUSY.classes)
+    rows = (BUSY.rows, BUSY.rows)
+    return messages.boundary_range(anatomy, rows, cuts=(len(anatomy.blocks) // 2,))
+
+
+def fitted(overheads: Overheads, measured: dict) -> Calibration:
+    """The calibration of one two-process measurement (``_world``'s): the messages fitted at the
+    busy probe's boundary, the collective link, and the cost per send and receive action that is
+    left (``fit_comm_action``)."""
+    points = tuple(measured["messages"])
+    at_probe = messages.fit(points, *(busy_boundary() or (1.0, 1.0)))
+    collective = Link(**measured["collective"])
+    base = at_probe.overheads(overheads)
+    found = fit_comm_action(base, at_probe.link, collective, measured["pipelines"])
+    return Calibration(found, at_probe.link, collective, points)
 
 
 class Pipelines:
@@ -313,16 +333,17 @@ def loopback(p2p: Link, collective: Link, *, devices: int, memory_bytes: float) 
 
 def _world(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    p2p, collective = measure_links(rank)
-    return {
-        "p2p": asdict(p2p),
-        "collective": asdict(collective),
-        "pipelines": Pipelines(rank).measure(),
-    }
+    return {**measure_links(rank), "pipelines": Pipelines(rank).measure()}
 
 
 def _key() -> dict:
     return {"device": prof.device_name(torch.device("cpu")), "torch": torch.__version__}
+
+
+def _links_key() -> dict:
+    """The links' entry depends on the ping-pong's sizes too (older entries, without them, are
+    measured again)."""
+    return {**_key(), "messages": list(messages.GRID)}
 
 
 def engine(cache: prof.ProfileCache) -> Overheads:
@@ -345,23 +366,26 @@ def calibrate(
 ) -> Calibration:
     """The loopback links on top of the engine's ``overheads`` (``engine``): cached, or measured
     now (two processes)."""
-    doc = cache.get("links", _key())
+    doc = cache.get("links", _links_key())
     if doc is None:
         # Timed in two child processes whose threads contend with each other by design (gloo's
-        # I/O threads beside the timing loops): the load as they start is what is judged.
+        # I/O threads beside the timing loops): the load as they start is what is judged (each
+        # point keeps its own round trips' spread).
         with Watch(sched=lambda: None) as watch:
             world = localworld.run_world(2, _world, timeout=300.0, start_method=start_method)[0]
         seen = prof.watched(watch, torch.device("cpu"))
-        p2p, collective = Link(**world["p2p"]), Link(**world["collective"])
-        fitted = fit_comm_action(overheads, p2p, collective, world["pipelines"])
+        found = fitted(overheads, world)
         doc = {
-            "p2p": asdict(p2p),
-            "collective": asdict(collective),
-            "comm_action": fitted.comm_action,
+            "messages": list(found.points),
+            "collective": world["collective"],
+            "comm_action": found.overheads.comm_action,
         }
-        cache.put("links", _key(), doc, seen)
+        cache.put("links", _links_key(), doc, seen)
+    points = tuple(doc["messages"])
+    at_probe = messages.fit(points, *(busy_boundary() or (1.0, 1.0)))
     return Calibration(
-        replace(overheads, comm_action=doc["comm_action"]),
-        Link(**doc["p2p"]),
+        at_probe.overheads(replace(overheads, comm_action=doc["comm_action"])),
+        at_probe.link,
         Link(**doc["collective"]),
+        points,
     )

@@ -8,7 +8,7 @@
   roofline against that type's speed, or the measured timings divided by the type's CPU share
   (an emulated slower device); a process is costed on its own device's model.
 - **Transfers**: bytes of the boundary tensors in their wire dtype / bandwidth + latency, over the
-  intra- or inter-node link by where the two ranks sit.
+  intra- or inter-node link by where the two ranks sit; each send's and receive's call on its side.
 - **Collectives**: ring all-reduce ``2(n-1)/n * bytes / bandwidth + 2(n-1) * latency`` over the
   slowest link of the group; reduce and broadcast ``(n-1)/n * bytes / bandwidth + (n-1) *
   latency``; all-gather of every member's ``bytes`` ``(n-1) * bytes / bandwidth + (n-1) *
@@ -53,7 +53,10 @@ class Overheads:
     """The engine's own time beyond the model's arithmetic, measured on this machine."""
 
     compute_action: float = 0.0  # per forward or backward action of a stage
-    comm_action: float = 0.0  # per send or receive action
+    comm_action: float = 0.0  # per send or receive action, beyond the calls it posts
+    send_call: float = 0.0  # per message, posting it (bundle.plan.messages): a send's call
+    send_call_per_byte: float = 0.0  # grows with its bytes (gloo writes what the socket takes)
+    recv_call: float = 0.0  # and a receive's does not
     step: float = 0.0  # per step: bookkeeping, sync hand-off, zero_grad
     copy_bandwidth: float = float("inf")  # bytes/s of a tensor copy (DDP's bucket copies)
 

@@ -18,6 +18,7 @@ from bundle.plan import profile as prof
 from bundle.plan.cluster import NOMINAL, Cluster
 from bundle.plan.cost import CostModel, Execution, Overheads
 from bundle.plan.dataparallel import DataParallel
+from bundle.plan.messages import boundary_range
 from bundle.plan.mixed import MixedResult, mixed_search
 from bundle.plan.plans import Evaluated
 from bundle.plan.search import Limits, Workload, search_fitting
@@ -161,6 +162,17 @@ class Measured:
     notes: tuple[str, ...] = ()  # the profile cache's (which entries were used, which were not)
 
 
+def _loopback(
+    request: Request, cache: prof.ProfileCache, overheads: Overheads, start_method: str
+) -> calibrate.Calibration:
+    """This machine's loopback links, its messages fitted at the sizes the model's boundaries
+    send (one row to the whole batch, anywhere the model may be cut)."""
+    cal = calibrate.calibrate(cache, overheads, start_method=start_method)
+    anatomy = prof.anatomy(request.spec, cache)
+    rows = (1.0, float(request.batch))
+    return cal.for_boundary(boundary_range(anatomy, rows, precision=request.precision))
+
+
 def measure(
     request: Request,
     *,
@@ -193,7 +205,7 @@ def measure(
     ):
         # CPU processes emulating devices (cpu shares): their links are this machine's loopback,
         # measured; the file's figures stand for nodes this machine does not have.
-        cal = calibrate.calibrate(cache, overheads, start_method=start_method)
+        cal = _loopback(request, cache, overheads, start_method)
         links = replace(cluster, intra=cal.p2p, collective=cal.collective)
         return Measured(
             timings, cal.overheads, shares.with_penalties(links, cache), tuple(cache.notes)
@@ -214,7 +226,7 @@ def measure(
             inter=inter,
         )
         return Measured(timings, overheads, cluster, tuple(cache.notes))
-    cal = calibrate.calibrate(cache, overheads, start_method=start_method)
+    cal = _loopback(request, cache, overheads, start_method)
     cluster = replace(
         calibrate.loopback(
             cal.p2p,

@@ -6,8 +6,12 @@ compute time at the rows this replica holds (``Topology.global_rows``: the engin
 or by row weights) on its own device (``CostModel.on`` its placement's device type); a
 send hands each peer of the topology's row plan its rows, over the link between the two ranks'
 nodes (transfers between one pair of ranks queue behind each other); a receive waits until every
-transfer of its micro-batch has arrived. No schedule logic lives here: change a schedule and the
-simulation follows.
+transfer of its micro-batch has arrived. Each message also costs its call on both sides
+(``Overheads.send_call`` and ``recv_call``, measured by ``bundle.plan.messages``): a send's on the
+sender's clock as its transfer starts (the link's one-way time counts from the call's start, as
+the ping-pong measures it), a receive's (posted ahead of its wait, as the engine does on gloo) on
+the receiver's before it waits; and each send or receive action the engine's own work after it
+(``comm_action``). No schedule logic lives here: change a schedule and the simulation follows.
 
 After its last action a replica waits for its sends, then for its stage's gradient sync (buckets
 started during the last backward, as the engine does: DDP all-reduce for ``flat``; reduce in the
@@ -173,7 +177,7 @@ class _Simulation:
     def transfer(
         self, p: Replica, q: Replica, nbytes: float, key: tuple[str, int, int, int], label: str
     ) -> None:
-        link = self.cost.link(self.node[p], self.node[q])
+        link, o = self.cost.link(self.node[p], self.node[q]), self.cost.overheads
         pair = (self.rank[p], self.rank[q])
         start = max(self.clock[p], self.channel[pair])
         done = start + nbytes / link.bandwidth * cpu_slowdown(self.topo, pair)
@@ -181,6 +185,9 @@ class _Simulation:
         self.arrived[key].append(done + link.latency)
         self.sent[p] = max(self.sent[p], done)
         self.span(p, SEND, label, start, done)
+        # The message leaves as its call starts (the link's time counts from there, as the
+        # ping-pong measures it); the call takes the sender's own time besides.
+        self.clock[p] += self.dev[p].host(o.send_call + nbytes * o.send_call_per_byte)
 
     def peers(self, piece: int, i: int, k: int, *, forward: bool) -> tuple[int, list[Transfer]]:
         """The stage across a piece's outgoing (forward) or incoming boundary, and the row plan of
@@ -212,6 +219,8 @@ class _Simulation:
         got = self.arrived[("act" if fwd else "grad", piece, i, a.micro)]
         if len(got) < want:
             return False
+        # Each peer's receive was posted ahead of the wait, on this replica's own time.
+        self.clock[p] += self.dev[p].host(want * self.cost.overheads.recv_call)
         ready = max(got, default=self.clock[p])
         self.span(p, WAIT, repr(a), self.clock[p], ready)
         self.clock[p] = max(self.clock[p], ready) + self.dev[p].host(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bundle.ir.schedule import actions
+from bundle.ir.p2p import step_plan
 from bundle.observe import timing
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,15 +54,15 @@ def test_a_run_shows_where_its_time_goes(tmp_path):
     assert sorted(by_rank) == [0, 1, 2]
     stage_of = {0: 0, 1: 0, 2: 1}
     for rank, slices in by_rank.items():
-        # Each rank's slices follow its schedule, step by step, on intervals that do not overlap.
+        # Each rank's slices follow its schedule, step by step, on intervals that do not overlap:
+        # each action's laps (its calls posted, a receive's wait, a forward's copy; gloo posts
+        # receives early).
         expected = []
         for _ in (3, 4):
-            acts = actions("1f1b", stage_of[rank], len(shape), M)
-            expected += [
-                "other",
-                "data",
-                *(timing.LABELS[timing.MARK_OF_OP[a.op]] + f" {a.micro}" for a in acts),
-            ]
+            s = stage_of[rank]
+            plan = step_plan("1f1b", s, len(shape), M, early_receives=True)
+            laps = timing.step_laps(plan, wire=[s < len(shape) - 1])
+            expected += ["other", "data", *(f"{timing.LABELS[m]} {k}" for m, k in laps)]
             expected += ["send wait", "sync", "optimizer", "other"]
         slices.sort(key=lambda e: e["ts"])
         assert [e["name"] for e in slices] == expected, rank
@@ -71,10 +71,11 @@ def test_a_run_shows_where_its_time_goes(tmp_path):
             assert b["ts"] >= a["ts"] + a["dur"] - 1e-3, (rank, a, b)
 
     def starts(ranks, name, step):
+        """When each of ``ranks`` began the send ``name``: its call's post, the lap before."""
         return [
-            e["ts"]
+            by_rank[r][i - 1]["ts"]
             for r in ranks
-            for e in by_rank[r]
+            for i, e in enumerate(by_rank[r])
             if e["name"] == name and e["args"]["step"] == step
         ]
 

@@ -13,6 +13,7 @@ from bundle.plan.cost import CostModel, Overheads
 from bundle.plan.profile import Timings
 
 FREE = Link(float("inf"), 0.0)
+NO_OVERHEADS = Overheads()
 
 
 def literal_cost(
@@ -25,10 +26,12 @@ def literal_cost(
     collective: Link = FREE,
     saved_per_row: float = 0.0,
     memory_bytes: float = float("inf"),
+    overheads: Overheads = NO_OVERHEADS,
     **kwargs,
 ) -> CostModel:
     """Blocks whose forward and backward take ``fwd[i]`` and ``bwd[i]`` seconds per row, with no
-    loss, optimizer or engine overhead; one fp32 float per row crosses every boundary."""
+    loss, optimizer or engine overhead (but ``overheads``); one fp32 float per row crosses every
+    boundary."""
     n = len(fwd)
     params = params or [0] * n
     blocks = tuple(
@@ -66,7 +69,7 @@ def literal_cost(
         collective=collective,
     )
     return CostModel(
-        anatomy=anatomy, cluster=cluster, timings=timings, overheads=Overheads(), **kwargs
+        anatomy=anatomy, cluster=cluster, timings=timings, overheads=overheads, **kwargs
     )
 
 

@@ -312,3 +312,47 @@ def test_meetings_and_error_feedback_hold_memory():
         assert e.memory[0].data_parallel == held
     e = evaluate(cost, Plan((1,), 2, (0,), 1, 1, dp=DataParallel(compression="powersgd")), 2)
     assert e.memory[0].data_parallel == 4000
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_each_message_on_the_critical_path_adds_its_one_way_time_to_the_step(schedule, stages):
+    """One micro-batch of one row (4 bytes) through S stages: F = 1 s, B = 2 s each. The step
+    waits for every activation and every gradient: 2 (S - 1) messages, each 0.5 s + 4 bytes at
+    8 B/s from its send's start. The calls are the sending and receiving stages' own time, here
+    spent where the stage would wait anyway: they add nothing."""
+    calls = Overheads(send_call=0.25, send_call_per_byte=0.125, recv_call=0.5)
+    plain = literal_cost([1.0] * stages, [2.0] * stages)
+    link = Link(8.0, 0.5)
+    costed = literal_cost([1.0] * stages, [2.0] * stages, p2p=link, overheads=calls)
+    layout = _layout([1] * stages, 1, schedule)
+    base = simulate(layout, plain).step_time
+    assert base == pytest.approx(3.0 * stages)
+    assert simulate(layout, costed).step_time == pytest.approx(base + 2 * (stages - 1) * 1.0)
+
+
+def test_a_sends_call_takes_the_senders_time_and_a_receives_the_receivers():
+    """Shape 1,1, 1F1B, M = 2 (F = 1 s, B = 2 s, free link), a send's call 0.25 s, a receive's
+    0.5 s. Front: F0 0-1, its send's call 1-1.25, F1 1.25-2.25. Rear: A0 arrives at 1 (the link
+    counts from the call's start), F0 1-2, B0 2-4, its send's call 4-4.25, then A1's receive call
+    4.25-4.75 (A1 there since 2.25), F1 from 4.75."""
+    calls = Overheads(send_call=0.25, recv_call=0.5)
+    sim = simulate(
+        _layout([1, 1], 2, "1f1b"),
+        literal_cost([1.0, 1.0], [2.0, 2.0], overheads=calls),
+        timeline=True,
+    )
+    starts = {(s.rank, s.label): s.start for s in sim.timeline if s.kind == COMPUTE}
+    assert starts[0, "F1"] == pytest.approx(1.25)
+    assert (starts[1, "F0"], starts[1, "B0"]) == (pytest.approx(1.0), pytest.approx(2.0))
+    assert starts[1, "F1"] == pytest.approx(4.75)
+
+
+@pytest.mark.parametrize("shape", [(1,), (2,), (4,)])
+def test_one_stage_shapes_send_nothing_so_message_costs_change_nothing(shape):
+    calls = Overheads(send_call=0.25, send_call_per_byte=0.125, recv_call=0.5, comm_action=1.0)
+    blocks = {"params": [4, 4], "collective": Link(4.0, 0.0)}
+    cost = literal_cost([1.0, 1.0], [2.0, 2.0], **blocks)
+    costed = literal_cost([1.0, 1.0], [2.0, 2.0], overheads=calls, **blocks)
+    layout = _layout(shape, 2, "1f1b", starts=[0], batch=2 * shape[0])
+    assert simulate(layout, costed).step_time == pytest.approx(simulate(layout, cost).step_time)

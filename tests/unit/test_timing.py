@@ -37,7 +37,8 @@ STEP = {Mark.DATA: 1, Mark.FORWARD: 3, Mark.SEND_ACT: 2, Mark.SEND_WAIT: 4, Mark
 
 
 def _expected_row(steps: int) -> list[float]:
-    per = {"data": 1, "forward": 3, "send": 6, "optimizer": 5}
+    # A send action's own lap is the engine's work on it; its call is posted in a lap of its own.
+    per = {"data": 1, "forward": 3, "engine": 2, "send": 4, "optimizer": 5}
     return [steps, steps * 0.015] + [steps * per.get(c, 0) * 1e-3 for c in CATEGORIES]
 
 
@@ -185,3 +186,80 @@ def test_bad_trace_steps_are_refused_naming_the_flag(steps):
 
     with pytest.raises(ConfigError, match="--trace-steps"):
         cli.parse(["--trace", "t.json", "--trace-steps", steps], {})
+
+
+def _engine(stage: int, post, timer: StepTimer):
+    """One replica of ``stage`` of an mlp cut in two (shape 1,1, M = 2, 1F1B, receives posted
+    early as on gloo), its messages handed to ``post``."""
+    from bundle import models
+    from bundle.engine.grad_sync import GradSync
+    from bundle.engine.parts import Chunk, EngineParts, StepOptions
+    from bundle.engine.stage import split_model
+    from bundle.engine.stage_engine import StageEngine
+    from bundle.engine.transport import Boundaries, TensorMeta, Transport
+    from bundle.topology import Coord, Topology
+
+    model = models.build("mlp", num_classes=4, input_shape=(3, 2, 2))
+    piece = split_model(model, (0, 2))[stage]
+    topo = Topology(shape=(1, 1), num_bundles=1, procs_per_node=2, global_batch=4, micro_batches=2)
+    coord = Coord(0, stage, 0)
+    meta = (TensorMeta.of(split_model(model, (0, 2))[0](torch.zeros(1, 3, 2, 2))[0]),)
+    sides = Boundaries(inputs=meta) if stage else Boundaries(outputs=meta)
+    transport = Transport(
+        topo=topo, coord=coord, boundaries=sides, device=torch.device("cpu"), timeout=1.0, post=post
+    )
+    return StageEngine(
+        topo=topo,
+        coord=coord,
+        parts=EngineParts(
+            chunks=(Chunk(piece, GradSync(piece), transport),),
+            optimizer=torch.optim.SGD(piece.parameters(), lr=0.1),
+        ),
+        options=StepOptions(schedule="1f1b", early_receives=True),
+        device=torch.device("cpu"),
+        timer=timer,
+    )
+
+
+@pytest.mark.parametrize(
+    ("stage", "laps"),
+    [
+        (  # F0 S0 F1 S1 R0 B0 R1 B1, the gradients' receives posted at R0's and B0's start
+            0,
+            "post 0, forward 0, copy 0, post 0, send act 0, forward 1, copy 1, post 1, "
+            "send act 1, wait grad 0, engine 0, post 1, backward 0, wait grad 1, engine 1, "
+            "backward 1",
+        ),
+        (  # R0 F0 B0 S0 R1 F1 B1 S1, the activations' receives at R0's and F0's start
+            1,
+            "post 0, wait act 0, engine 0, post 1, forward 0, backward 0, post 0, send grad 0, "
+            "wait act 1, engine 1, forward 1, backward 1, post 1, send grad 1",
+        ),
+    ],
+)
+def test_an_action_that_crosses_a_boundary_laps_its_post_wait_and_copy_apart(
+    stage, laps, world_of_one, monkeypatch
+):
+    """Each slice of a traced step names its part of an action: the calls posted as it begins,
+    a receive's wait, the engine's own work after it, a forward's conversion to wire form; the
+    step's slices still add up to its time."""
+    clock = FakeClock()
+    monkeypatch.setattr(timing, "perf_counter_ns", lambda: clock.tick(1000) or clock())
+
+    def post(ops, labels):  # the messages go nowhere; receives keep their buffers' contents
+        return []
+
+    timer = StepTimer(trace=(1, 1))
+    engine = _engine(stage, post, timer)
+    data = [(torch.randn(2, 3, 2, 2), torch.randint(0, 4, (2,))) for _ in range(2)]
+    engine.train_step(0, data)
+    names = [f"{timing.LABELS[Mark(m)]} {micro}" for m, micro, *_ in timer.slices]
+    assert ", ".join(names[: len(laps.split(", "))]) == laps
+    described = timing.step_laps(engine.plan, wire=[stage == 0])
+    assert [(Mark(m), micro) for m, micro, *_ in timer.slices[: len(described)]] == described
+    assert names[-3:] == ["send wait -1", "sync -1", "optimizer -1"]
+    row = timer.take_window()
+    assert sum(row[2:]) == pytest.approx(row[1])
+    per = dict(zip(CATEGORIES, row[2:], strict=True))
+    assert per["post"] > 0 and per["engine"] > 0 and per["wait_act" if stage else "wait_grad"] > 0
+    assert per["copy"] > 0 if stage == 0 else per["copy"] == 0
