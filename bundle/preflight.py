@@ -142,23 +142,7 @@ def check_model(
     if cfg.model.pretrained:  # its files, from their headers: refused before anything is built
         models.pretrained.read(cfg.model.pretrained)
     try:
-        if cfg.model.pretrained:
-            with torch.device("meta"):
-                model = models.pretrained.build(
-                    cfg.model.name,
-                    cfg.model.pretrained,
-                    num_classes=num_classes,
-                    input_shape=input_shape,
-                    args=cfg.model.kwargs,
-                )
-        else:
-            model = models.build_on_meta(
-                cfg.model.name,
-                num_classes=num_classes,
-                input_shape=input_shape,
-                args=cfg.model.kwargs,
-                config_file=cfg.model.config_file,
-            )
+        model = models.meta_model(cfg.model, num_classes, input_shape)
     except BundleError:
         raise
     except Exception as exc:  # noqa: BLE001 - a model's constructor refused the data: one line

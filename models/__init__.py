@@ -69,6 +69,7 @@ __all__ = [
     "build",
     "build_model",
     "build_on_meta",
+    "meta_model",
     "adapt",
     "example_input",
     "forward",
@@ -318,6 +319,27 @@ def build_model(
     if cfg.weights:
         load_weights(model, cfg.weights, strict=cfg.weights_strict)
     return model
+
+
+def meta_model(cfg: ModelConfig, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
+    """``--model`` (or ``--pretrained``'s class) built as the run builds it, its tensors on the
+    meta device (no memory), to check, count and capture it before launch."""
+    if not cfg.pretrained:
+        return build_on_meta(
+            cfg.name,
+            num_classes=num_classes,
+            input_shape=input_shape,
+            args=cfg.kwargs,
+            config_file=cfg.config_file,
+        )
+    with torch.device("meta"):
+        return pretrained.build(
+            cfg.name,
+            cfg.pretrained,
+            num_classes=num_classes,
+            input_shape=input_shape,
+            args=cfg.kwargs,
+        )
 
 
 def adapt(model: nn.Module, cfg: ModelConfig, *, seed: int) -> lora.Adapted | None:

@@ -40,28 +40,27 @@ def build_stages(
     it is cut (``models.adapt``); ``--base-dtype`` then stores the frozen base of the stages in
     ``keep``, once they are loaded (``store_base``)."""
     torch.manual_seed(cfg.train.seed)
-    if not cfg.model.pretrained:
+    if cfg.model.pretrained:
+        model = models.pretrained.build_empty(
+            cfg.model.name,
+            cfg.model.pretrained,
+            num_classes=num_classes,
+            input_shape=input_shape,
+            args=cfg.model.kwargs,
+        )
+    else:
         model = models.build_model(cfg.model, num_classes, input_shape)
-        models.adapt(model, cfg.model, seed=cfg.train.seed)
-        stages = cut_stages(model, cfg.model, num_stages, input_shape, capture, inputs)
-        return store_base(model, stages, cfg.model, keep)
-    model = models.pretrained.build_empty(
-        cfg.model.name,
-        cfg.model.pretrained,
-        num_classes=num_classes,
-        input_shape=input_shape,
-        args=cfg.model.kwargs,
-    )
     models.adapt(model, cfg.model, seed=cfg.train.seed)
     stages = cut_stages(model, cfg.model, num_stages, input_shape, capture, inputs)
-    models.pretrained.load(
-        model,
-        cfg.model.pretrained,
-        seed=cfg.train.seed,
-        strict=cfg.model.weights_strict,
-        pieces=stages,
-        keep=keep,
-    )
+    if cfg.model.pretrained:
+        models.pretrained.load(
+            model,
+            cfg.model.pretrained,
+            seed=cfg.train.seed,
+            strict=cfg.model.weights_strict,
+            pieces=stages,
+            keep=keep,
+        )
     return store_base(model, stages, cfg.model, keep)
 
 
@@ -91,23 +90,8 @@ def store_base(
 def lora_record(cfg: RunConfig, input_shape: tuple[int, ...], num_classes: int) -> dict:
     """What a checkpoint records of a ``--lora`` run's adapters (``models.lora.Adapted``), from
     the model built again on the meta device (no memory)."""
+    model = models.meta_model(cfg.model, num_classes, input_shape)
     with torch.device("meta"):
-        if cfg.model.pretrained:
-            model = models.pretrained.build(
-                cfg.model.name,
-                cfg.model.pretrained,
-                num_classes=num_classes,
-                input_shape=input_shape,
-                args=cfg.model.kwargs,
-            )
-        else:
-            model = models.build_on_meta(
-                cfg.model.name,
-                num_classes=num_classes,
-                input_shape=input_shape,
-                args=cfg.model.kwargs,
-                config_file=cfg.model.config_file,
-            )
         adapted = models.adapt(model, cfg.model, seed=cfg.train.seed)
     assert adapted is not None, "lora_record is for a --lora run"
     return adapted.record()
