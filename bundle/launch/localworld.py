@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import random
 import socket
 import time
 import traceback
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -40,11 +42,39 @@ PRELOAD = [
 ]
 
 
+# From the OS, not the process's seeded generator: processes seeded alike would draw alike.
+_DRAW = random.SystemRandom()
+
+
 def free_port() -> int:
-    """An unused TCP port on loopback."""
-    with socket.socket() as s:
+    """An unused TCP port on loopback, for a store bound moments later by another process.
+
+    Drawn below the kernel's ephemeral range (``ip_local_port_range``), whose ports every
+    outgoing connection (gloo's, a store client's) takes as its source: a port the kernel
+    offered from that range can be taken by such a connection before the store binds it.
+    """
+    low, _ = _ephemeral_range()
+    first = max(1024, low - 12000)
+    for _ in range(64):
+        port = _DRAW.randrange(first, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that band is full: one the kernel offers
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral ports (Linux); elsewhere the IANA range."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def _bind_gpu(rank: int, world: int, device: str | None) -> torch.device:

@@ -150,3 +150,20 @@ def test_a_joining_node_says_it_waits_for_node_0_and_reaches_it_once_it_listens(
     client = job_store.open_store("127.0.0.1", served.port, server=False, timeout=5)
     client.set("k", "v")
     assert served.get("k") == b"v"
+
+
+def test_a_harness_port_is_drawn_below_the_ephemeral_range_and_skips_a_busy_one(monkeypatch):
+    """bundle.launch.localworld.free_port: outgoing connections take their source port from the
+    kernel's ephemeral range, so a port from there can be gone before a store binds it."""
+    from bundle.launch import localworld
+
+    low, _ = localworld._ephemeral_range()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        taken = busy.getsockname()[1]
+        drawn = iter([taken, low - 7])
+        monkeypatch.setattr(localworld._DRAW, "randrange", lambda a, b: next(drawn))
+        assert localworld.free_port() == low - 7
+    monkeypatch.undo()
+    ports = {localworld.free_port() for _ in range(8)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1
