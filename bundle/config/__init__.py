@@ -13,6 +13,7 @@ The package, from the leaves up:
 - ``lora``: ``--lora``'s spec, and the one of an adapter PEFT saved (``--lora-init``);
 - ``job``: the sections of how a job runs (layout, compute, launch, checkpoints, observing);
 - this module: what is trained and the frozen ``RunConfig`` gathering every section;
+- ``option``: one option of that table: its spelling, field, parsing and help;
 - ``options``: the options table ``RunConfig`` is declared in: the parser, ``--help`` and the
   YAML keys follow it (``bundle.cli`` builds the config from it).
 """
