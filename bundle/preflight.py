@@ -16,7 +16,7 @@ from bundle import data, models
 from bundle.checkpoint import format as ckpt
 from bundle.config import RunConfig, parse_steps
 from bundle.data import input_spec, named_inputs
-from bundle.engine import aggregate
+from bundle.engine import aggregate, tensor_parallel
 from bundle.engine.precision import DTYPES
 from bundle.errors import BundleError, ConfigError, DataError, PartitionError
 from bundle.launch import throttle
@@ -163,6 +163,7 @@ def check_model(
                 print(f"main.py: note: {note}", file=sys.stderr)
         adapted = models.adapt(model, cfg.model, seed=cfg.train.seed)
         pieces = cut(model, cfg.model, num_stages, input_shape, inputs=inputs)
+        tensor_parallel.check(model, pieces, cfg.parallel.tp_degrees)
     if cfg.compute.channels_last and not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         raise ConfigError(
             "--channels-last with --model",

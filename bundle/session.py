@@ -4,7 +4,7 @@ sync, transport, optimizer and engine, and the data it reads."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from bundle.engine.precision import Policy
 from bundle.engine.stage import Stage, joined
 from bundle.engine.stage_engine import StageEngine
 from bundle.engine.stages import Pieces, boundary_metas, build_stages, lora_record
+from bundle.engine.tensor_parallel import Split, tensor_parallel_post
 from bundle.engine.transport import Transport, post_with_torch
 from bundle.ir.schedule import REGISTRY
 from bundle.models.cut import Capture
@@ -57,6 +58,8 @@ class Session:
     optimizer: torch.optim.Optimizer
     layout: Layout
     comm: Comm  # the collectives of its NCCL groups (bundle.collectives.comm)
+    # Its stage's layers split over its replica's processes (tensor parallelism; degree 1: none)
+    split: Split = field(default_factory=lambda: Split(0, 1))
 
 
 def _emulator(
@@ -101,9 +104,8 @@ def build_session(
     # The model in S x V pieces; this rank runs (and gives memory to) its chunks' pieces only.
     pipe = REGISTRY[cfg.parallel.schedule].pipe(S, V)
     keep = {pipe.piece(coord.stage, c) for c in range(V)}
-    stages = build_stages(
-        cfg, S * V, splits.input_shape, splits.num_classes, capture, keep=keep, inputs=splits.inputs
-    )
+    split = Split(coord.tp, topo.tp_of(coord.stage))
+    stages = _stages(cfg, S * V, splits, capture, keep, split)
     frozen = 0 if V > 1 else frozen_front(stages)
     tied = ties.find(stages)
     tied = tied if V == 1 else ties.by_stage(tied, lambda j: pipe.place(j)[0])
@@ -121,6 +123,8 @@ def build_session(
         precision.set_tf32(cfg.compute.tf32)
     arrive("model built")
     groups = data_parallel.process_groups(cfg, topo, coord)
+    if groups.tp is not None:
+        split.reducer.bind(comm, groups.tp)
     chunks = _chunks(cfg, topo, coord, Pieces(pipe, own, metas), groups, device, comm, emu)
     optimizer = make_optimizer(
         cfg.train, stage, shard_over=data_parallel.shard_group(cfg, topo, coord, groups), comm=comm
@@ -150,7 +154,22 @@ def build_session(
         timer=timing.make_timer(device),
     )
     arrive("ready to train")
-    return Session(engine, stage, splits, coord, groups, optimizer, layout, comm)
+    return Session(engine, stage, splits, coord, groups, optimizer, layout, comm, split)
+
+
+def _stages(
+    cfg: RunConfig,
+    pieces: int,
+    splits: data.DataSplits,
+    capture: Capture | None,
+    keep: set[int],
+    split: Split,
+) -> list[Stage]:
+    """The model cut into ``pieces`` (``build_stages``) for the data's input."""
+    shape, classes = splits.input_shape, splits.num_classes
+    return build_stages(
+        cfg, pieces, shape, classes, capture, keep=keep, inputs=splits.inputs, split=split
+    )
 
 
 def frozen_front(stages: list[Stage]) -> int:
@@ -183,7 +202,9 @@ def _chunks(
             boundaries=mine.boundaries(pipe.piece(coord.stage, c)),
             device=device,
             timeout=cfg.launch.timeout,
-            post=emu.batch_isend_irecv if emu is not None else post_with_torch,
+            post=tensor_parallel_post(
+                emu.batch_isend_irecv if emu is not None else post_with_torch, topo, coord
+            ),
             chunk=c,
             pipe=pipe,
         )
@@ -198,8 +219,11 @@ def param_counts(session: Session) -> tuple[int, int]:
     coord = session.coord
     counts = torch.zeros(2, dtype=torch.float64)
     if coord.bundle == 0 and coord.replica == 0:
+        # Under tensor parallelism each process holds its shards; whole tensors count once.
+        split = {id(p) for p in session.split.params(session.stage)} if coord.tp else set()
         for p in session.stage.parameters():
-            counts[0 if p.requires_grad else 1] += p.numel()
+            if coord.tp == 0 or id(p) in split:
+                counts[0 if p.requires_grad else 1] += p.numel()
         counts[1] += counts[0]
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(counts, group=session.groups.control)

@@ -40,11 +40,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Coord:
-    """Where one rank sits: its bundle, stage and replica index inside that stage."""
+    """Where one rank sits: its bundle, stage and replica index inside that stage, and its index
+    in the replica's tensor-parallel group (0 without tensor parallelism)."""
 
     bundle: int
     stage: int
     replica: int
+    tp: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,9 @@ class Topology:
     # layout they come from; each keeps its ranks' devices and its rows of every global batch.
     members: tuple[int, ...] = ()
     job: Topology | None = field(default=None, compare=False, repr=False)
+    # Each stage's tensor-parallel degree (() : 1 everywhere): a replica of stage s runs on
+    # tp[s] consecutive processes, its TP group; ``rank`` names the first of them by default.
+    tp: tuple[int, ...] = ()
 
     @property
     def loss_stage(self) -> int:
@@ -101,6 +106,7 @@ class Topology:
             ),
             placement=tuple(Place(*p) for p in cfg.parallel.placement),
             loss_on_first=cfg.parallel.loss_on_first,
+            tp=cfg.parallel.tp_degrees if max(cfg.parallel.tp_degrees, default=1) > 1 else (),
         )
 
     def __post_init__(self) -> None:
@@ -110,6 +116,8 @@ class Topology:
             )
         if self.num_bundles < 1:
             raise TopologyError("--num-bundle", self.num_bundles, "must be >= 1")
+        if self.tp and (len(self.tp) != len(self.shape) or min(self.tp) < 1):
+            raise TopologyError("--tensor-parallel", self.tp, "give one degree >= 1 per stage")
         if self.job is not None:
             return  # cut from a job's layout, which was checked
         if self.procs_per_node < 1 or self.world_size % self.procs_per_node:
@@ -166,6 +174,7 @@ class Topology:
             loss_on_first=job.loss_on_first,
             members=members,
             job=job,
+            tp=job.tp,
         )
 
     @property
@@ -254,7 +263,12 @@ class Topology:
 
     @property
     def bundle_width(self) -> int:
-        return sum(self.shape)
+        """Processes of one bundle: each stage's width times its tensor-parallel degree."""
+        return sum(w * self.tp_of(s) for s, w in enumerate(self.shape))
+
+    def tp_of(self, stage: int) -> int:
+        """``stage``'s tensor-parallel degree (1: none)."""
+        return self.tp[stage] if self.tp else 1
 
     @property
     def world_size(self) -> int:
@@ -271,15 +285,19 @@ class Topology:
     @cached_property
     def _stage_offsets(self) -> tuple[int, ...]:
         offsets, acc = [], 0
-        for w in self.shape:
+        for s, w in enumerate(self.shape):
             offsets.append(acc)
-            acc += w
+            acc += w * self.tp_of(s)
         return tuple(offsets)
 
-    def rank(self, bundle: int, stage: int, replica: int) -> int:
+    def rank(self, bundle: int, stage: int, replica: int, tp: int = 0) -> int:
+        """The process of ``replica`` of ``stage`` in ``bundle``: its TP group's ``tp``-th."""
         if not (0 <= replica < self.shape[stage] and 0 <= bundle < self.num_bundles):
             raise IndexError(f"no replica {replica} of stage {stage} in bundle {bundle}")
-        return bundle * self.bundle_width + self._stage_offsets[stage] + replica
+        degree = self.tp_of(stage)
+        if not 0 <= tp < degree:
+            raise IndexError(f"no tensor-parallel rank {tp} in stage {stage} of degree {degree}")
+        return bundle * self.bundle_width + self._stage_offsets[stage] + replica * degree + tp
 
     def coord(self, rank: int) -> Coord:
         if not 0 <= rank < self.world_size:
@@ -287,7 +305,8 @@ class Topology:
         bundle, local = divmod(rank, self.bundle_width)
         for stage in reversed(range(self.num_stages)):
             if local >= self._stage_offsets[stage]:
-                return Coord(bundle, stage, local - self._stage_offsets[stage])
+                replica, tp = divmod(local - self._stage_offsets[stage], self.tp_of(stage))
+                return Coord(bundle, stage, replica, tp)
         raise AssertionError("unreachable")
 
     def node_of(self, rank: int) -> int:
@@ -324,23 +343,33 @@ class Topology:
         if self.job is not None:  # processes are named as in the job
             return self.job.describe(self.job_rank(rank))
         c = self.coord(rank)
+        tp = f", tp {c.tp}" if self.tp_of(c.stage) > 1 else ""
         return (
             f"rank {rank} (node {self.node_of(rank)}, bundle {c.bundle}, "
-            f"stage {c.stage}, replica {c.replica})"
+            f"stage {c.stage}, replica {c.replica}{tp})"
         )
 
     # -- groups ----------------------------------------------------------------------------------
 
     def stage_group(self, stage: int) -> tuple[int, ...]:
         """All replicas of ``stage`` in all bundles: its data-parallel peers."""
-        first = self.rank(0, stage, 0)  # ranks run on by bundle and replica (``rank``)
-        width, step = self.shape[stage], self.bundle_width
-        return tuple(first + b * step + r for b in range(self.num_bundles) for r in range(width))
+        width = self.shape[stage]
+        return tuple(self.rank(b, stage, r) for b in range(self.num_bundles) for r in range(width))
 
     def bundle_stage_group(self, bundle: int, stage: int) -> tuple[int, ...]:
         """Replicas of ``stage`` inside one bundle."""
-        first = self.rank(bundle, stage, 0)
-        return tuple(range(first, first + self.shape[stage]))
+        return tuple(self.rank(bundle, stage, r) for r in range(self.shape[stage]))
+
+    def tp_group(self, bundle: int, stage: int, replica: int) -> tuple[int, ...]:
+        """The processes of one replica, which split its layers (tensor parallelism)."""
+        first = self.rank(bundle, stage, replica)
+        return tuple(range(first, first + self.tp_of(stage)))
+
+    @staticmethod
+    def shifted(ranks: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        """A group of replicas (named by their first processes, as the groups above are) as its
+        ``tp``-th processes: the peers that hold the same shard of every split layer."""
+        return tuple(r + tp for r in ranks)
 
     def stage_master(self, bundle: int, stage: int) -> int:
         return self.rank(bundle, stage, 0)

@@ -200,7 +200,8 @@ class Trainer:
         built_by = f" ({cfg.model.name})" if label != cfg.model.name else ""
         doing = "evaluating" if cfg.train.eval_only else "training"
         log.get().info(
-            f"{doing} {label}{built_by}: shape {','.join(map(str, topo.shape))} x "
+            f"{doing} {label}{built_by}: shape {','.join(map(str, topo.shape))}"
+            f"{' tensor-parallel ' + ','.join(map(str, topo.tp)) if topo.tp else ''} x "
             f"{topo.num_bundles} bundle(s), {topo.world_size} processes, batch "
             f"{cfg.train.batch_size} in {topo.micro_batches} micro-batch(es), "
             f"{cfg.parallel.schedule}, {cfg.parallel.grad_sync} sync{_data_parallel(cfg)}, "

@@ -36,17 +36,20 @@ class Attention(nn.Module):
     def __init__(self, width: int, heads: int, dropout: float) -> None:
         super().__init__()
         self.heads, self.dropout = heads, dropout
+        self.head_dim = width // heads
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        # The head count is read from the tensors, not from self.heads: under tensor parallelism
+        # (models.tp) qkv holds this rank's heads only, its output q|k|v of them.
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class DecoderBlock(nn.Module):

@@ -10,6 +10,7 @@ The package, from the leaves up:
 - ``reach``: how far a setting reaches (node-local, recorded), declared in its field's metadata;
 - ``sync``: the data-parallel options' spellings and the combinations refused;
 - ``yaml_input``: YAML a user gives, read as data (no alias that expands);
+- ``tp``: what ``--tensor-parallel`` does not combine with yet;
 - ``lora``: ``--lora``'s spec, and the one of an adapter PEFT saved (``--lora-init``);
 - ``job``: the sections of how a job runs (layout, compute, launch, checkpoints, observing);
 - this module: what is trained and the frozen ``RunConfig`` gathering every section;
@@ -41,6 +42,7 @@ from bundle.config.job import ComputeConfig as ComputeConfig
 from bundle.config.job import LaunchConfig as LaunchConfig
 from bundle.config.job import ObserveConfig as ObserveConfig
 from bundle.config.job import ParallelConfig as ParallelConfig
+from bundle.config.job import parse_degrees as parse_degrees
 from bundle.config.job import parse_shape as parse_shape
 from bundle.config.job import parse_steps as parse_steps
 from bundle.config.lora import LoRASpec as LoRASpec
@@ -56,6 +58,7 @@ from bundle.config.sync import COMPRESSIONS as COMPRESSIONS
 from bundle.config.sync import ZERO_LEVELS as ZERO_LEVELS
 from bundle.config.sync import parse_aggregate as parse_aggregate
 from bundle.config.sync import parse_bundle_sync as parse_bundle_sync
+from bundle.config.tp import check_tensor_parallel
 from bundle.errors import ConfigError, positive
 from bundle.ir.schedule import REGISTRY
 from bundle.ir.schedule import SCHEDULES as SCHEDULES
@@ -355,6 +358,8 @@ class RunConfig:
             raise ConfigError("--eval-only", True, "evaluates: leave --no-eval out")
         if self.launch.fault_tolerance == "bundle":
             _check_bundle_fault_tolerance(self)
+        adapted = " ".join(x for x in (self.model.lora, self.model.base_dtype) if x)
+        check_tensor_parallel(self.parallel, self.checkpoint, self.compute, self.launch, adapted)
         if self.parallel.zero == 3 and self.compute.channels_last:
             raise ConfigError(
                 "--channels-last",

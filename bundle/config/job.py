@@ -32,6 +32,22 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def _text(values: tuple[int, ...]) -> str:
+    return ",".join(map(str, values))
+
+
+def parse_degrees(text: str) -> tuple[int, ...]:
+    """``--tensor-parallel``: ``"2"`` -> ``(2,)``, ``"2,1"`` -> ``(2, 1)``; positive integers."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if str(text).strip() in ("", "1"):
+        return ()
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ConfigError(
+            "--tensor-parallel", text, "give one positive degree, or one per stage, e.g. 2 or 2,1"
+        )
+    return tuple(int(p) for p in parts)
+
+
 def parse_steps(key: str, text: str | None) -> tuple[int, int] | None:
     """``"3:4"`` -> ``(3, 4)``: steps A to B, 1-based and inclusive (``"3"`` is ``3:3``)."""
     if text is None:
@@ -71,6 +87,9 @@ class ParallelConfig:
     # stage ("2:1,1"; "" even), and where each rank runs (a --plan file's placement; () in order).
     row_weights: str = ""
     placement: tuple[tuple[int, int | None, str, float | None], ...] = ()  # node, device, type, cpu
+    # Tensor parallelism (docs/tensor-parallel.md): each stage's degree, () or (T,) for all alike;
+    # a replica of stage s runs on that many processes, which split its layers' matrices.
+    tensor_parallel: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
@@ -85,6 +104,28 @@ class ParallelConfig:
                 "--grad-sync", self.grad_sync, f"choose one of: {', '.join(GRAD_SYNCS)}"
             )
         check_sync_options(self)
+        self._check_tensor_parallel()
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        """Each stage's tensor-parallel degree (1: none)."""
+        t = self.tensor_parallel or (1,)
+        return t * len(self.shape) if len(t) == 1 else t
+
+    def _check_tensor_parallel(self) -> None:
+        t = self.tensor_parallel
+        if not t or t == (1,):
+            return
+        if self.shape == AUTO_SHAPE:
+            raise ConfigError(
+                "--tensor-parallel", _text(t), "is not planned yet: give --bundle-shape"
+            )
+        if len(t) not in (1, len(self.shape)):
+            raise ConfigError(
+                "--tensor-parallel",
+                _text(t),
+                f"give one degree, or one per stage of shape {_text(self.shape)}",
+            )
 
     @property
     def loss_on_first(self) -> bool:
@@ -119,7 +160,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return sum(self.shape) * self.num_bundles
+        widths = zip(self.shape, self.tp_degrees, strict=True)
+        return sum(w * t for w, t in widths) * self.num_bundles
 
 
 # torch.compile's backends --compile-backend offers: inductor generates kernels (C++ on the CPU,

@@ -31,6 +31,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(PAR, "--row-weights", "parallel.row_weights", metavar="W:W,W,...",
            help="each replica's share of a micro-batch's rows, per stage (stages by ',', replicas "
                 "by ':'), e.g. 2:1,1 for shape 2,1: a replica twice as fast takes twice the rows"),
+    Option(PAR, "--tensor-parallel", "parallel.tensor_parallel", metavar="T|T0,T1,...",
+           parse=C.parse_degrees, default="1",
+           help="tensor parallelism: each replica of a stage on T processes that split its "
+                "layers' matrices (one degree for every stage, or one per stage)"),
     Option(PAR, "--micro-batches", "parallel.micro_batches", metavar="M",
            help="micro-batches per bundle batch"),
     Option(PAR, "--schedule", "parallel.schedule", choices=C.SCHEDULES, help="pipeline schedule"),

@@ -24,6 +24,8 @@ Modules, from the data up:
 - ``loss``: the loss a stage computes and what evaluation counts (top-k hits, rows);
 - ``stage``: ``Stage``, one piece of the model as a module, named as in the full model;
 - ``compiled``: ``--compile``: each block of a stage compiled in place, and the time it took;
+- ``tensor_parallel``: a stage's layers split over its replica's TP group (``--tensor-parallel``)
+  and the boundary's messages between TP groups of any degrees;
 - ``stages``: the stages cut from the model, and what crosses each boundary between them;
 - ``parts``: what a ``StageEngine`` is built from (its chunks, optimizer, syncs, step options);
 - ``stage_engine``: ``StageEngine``, which runs a step's actions (over its model chunks), calls

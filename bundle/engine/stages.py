@@ -13,6 +13,7 @@ from bundle import log, models
 from bundle.config import ModelConfig, RunConfig
 from bundle.engine.precision import Policy
 from bundle.engine.stage import Stage
+from bundle.engine.tensor_parallel import Split
 from bundle.engine.transport import Boundaries, TensorMeta
 from bundle.ir.schedule import Pipe
 from bundle.models import quant
@@ -29,6 +30,7 @@ def build_stages(
     *,
     keep: Collection[int] | None = None,
     inputs: Inputs | None = None,
+    split: Split | None = None,
 ) -> list[Stage]:
     """The full model, seeded identically on every process (``--weights`` loaded), cut into
     stages (from ``capture`` where the launch's checks made the model's graph split).
@@ -38,7 +40,8 @@ def build_stages(
     others keep meta tensors (a weight tied to a kept stage's is that stage's tensor).
     ``inputs``: the batch's named inputs (None: one tensor). ``--lora`` adapts the model before
     it is cut (``models.adapt``); ``--base-dtype`` then stores the frozen base of the stages in
-    ``keep``, once they are loaded (``store_base``)."""
+    ``keep``, once they are loaded (``store_base``). ``split``: this process's part of its
+    replica's TP group, whose layers are split last (``Split.apply``)."""
     torch.manual_seed(cfg.train.seed)
     if cfg.model.pretrained:
         model = models.pretrained.build_empty(
@@ -61,7 +64,10 @@ def build_stages(
             pieces=stages,
             keep=keep,
         )
-    return store_base(model, stages, cfg.model, keep)
+    stages = store_base(model, stages, cfg.model, keep)
+    if split is not None:
+        split.apply(model, [s for i, s in enumerate(stages) if keep is None or i in keep])
+    return stages
 
 
 def store_base(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import product
 
 import torch
 import torch.distributed as dist
@@ -86,13 +87,21 @@ class TiedGrads:
         self.ties = list(ties)
         self._sums: list[tuple[list[torch.nn.Parameter], dist.ProcessGroup, bool]] = []
         params = {stage.full_name(n): p for n, p in stage.named_parameters()}
-        rank = topo.rank(coord.bundle, coord.stage, coord.replica)
-        # One group per set of stages (and per bundle, where bundles sum on their own), built
-        # in the same order on every rank: new_group is collective.
+        rank = topo.rank(coord.bundle, coord.stage, coord.replica, coord.tp)
+        # One group per set of stages (and per bundle, where bundles sum on their own; and per
+        # index in the TP groups, whose degree the tied stages share), built in the same order
+        # on every rank: new_group is collective.
         for stages in dict.fromkeys(t.stages for t in ties):
-            for bundle in [None] if per_step else range(topo.num_bundles):
+            for bundle, k in product(
+                [None] if per_step else range(topo.num_bundles), range(topo.tp_of(stages[0]))
+            ):
                 members = [
-                    topo.stage_group(s) if bundle is None else topo.bundle_stage_group(bundle, s)
+                    topo.shifted(
+                        topo.stage_group(s)
+                        if bundle is None
+                        else topo.bundle_stage_group(bundle, s),
+                        k,
+                    )
                     for s in stages
                 ]
                 ranks = sorted({r for m in members for r in m})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
@@ -24,7 +25,9 @@ class ProcessGroups:
     losses and accuracy are summed there on the last stage); ``bundle`` and ``masters`` are the
     hierarchical sync's: this stage's replicas in this bundle, and replica 0 of this stage in
     every bundle; ``peers`` (``--zero 3`` with hierarchical sync) holds this stage's replica of
-    this rank's index in every bundle, over which its parameter shards are summed.
+    this rank's index in every bundle, over which its parameter shards are summed. Under tensor
+    parallelism each of these holds the processes of this rank's index in their replicas' TP
+    groups (they hold the same shards), and ``tp`` holds this rank's replica's TP group.
     """
 
     control: ProcessGroup
@@ -34,6 +37,7 @@ class ProcessGroups:
     async_save: ProcessGroup | None = None
     is_last_stage: bool = False
     peers: ProcessGroup | None = None
+    tp: ProcessGroup | None = None
 
     @property
     def last_stage(self) -> ProcessGroup | None:
@@ -62,16 +66,22 @@ class ProcessGroups:
         saving = _group(None, backend="gloo", timeout=on_gloo) if async_save else None
         mine: dict[str, ProcessGroup] = {}
         for s in range(topo.num_stages):
-            _keep(mine, "stage", s == coord.stage, list(topo.stage_group(s)), training)
+            keep = _keeper(mine, topo, coord, s, training)
+            keep("stage", True, topo.stage_group(s))
+            for b, r in _replicas(topo, s) if topo.tp_of(s) > 1 else ():
+                ours = (b, s, r) == (coord.bundle, coord.stage, coord.replica)
+                _keep(mine, "tp", ours, list(topo.tp_group(b, s, r)), training)
             if not hierarchical:
                 continue
             for b in range(topo.num_bundles):
-                ranks = list(topo.bundle_stage_group(b, s))
-                _keep(mine, "bundle", (b, s) == (coord.bundle, coord.stage), ranks, training)
-            _keep(mine, "masters", s == coord.stage, list(topo.masters_group(s)), training)
+                keep("bundle", b == coord.bundle, topo.bundle_stage_group(b, s))
+            keep("masters", True, topo.masters_group(s))
             for r in range(topo.shape[s]) if peers else ():
-                ranks = [topo.rank(b, s, r) for b in range(topo.num_bundles)]
-                _keep(mine, "peers", (s, r) == (coord.stage, coord.replica), ranks, training)
+                keep(
+                    "peers",
+                    r == coord.replica,
+                    tuple(topo.rank(b, s, r) for b in range(topo.num_bundles)),
+                )
         return cls(
             control=control,
             stage=mine["stage"],
@@ -80,7 +90,26 @@ class ProcessGroups:
             async_save=saving,
             is_last_stage=coord.stage == topo.loss_stage,
             peers=mine.get("peers"),
+            tp=mine.get("tp"),
         )
+
+
+def _replicas(topo: Topology, stage: int) -> list[tuple[int, int]]:
+    return [(b, r) for b in range(topo.num_bundles) for r in range(topo.shape[stage])]
+
+
+def _keeper(
+    mine: dict[str, ProcessGroup], topo: Topology, coord: Coord, stage: int, timeout: timedelta
+) -> Callable[[str, bool, tuple[int, ...]], None]:
+    """Creates a group of ``stage``'s replicas (named by their first processes) once per index
+    of their TP groups (the processes that hold the same shards), keeping this rank's."""
+
+    def keep(name: str, ours: bool, ranks: tuple[int, ...]) -> None:
+        for k in range(topo.tp_of(stage)):
+            mine_too = ours and stage == coord.stage and k == coord.tp
+            _keep(mine, name, mine_too, list(topo.shifted(ranks, k)), timeout)
+
+    return keep
 
 
 def _keep(

@@ -176,6 +176,22 @@ def gpt2(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
     )
 
 
+def llama_tp(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """A tiny Llama whose heads, key/value heads and MLP split two ways (tensor parallelism)."""
+    return _tiny_hf(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        num_hidden_layers=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=num_classes,
+        max_position_embeddings=input_shape[0],
+        use_cache=False,
+    )
+
+
 def llama(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
     """A tiny Llama (rotary positions, grouped-query attention, RMSNorm, SwiGLU)."""
     return _tiny_hf(

@@ -81,6 +81,7 @@ def shared(**sections):
             **DATA_PARALLEL_DEFAULTS,
             "row_weights": "",
             "placement": [],
+            "tensor_parallel": [],
         },
         "model": {
             "name": "digits_cnn",

@@ -1,0 +1,47 @@
+"""What ``--tensor-parallel`` combines with so far, refused in one line before any process starts.
+
+A stage's degree splits its layers' matrices over the processes of each replica
+(``bundle.models.tp``); what a rank holds of a split layer is its shard, which the options
+refused here would have to know about: checkpoints (whole tensors gathered or resharded), the
+sharded optimizer and FSDP, the other exchanges of the data-parallel side, LoRA's adapters and a
+quantized base, compiled blocks, and a bundle that heals from its peers.
+"""
+
+from __future__ import annotations
+
+from bundle.config.job import CheckpointConfig, ComputeConfig, LaunchConfig, ParallelConfig
+from bundle.errors import ConfigError
+
+
+def check_tensor_parallel(
+    par: ParallelConfig,
+    ckpt: CheckpointConfig,
+    compute: ComputeConfig,
+    launch: LaunchConfig,
+    lora: object = None,
+) -> None:
+    """Refuse what a tensor-parallel run does not combine with yet (nothing without one);
+    ``lora``: the model's ``(--lora, --base-dtype)`` where either is given."""
+    degrees = par.tp_degrees
+    if max(degrees, default=1) == 1:
+        return
+    refused = {
+        "--save-dir": ckpt.save_dir,
+        "--resume": ckpt.resume,
+        "--zero": par.zero,
+        "--grad-compression": par.grad_compression != "none" and par.grad_compression,
+        "--bundle-sync": par.bundle_sync != "step" and par.bundle_sync,
+        "--aggregate": par.aggregate != "mean" and par.aggregate,
+        "--row-weights": par.row_weights,
+        "--lora or --base-dtype": lora,
+        "--compile": compute.compile,
+        "--fault-tolerance": launch.fault_tolerance == "bundle" and "bundle",
+    }
+    for flag, value in refused.items():
+        if value:
+            raise ConfigError(
+                flag,
+                value,
+                f"--tensor-parallel {','.join(map(str, degrees))} does not combine with it "
+                "yet: drop one of them",
+            )
