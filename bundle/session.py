@@ -41,9 +41,11 @@ class Layout:
     shape: list[int]
     num_bundles: int
     stages: list[str]  # the first block of each stage
+    tp: list[int] = field(default_factory=list)  # each stage's TP degree; [] : none
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """As ``bundle.json`` records it (``tp`` only where a run has tensor parallelism)."""
+        return {k: v for k, v in asdict(self).items() if k != "tp" or v}
 
 
 @dataclass
@@ -111,7 +113,7 @@ def build_session(
     tied = tied if V == 1 else ties.by_stage(tied, lambda j: pipe.place(j)[0])
     policy = Policy.of(cfg.compute, device)
     metas = boundary_metas(stages, splits.input_shape, policy, splits.inputs)
-    layout = Layout(list(topo.shape), topo.num_bundles, [s.names[0] for s in stages])
+    layout = Layout(list(topo.shape), topo.num_bundles, [s.names[0] for s in stages], list(topo.tp))
     own = [policy.prepare_stage(stages[pipe.piece(coord.stage, c)].to(device)) for c in range(V)]
     if cfg.compute.compile:  # before --zero 3 shards them: FSDP's hooks run around each block
         own = [compiled.compile_blocks(piece, cfg.compute.compile_backend) for piece in own]
@@ -124,7 +126,7 @@ def build_session(
     arrive("model built")
     groups = data_parallel.process_groups(cfg, topo, coord)
     if groups.tp is not None:
-        split.reducer.bind(comm, groups.tp)
+        split.bind(comm, groups.tp)
     chunks = _chunks(cfg, topo, coord, Pieces(pipe, own, metas), groups, device, comm, emu)
     optimizer = make_optimizer(
         cfg.train, stage, shard_over=data_parallel.shard_group(cfg, topo, coord, groups), comm=comm
@@ -370,6 +372,7 @@ def make_checkpointer(
             hop=session.engine.sync.hop,
             extra=scaler.state() if scaler else {},
             frozen_base=cfg.model.lora is not None,
+            split=session.split if session.split.specs else None,
         ),
         groups=session.groups,
         comm=session.comm,

@@ -23,6 +23,8 @@ Modules, from the data up:
   when it saves (``SaveSettings``);
 - ``state``: ``RankState``, one rank's training state by named parts, defined once: what a
   checkpoint saves, and what fault tolerance carries, hands over and sends to a healed bundle;
+- ``split_state``: a tensor-parallel rank's entries: its split layers gathered whole for a save,
+  its shards taken from the whole tensors on restore;
 - ``manager``: ``Checkpointer``, the loop's component: when a save is due, what one rank saves,
   asynchronous writes, saves that cannot complete, pruning, and restoring under any shape.
 """

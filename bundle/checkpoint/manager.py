@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from bundle import log
 from bundle.checkpoint import format as ckpt
+from bundle.checkpoint import split_state
 from bundle.checkpoint.parts import RankParts, SaveSettings, optimizer_slots
 from bundle.checkpoint.state import RankState
 from bundle.collectives.comm import Collectives, Comm
@@ -97,9 +98,8 @@ class Checkpointer:
         self.sharded = self.optimizer is not parts.optimizer
         # Sharded inside each bundle (--fault-tolerance bundle), not over the whole stage group:
         # every bundle holds each shard once, and bundle 0's owners count it.
-        self.shards_per_bundle = self.sharded and _shard_group_size(parts.optimizer) < len(
-            topo.stage_group(coord.stage)
-        )
+        over = getattr(parts.optimizer, "world_size", 0)  # processes a ZeRO state is sharded over
+        self.shards_per_bundle = self.sharded and over < len(topo.stage_group(coord.stage))
         self.owned = self.rank_state.owned
         self.outer, self.hop = parts.outer, parts.hop
         # Bundles that meet every H steps differ between meetings: each saves its own state.
@@ -132,6 +132,8 @@ class Checkpointer:
     def state(self) -> dict[str, torch.Tensor]:
         """This rank's entries (``RankState``'s parts), keyed as the checkpoint stores them."""
         parts, pre = self.rank_state.state_dict(), self.prefix
+        if self.parts.split is not None:
+            parts = split_state.whole_state(parts, self.parts.split)
         out = {f"{pre}model.{name}": p for name, p in parts["model"].items()}
         out.update({f"{pre}optim.{key}": v for key, v in parts["optim"].items()})
         out.update({self._buffer_key(name): b for name, b in parts["buffers"].items()})
@@ -353,6 +355,8 @@ class Checkpointer:
         want = {f"{pre}model.{name}": p.detach() for name, p in params.items()}
         owned = {n: p for n, p in params.items() if id(p) in self.owned}
         optim_state = optimizer_slots(owned, stored, want, pre)
+        split = self.parts.split
+        live = split_state.whole_targets(want, stored, split, pre) if split else {}
         for name, b in self.parts.buffers().items():
             mine = self._buffer_key(name)
             want[mine if same_layout and mine in stored else f"model.{name}"] = b
@@ -387,6 +391,8 @@ class Checkpointer:
                 f"trained on ({len(changed)} tensors of stage {self.coord.stage}, e.g. "
                 f"{changed[0]}); give the same --pretrained, --weights and --seed"
             )
+        if split is not None:
+            split_state.take_shards(want, live, optim_state, params, split, pre)
         for p, slots in optim_state.items():
             self.optimizer.state[p].update(slots)
         if self.outer is not None and not resumes_outer:
@@ -408,11 +414,6 @@ class Checkpointer:
                 f"ranks start from different steps ({-int(ends[1])}..{int(ends[0])}; this one from "
                 f"{path or 'scratch'}): --save-dir must be one filesystem every node sees"
             )
-
-
-def _shard_group_size(optimizer: torch.optim.Optimizer) -> int:
-    """The processes a ZeRO optimizer's state is sharded over."""
-    return int(optimizer.world_size)  # type: ignore[attr-defined]
 
 
 def _existing(path: str) -> str:
@@ -442,4 +443,5 @@ def _describe(layout: Any) -> str:
     if not layout:
         return "an unknown layout"
     shape = ",".join(map(str, layout["shape"]))
+    shape += f" tensor-parallel {','.join(map(str, layout['tp']))}" if layout.get("tp") else ""
     return f"shape {shape} x {layout['num_bundles']} bundle(s), stages at {', '.join(layout['stages'])}"

@@ -16,6 +16,7 @@ from bundle.engine.hops import Hop
 from bundle.engine.outer import OuterSync
 from bundle.engine.sharded import is_sharded
 from bundle.engine.stage import Stage
+from bundle.engine.tensor_parallel import Split
 from bundle.models.quant import Frozen, sha256
 
 
@@ -41,6 +42,8 @@ class RankParts:
     # A LoRA run (--lora): the frozen base is not the checkpoint's to hold (it is read again from
     # where it came from); a digest of each of its tensors is, and is checked on resume.
     frozen_base: bool = False
+    # Tensor parallelism: the stage's split layers; a checkpoint holds their whole tensors.
+    split: Split | None = None
     _digests: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def params(self) -> dict[str, torch.nn.Parameter]:

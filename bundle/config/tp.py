@@ -2,20 +2,18 @@
 
 A stage's degree splits its layers' matrices over the processes of each replica
 (``bundle.models.tp``); what a rank holds of a split layer is its shard, which the options
-refused here would have to know about: checkpoints (whole tensors gathered or resharded), the
-sharded optimizer and FSDP, the other exchanges of the data-parallel side, LoRA's adapters and a
+refused here would have to know about: the sharded optimizer and FSDP, the other exchanges of the data-parallel side, LoRA's adapters and a
 quantized base, compiled blocks, and a bundle that heals from its peers.
 """
 
 from __future__ import annotations
 
-from bundle.config.job import CheckpointConfig, ComputeConfig, LaunchConfig, ParallelConfig
+from bundle.config.job import ComputeConfig, LaunchConfig, ParallelConfig
 from bundle.errors import ConfigError
 
 
 def check_tensor_parallel(
     par: ParallelConfig,
-    ckpt: CheckpointConfig,
     compute: ComputeConfig,
     launch: LaunchConfig,
     lora: object = None,
@@ -26,8 +24,6 @@ def check_tensor_parallel(
     if max(degrees, default=1) == 1:
         return
     refused = {
-        "--save-dir": ckpt.save_dir,
-        "--resume": ckpt.resume,
         "--zero": par.zero,
         "--grad-compression": par.grad_compression != "none" and par.grad_compression,
         "--bundle-sync": par.bundle_sync != "step" and par.bundle_sync,

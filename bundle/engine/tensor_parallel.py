@@ -65,6 +65,23 @@ class Split:
     degree: int
     reducer: Reducer = field(default_factory=Reducer)
     specs: dict[str, tp.ShardSpec] = field(default_factory=dict)
+    group: dist.ProcessGroup | None = None
+
+    def bind(self, comm: Comm, group: dist.ProcessGroup) -> None:
+        """The TP group exists: the split layers' sums run over it."""
+        self.group = group
+        self.reducer.bind(comm, group)
+
+    def whole(self, name: str, shard: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of split parameter ``name`` (or of a state shaped like it) from
+        every process's ``shard``: collective over the group, every process calls it alike."""
+        shards = [torch.empty_like(shard) for _ in range(self.degree)]
+        dist.all_gather(shards, shard.contiguous(), group=self.group)
+        return self.specs[name].full(shards)
+
+    def shard(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This process's shard of the whole tensor of split parameter ``name``."""
+        return self.specs[name].local(whole, self.index, self.degree)
 
     def apply(self, model: nn.Module, pieces: Sequence[Stage]) -> None:
         """Split ``model``'s planned layers for this process, in place (the ``pieces`` this

@@ -7,7 +7,8 @@ TP 2 on both stages (hierarchical sync), and two pipelines whose stages have dif
 (TP 1 then TP 2, TP 2 then TP 1: a boundary between a group of one and a group of two, both
 ways), under GPipe and 1F1B, one also under nccl-emu in strict mode. After 3 steps of SGD with
 momentum every process's parameters (a split one against its shard of the reference) are where
-one process's are (1e-5). That the layers' sums are needed at all is shown in
+one process's are (1e-5). A checkpoint written at TP 2,2 resumes at the same shape without tensor
+parallelism and as data parallel at TP 2, each then where one process is after 5 steps. That the layers' sums are needed at all is shown in
 tests/unit/test_tp.py (a rowwise layer without its sum is off by far more)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from bundle.launch.localworld import run_world
-from bundle.session import build_session, train_stream
+from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology
 from tests.integration.test_any_model import text as text  # the module's corpus fixture
 from tests.support.reference import STEPS, TOL, equivalence_config, reference
@@ -52,32 +53,55 @@ def _config(text: str, model: str, shape, bundles, degrees, schedule, sync, back
     )
 
 
-def _layouts(rank: int, world: int, text: str) -> list[str]:
+# A checkpoint written at the first layout (step 3 of 5) resumes at the others: whole tensors
+# in the checkpoint, each process's shard taken on restore (momentum too).
+RESUMES = [
+    ("gpt", (1, 1), 1, (2, 2), "1f1b", "flat", "gloo"),
+    ("gpt", (2, 2), 1, (1, 1), "1f1b", "flat", "gloo"),
+    ("gpt", (1,), 2, (2,), "gpipe", "flat", "gloo"),
+]
+
+
+def _train(cfg, rank: int, steps: range, *, save_dir: str = "", resume: str = ""):
+    topo = Topology.from_config(cfg)
+    if save_dir:
+        cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, save_dir=save_dir))
+    session = build_session(cfg, topo, rank, torch.device("cpu"))
+    if resume:
+        make_checkpointer(cfg, topo, rank, session).restore(resume)
+    batches = train_stream(session, topo, cfg.train.seed, steps.stop, 0, start=steps.start)
+    for step in steps:
+        session.engine.train_step(step, next(batches))
+        if save_dir and step + 1 == STEPS:
+            make_checkpointer(cfg, topo, rank, session).save(STEPS)
+    mine = {k: v.detach() for k, v in session.stage.full_state_dict().items()}
+    coord = topo.coord(rank)
+    return topo, (coord, topo.tp_of(coord.stage), mine, dict(session.split.specs))
+
+
+def _layouts(rank: int, world: int, text: str, save_dir: str) -> list[str]:
     failures: list[str] = []
-    refs: dict[str, dict[str, torch.Tensor]] = {}
-    for layout in LAYOUTS:
+    refs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    runs = [(layout, range(STEPS), {}) for layout in LAYOUTS]
+    resume = {"resume": f"{save_dir}/step-{STEPS}"}
+    runs.append((RESUMES[0], range(STEPS + 2), {"save_dir": save_dir}))
+    runs += [(layout, range(STEPS, STEPS + 2), resume) for layout in RESUMES[1:]]
+    for layout, steps, how in runs:
         cfg = _config(text, *layout)
-        topo = Topology.from_config(cfg)
+        topo, mine = _train(cfg, rank, steps, **how)
         assert topo.world_size == world, layout
-        session = build_session(cfg, topo, rank, torch.device("cpu"))
-        batches = train_stream(session, topo, cfg.train.seed, STEPS, 0)
-        for step in range(STEPS):
-            session.engine.train_step(step, next(batches))
-        mine = {k: v.detach() for k, v in session.stage.full_state_dict().items()}
-        specs = dict(session.split.specs)
-        degree = topo.tp_of(topo.coord(rank).stage)
         gathered = [None] * world if rank == 0 else None
-        dist.gather_object((topo.coord(rank), degree, mine, specs), gathered, dst=0)
+        dist.gather_object(mine, gathered, dst=0)
         if rank != 0:
             continue
-        case = layout[0]
-        if case not in refs:
-            refs[case] = reference(cfg)
-        failures += _compare(f"{layout}", refs[case], gathered)
+        key = (layout[0], steps.stop)
+        if key not in refs:
+            refs[key] = reference(cfg, steps.stop)
+        failures += _compare(f"{layout} {how or ''}", refs[key], gathered, max(layout[3]) > 1)
     return failures
 
 
-def _compare(name: str, ref: dict[str, torch.Tensor], gathered) -> list[str]:
+def _compare(name: str, ref: dict[str, torch.Tensor], gathered, splits: bool) -> list[str]:
     failures, covered, split = [], set(), 0
     for coord, degree, params, specs in gathered:
         for key, value in params.items():
@@ -90,11 +114,11 @@ def _compare(name: str, ref: dict[str, torch.Tensor], gathered) -> list[str]:
             covered.add(key)
     if covered != set(ref):
         failures.append(f"{name}: not covered: {sorted(set(ref) - covered)[:3]}")
-    if not split:
+    if splits and not split:
         failures.append(f"{name}: no parameter was split")
     return failures
 
 
-def test_tensor_parallel_layouts_equal_one_process(text):
-    results = run_world(4, _layouts, text)
+def test_tensor_parallel_layouts_equal_one_process_and_resume_under_others(text, tmp_path):
+    results = run_world(4, _layouts, text, str(tmp_path))
     assert results[0] == [], "\n".join(results[0])
