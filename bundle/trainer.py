@@ -217,7 +217,7 @@ class Trainer:
         if final[0]:
             self.phase.enter("checkpoint")
             session, lora = self.session, self.run.cfg.model.lora is not None
-            args = (final[0], session.stage, self.run.topo, session.coord)
+            args = (final[0], session.stage, self.run.topo, session.coord, session.split)
             final_weights.save_distributed(*args, group=groups.control, trained_only=lora)
 
     def _replaced_samples(self) -> int | None:

@@ -12,6 +12,7 @@ from torch import nn
 from bundle.checkpoint.format import save
 from bundle.engine.sharded import on_host
 from bundle.engine.stage import Stage
+from bundle.engine.tensor_parallel import Split
 from bundle.topology import Coord, Topology
 
 
@@ -24,6 +25,7 @@ def save_distributed(
     stage: nn.Module,
     topo: Topology,
     coord: Coord,
+    split: Split | None = None,
     *,
     group: dist.ProcessGroup,
     trained_only: bool = False,
@@ -33,14 +35,17 @@ def save_distributed(
     parameters that train (the adapters, ``--lora-train``'s modules).
 
     ``group`` spans the job on gloo (the control group): on the default group of an NCCL job,
-    gather_object would pickle through CUDA tensors on the training communicator.
+    gather_object would pickle through CUDA tensors on the training communicator. ``split``:
+    the stage's layers split over a TP group, gathered whole first (collective in each group).
     """
     whole = _unwrap(stage)
     state = whole.full_state_dict()
+    if split is not None and split.specs:
+        state = {k: split.whole(k, v) if k in split.specs else v for k, v in state.items()}
     if trained_only:
         trains = {whole.full_name(n) for n, p in whole.named_parameters() if p.requires_grad}
         state = {k: v for k, v in state.items() if k in trains}
-    mine = on_host(state, keep=coord.bundle == 0 and coord.replica == 0)
+    mine = on_host(state, keep=coord.bundle == 0 and coord.replica == 0 and coord.tp == 0)
     parts: list | None = [None] * topo.world_size if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0, group=group)
     if parts is not None:
