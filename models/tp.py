@@ -45,7 +45,10 @@ from bundle.models.gpt import GPT, Attention
 
 STYLES = ("colwise", "rowwise", "packed_colwise", "replicate", "replicate_grad_sum")
 _SPLIT = ("colwise", "rowwise", "packed_colwise")
-_NO_PLAN = "give one (module-name patterns -> colwise/rowwise/packed_colwise/replicate)"
+_NO_PLAN = (
+    "give the model a tp_plan attribute (module-name patterns -> colwise, rowwise, "
+    "packed_colwise or replicate; docs/tensor-parallel.md)"
+)
 
 AllReduce = Callable[[Tensor], None]
 

@@ -128,7 +128,8 @@ def check(model: nn.Module, pieces: Sequence[Sequence[Block]], degrees: Sequence
         plan = tp.plan_of(model)
         for degree in sorted(set(degrees) - {1}):
             tp.check(model, plan, degree)
-        planned = {f"{name}.weight" for name in tp.resolve(model, plan)}
+        chosen = tp.resolve(model, plan).items()
+        planned = {f"{name}.weight" for name, (_, style) in chosen if "replicate" not in style}
     except tp.TPError as exc:
         raise ConfigError("--tensor-parallel", text, str(exc)) from None
     inlined = sorted(_inlined(pieces) & planned) if len(pieces) > 1 else []

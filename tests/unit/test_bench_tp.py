@@ -110,7 +110,7 @@ def test_render_prints_the_conditions_both_ratios_and_the_oversubscribed_pipelin
     assert "TP 2 / one process 0.440; TP 2 / DP 2 0.220" in text
     assert "not expected to beat DP" in text
     assert "pipe: 3 processes on 2 cores oversubscribe" in text
-    tp_row = next(line for line in text.splitlines() if line.startswith("tp "))
+    tp_row = next(line for line in text.splitlines() if line.lstrip().startswith("tp "))
     assert "shape 1 tp 2" in tp_row and "12.0 10.0" in tp_row and "0.5500" in tp_row
 
 

@@ -138,9 +138,20 @@ def test_a_model_without_a_plan_is_told_to_give_one():
     with pytest.raises(TPError) as err:
         tp.plan_of(nn.Sequential(nn.Linear(4, 4)))
     assert str(err.value) == (
-        "Sequential has no tensor-parallel plan: give one (module-name patterns -> "
-        "colwise/rowwise/packed_colwise/replicate)"
+        "Sequential has no tensor-parallel plan: give the model a tp_plan attribute (module-name "
+        "patterns -> colwise, rowwise, packed_colwise or replicate; docs/tensor-parallel.md)"
     )
+
+
+def test_a_users_module_brings_its_plan_as_a_tp_plan_attribute():
+    class Net(nn.Sequential):
+        tp_plan = {"0": "colwise", "2": "rowwise"}
+
+    net = Net(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    assert tp.plan_of(net) == {"0": "colwise", "2": "rowwise"}
+    specs = tp.apply(net, tp.plan_of(net), rank=1, size=2, all_reduce=lambda t: None)
+    assert net[0].weight.shape == (4, 4) and net[2].weight.shape == (4, 4)
+    assert set(specs) == {"0.weight", "0.bias", "2.weight"}
 
 
 def test_a_split_dimension_a_tied_weight_and_lora_are_refused_before_anything_changes():
