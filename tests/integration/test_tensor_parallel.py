@@ -2,14 +2,15 @@
 (``--tensor-parallel``) train as one process trains the unsplit model.
 
 One world of four processes runs every layout of four: data parallel with TP 2 in each of two
-bundles (Bundle's GPT and a Hugging Face Llama, its own ``base_model_tp_plan``), a pipeline with
-TP 2 on both stages (hierarchical sync), and two pipelines whose stages have different degrees
-(TP 1 then TP 2, TP 2 then TP 1: a boundary between a group of one and a group of two, both
-ways), under GPipe and 1F1B, one also under nccl-emu in strict mode. After 3 steps of SGD with
-momentum every process's parameters (a split one against its shard of the reference) are where
-one process's are (1e-5). A checkpoint written at TP 2,2 resumes at the same shape without tensor
-parallelism and as data parallel at TP 2, each then where one process is after 5 steps. That the layers' sums are needed at all is shown in
-tests/unit/test_tp.py (a rowwise layer without its sum is off by far more)."""
+bundles (Bundle's GPT and a Hugging Face Llama, by its own ``base_model_tp_plan``), pipelines
+with TP 2 on both stages (hierarchical sync; interleaved 1F1B), and two pipelines whose stages
+have different degrees (TP 1 then TP 2 under GPipe, TP 2 then TP 1 under nccl-emu in strict
+mode: a boundary between a group of one and a group of two, both ways). After 3 steps of SGD
+with momentum every process's parameters (a split one against its shard of the reference) are
+where one process's are (1e-5). A checkpoint written at TP 2,2 resumes at the same shape without
+tensor parallelism and as data parallel at TP 2, each then where one process is after 5 steps.
+That the layers' sums are needed at all is shown in tests/unit/test_tp.py (a rowwise layer
+without its sum is off by far more)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bundle.ir.schedule import REGISTRY
 from bundle.launch.localworld import run_world
 from bundle.session import build_session, make_checkpointer, train_stream
 from bundle.topology import Topology
 from tests.integration.test_any_model import text as text  # the module's corpus fixture
-from tests.support.reference import STEPS, TOL, equivalence_config, reference
+from tests.support.reference import STEPS, TOL, equivalence_config, reference, runnable_micro
 
 pytestmark = pytest.mark.slow
 
@@ -38,13 +40,18 @@ LAYOUTS = [
     ("gpt", (1, 1), 1, (2, 2), "1f1b", "hierarchical", "gloo"),
     ("gpt", (2, 1), 1, (1, 2), "gpipe", "flat", "gloo"),
     ("gpt", (1, 2), 1, (2, 1), "1f1b", "flat", "nccl-emu-strict"),
+    ("gpt", (1, 1), 1, (2, 2), "interleaved-1f1b", "flat", "gloo"),
 ]
 
 
 def _config(text: str, model: str, shape, bundles, degrees, schedule, sync, backend):
     data = {"dataset": "text", "seq_len": 8, "data_file": text}
     sections = {"model": MODELS[model], "data": data}
-    cfg = equivalence_config(shape, bundles, schedule, 3, sync, "mlp", sections=sections)
+    chunks = 2 if REGISTRY[schedule].chunks else 1
+    micro = runnable_micro(schedule, len(shape), 3, chunks)
+    cfg = equivalence_config(
+        shape, bundles, schedule, micro, sync, "mlp", sections=sections, chunks=chunks
+    )
     strict = backend == "nccl-emu-strict"
     return replace(
         cfg,
