@@ -24,7 +24,7 @@ def check_tensor_parallel(
     if max(degrees, default=1) == 1:
         return
     refused = {
-        "--zero": par.zero,
+        "--zero": par.zero == 3 and 3,
         "--grad-compression": par.grad_compression != "none" and par.grad_compression,
         "--bundle-sync": par.bundle_sync != "step" and par.bundle_sync,
         "--aggregate": par.aggregate != "mean" and par.aggregate,

@@ -2,15 +2,15 @@
 (``--tensor-parallel``) train as one process trains the unsplit model.
 
 One world of four processes runs every layout of four: data parallel with TP 2 in each of two
-bundles (Bundle's GPT and a Hugging Face Llama, by its own ``base_model_tp_plan``), pipelines
-with TP 2 on both stages (hierarchical sync; interleaved 1F1B), and two pipelines whose stages
-have different degrees (TP 1 then TP 2 under GPipe, TP 2 then TP 1 under nccl-emu in strict
-mode: a boundary between a group of one and a group of two, both ways). After 3 steps of SGD
-with momentum every process's parameters (a split one against its shard of the reference) are
-where one process's are (1e-5). A checkpoint written at TP 2,2 resumes at the same shape without
-tensor parallelism and as data parallel at TP 2, each then where one process is after 5 steps.
-That the layers' sums are needed at all is shown in tests/unit/test_tp.py (a rowwise layer
-without its sum is off by far more)."""
+bundles (Bundle's GPT, also under ZeRO-1, and a Hugging Face Llama by its own
+``base_model_tp_plan``), pipelines with TP 2 on both stages (hierarchical sync; interleaved
+1F1B), and two pipelines whose stages have different degrees (TP 1 then TP 2 under GPipe, TP 2
+then TP 1 under nccl-emu in strict mode: a boundary between a group of one and a group of two,
+both ways). After 3 steps of SGD with momentum every process's parameters (a split one against
+its shard of the reference) are where one process's are (1e-5). A checkpoint written at TP 2,2
+resumes at the same shape without tensor parallelism and as data parallel at TP 2, each then
+where one process is after 5 steps. That the layers' sums are needed at all is shown in
+tests/unit/test_tp.py (a rowwise layer without its sum is off by far more)."""
 
 from __future__ import annotations
 
@@ -41,10 +41,11 @@ LAYOUTS = [
     ("gpt", (2, 1), 1, (1, 2), "gpipe", "flat", "gloo"),
     ("gpt", (1, 2), 1, (2, 1), "1f1b", "flat", "nccl-emu-strict"),
     ("gpt", (1, 1), 1, (2, 2), "interleaved-1f1b", "flat", "gloo"),
+    ("gpt", (1,), 2, (2,), "1f1b", "flat", "gloo", {"zero": 1, "bucket_mb": 25.0}),
 ]
 
 
-def _config(text: str, model: str, shape, bundles, degrees, schedule, sync, backend):
+def _config(text: str, model: str, shape, bundles, degrees, schedule, sync, backend, more=None):
     data = {"dataset": "text", "seq_len": 8, "data_file": text}
     sections = {"model": MODELS[model], "data": data}
     chunks = 2 if REGISTRY[schedule].chunks else 1
@@ -55,7 +56,7 @@ def _config(text: str, model: str, shape, bundles, degrees, schedule, sync, back
     strict = backend == "nccl-emu-strict"
     return replace(
         cfg,
-        parallel=replace(cfg.parallel, tensor_parallel=degrees),
+        parallel=replace(cfg.parallel, tensor_parallel=degrees, **(more or {})),
         launch=replace(cfg.launch, backend="nccl-emu" if strict else backend, emu_strict=strict),
     )
 

@@ -127,3 +127,11 @@ def test_publish_writes_the_report_as_json(tmp_path, capsys):
     assert written["result"]["speed_tp_vs_one"] == pytest.approx(0.44)
     assert written["rows"]["pipe"]["samples_per_s"] == [9.0, None]
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == written
+
+
+def test_a_case_whose_runs_spread_widely_is_flagged_and_a_steady_one_is_not():
+    rows = bench_tp.summarize(_runs(), bench_tp.processes(2))
+    assert bench_tp.noisy(rows) == []  # one: 30 / 20 = 1.5, not past NOISY_SPREAD
+    rows["one"]["samples_per_s"] = [72.8, 6.9, 16.4]
+    (line,) = bench_tp.noisy(rows)
+    assert line.strip().startswith("noisy: one's runs range 6.9..72.8 samples/s (10.6x)")
