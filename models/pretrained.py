@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 
 from bundle.errors import ConfigError
 from bundle.models import hf, lora
 from bundle.models.hf import LANGUAGE_MODELS, POSITION_FIELDS, current_name
 from bundle.models.refs import load_callable
+from bundle.models.shard_read import ShardRead, Span, header
 
 FLAG = "--pretrained"
 CONFIG = "config.json"
@@ -41,18 +41,6 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # What transformers saves besides safetensors: pickles (never unpickled here) and other frameworks.
 _OTHER = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
-
-
-@dataclass(frozen=True)
-class Span:
-    """One tensor as its file's header gives it: the file, its dtype (safetensors' name) and
-    shape, and the byte range of its data."""
-
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
 
 
 @dataclass(frozen=True)
@@ -84,7 +72,7 @@ def read(directory: str) -> Checkpoint:
     spans: dict[str, Span] = {}
     for name in names:
         try:
-            spans.update(_header(str(root / name)))
+            spans.update(header(str(root / name)))
         except Exception as exc:  # noqa: BLE001 - unreadable or cut short: the same one line
             raise _refuse(directory, f"cannot read {name}: {_first_line(exc)}") from None
     where = {k: span.path for k, span in spans.items()}
@@ -94,20 +82,6 @@ def read(directory: str) -> Checkpoint:
             directory, f"{INDEX} names {len(lost)} tensor(s) not in their file, e.g. {lost[0]}"
         )
     return Checkpoint(directory, spans)
-
-
-def _header(path: str) -> dict[str, Span]:
-    with safe_open(path, framework="pt"):  # checks the header against the file's size
-        pass
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    spans = {}
-    for key, entry in header.items():
-        if key != "__metadata__":
-            begin, end = (8 + size + offset for offset in entry["data_offsets"])
-            spans[key] = Span(path, entry["dtype"], tuple(entry["shape"]), begin, end)
-    return spans
 
 
 def _index(directory: str, path: Path) -> dict[str, str]:
@@ -250,7 +224,13 @@ class Match:
     note: str | None
 
 
-def match(model: nn.Module, ckpt: Checkpoint, *, strict: bool = False) -> Match:
+def match(
+    model: nn.Module,
+    ckpt: Checkpoint,
+    *,
+    strict: bool = False,
+    shards: Mapping[str, ShardRead] | None = None,
+) -> Match:
     """The checkpoint's tensor for each entry of the model's state dict, by name and shape: its
     own name, a name tied to it (the copy transformers did not save), or either with or without
     the model's ``base_model_prefix`` (a ``GPT2Model`` saved, a ``GPT2LMHeadModel`` loaded); a
@@ -262,6 +242,7 @@ def match(model: nn.Module, ckpt: Checkpoint, *, strict: bool = False) -> Match:
     own = {
         k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items() if k not in adapters
     }
+    own.update({k: s.whole(own[k]) for k, s in (shards or {}).items() if k in own})
     # the saved names by their current ones; a tensor saved under its current name comes last: wins
     saved = {current_name(n): n for n in sorted(ckpt.spans, key=lambda n: current_name(n) == n)}
     tied = _tied(model)
@@ -335,13 +316,16 @@ def load(
     strict: bool = False,
     pieces: Sequence[nn.Module] = (),
     keep: Collection[int] | None = None,
+    shards: Mapping[str, ShardRead] | None = None,
 ) -> str | None:
     """Allocate and fill ``model`` (built under ``parameters_on_meta``), or only the ``pieces``
     (the stages cut from it, each with ``full_state_dict``) whose indices are in ``keep`` (None:
     all); the others stay on the meta device, except a weight tied to a kept one, which is the
-    kept one. Only the kept tensors are read. Returns ``match``'s note."""
-    ckpt = read(directory)
-    found = match(model, ckpt, strict=strict)
+    kept one. Only the kept tensors are read, of a tensor split over a TP group (``shards``, by
+    the model's names) only this process's shard. Returns ``match``'s note."""
+    ckpt, shards = read(directory), shards or {}
+    found = match(model, ckpt, strict=strict, shards=shards)
+    by_source = {found.sources.get(n): s for n, s in shards.items()}
     kept = [p for i, p in enumerate(pieces) if keep is None or i in keep] if pieces else [model]
     real = _materialise(kept, [model, *pieces])
     _initialise(model, [k for k, v in found.sources.items() if v is None], real, seed)
@@ -354,7 +338,11 @@ def load(
             if source is not None:
                 targets.setdefault(source, []).append(tensor)
     for source in sorted(targets, key=lambda n: (ckpt.spans[n].path, ckpt.spans[n].begin)):
-        read_into(ckpt.spans[source], targets[source])
+        span, shard = ckpt.spans[source], by_source.get(source)
+        if shard is not None:
+            shard.read(span, targets[source], _DTYPES[span.dtype])
+        else:
+            read_into(span, targets[source])
     return found.note
 
 

@@ -55,7 +55,11 @@ def build_stages(
         model = models.build_model(cfg.model, num_classes, input_shape)
     models.adapt(model, cfg.model, seed=cfg.train.seed)
     stages = cut_stages(model, cfg.model, num_stages, input_shape, capture, inputs)
+    kept = [s for i, s in enumerate(stages) if keep is None or i in keep]
     if cfg.model.pretrained:
+        # Split first, on the meta device: each process then reads only its shards.
+        if split is not None:
+            split.apply(model, kept)
         models.pretrained.load(
             model,
             cfg.model.pretrained,
@@ -63,11 +67,11 @@ def build_stages(
             strict=cfg.model.weights_strict,
             pieces=stages,
             keep=keep,
+            shards=split.reads() if split is not None else None,
         )
-    stages = store_base(model, stages, cfg.model, keep)
-    if split is not None:
-        split.apply(model, [s for i, s in enumerate(stages) if keep is None or i in keep])
-    return stages
+    elif split is not None:
+        split.apply(model, kept)
+    return store_base(model, stages, cfg.model, keep)
 
 
 def store_base(

@@ -26,6 +26,7 @@ from bundle.engine.stage import Stage
 from bundle.engine.transport import PostCall
 from bundle.errors import ConfigError, PartitionError
 from bundle.models import Block, tp
+from bundle.models.shard_read import ShardRead
 from bundle.topology import Coord, Topology
 
 
@@ -102,6 +103,10 @@ class Split:
             raise PartitionError(
                 f"--tensor-parallel {self.degree}: {_inline_reason(model, inlined)}"
             )
+
+    def reads(self) -> dict[str, ShardRead]:
+        """How this process reads each split parameter's shard from a file (``--pretrained``)."""
+        return {n: ShardRead(spec, self.index, self.degree) for n, spec in self.specs.items()}
 
     def params(self, stage: Stage) -> list[torch.Tensor]:
         """``stage``'s split parameters (each process holds a shard of them)."""

@@ -14,6 +14,7 @@ Modules, from the data up:
 - ``cost``: seconds and bytes of a plan's pieces: stage compute, transfers, gradient sync, memory;
 - ``dataparallel``: the user's data-parallel options (compression, bundle sync, aggregation) costed;
 - ``zero``: ``--zero 3`` costed: sharded memory, each block gathered and reduced per micro-batch;
+- ``tensor``: tensor parallelism per stage costed: what a model splits, a stage at degree t;
 - ``simulate``: an event simulation of the engine's own schedule action lists;
 - ``split``: stage widths and split points: the dynamic program, widths coarse to fine;
 - ``plans``: one plan as a value, simulated with its memory counted, and plans ranked;

@@ -30,7 +30,7 @@ from bundle import data
 from bundle.config import AUTO_SHAPE, RunConfig
 from bundle.errors import ConfigError
 from bundle.ir.schedule import REGISTRY, SCHEDULES
-from bundle.plan import planner
+from bundle.plan import planner, tensor
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count
 from bundle.plan.cluster import nominal
@@ -92,6 +92,7 @@ def _cost(cfg: RunConfig, request: planner.Request) -> tuple[CostModel, str]:
             cluster=cluster,
             execution=request.execution(overlap=kind != "cpu"),
         )
+        cost = tensor.Splittable.of(cost, tensor.split_of(request.spec, cost.n))
         return cost, "FLOP and byte counts against nominal speeds, the same on every process"
     cache = prof.ProfileCache(prof.default_cache_dir())
     # A fresh profile takes tens of seconds: say what is going on before it starts.
@@ -180,6 +181,8 @@ def resolve(cfg: RunConfig) -> RunConfig:
     request = _request(cfg, nodes, per_node)
     planner.check(request, None)
     cost, how = _cost(cfg, request)
+    if cfg.compute.compile or cfg.launch.fault_tolerance == "bundle" or not shape_auto:
+        cost = tensor.without(cost)  # what --tensor-parallel does not combine with yet
     best = _plan_shape(cfg, request, cost) if shape_auto else _plan_split(cfg, request, cost)
     p = best.plan
     costed = " ".join(request.dp.flags())  # what the run asked for; a --zero 3 chosen is named
@@ -194,6 +197,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
             micro_batches=p.micro_batches,
             schedule=p.schedule,
             virtual_stages=p.chunks,
+            tensor_parallel=p.tp,  # () : none; the planner's per-stage degrees
             grad_sync=p.grad_sync,
             zero=p.dp.zero,  # --zero 3 where no plan fits in device memory without it
         ),
@@ -205,6 +209,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
         f"main.py: plan: --bundle-shape {','.join(map(str, p.shape))} --num-bundle {p.num_bundles} "
         f"--micro-batches {p.micro_batches} --schedule {p.schedule} --grad-sync {p.grad_sync}"
         + (f" --virtual-stages {p.chunks}" if p.chunks > 1 else "")
+        + (f" --tensor-parallel {','.join(map(str, p.tp))}" if p.tp else "")
         + (f" --partition {split}" if split else "")
         + (f" --zero {p.dp.zero} (no plan fits without it)" if p.dp != request.dp else "")
         + (f" (costed with {costed})" if costed else "")

@@ -13,7 +13,7 @@ import torch
 from bundle import models
 from bundle.config import ModelConfig, TrainConfig
 from bundle.errors import ConfigError
-from bundle.plan import calibrate, isolate, shares
+from bundle.plan import calibrate, isolate, shares, tensor
 from bundle.plan import profile as prof
 from bundle.plan.cluster import NOMINAL, Cluster
 from bundle.plan.cost import CostModel, Execution, Overheads
@@ -260,7 +260,8 @@ def cost_model(
     if cluster is not None and cluster.speed is not None:
         # An estimated accelerator runs its kernels behind the host, asynchronously: the engine's
         # host-side overheads (measured on this CPU) are not counted, nothing is measured here.
-        return CostModel(anatomy=anatomy, cluster=cluster, execution=request.execution())
+        cost = CostModel(anatomy=anatomy, cluster=cluster, execution=request.execution())
+        return _splittable(cost, request, cluster)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if progress is not None:
         links = "" if cluster is not None else ", the links between processes"
@@ -283,13 +284,22 @@ def cost_model(
     )
     cache.notes.extend(n for n in measured.notes if n not in cache.notes)
     # Gloo on the CPU reduces on the cores the backward runs on: no overlap to count on.
-    return CostModel(
+    cost = CostModel(
         anatomy=anatomy,
         cluster=measured.cluster,
         timings=measured.timings,
         overheads=measured.overheads,
         execution=request.execution(overlap=device_type != "cpu"),
     )
+    return _splittable(cost, request, cluster)
+
+
+def _splittable(cost: CostModel, request: Request, cluster: Cluster | None) -> CostModel:
+    """``cost`` with what tensor parallelism splits of the model (``tensor.split_of``) where the
+    search may plan it: one device type, more than one device a node."""
+    if request.per_node < 2 or (cluster is not None and cluster.types and len(cluster.types) > 1):
+        return cost
+    return tensor.Splittable.of(cost, tensor.split_of(request.spec, cost.n))
 
 
 def plan(

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 from bundle.engine.precision import Policy
 from bundle.ir.schedule import Action, actions
-from bundle.plan import zero
+from bundle.plan import tensor, zero
 from bundle.plan.cost import CostModel, Memory
 from bundle.plan.dataparallel import DataParallel, HopCost
 from bundle.plan.simulate import Layout, SimResult, simulate
@@ -28,10 +28,16 @@ class Plan:
     row_weights: tuple[tuple[Fraction, ...], ...] = ()  # () : even rows (bundle.plan.mixed)
     placement: tuple[Place, ...] = ()  # () : ranks fill the nodes in order
     chunks: int = 1  # model chunks per stage; ``starts`` then holds stages x chunks pieces
+    tp: tuple[int, ...] = ()  # each stage's tensor-parallel degree (() : 1 everywhere)
 
     @property
     def processes(self) -> int:
-        return sum(self.shape) * self.num_bundles
+        return sum(w * t for w, t in zip(self.shape, self.degrees, strict=True)) * self.num_bundles
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """Each stage's tensor-parallel degree, 1 where it has none."""
+        return self.tp or (1,) * len(self.shape)
 
     def layout(self, batch: int) -> Layout:
         return Layout(
@@ -47,6 +53,7 @@ class Plan:
             row_weights=self.row_weights,
             placement=self.placement,
             chunks=self.chunks,
+            tp=self.tp,
         )
 
 
@@ -103,6 +110,7 @@ def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False)
     ddp = not plan.dp.two_hops(plan.grad_sync)
     memory, compute, fits = [], [], True
     for s in range(S):
+        stage_cost = tensor.at(cost, plan.degrees[s])
         acts = actions(plan.schedule, s, S, M, V)
         pieces = [bounds[pipe.piece(s, c)] for c in range(V)]
         group = len(topo.stage_group(s))
@@ -111,7 +119,7 @@ def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False)
         state = 0.0
         if synced:
             for a, b in pieces:
-                largest = max((n for _, n in cost.buckets(a, b, ddp=ddp)), default=0.0)
+                largest = max((n for _, n in stage_cost.buckets(a, b, ddp=ddp)), default=0.0)
                 state += hop.state_bytes(a, b, largest_bucket=largest, bundles=plan.num_bundles)
         # Each replica against its own device's memory (rows differ under row weights); the
         # stage's figure is its replica with the most rows.
@@ -119,10 +127,10 @@ def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False)
         for i in _distinct_replicas(plan, topo, s):
             rows = [topo.stage_sizes(s, m)[i] for m in topo.micro_sizes(0)]
             mem = _chunks_memory(
-                cost, pieces, acts, rows, policy, synced=synced, ddp=ddp, shards=shards
+                stage_cost, pieces, acts, rows, policy, synced=synced, ddp=ddp, shards=shards
             )
             mem = replace(mem, data_parallel=state) if synced else mem
-            mem = zero.memory(cost, mem, pieces, shards) if plan.dp.zero == zero.FULL else mem
+            mem = zero.memory(stage_cost, mem, pieces, shards) if plan.dp.zero == zero.FULL else mem
             per_replica.append((rows[0], mem))
             fits &= all(
                 mem.total <= _device_memory(cost, plan, topo.rank(bb, s, i))

@@ -40,6 +40,12 @@ def split_names(plan: Plan, cost: CostModel) -> list[str]:
     return [names[i] for i in plan.starts]
 
 
+def degrees(plan: Plan) -> str:
+    """The ``--tensor-parallel`` spelling: one degree where the stages share it, else one each."""
+    ts = plan.degrees
+    return str(ts[0]) if len(set(ts)) == 1 else ",".join(map(str, ts))
+
+
 def weights(plan: Plan) -> str:
     """The plan's ``--row-weights`` ("" : even rows)."""
     return format_row_weights(plan.row_weights) if plan.row_weights else ""
@@ -80,6 +86,8 @@ def run_options(plan: Plan, job: Job, cost: CostModel) -> dict[str, Any]:
             run[flag[2:].replace("-", "_")] = given[flag]
     if plan.chunks > 1:
         run["virtual_stages"] = plan.chunks
+    if plan.tp:
+        run["tensor_parallel"] = degrees(plan)
     if len(plan.shape) > 1:
         run["partition"] = ",".join(split_names(plan, cost))
     flags = plan.dp.flags()
@@ -115,6 +123,8 @@ def command(plan: Plan, job: Job, cost: CostModel) -> str:
         "--num-bundle",
         str(plan.num_bundles),
     ]
+    if plan.tp:
+        args += ["--tensor-parallel", degrees(plan)]
     if len(plan.shape) > 1:
         args += ["--partition", ",".join(split_names(plan, cost))]
     if plan.row_weights:
@@ -141,6 +151,7 @@ def distinct(ranked: list[Evaluated]) -> list[Evaluated]:
     for e in ranked:
         p = e.plan
         kind = (len(p.shape), p.num_bundles, p.micro_batches, p.schedule, p.grad_sync, p.chunks)
+        kind += (p.tp,)
         if kind not in seen:
             seen.add(kind)
             out.append(e)
@@ -154,6 +165,7 @@ def row(e: Evaluated, job: Job, cost: CostModel) -> dict[str, Any]:
         "shape": list(p.shape),
         "num_bundles": p.num_bundles,
         "processes": p.processes,
+        "tensor_parallel": list(p.degrees),
         "split": split_names(p, cost),
         "micro_batches": p.micro_batches,
         "schedule": p.schedule,
@@ -208,6 +220,11 @@ def _ms(values: Iterable[float]) -> str:
     return "/".join(f"{v * 1e3:.1f}" for v in values)
 
 
+def _tp(r: dict[str, Any]) -> str:
+    """A row's tensor-parallel degrees per stage (``2,1``)."""
+    return ",".join(map(str, r.get("tensor_parallel") or [1] * len(r["shape"])))
+
+
 def _schedule(r: dict[str, Any]) -> str:
     """A row's schedule, with its model chunks per stage where it runs several (``x2``)."""
     chunks = r.get("virtual_stages", 1)
@@ -218,8 +235,11 @@ def table(rows: list[dict[str, Any]], device_memory: float, *, mixed: bool = Fal
     """The ranked plans as text, one line each, then each plan's command; ``mixed``: under each
     plan its row weights (where not even) and which device types serve which stage."""
     sw = max([5, *(len(_schedule(r)) for r in rows)])
+    # The tp column only where a plan splits a stage: other tables read as they did.
+    tw = max((len(_tp(r)) for r in rows if max(r.get("tensor_parallel", [1])) > 1), default=0)
+    tp_head = f"{'tp':<{max(tw, 2)}} " if tw else ""
     head = (
-        f"{'#':>2} {'shape':<12} {'b':>2} {'M':>3} {'sched':<{sw}} {'sync':<5} {'samples/s':>10} "
+        f"{'#':>2} {'shape':<12} {tp_head}{'b':>2} {'M':>3} {'sched':<{sw}} {'sync':<5} {'samples/s':>10} "
         f"{'stage ms':<16} {'bubble':>6} {'sync ms':>7} {'GiB/dev':>8} {'opt GiB':>7}  split"
     )
     lines = [head]
@@ -229,7 +249,9 @@ def table(rows: list[dict[str, Any]], device_memory: float, *, mixed: bool = Fal
         mem, opt = most["total"] / _GIB, most["optimizer"] / _GIB
         fit = "" if r["fits"] else " (does not fit)"
         lines.append(
-            f"{i:>2} {','.join(map(str, r['shape'])):<12} {r['num_bundles']:>2} "
+            f"{i:>2} {','.join(map(str, r['shape'])):<12} "
+            + (f"{_tp(r):<{max(tw, 2)}} " if tw else "")
+            + f"{r['num_bundles']:>2} "
             f"{r['micro_batches']:>3} {_schedule(r):<{sw}} {r['grad_sync'][:5]:<5} "
             f"{r['predicted_samples_per_s']:>10.1f} {_ms(r['stage_compute_s']):<16} "
             f"{r['bubble']:>6.1%} {r['grad_sync_s'] * 1e3:>7.1f} {mem:>8.2f} {opt:>7.2f}  "

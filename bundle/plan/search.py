@@ -10,8 +10,10 @@ backward at the rows one replica holds, or its boundary transfer where that is s
 form ranks those candidates (``(M + S - 1)`` slowest stages, plus the largest gradient sync and
 optimizer step); the best ones are then simulated under 1F1B and each sync strategy, the
 ``SCHEDULE_LEADERS`` best of those under every other schedule too, and ranked by simulated
-throughput, plans that do not fit in device memory last (``plans.evaluate``, ``plans.rank``). The
-data-parallel options (``DataParallel``: compression, bundle sync, aggregation, ZeRO) are the
+throughput, plans that do not fit in device memory last (``plans.evaluate``, ``plans.rank``).
+Tensor parallelism (``tensor``): each degree the model and a node take is searched with every
+stage at it (its TP groups standing for devices), and the ``TP_LEADERS`` best plans are tried
+with each stage at each other degree on the same processes (``_regrouped``). The data-parallel options (``DataParallel``: compression, bundle sync, aggregation, ZeRO) are the
 user's: every plan is costed under them, and only bundle counts they accept are planned; the one
 exception is ``search_fitting``, which searches again under ``--zero 3`` where no plan fits in
 device memory.
@@ -28,6 +30,7 @@ from typing import Any
 
 from bundle.errors import ConfigError, ScheduleError
 from bundle.ir.schedule import REGISTRY, SCHEDULES, actions
+from bundle.plan import tensor
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import EXACT, DataParallel, HopCost
 from bundle.plan.plans import Evaluated, Plan, data_parallel, evaluate, rank
@@ -37,6 +40,8 @@ from bundle.topology import Topology
 
 SYNCS = ("flat", "hierarchical")
 SCHEDULE_LEADERS = 8  # plans simulated under every schedule, after all under 1F1B
+TP_LEADERS = 4  # plans whose stages are each tried at the other tensor-parallel degrees
+TP_KEEP = 8  # the fewest estimates kept at each tensor-parallel degree above 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +113,7 @@ def search(
         f"searching {len(counts)} bundle count(s) x stage widths x split points x micro-batches "
         f"for {devices} devices"
     )
-    best = _best_estimates(cost, workload=workload, limits=limits, exact=exact)
+    best = _degree_estimates(cost, workload=workload, limits=limits, exact=exact)
     if not best and dp.flags():
         flag, value = dp.flags()[:2]
         raise ConfigError(flag, value, f"no plan on {devices} devices can run it")
@@ -129,6 +134,10 @@ def search(
     variants = _variants(plans, (first,), syncs)
     say(f"simulating the {len(variants)} best plan(s) under {first} and each sync")
     evaluated = [evaluate(cost, v, batch) for v in variants]
+    tuned = {
+        _canonical(v) for e in rank(evaluated)[:TP_LEADERS] for v in _regrouped(cost, e.plan, batch)
+    }
+    evaluated += [evaluate(cost, v, batch) for v in tuned - variants]
     leaders = [e.plan for e in rank(evaluated)[:SCHEDULE_LEADERS] if e.plan.micro_batches > 1]
     link = cost.cluster.intra if nodes == 1 else cost.cluster.inter
     splitter = Splitter(cost, link.bandwidth, link.latency)
@@ -257,6 +266,63 @@ def _best_estimates(
     return best
 
 
+def _degree_estimates(
+    cost: CostModel, *, workload: Workload, limits: Limits, exact: bool
+) -> list[_Candidate]:
+    """``_best_estimates`` at every tensor-parallel degree the model and a node take, all stages
+    at one degree: its TP groups stand for devices (``per_node // t`` a node) costed at degree
+    ``t`` (``tensor.at``). Degree 1 keeps ``limits.simulate_top``; each other degree a quarter of
+    it (at least ``TP_KEEP``): the estimate leaves memory out, where TP earns its place."""
+    out = []
+    for t in tensor.degrees(cost, workload.per_node, workload.dp):
+        keep = limits.simulate_top if t == 1 else min(TP_KEEP, limits.simulate_top)
+        found = _best_estimates(
+            tensor.at(cost, t),
+            workload=replace(workload, per_node=workload.per_node // t),
+            limits=replace(limits, simulate_top=keep),
+            exact=exact,
+        )
+        for c in found:
+            p = c.plan
+            tp = (t,) * len(p.shape) if t > 1 else ()
+            out.append(replace(c, plan=replace(p, procs_per_node=p.procs_per_node * t, tp=tp)))
+    return out
+
+
+def _regrouped(cost: CostModel, plan: Plan, batch: int) -> list[Plan]:
+    """``plan`` with one stage at another degree on the same processes (width x degree kept,
+    the split kept: a stage's compute per micro-batch stays about the same), where its TP groups
+    stay inside nodes and each replica keeps a row: what a stage's own degree buys (memory, a
+    smaller sync) for another."""
+    out, rows = [], batch // plan.num_bundles // plan.micro_batches
+    for s, (w, t) in enumerate(zip(plan.shape, plan.degrees, strict=True)):
+        for u in tensor.degrees(cost, plan.procs_per_node, plan.dp):
+            if u == t or (w * t) % u or w * t // u > rows:
+                continue
+            shape = (*plan.shape[:s], w * t // u, *plan.shape[s + 1 :])
+            degrees = (*plan.degrees[:s], u, *plan.degrees[s + 1 :])
+            tp = degrees if max(degrees) > 1 else ()
+            moved = replace(plan, shape=shape, tp=tp, row_weights=())
+            if not plan.row_weights and _groups_in_nodes(moved):
+                out.append(moved)
+    return out
+
+
+def _groups_in_nodes(plan: Plan) -> bool:
+    """Whether every TP group of ``plan`` lies inside one node (and its processes fill nodes)."""
+    ppn, offset = plan.procs_per_node, 0
+    if plan.processes % ppn:
+        return False
+    width = plan.processes // plan.num_bundles
+    for w, t in zip(plan.shape, plan.degrees, strict=True):
+        for b in range(plan.num_bundles):
+            first = b * width + offset
+            if any((first + i * t) // ppn != (first + i * t + t - 1) // ppn for i in range(w)):
+                return False
+        offset += w * t
+    return True
+
+
 def bundle_counts(devices: int, batch: int, least: int) -> list[int]:
     """Bundle counts searched: every one up to 64 devices; beyond, those that divide the devices
     or the batch (a count dividing neither leaves devices idle and rows unplaced)."""
@@ -292,7 +358,8 @@ def _canonical(plan: Plan) -> Plan:
     if len(plan.shape) == 1 and flat and plan.num_bundles > 1:
         # Ranks keep their places; the bundles' row weights line up one after another.
         weights = (plan.row_weights[0] * plan.num_bundles,) if plan.row_weights else ()
-        return replace(plan, shape=(plan.processes,), num_bundles=1, row_weights=weights)
+        shape = (plan.shape[0] * plan.num_bundles,)
+        return replace(plan, shape=shape, num_bundles=1, row_weights=weights)
     return plan
 
 

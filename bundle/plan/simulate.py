@@ -32,6 +32,7 @@ from fractions import Fraction
 from bundle.engine.precision import Policy
 from bundle.errors import ScheduleError
 from bundle.ir.schedule import REGISTRY, Action, Op, Pipe, actions, peak_in_flight, unknown
+from bundle.plan import tensor
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import DataParallel, HopCost
 from bundle.plan.zero import FULL, Collectives, action_time
@@ -67,6 +68,7 @@ class Layout:
     row_weights: tuple[tuple[Fraction, ...], ...] = ()  # () : even rows
     placement: tuple[Place, ...] = ()  # () : ranks fill the nodes in order, on one device type
     chunks: int = 1  # model chunks per stage (--virtual-stages)
+    tp: tuple[int, ...] = ()  # each stage's tensor-parallel degree (() : 1 everywhere)
 
     @property
     def pipe(self) -> Pipe:
@@ -81,6 +83,7 @@ class Layout:
             micro_batches=self.micro_batches,
             row_weights=self.row_weights,
             placement=self.placement,
+            tp=self.tp,
         )
 
 
@@ -153,7 +156,10 @@ class _Simulation:
         sizes = {(s, k): topo.stage_sizes(s, self.sizes[k]) for s in range(S) for k in range(M)}
         self.rows = {p: [sizes[p[0], k][p[1]] for k in range(M)] for p in procs}
         place = topo.placement
-        self.dev = {p: cost.on(place[self.rank[p]].kind if place else "") for p in procs}
+        self.dev = {
+            p: tensor.at(cost.on(place[self.rank[p]].kind if place else ""), topo.tp_of(p[0]))
+            for p in procs
+        }
         self.clock = dict.fromkeys(procs, 0.0)
         self.pc = dict.fromkeys(procs, 0)
         self.busy = dict.fromkeys(procs, 0.0)
@@ -389,7 +395,7 @@ def _sync_chunk(
 
     hop, slow = sim.hop, cpu_slowdown(topo, group)
     if not hop.dp.two_hops(sim.layout.grad_sync):
-        buckets = cost.buckets(lo, hi, ddp=True)
+        buckets = device.buckets(lo, hi, ddp=True)
         t = after
         for (j, nbytes), wire in zip(buckets, hop.wire_bytes(buckets, hi), strict=True):
             ready = b0 + share[j - lo] * (b1 - b0)
@@ -400,7 +406,7 @@ def _sync_chunk(
     # follow bucket by bucket once every replica has called finish().
     inner = nodes(topo.bundle_stage_group(0, s))
     masters = nodes(topo.masters_group(s))
-    buckets = cost.buckets(lo, hi, ddp=False)
+    buckets = device.buckets(lo, hi, ddp=False)
     reduced, t = [], after
     for j, nbytes in buckets:
         ready = b0 + share[j - lo] * (b1 - b0)

@@ -23,7 +23,7 @@ A cluster of several device types is not planned with tensor parallelism (``mixe
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from bundle import models
 from bundle.models import tp
 from bundle.plan.anatomy import ModelSpec
 from bundle.plan.cost import CostModel
+from bundle.plan.dataparallel import EXACT, DataParallel
 
 DEGREES = (1, 2, 4, 8)  # the degrees searched, where the model and the node take them
 
@@ -51,6 +52,8 @@ NONE = Split()
 def split_of(spec: ModelSpec, n_blocks: int) -> Split:
     """``spec``'s model's split layers per block and the degrees it takes; ``NONE`` for a model
     without a plan (or one ``tp`` refuses: LoRA-adapted, tied split weights)."""
+    if spec.lora is not None:  # LoRA's adapters are not split yet (bundle.config.tp)
+        return NONE
     model = spec.build(meta=True)
     try:
         plan = tp.plan_of(model)
@@ -105,8 +108,21 @@ def split(cost: CostModel) -> Split:
     return cost.split if isinstance(cost, Splittable) else NONE
 
 
-def degrees(cost: CostModel, per_node: int) -> tuple[int, ...]:
-    """Degrees searched: the model's, dividing a node's devices (a TP group stays in one node)."""
+def without(cost: CostModel) -> CostModel:
+    """``cost`` as a plain cost model: for a run that cannot take tensor parallelism."""
+    if not isinstance(cost, Splittable):
+        return cost
+    out = copy.copy(cost)
+    out.__class__ = CostModel
+    return out
+
+
+def degrees(cost: CostModel, per_node: int, dp: DataParallel = EXACT) -> tuple[int, ...]:
+    """Degrees searched: the model's, dividing a node's devices (a TP group stays in one node);
+    only 1 under the data-parallel options ``--tensor-parallel`` refuses (``bundle.config.tp``:
+    ``--zero 3``, compression, a bundle sync other than every step, robust aggregation)."""
+    if replace(dp, zero=0) != EXACT or dp.zero == 3:
+        return (1,)
     return tuple(t for t in split(cost).degrees if t <= per_node and per_node % t == 0)
 
 
@@ -168,7 +184,7 @@ def at(cost: CostModel, degree: int) -> CostModel:
     out.params = cost.params - np.asarray(sp.params) * shed
     out.trained = cost.trained - np.asarray(sp.trained) * shed
     out._times, out._prefix = {}, {}
-    out._types = {k: at(v, degree) if v is not cost else out for k, v in cost._types.items()}
+    out._types = {}  # one device type: a mixed cluster is not planned with TP
     vars(out).update(degree=degree, _split=sp, _base=cost)
     _MEMO[key] = out
     return out

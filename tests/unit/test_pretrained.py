@@ -392,3 +392,37 @@ def test_only_the_names_transformers_renames_on_load_are_renamed():
     ]
     for key in keys:
         assert current_name(key) == apply_renamings(key, legacy), key
+
+
+@pytest.mark.parametrize("saved", [torch.float32, torch.bfloat16])
+def test_under_tensor_parallelism_each_process_reads_only_its_shards(tmp_path, saved, counting):
+    """--pretrained at --tensor-parallel 2: each process's split weights are its shards of the
+    saved ones (read by byte range, converted where the file's dtype differs), the rest whole."""
+    from bundle.engine.tensor_parallel import Split
+
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=32,
+            **TINY,
+        )
+    ).to(saved)
+    model.save_pretrained(tmp_path / "llama", max_shard_size="20KB")
+    state = {k: v.float() for k, v in model.state_dict().items()}
+    cfg = _cfg(tmp_path, str(tmp_path / "llama"))
+    for index in (0, 1):
+        counting.clear()
+        split = Split(index, 2)
+        (stage,) = build_stages(cfg, 1, (SEQ,), 256, split=split)
+        got = stage.full_state_dict()
+        assert len(split.specs) == 2 * 7 and set(got) == set(state)
+        for name, value in state.items():
+            want = split.specs[name].local(value, index, 2) if name in split.specs else value
+            assert torch.equal(got[name], want), name
+        assert not set(counting) & set(split.specs)  # read by shard, never whole

@@ -1,0 +1,122 @@
+"""Tensor parallelism per stage in the planner: a stage's costs at degree t (``bundle.plan.tensor``),
+the search over degrees, and the table, command and JSON that carry ``--tensor-parallel``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bundle.config import options
+from bundle.config.job import parse_degrees
+from bundle.plan import report, tensor
+from bundle.plan.anatomy import ModelSpec
+from bundle.plan.cluster import Link
+from bundle.plan.plans import Plan, evaluate
+from bundle.plan.search import Limits, Workload, search
+from tests.support.plan_fixtures import literal_cost
+
+NVLINK = Link(bandwidth=1e3, latency=1e-3)  # 1,000 bytes/s: all-reduces big enough to see
+# Four blocks of 1,000 parameters; blocks 1 and 2 split 800 of theirs, 2 rowwise layers each.
+PARAMS = [1000, 1000, 1000, 1000]
+SPLIT = tensor.Split(
+    params=(0.0, 800.0, 800.0, 0.0),
+    trained=(0.0, 800.0, 800.0, 0.0),
+    reduces=(0, 2, 2, 0),
+    degrees=(1, 2, 4, 8),
+)
+
+
+def _cost(split: tensor.Split = SPLIT, **kwargs):
+    base = literal_cost([1.0] * 4, [2.0] * 4, params=PARAMS, collective=NVLINK, **kwargs)
+    return tensor.Splittable.of(base, split)
+
+
+def test_degree_2_halves_the_split_bytes_and_adds_two_all_reduces_each_way():
+    cost = _cost()
+    two = tensor.at(cost, 2)
+    # Parameters, gradients and optimizer state: the split 1,600 halved, the other 2,400 whole.
+    assert cost.param_bytes(0, 4) == 4 * 4000
+    assert two.param_bytes(0, 4) == 4 * (2400 + 800)
+    assert two.grad_bytes(1, 2) == 4 * 600
+    # 3 rows: each block's output is 3 fp32 floats; a ring of 2: 2 (1/2) 12 B / 1000 B/s + 2 ms.
+    fwd, bwd, _ = cost.block_times(3)
+    fwd2, bwd2, _ = two.block_times(3)
+    ring = 2 * 0.5 * 12 / 1e3 + 2 * 1e-3
+    expected = np.array([0.0, 2 * ring, 2 * ring, 0.0])
+    np.testing.assert_allclose(fwd2, fwd / 2 + expected)
+    np.testing.assert_allclose(bwd2, bwd / 2 + expected)
+    assert tensor.at(cost, 1) is cost
+
+
+def test_a_degree_the_model_does_not_take_is_refused():
+    cost = _cost(tensor.Split(SPLIT.params, SPLIT.trained, SPLIT.reduces, (1, 2)))
+    with pytest.raises(ValueError, match="--tensor-parallel 4"):
+        tensor.at(cost, 4)
+
+
+def test_memory_forces_tensor_parallelism_where_one_device_cannot_hold_a_replica():
+    """Momentum SGD, one stage of 2 devices: at degree 1 a replica holds 16 B a parameter
+    (parameters, gradients, momentum, DDP's buckets) = 64,000 B; at degree 2, 40,400 B."""
+    cost = _cost(memory_bytes=50_000)
+    work = Workload(nodes=1, per_node=2, batch=4)
+    best = search(cost, workload=work, limits=Limits(max_stages=1))[0]
+    assert best.fits and best.plan.tp == (2,) and best.plan.shape == (1,)
+    assert best.memory[0].params + best.memory[0].grads == 4 * 3200 * 2
+    roomy = search(_cost(), workload=work, limits=Limits(max_stages=1))
+    unsplit = [e for e in roomy if not e.plan.tp]
+    assert unsplit and all(not e.fits or e.plan.tp or e in unsplit for e in roomy)
+    # Without the split known, nothing is planned with TP, and nothing fits.
+    plain = literal_cost([1.0] * 4, [2.0] * 4, params=PARAMS, memory_bytes=50_000)
+    ranked = search(plain, workload=work, limits=Limits(max_stages=1))
+    assert all(not e.plan.tp for e in ranked) and not any(e.fits for e in ranked)
+
+
+def test_degrees_beyond_the_devices_of_a_node_are_never_chosen():
+    """Memory wants degree 4 (8,200 B at 2, 6,600 at 4... per device); a node of 2 allows 2."""
+    cost = _cost(memory_bytes=45_000)
+    assert tensor.degrees(cost, 2) == (1, 2)
+    assert tensor.degrees(cost, 6) == (1, 2)  # 4 does not divide a node of 6
+    ranked = search(cost, workload=Workload(nodes=2, per_node=2, batch=8))
+    assert ranked and all(max(e.plan.degrees) <= 2 for e in ranked)
+    wide = search(cost, workload=Workload(nodes=1, per_node=8, batch=8), limits=Limits())
+    assert any(max(e.plan.degrees) > 2 for e in wide)
+
+
+def test_a_model_without_a_plan_is_never_split_and_gpt_takes_the_degrees_its_heads_divide():
+    mlp = ModelSpec("mlp_wide", (3, 18, 18), 10)
+    assert tensor.split_of(mlp, 99) is tensor.NONE
+    gpt = ModelSpec("gpt", (16,), 64, "layers=2,width=48,heads=6")
+    split = tensor.split_of(gpt, 5)  # embed, 2 layers, ln_f, head
+    assert split.degrees == (1, 2)  # 6 heads: 4 does not divide them; 3 is not searched
+    assert split.reduces == (0, 2, 2, 0, 0)
+    # qkv 48x144 + bias, mlp.0 48x192 + bias split; proj and mlp.2 weights split, biases whole.
+    per_layer = 48 * 144 + 144 + 48 * 192 + 192 + 48 * 48 + 192 * 48
+    assert split.params == (0, per_layer, per_layer, 0, 0)
+    plain = literal_cost([1.0] * 4, [2.0] * 4)
+    assert tensor.Splittable.of(plain, tensor.NONE) is plain
+    assert tensor.degrees(plain, 8) == (1,)
+
+
+def test_the_command_json_and_table_carry_the_degrees_per_stage():
+    cost = _cost()
+    plan = Plan((1, 2), 1, (0, 2), 2, 4, tp=(2, 1))
+    e = evaluate(cost, plan, 4)
+    job = report.Job(model="gpt", batch=4, nodes=1)
+    row = report.row(e, job, cost)
+    assert "--tensor-parallel 2,1" in row["command"]
+    assert row["tensor_parallel"] == [2, 1] and row["processes"] == 4
+    assert row["run"]["tensor_parallel"] == "2,1"
+    # main.py --plan reads the key as --tensor-parallel's text (bundle.cli, bundle.plan_file).
+    opt = options.BY_YAML_KEY["tensor_parallel"]
+    saved = opt.from_yaml(json.loads(json.dumps(row))["run"]["tensor_parallel"], "x")
+    assert opt.flag == "--tensor-parallel" and parse_degrees(saved) == (2, 1)
+    text = report.table([row], float("inf"))
+    head, line = text.splitlines()[:2]
+    assert " tp " in head and " 2,1 " in line
+    uniform = report.row(evaluate(cost, Plan((1, 1), 1, (0, 2), 2, 4, tp=(2, 2)), 4), job, cost)
+    assert "--tensor-parallel 2 " in uniform["command"] + " "
+    none = report.row(evaluate(cost, Plan((2, 2), 1, (0, 2), 2, 4), 4), job, cost)
+    assert "--tensor-parallel" not in none["command"] and "tensor_parallel" not in none["run"]
+    assert " tp " not in report.table([none], float("inf")).splitlines()[0]
