@@ -123,7 +123,7 @@ def _same_start(
 ) -> tuple[int, ...]:
     """Every replica of the stage starts from its first replica's weights, without relying on
     every process's initialisation agreeing; returns the stage group's ranks."""
-    members = topo.stage_group(coord.stage)
+    members = topo.shifted(topo.stage_group(coord.stage), coord.tp)  # same shards under TP
     for p in stage.parameters():
         comm.broadcast(p.data, members[0], group).wait()
     return members
@@ -153,7 +153,8 @@ def hop_groups(topo: Topology, coord: Coord, groups: ProcessGroups, *, masters: 
     """This replica's groups of a sync in two hops (the masters' one only where ``masters``)."""
     return HopGroups(
         bundle_group=groups.bundle if topo.shape[coord.stage] > 1 else None,
-        bundle_master=topo.stage_master(coord.bundle, coord.stage),
+        # Under tensor parallelism: the master's process of this rank's index in its TP group.
+        bundle_master=topo.stage_master(coord.bundle, coord.stage) + coord.tp,
         masters_group=groups.masters if masters else None,
         is_master=coord.replica == 0,
         bundle=coord.bundle,

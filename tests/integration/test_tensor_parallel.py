@@ -3,7 +3,7 @@
 
 One world of four processes runs every layout of four: data parallel with TP 2 in each of two
 bundles (Bundle's GPT, also under ZeRO-1, and a Hugging Face Llama by its own
-``base_model_tp_plan``), pipelines with TP 2 on both stages (hierarchical sync; interleaved
+``base_model_tp_plan``), two replicas of TP 2 in one bundle (uneven rows), pipelines with TP 2 on both stages (hierarchical sync; interleaved
 1F1B), and two pipelines whose stages have different degrees (TP 1 then TP 2 under GPipe, TP 2
 then TP 1 under nccl-emu in strict mode: a boundary between a group of one and a group of two,
 both ways). After 3 steps of SGD with momentum every process's parameters (a split one against
@@ -42,6 +42,7 @@ LAYOUTS = [
     ("gpt", (1, 2), 1, (2, 1), "1f1b", "flat", "nccl-emu-strict"),
     ("gpt", (1, 1), 1, (2, 2), "interleaved-1f1b", "flat", "gloo"),
     ("gpt", (1,), 2, (2,), "1f1b", "flat", "gloo", {"zero": 1, "bucket_mb": 25.0}),
+    ("gpt", (2,), 1, (2,), "1f1b", "hierarchical", "gloo"),
 ]
 
 
