@@ -150,8 +150,8 @@ def distinct(ranked: list[Evaluated]) -> list[Evaluated]:
     out = []
     for e in ranked:
         p = e.plan
-        kind = (len(p.shape), p.num_bundles, p.micro_batches, p.schedule, p.grad_sync, p.chunks)
-        kind += (p.tp,)
+        kind: tuple[object, ...] = (len(p.shape), p.num_bundles, p.micro_batches, p.schedule)
+        kind += (p.grad_sync, p.chunks, p.tp)
         if kind not in seen:
             seen.add(kind)
             out.append(e)

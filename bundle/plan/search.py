@@ -40,8 +40,8 @@ from bundle.topology import Topology
 
 SYNCS = ("flat", "hierarchical")
 SCHEDULE_LEADERS = 8  # plans simulated under every schedule, after all under 1F1B
-TP_LEADERS = 4  # plans whose stages are each tried at the other tensor-parallel degrees
-TP_KEEP = 8  # the fewest estimates kept at each tensor-parallel degree above 1
+TP_LEADERS = 2  # plans whose stages are each tried at the other tensor-parallel degrees
+TP_KEEP = 4  # estimates kept at each tensor-parallel degree above 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,8 +271,8 @@ def _degree_estimates(
 ) -> list[_Candidate]:
     """``_best_estimates`` at every tensor-parallel degree the model and a node take, all stages
     at one degree: its TP groups stand for devices (``per_node // t`` a node) costed at degree
-    ``t`` (``tensor.at``). Degree 1 keeps ``limits.simulate_top``; each other degree a quarter of
-    it (at least ``TP_KEEP``): the estimate leaves memory out, where TP earns its place."""
+    ``t`` (``tensor.at``). Degree 1 keeps ``limits.simulate_top``; each other degree its
+    ``TP_KEEP`` best: the estimate leaves memory out, where TP earns its place."""
     out = []
     for t in tensor.degrees(cost, workload.per_node, workload.dp):
         keep = limits.simulate_top if t == 1 else min(TP_KEEP, limits.simulate_top)

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
+from typing import cast
 
 import numpy as np
+import torch
 
 from bundle import models
 from bundle.models import tp
@@ -73,9 +75,10 @@ def split_of(spec: ModelSpec, n_blocks: int) -> Split:
         if j is None:
             continue
         # A rowwise layer's bias is added after the sum: whole on every rank.
-        whole = [m.weight] + ([m.bias] if m.bias is not None and style != "rowwise" else [])
-        params[j] += sum(p.numel() for p in whole)
-        trained[j] += sum(p.numel() for p in whole if p.requires_grad)
+        bias = m.bias if isinstance(m.bias, torch.Tensor) and style != "rowwise" else None
+        whole = [cast(torch.Tensor, m.weight)] + ([bias] if bias is not None else [])
+        params[j] += sum(int(p.numel()) for p in whole)
+        trained[j] += sum(int(p.numel()) for p in whole if p.requires_grad)
         reduces[j] += style == "rowwise"
     degrees = [1]
     for t in DEGREES[1:]:
@@ -113,7 +116,7 @@ def without(cost: CostModel) -> CostModel:
     if not isinstance(cost, Splittable):
         return cost
     out = copy.copy(cost)
-    out.__class__ = CostModel
+    out.__class__ = CostModel  # type: ignore[assignment]  # the same fields, no split
     return out
 
 

@@ -256,8 +256,9 @@ def test_plans_for_a_mixed_cluster(tmp_path, capsys):
 
 
 def test_plans_for_emulated_cpu_devices_carry_cpu_shares(tmp_path, capsys, monkeypatch):
-    # Every measurement is kept whatever the load (a busy machine's is judged in
-    # test_plan_conditions): the second plan reads them all instead of measuring again.
+    # A measurement made in this process is kept whatever the load (a busy machine's is judged
+    # in test_plan_conditions), so the second plan reads it instead of measuring again; one
+    # made in a child process is judged there.
     monkeypatch.setattr(Conditions, "trouble", lambda self: None)
     out = tmp_path / "plans.json"
     argv = ["--model", "digits_cnn", "--batch-size", "64", "--cluster", str(MIXED[1])]
@@ -275,7 +276,7 @@ def test_plans_for_emulated_cpu_devices_carry_cpu_shares(tmp_path, capsys, monke
     slow = {w for w, c in zip(weights, shares, strict=True) if c == 0.2}
     assert min(fast) > max(slow)
     # Planned again on the same cache: the plan names each cached profile it used, with its age
-    # and the conditions it was measured under.
+    # and conditions, or says why one was measured again (this machine may be busy).
     assert PLAN.main([*argv, "--json", str(out), "--profile-cache", str(tmp_path)]) == 0
     # The CPU shares' slowdown is measured where cgroups can be written (root), else a note says
     # it was not.
@@ -285,7 +286,9 @@ def test_plans_for_emulated_cpu_devices_carry_cpu_shares(tmp_path, capsys, monke
     shares = {"cpu_shares"} if throttle.available() is None else set()
     assert kinds == {"timings", "engine", "links"} | shares, notes
     assert len(unmeasured) == (0 if shares else 1), notes
-    assert all("from the cache, measured" in n for n in notes if n not in unmeasured), notes
+    assert all(
+        "from the cache, measured" in n or "measured now" in n for n in notes if n not in unmeasured
+    ), notes
 
 
 def test_auto_is_parsed_and_refused_beside_dp_only():
