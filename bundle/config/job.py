@@ -118,7 +118,7 @@ class ParallelConfig:
             return
         if self.shape == AUTO_SHAPE:
             raise ConfigError(
-                "--tensor-parallel", _text(t), "is not planned yet: give --bundle-shape"
+                "--tensor-parallel", _text(t), "--bundle-shape auto chooses the degrees itself"
             )
         if len(t) not in (1, len(self.shape)):
             raise ConfigError(

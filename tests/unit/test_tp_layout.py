@@ -31,7 +31,7 @@ def test_one_degree_or_one_per_stage_and_the_processes_they_take():
     [
         (["--tensor-parallel", "0"], "positive degree"),
         (["--tensor-parallel", "2,1,1"], "one per stage of shape 1,1"),
-        (["--tensor-parallel", "2", "--bundle-shape", "auto"], "not planned yet"),
+        (["--tensor-parallel", "2", "--bundle-shape", "auto"], "chooses the degrees itself"),
         (["--tensor-parallel", "2", "--row-weights", "1,1"], "--row-weights"),
         (["--tensor-parallel", "2", "--zero", "3"], "--zero"),
         (["--tensor-parallel", "2", "--compile"], "--compile"),
