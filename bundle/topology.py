@@ -134,6 +134,8 @@ class Topology:
             self._check_placement()
             return
         self._check_placement()
+        if self.tp:
+            self._check_tp_nodes()
         smallest = self.global_batch // self.num_bundles // self.micro_batches
         if smallest < max(self.shape):
             need = max(self.shape) * self.micro_batches * self.num_bundles
@@ -218,6 +220,14 @@ class Topology:
                         f"(rows {'/'.join(map(str, sizes))}); raise --batch-size, lower "
                         "--micro-batches or even out the weights",
                     )
+
+    def _check_tp_nodes(self) -> None:
+        """A TP group's processes sum every layer's output: they share a node."""
+        for s, b in ((s, b) for s in range(self.num_stages) for b in range(self.num_bundles)):
+            for g in (self.tp_group(b, s, r) for r in range(self.shape[s])):
+                if self.node_of(g[0]) != self.node_of(g[-1]):
+                    why = f"the TP group of ranks {g[0]}..{g[-1]} would span two nodes"
+                    raise TopologyError("--nproc-per-node", self.procs_per_node, why)
 
     def _check_placement(self) -> None:
         if not self.placement:
@@ -367,8 +377,7 @@ class Topology:
 
     @staticmethod
     def shifted(ranks: tuple[int, ...], tp: int) -> tuple[int, ...]:
-        """A group of replicas (named by their first processes, as the groups above are) as its
-        ``tp``-th processes: the peers that hold the same shard of every split layer."""
+        """A group of replicas (named by their first processes) as its ``tp``-th processes."""
         return tuple(r + tp for r in ranks)
 
     def stage_master(self, bundle: int, stage: int) -> int:

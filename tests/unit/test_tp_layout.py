@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from bundle import cli
 from bundle.engine.tensor_parallel import tensor_parallel_post
-from bundle.errors import ConfigError
+from bundle.errors import ConfigError, TopologyError
 from bundle.topology import Coord, Topology
 
 
@@ -104,3 +104,11 @@ def test_a_boundary_between_groups_of_one_and_two_pairs_every_process(one_proces
     assert _posted(topo, 1, [dist.P2POp(dist.isend, t, 0)]) == [("send", 0)]
     assert _posted(topo, 2, [dist.P2POp(dist.isend, t, 0)]) == []
     assert _posted(topo, 0, [dist.P2POp(dist.irecv, t, 1)]) == [("recv", 1)]
+
+
+def test_a_tp_group_that_would_span_two_nodes_is_refused():
+    # shape 1,1 at degrees 1,2, 2 bundles: stage 1's group is ranks 1, 2 (and 4, 5).
+    layout = dict(shape=(1, 1), num_bundles=2, global_batch=8, micro_batches=1, tp=(1, 2))
+    with pytest.raises(TopologyError, match="ranks 1..2 would span two nodes"):
+        Topology(procs_per_node=2, **layout)
+    assert Topology(procs_per_node=3, **layout).world_size == 6
