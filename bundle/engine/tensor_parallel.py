@@ -35,7 +35,7 @@ class Reducer:
 
     Unbound, the sum is skipped: the stage boundaries' shapes are found by running the stages
     once before the process groups exist, and a split layer's output has its full shape either
-    way. ``bound`` says whether training may start.
+    way.
     """
 
     def __init__(self) -> None:
@@ -46,10 +46,6 @@ class Reducer:
             comm.all_reduce(t, group).wait()
 
         self._sum = total
-
-    @property
-    def bound(self) -> bool:
-        return self._sum is not None
 
     def __call__(self, t: torch.Tensor) -> None:
         if self._sum is not None:

@@ -176,33 +176,28 @@ def gpt2(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
     )
 
 
-def llama_tp(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
-    """A tiny Llama whose heads, key/value heads and MLP split two ways (tensor parallelism)."""
+def _tiny_llama(
+    num_classes: int, seq_len: int, layers: int, heads: int, kv_heads: int
+) -> nn.Module:
     return _tiny_hf(
         "LlamaConfig",
         "LlamaForCausalLM",
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         hidden_size=16,
         intermediate_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         vocab_size=num_classes,
-        max_position_embeddings=input_shape[0],
+        max_position_embeddings=seq_len,
         use_cache=False,
     )
+
+
+def llama_tp(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """A tiny Llama whose heads, key/value heads and MLP split two ways (tensor parallelism)."""
+    return _tiny_llama(num_classes, input_shape[0], layers=2, heads=4, kv_heads=2)
 
 
 def llama(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
     """A tiny Llama (rotary positions, grouped-query attention, RMSNorm, SwiGLU)."""
-    return _tiny_hf(
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        num_hidden_layers=3,
-        hidden_size=16,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=num_classes,
-        max_position_embeddings=input_shape[0],
-        use_cache=False,
-    )
+    return _tiny_llama(num_classes, input_shape[0], layers=3, heads=2, kv_heads=1)
