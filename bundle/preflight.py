@@ -162,7 +162,10 @@ def check_model(
             if note:
                 print(f"main.py: note: {note}", file=sys.stderr)
         adapted = models.adapt(model, cfg.model, seed=cfg.train.seed)
-        pieces = cut(model, cfg.model, num_stages, input_shape, inputs=inputs)
+        at_modules = max(cfg.parallel.tp_degrees, default=1) > 1
+        pieces = cut(
+            model, cfg.model, num_stages, input_shape, inputs=inputs, at_modules=at_modules
+        )
         tensor_parallel.check(model, pieces, cfg.parallel.tp_degrees)
     if cfg.compute.channels_last and not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         raise ConfigError(

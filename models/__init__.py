@@ -22,8 +22,9 @@ never traced.
 
 Modules, from the bottom: ``refs`` (a user's function by reference), ``inputs``, ``outputs`` (a
 batch's named inputs; the output rule and ``Whole``), ``small``, ``gpt``, ``vision`` (the models shipped), ``hf``, ``pretrained``
-(``transformers`` classes; ``--pretrained DIR``), ``export`` (the torch.export capture),
-``lora`` (adapters on a frozen model), ``tp`` (layers split over a tensor-parallel group), ``shard_read`` (a safetensors file's tensors by byte range; a TP shard read from it), ``segment`` (one block of a graph split), ``analysis`` (the traced graph read once: where modules
+(``transformers`` classes; ``--pretrained DIR``), ``hf_chain`` (a ``transformers`` causal LM cut
+at its own modules, for a pipeline with tensor parallelism), ``export`` (the torch.export capture),
+``lora`` (adapters on a frozen model), ``tp`` (layers split over a tensor-parallel group), ``tp_layers`` (what a split layer computes, LoRA's adapters split with it), ``shard_read`` (a safetensors file's tensors by byte range; a TP shard read from it), ``segment`` (one block of a graph split), ``analysis`` (the traced graph read once: where modules
 begin, what crosses, what is recomputed), ``graph`` (the capture and the cut), ``split_io`` (a
 split as bytes), ``partition`` (``--partition`` specs: where each piece begins, checked against
 the blocks; the balanced cut), ``cut`` (a model's blocks cut into pieces there, and its graph

@@ -1,5 +1,6 @@
 """A model cut into pieces: its blocks (``models.blocks``, captured from its graph where it has
-no chain of its own) split where ``models.partition`` says each piece begins; the graph split
+no chain of its own; a Hugging Face causal LM's own modules under tensor parallelism,
+``models.hf_chain``) split where ``models.partition`` says each piece begins; the graph split
 made once (``Capture``) and handed to the job's other processes.
 
 A piece is a list of blocks; the engine runs each as a ``Stage`` (``bundle.engine.stage``). A
@@ -12,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 import torch.nn as nn
@@ -20,7 +21,7 @@ import torch.nn as nn
 from bundle import log, models
 from bundle.config import ModelConfig
 from bundle.errors import PartitionError
-from bundle.models import Block, split_io
+from bundle.models import Block, hf_chain, split_io
 from bundle.models.inputs import Inputs
 from bundle.models.partition import PartitionSpec, load_spec, resolve
 
@@ -66,15 +67,24 @@ def cut(
     input_shape: Sequence[int],
     capture: Capture | None = None,
     inputs: Inputs | None = None,
+    *,
+    at_modules: bool = False,
 ) -> list[list[Block]]:
     """The model's blocks cut into ``num_pieces`` pieces at ``--partition`` (default: balanced);
     from ``capture`` when it was made for the same model and input (``capture_of``). ``inputs``:
-    the batch's named inputs (None: one tensor)."""
+    the batch's named inputs (None: one tensor). ``at_modules`` (a pipeline with tensor
+    parallelism): a Hugging Face causal LM of ``models.hf_chain.FAMILIES`` fed one tensor is cut
+    at its own modules, not by its graph, so that its stages hold the layers to split."""
     spec = load_spec(cfg.partition) if cfg.partition else None
     if num_pieces == 1 and spec is None:  # nothing to cut: never traced
         return [models.whole(model, cfg.output, inputs)]
+    own = hf_chain.blocks(model, cfg.output) if at_modules and inputs is None else None
+    if own is not None and spec is not None:
+        spec = replace(spec, starts=hf_chain.starts(spec.starts))
     try:
-        if capture is not None and capture.key == capture_key(cfg, input_shape, inputs):
+        if own is not None:
+            blocks = own
+        elif capture is not None and capture.key == capture_key(cfg, input_shape, inputs):
             blocks = split_io.load(model, capture.blocks)
         else:
             blocks = _captured(model, spec, cfg, num_pieces, input_shape, inputs)

@@ -7,13 +7,19 @@ becomes a subclass of itself, as ``models.lora`` does), and its parameters keep 
 ordinary ``nn.Parameter`` holding this rank's shard, so the optimizer, the gradient sync and the
 checkpoints see ordinary tensors; ``ShardSpec`` says how each was cut. No DTensor.
 
-Megatron's two conjugate functions carry the communication (``all_reduce`` sums in place over
-the tensor-parallel group; the engine injects it)::
+Megatron's two conjugate functions carry the communication (``models.tp_layers``: what each
+style computes; ``all_reduce`` sums in place over the tensor-parallel group, the engine injects
+it)::
 
     colwise   y_r = x @ W_r.T + b_r          f = copy_to_tp:   forward identity,   backward sum
     rowwise   y   = g(x_r @ W_r.T) + b       g = reduce_from_tp: forward sum,      backward identity
 
     x ──f──> [q|k|v, up: colwise] ──> per-head / per-feature work ──> [o, down: rowwise] ──g──> y
+
+A LoRA-adapted layer (``models.lora``) is split with its adapters: a colwise layer's
+``lora_B`` as its weight (packed blocks too) and its ``lora_A`` whole (its gradient summed); a
+rowwise layer's ``lora_A`` as its weight and its ``lora_B`` whole. Their specs are listed with
+the weights', so checkpoints and PEFT's export see whole adapters.
 
 ``packed_colwise`` is colwise over a fused layer of ``parts`` equal blocks (q|k|v: 3, gate|up:
 2): each block is split, and this rank's weight is its blocks' shards in order, so
@@ -31,17 +37,20 @@ transformers' ``(*input_shape, -1, head_dim)``), so nothing else changes.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from bundle.models import lora
 from bundle.models.gpt import GPT, Attention
+from bundle.models.tp_layers import AllReduce as AllReduce
+from bundle.models.tp_layers import copy_to_tp as copy_to_tp
+from bundle.models.tp_layers import reduce_from_tp as reduce_from_tp
+from bundle.models.tp_layers import tp_class
 
 STYLES = ("colwise", "rowwise", "packed_colwise", "replicate", "replicate_grad_sum")
 _SPLIT = ("colwise", "rowwise", "packed_colwise")
@@ -49,8 +58,6 @@ _NO_PLAN = (
     "give the model a tp_plan attribute (module-name patterns -> colwise, rowwise, "
     "packed_colwise or replicate; docs/tensor-parallel.md)"
 )
-
-AllReduce = Callable[[Tensor], None]
 
 
 class TPError(ValueError):
@@ -81,112 +88,6 @@ class ShardSpec:
         blocks = [s.chunk(self.parts, self.dim) for s in shards]
         whole = [torch.cat([b[p] for b in blocks], self.dim) for p in range(self.parts)]
         return torch.cat(whole, self.dim)
-
-
-# -- the two functions -------------------------------------------------------------------------
-
-
-class _CopyToTP(torch.autograd.Function):
-    """f: identity forward; the gradient summed over the group backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, all_reduce: AllReduce) -> Tensor:
-        ctx.all_reduce = all_reduce
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        # A copy: the incoming gradient may be the same tensor another branch receives.
-        summed = grad.clone(memory_format=torch.contiguous_format)
-        ctx.all_reduce(summed)
-        return summed, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: the partial outputs summed over the group forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, all_reduce: AllReduce) -> Tensor:
-        summed = x.clone(memory_format=torch.contiguous_format)
-        all_reduce(summed)
-        return summed
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
-
-
-def copy_to_tp(x: Tensor, all_reduce: AllReduce) -> Tensor:
-    return cast(Tensor, _CopyToTP.apply(x, all_reduce))
-
-
-def reduce_from_tp(x: Tensor, all_reduce: AllReduce) -> Tensor:
-    return cast(Tensor, _ReduceFromTP.apply(x, all_reduce))
-
-
-# -- the layers --------------------------------------------------------------------------------
-
-
-class _Colwise:
-    """The forward of a colwise (or packed) layer: its own, on f of its input."""
-
-    tp_all_reduce: AllReduce
-
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return super().forward(copy_to_tp(x, self.tp_all_reduce), *args, **kwargs)  # type: ignore[misc]
-
-
-class _Rowwise:
-    """The forward of a rowwise layer: the partial products summed, then the bias once."""
-
-    tp_all_reduce: AllReduce
-    weight: Tensor
-    bias: Tensor | None
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = reduce_from_tp(F.linear(x, self.weight), self.tp_all_reduce)
-        return out if self.bias is None else out + self.bias
-
-
-class _GradSummed:
-    """The forward of a replicated module whose parameters' gradients are partial: its own,
-    with f on each parameter that trains (each use sums its gradient, so gradient accumulation
-    over micro-batches stays exact)."""
-
-    tp_all_reduce: AllReduce
-    _parameters: dict[str, nn.Parameter | None]
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        own = dict(self._parameters)
-        for name, p in own.items():
-            if p is not None and p.requires_grad:
-                self._parameters[name] = copy_to_tp(p, self.tp_all_reduce)  # type: ignore[assignment]
-        try:
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self._parameters.update(own)
-
-
-_FORWARDS: dict[str, type] = {
-    "colwise": _Colwise,
-    "packed_colwise": _Colwise,
-    "rowwise": _Rowwise,
-    "replicate_grad_sum": _GradSummed,
-}
-_CLASSES: dict[tuple[type, str], type] = {}
-
-
-def _tp_class(base: type, style: str) -> type:
-    """``base`` with ``style``'s forward, under ``base``'s own class name; one class per (base,
-    style), kept here under a name of its own so that pickle finds it."""
-    if (base, style) not in _CLASSES:
-        key = f"TP_{style}_{base.__name__}"
-        while key in globals():
-            key += "_"
-        cls = type(base.__name__, (_FORWARDS[style], base), {"__module__": __name__})
-        cls.__qualname__ = key
-        _CLASSES[base, style] = globals()[key] = cls
-    return _CLASSES[base, style]
 
 
 # -- plans -------------------------------------------------------------------------------------
@@ -292,8 +193,8 @@ def resolve(model: nn.Module, plan: Mapping[str, str]) -> dict[str, tuple[nn.Mod
                 raise TPError(f"{n} is planned both {chosen[n][1]} and {style}")
             chosen[n] = (named[n], style)
     for n, (m, style) in chosen.items():
-        if lora.is_adapted(m):
-            raise TPError(f"{n} is LoRA-adapted: LoRA with --tensor-parallel is not supported yet")
+        if lora.is_adapted(m) and style == "replicate_grad_sum":
+            raise TPError(f"{n} is LoRA-adapted: {style} does not sum its adapters' gradients")
         if style in _SPLIT and not isinstance(m, nn.Linear):
             raise TPError(f"{n} is a {type(m).__name__}: {style} splits nn.Linear layers only")
     return chosen
@@ -362,7 +263,8 @@ def _tied(model: nn.Module, chosen: Mapping[str, tuple[nn.Module, str]]) -> None
 def check(model: nn.Module, plan: Mapping[str, str], degree: int) -> None:
     """Refuse, before anything is changed, a plan ``model`` cannot take at ``degree`` ranks: a
     pattern that matches nothing, a style that is not one, a head count or a split dimension
-    that ``degree`` does not divide, a tied or LoRA-adapted layer to split."""
+    that ``degree`` does not divide, a tied layer to split, an adapted layer whose gradients
+    would be summed whole (``replicate_grad_sum``)."""
     if degree < 1:
         raise TPError(f"--tensor-parallel must be a positive integer, not {degree}")
     chosen = resolve(model, plan)
@@ -397,6 +299,16 @@ def _shard(m: nn.Linear, name: str, style: str, rank: int, size: int) -> dict[st
         )
         specs[f"{name}.bias"] = bias
     m.out_features, m.in_features = m.weight.shape[0], m.weight.shape[1]
+    if lora.is_adapted(m):
+        # The adapter on the split side is cut as the weight: B's rows (colwise), A's columns.
+        part = "lora_A" if style == "rowwise" else "lora_B"
+        adapter = cast(nn.Linear, getattr(m, part))
+        adapter.weight = nn.Parameter(
+            weight.local(adapter.weight.detach(), rank, size),
+            requires_grad=adapter.weight.requires_grad,
+        )
+        adapter.out_features, adapter.in_features = adapter.weight.shape
+        specs[f"{name}.{part}.weight"] = weight
     return specs
 
 
@@ -423,6 +335,6 @@ def apply(
             continue
         if style in _SPLIT:
             specs.update(_shard(cast(nn.Linear, m), name, style, rank, size))
-        m.__class__ = _tp_class(type(m), style)
+        m.__class__ = tp_class(m, style)
         m.tp_all_reduce = all_reduce  # type: ignore[assignment]
     return specs

@@ -40,11 +40,11 @@ def save_distributed(
     """
     whole = _unwrap(stage)
     state = whole.full_state_dict()
-    if split is not None and split.specs:
-        state = {k: split.whole(k, v) if k in split.specs else v for k, v in state.items()}
-    if trained_only:
+    if trained_only:  # first: a frozen split weight is not gathered for nothing
         trains = {whole.full_name(n) for n, p in whole.named_parameters() if p.requires_grad}
         state = {k: v for k, v in state.items() if k in trains}
+    if split is not None and split.specs:
+        state = {k: split.whole(k, v) if k in split.specs else v for k, v in state.items()}
     mine = on_host(state, keep=coord.bundle == 0 and coord.replica == 0 and coord.tp == 0)
     parts: list | None = [None] * topo.world_size if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0, group=group)

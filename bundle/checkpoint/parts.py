@@ -56,11 +56,16 @@ class RankParts:
 
     def base_digests(self) -> dict[str, torch.Tensor]:
         """SHA-256 of each frozen base tensor this rank holds whole (uint8[32] by full-model
-        name; computed once: the base never changes). None but of a LoRA run."""
+        name; computed once: the base never changes). None but of a LoRA run. A split one is
+        gathered whole first: the digest is the whole tensor's, which any layout checks
+        (collective over the TP group, in one order on each of its processes)."""
         if self.frozen_base and not self._digests:
+            split = self.split
             for n, p in self.stage.named_parameters():
                 if not p.requires_grad and not is_sharded(p) and not p.is_meta:
-                    self._digests[self.stage.full_name(n)] = digest_of(p)
+                    name = self.stage.full_name(n)
+                    whole = split.whole(name, p) if split and name in split.specs else p
+                    self._digests[name] = digest_of(whole)
         return self._digests
 
     def buffers(self) -> dict[str, torch.Tensor]:

@@ -5,12 +5,16 @@ state. A checkpoint holds them whole, as a run without tensor parallelism writes
 gathers each before it is written (every process then offers the same tensor, which the writer
 keeps once), and a restore reads the whole tensor and takes this process's shard. A checkpoint
 is therefore read by any layout, with or without tensor parallelism, and exported as any other.
+Under ``--zero 3`` a split parameter and its optimizer state are DTensors over the replicas of
+the same TP index: gathered over them first (``Split.whole``), and on restore this process's TP
+shard is cut again as FSDP holds it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from bundle.engine.sharded import assign, like
 from bundle.engine.tensor_parallel import Split
 
 State = dict[str, dict[str, torch.Tensor]]
@@ -62,7 +66,7 @@ def take_shards(
     ``whole_targets``) and in place of each whole optimizer slot (``slots``, by parameter;
     ``params``: the parameters by full name)."""
     for key, shard in live.items():
-        shard.copy_(split.shard(key.removeprefix(f"{pre}model."), want[key]))
+        assign(shard, split.shard(key.removeprefix(f"{pre}model."), want[key]))
     names = {id(p): n for n, p in params.items()}
     for p, by_slot in slots.items():
         name = names[id(p)]
@@ -70,4 +74,4 @@ def take_shards(
             continue
         for slot, value in by_slot.items():
             if value.dim() and value.shape != p.shape:
-                by_slot[slot] = split.shard(name, value)
+                by_slot[slot] = like(p, split.shard(name, value))

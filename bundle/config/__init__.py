@@ -358,8 +358,7 @@ class RunConfig:
             raise ConfigError("--eval-only", True, "evaluates: leave --no-eval out")
         if self.launch.fault_tolerance == "bundle":
             _check_bundle_fault_tolerance(self)
-        adapted = " ".join(x for x in (self.model.lora, self.model.base_dtype) if x)
-        check_tensor_parallel(self.parallel, self.compute, self.launch, adapted)
+        check_tensor_parallel(self.parallel, self.compute, self.launch, self.model.base_dtype)
         if self.parallel.zero == 3 and self.compute.channels_last:
             raise ConfigError(
                 "--channels-last",

@@ -2,8 +2,10 @@
 
 A stage's degree splits its layers' matrices over the processes of each replica
 (``bundle.models.tp``); what a rank holds of a split layer is its shard, which the options
-refused here would have to know about: the sharded optimizer and FSDP, the other exchanges of the data-parallel side, LoRA's adapters and a
-quantized base, compiled blocks, and a bundle that heals from its peers.
+refused here would have to know about: the other exchanges of the data-parallel side, a
+quantized base (``--lora`` adapters are split with their layers), compiled blocks, and a bundle
+that heals from its peers. (``--zero 1`` and ``--zero 3`` shard over the replicas' processes of
+the same index in their TP groups, which hold the same shards.)
 """
 
 from __future__ import annotations
@@ -16,20 +18,19 @@ def check_tensor_parallel(
     par: ParallelConfig,
     compute: ComputeConfig,
     launch: LaunchConfig,
-    lora: object = None,
+    base_dtype: str | None = None,
 ) -> None:
     """Refuse what a tensor-parallel run does not combine with yet (nothing without one);
-    ``lora``: the model's ``(--lora, --base-dtype)`` where either is given."""
+    ``base_dtype``: the model's ``--base-dtype`` (a quantized frozen base under ``--lora``)."""
     degrees = par.tp_degrees
     if max(degrees, default=1) == 1:
         return
     refused = {
-        "--zero": par.zero == 3 and 3,
         "--grad-compression": par.grad_compression != "none" and par.grad_compression,
         "--bundle-sync": par.bundle_sync != "step" and par.bundle_sync,
         "--aggregate": par.aggregate != "mean" and par.aggregate,
         "--row-weights": par.row_weights,
-        "--lora or --base-dtype": lora,
+        "--base-dtype": base_dtype,
         "--compile": compute.compile,
         "--fault-tolerance": launch.fault_tolerance == "bundle" and "bundle",
     }

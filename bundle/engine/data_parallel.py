@@ -138,12 +138,17 @@ def _sharded(
     comm: Comm,
 ) -> GradSync:
     """--zero 3: the stage sharded by FSDP over its replicas (bundle.engine.sharded), from the
-    same weights on every replica."""
+    same weights on every replica; under tensor parallelism over the replicas' processes of this
+    rank's index in their TP groups (``members`` and the groups are that index's)."""
     members = _same_start(topo, coord, stage, groups.stage, comm)
     if groups.peers is None or groups.bundle is None:  # flat: over the stage group
         device_mesh = sharded.mesh(device, groups.stage, [members])
     else:  # hierarchical: inside the bundle, summed with the same replica of every bundle
-        layout = [topo.bundle_stage_group(b, coord.stage) for b in range(topo.num_bundles)]
+        # Under tensor parallelism: the processes of this rank's index in their TP groups.
+        layout = [
+            topo.shifted(topo.bundle_stage_group(b, coord.stage), coord.tp)
+            for b in range(topo.num_bundles)
+        ]
         device_mesh = sharded.mesh(device, groups.bundle, layout, groups.peers)
     emulated = (comm, device) if not isinstance(comm, Collectives) else None
     return sharded.ShardedSync(sharded.shard_stage(stage, device_mesh, emulated=emulated))

@@ -17,6 +17,12 @@ with FSDP2 (torch's ``fully_shard``), one FSDP unit per block of the stage.
 - **Checkpoints.** Parameters and optimizer state are DTensors; the checkpoint (DCP) writes each
   process's shard and reads into any layout, so a run with ``--zero 3`` resumes under any shape
   or without it, and the other way round.
+- **Under tensor parallelism** (after ``bundle.models.tp`` has split the layers, as torchtitan
+  orders them): a stage's parameters are its TP shards, and FSDP shards them again over the
+  replicas' processes of the same index in their TP groups (they hold the same TP shards; the
+  groups are built once per index). A split layer's sum over its TP group runs in its forward
+  and backward between FSDP's gathers, as without FSDP. A checkpoint gathers a split
+  parameter over the FSDP mesh, then over the TP group, and writes it whole.
 
 Under nccl-emu FSDP's gathers and reduce-scatters go through the emulator (FSDP's custom
 collectives): each is one call of its group's in-order stream, so their order against the
@@ -65,20 +71,39 @@ def on_host(state: Mapping[str, torch.Tensor], *, keep: bool) -> dict[str, torch
     return whole if keep else None
 
 
+def like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """``whole`` (a full-size value of ``p``) as ``p`` holds it: of a sharded parameter, this
+    process's shard, cut as FSDP cuts the parameter (no communication); else ``whole``."""
+    if not is_sharded(p):
+        return whole
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    dt = cast(DTensor, p)
+    return distribute_tensor(whole, dt.device_mesh, dt.placements, src_data_rank=None)
+
+
+def assign(t: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy ``whole`` (its full-size value) into ``t`` in place: of a sharded tensor, its own
+    shard (no communication)."""
+    if is_sharded(t):
+        cast(Any, t).to_local().copy_(cast(Any, like(t, whole)).to_local())
+    else:
+        t.copy_(whole)
+
+
 def set_grad(p: torch.Tensor, whole: torch.Tensor) -> None:
     """Set ``p``'s gradient to ``whole`` (its full-size value): a sharded parameter keeps its
     own shard of it, cut as FSDP cuts the parameter (no communication)."""
     if not is_sharded(p):
         p.grad = whole.clone() if p.grad is None else p.grad.copy_(whole)
         return
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
-    dt = cast(DTensor, p)
-    mine = distribute_tensor(whole, dt.device_mesh, dt.placements, src_data_rank=None)
+    mine = like(p, whole)
     if p.grad is None:
         p.grad = mine.clone()
     else:
-        cast(DTensor, p.grad).to_local().copy_(mine.to_local())
+        cast(DTensor, p.grad).to_local().copy_(cast(DTensor, mine).to_local())
 
 
 def mesh(

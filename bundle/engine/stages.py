@@ -54,7 +54,10 @@ def build_stages(
     else:
         model = models.build_model(cfg.model, num_classes, input_shape)
     models.adapt(model, cfg.model, seed=cfg.train.seed)
-    stages = cut_stages(model, cfg.model, num_stages, input_shape, capture, inputs)
+    at_modules = max(cfg.parallel.tp_degrees, default=1) > 1
+    stages = cut_stages(
+        model, cfg.model, num_stages, input_shape, capture, inputs, at_modules=at_modules
+    )
     kept = [s for i, s in enumerate(stages) if keep is None or i in keep]
     if cfg.model.pretrained:
         # Split first, on the meta device: each process then reads only its shards.
@@ -114,11 +117,13 @@ def cut_stages(
     input_shape: Sequence[int],
     capture: Capture | None = None,
     inputs: Inputs | None = None,
+    *,
+    at_modules: bool = False,
 ) -> list[Stage]:
     """The model cut into ``num_stages`` stages (``models.cut``'s pieces, from ``capture`` where
     it fits), each taking the model's input dtype and the batch's named ``inputs`` (None: one
-    tensor)."""
-    pieces = cut(model, cfg, num_stages, input_shape, capture, inputs)
+    tensor); ``at_modules``: at its own modules where it has them (tensor parallelism)."""
+    pieces = cut(model, cfg, num_stages, input_shape, capture, inputs, at_modules=at_modules)
     dtype, names = models.input_dtype(model), inputs.names if inputs is not None else ()
     return [Stage(piece, input_dtype=dtype, input_names=names) for piece in pieces]
 

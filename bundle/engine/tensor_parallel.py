@@ -22,10 +22,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from bundle.collectives.comm import Comm
+from bundle.engine import sharded
 from bundle.engine.stage import Stage
 from bundle.engine.transport import PostCall
 from bundle.errors import ConfigError, PartitionError
-from bundle.models import Block, tp
+from bundle.models import Block, hf_chain, tp
 from bundle.models.shard_read import ShardRead
 from bundle.topology import Coord, Topology
 
@@ -71,7 +72,9 @@ class Split:
 
     def whole(self, name: str, shard: torch.Tensor) -> torch.Tensor:
         """The whole tensor of split parameter ``name`` (or of a state shaped like it) from
-        every process's ``shard``: collective over the group, every process calls it alike."""
+        every process's ``shard``: collective over the group, every process calls it alike.
+        A shard that FSDP shards again (``--zero 3``) is first gathered over its replicas."""
+        shard = sharded.full(shard)
         shards = [torch.empty_like(shard) for _ in range(self.degree)]
         dist.all_gather(shards, shard.contiguous(), group=self.group)
         return self.specs[name].full(shards)
@@ -85,7 +88,8 @@ class Split:
         rank runs share its modules).
 
         A piece captured by ``torch.export`` computes its layers inline rather than calling
-        them (Hugging Face models cut into stages): there the split is refused in one line.
+        them (a Hugging Face model cut by its graph, which ``models.hf_chain`` does not cut at
+        its modules): there the split is refused in one line.
         """
         if self.degree == 1:
             return
@@ -121,7 +125,9 @@ def _inlined(pieces: Sequence[Stage] | Sequence[Sequence[Block]]) -> set[str]:
 
 def check(model: nn.Module, pieces: Sequence[Sequence[Block]], degrees: Sequence[int]) -> None:
     """Before any process starts (the launch's checks, on the meta device): the model has a
-    plan, every degree divides what it splits, and the pieces call the layers it splits."""
+    plan, every degree divides what it splits, the pieces call the layers it splits, and a
+    weight tied across stages is held by stages of one degree (``bundle.engine.ties`` sums its
+    copies' gradients between the processes of the same index in their TP groups)."""
     if max(degrees, default=1) == 1:
         return
     text = ",".join(map(str, degrees))
@@ -136,13 +142,42 @@ def check(model: nn.Module, pieces: Sequence[Sequence[Block]], degrees: Sequence
     inlined = sorted(_inlined(pieces) & planned) if len(pieces) > 1 else []
     if inlined:
         raise ConfigError("--tensor-parallel", text, _inline_reason(model, inlined))
+    tied = _tied_across_degrees(model, pieces, degrees)
+    if tied:
+        raise ConfigError(
+            "--tensor-parallel",
+            text,
+            f"{tied} is tied across stages of different degrees; the stages holding a tied "
+            "weight need one degree",
+        )
+
+
+def _tied_across_degrees(
+    model: nn.Module, pieces: Sequence[Sequence[Block]], degrees: Sequence[int]
+) -> str | None:
+    """The name of a weight several pieces hold whose stages differ in degree (None: none).
+    Pieces beyond one per stage (virtual stages) may sit on any stage: all degrees count."""
+    held: dict[int, set[int]] = {}
+    for i, piece in enumerate(pieces):
+        for _, block in piece:
+            for p in block.parameters():
+                held.setdefault(id(p), set()).add(i)
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    for key, where in held.items():
+        stages = where if len(pieces) == len(degrees) else range(len(degrees))
+        if len(where) > 1 and len({degrees[s] for s in stages}) > 1:
+            return " = ".join(names.get(key, ["a weight"]))
+    return None
 
 
 def _inline_reason(model: nn.Module, inlined: list[str]) -> str:
     return (
         f"{type(model).__name__} was cut into stages by torch.export, which computes its layers "
-        f"inline ({inlined[0]}, ...), so they cannot be split; run it as one stage "
-        "(--bundle-shape N) with tensor parallelism"
+        f"inline ({inlined[0]}, ...), so they cannot be split; a pipeline splits the layers of "
+        f"{hf_chain.names()} (cut at their modules); run this one as one stage (--bundle-shape "
+        "N) with tensor parallelism"
     )
 
 

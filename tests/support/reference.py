@@ -72,8 +72,9 @@ def reference(
     grads: dict[str, torch.Tensor] | None = None,
     rows: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One process, the unsplit model, the same global batches, mean loss over each batch
-    (``rows(step, batch)``, when given: over the rows of it that took part).
+    """One process, the unsplit model (adapted where ``--lora`` is given), the same global
+    batches, mean loss over each batch (``rows(step, batch)``, when given: over the rows of it
+    that took part).
 
     Mixed precision: the forward under the same autocast, the loss in fp32, fp16 through
     ``torch.amp.GradScaler`` (the anchor Bundle's loss scaling follows). ``grads``, when given,
@@ -81,6 +82,7 @@ def reference(
     splits = data.load(cfg.data, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     model = models.build_model(cfg.model, splits.num_classes, splits.input_shape)
+    models.adapt(model, cfg.model, seed=cfg.train.seed)  # --lora: adapters, as build_stages
     opt = make_optimizer(cfg.train, model)
     schedule = LRSchedule.of(
         cfg.train,

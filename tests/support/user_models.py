@@ -177,7 +177,7 @@ def gpt2(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
 
 
 def _tiny_llama(
-    num_classes: int, seq_len: int, layers: int, heads: int, kv_heads: int
+    num_classes: int, seq_len: int, layers: int, heads: int, kv_heads: int, tied: bool = False
 ) -> nn.Module:
     return _tiny_hf(
         "LlamaConfig",
@@ -190,12 +190,18 @@ def _tiny_llama(
         vocab_size=num_classes,
         max_position_embeddings=seq_len,
         use_cache=False,
+        tie_word_embeddings=tied,
     )
 
 
 def llama_tp(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
     """A tiny Llama whose heads, key/value heads and MLP split two ways (tensor parallelism)."""
     return _tiny_llama(num_classes, input_shape[0], layers=2, heads=4, kv_heads=2)
+
+
+def llama_tp_tied(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:
+    """``llama_tp`` with its token embedding tied to its output head."""
+    return _tiny_llama(num_classes, input_shape[0], layers=2, heads=4, kv_heads=2, tied=True)
 
 
 def llama(num_classes: int, input_shape: tuple[int, ...]) -> nn.Module:

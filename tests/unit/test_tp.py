@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bundle.config import LoRASpec
-from bundle.models import lora, tp
+from bundle.models import lora, tp, tp_layers
 from bundle.models.gpt import GPT
 from bundle.models.tp import ShardSpec, TPError
 
@@ -154,7 +154,7 @@ def test_a_users_module_brings_its_plan_as_a_tp_plan_attribute():
     assert set(specs) == {"0.weight", "0.bias", "2.weight"}
 
 
-def test_a_split_dimension_a_tied_weight_and_lora_are_refused_before_anything_changes():
+def test_a_split_dimension_a_tied_weight_and_a_summed_adapted_layer_are_refused_before_anything_changes():
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
     before = {n: p.clone() for n, p in model.state_dict().items()}
     with pytest.raises(TPError, match="does not divide out_features 6 of 0 \\(colwise\\)"):
@@ -171,8 +171,9 @@ def test_a_split_dimension_a_tied_weight_and_lora_are_refused_before_anything_ch
         tp.check(model, {"2": "rowwise"}, 2)
     gpt = _gpt()
     lora.apply(gpt, LoRASpec(targets=("qkv",)), seed=0)
-    with pytest.raises(TPError, match="LoRA with --tensor-parallel is not supported yet"):
-        tp.check(gpt, tp.plan_of(gpt), 2)
+    tp.check(gpt, tp.plan_of(gpt), 2)  # split with its adapters (tests/unit/test_tp_lora.py)
+    with pytest.raises(TPError, match="qkv is LoRA-adapted: replicate_grad_sum does not sum"):
+        tp.check(gpt, {"layers.0.attn.qkv": "replicate_grad_sum"}, 2)
 
 
 def test_split_layers_keep_their_names_classes_and_local_sizes():
@@ -240,12 +241,12 @@ def _compare(build, rank: int, world: int, changes: dict | None = None) -> dict:
 
 def _without_rowwise_sum(rank: int, world: int) -> float:
     """The logits' error when rowwise layers skip their forward sum."""
-    kept = tp.reduce_from_tp
-    tp.reduce_from_tp = lambda x, all_reduce: x  # type: ignore[assignment]
+    kept = tp_layers.reduce_from_tp
+    tp_layers.reduce_from_tp = lambda x, all_reduce: x  # type: ignore[assignment]
     try:
         return _compare(_gpt, rank, world)["errors"]["logits"]
     finally:
-        tp.reduce_from_tp = kept
+        tp_layers.reduce_from_tp = kept
 
 
 MODELS = {"gpt": _gpt, "llama": _llama, "qwen3": _qwen3}

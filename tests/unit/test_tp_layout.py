@@ -33,15 +33,26 @@ def test_one_degree_or_one_per_stage_and_the_processes_they_take():
         (["--tensor-parallel", "2,1,1"], "one per stage of shape 1,1"),
         (["--tensor-parallel", "2", "--bundle-shape", "auto"], "chooses the degrees itself"),
         (["--tensor-parallel", "2", "--row-weights", "1,1"], "--row-weights"),
-        (["--tensor-parallel", "2", "--zero", "3"], "--zero"),
+        (["--tensor-parallel", "2", "--num-bundle", "2", "--grad-compression", "fp16"], "combine"),
         (["--tensor-parallel", "2", "--compile"], "--compile"),
-        (["--tensor-parallel", "2", "--lora", "r=4"], "--lora"),
+        (["--tensor-parallel", "2", "--lora", "r=4", "--base-dtype", "bf16"], "--base-dtype"),
     ],
 )
 def test_what_it_is_refused_with_is_named_in_one_line(argv, names):
     with pytest.raises(ConfigError, match=names) as err:
         parse(*argv)
     assert "\n" not in str(err.value)
+
+
+def test_lora_is_taken_beside_it():
+    cfg = parse("--tensor-parallel", "2", "--lora", "r=4", "--lora-train", "ln_f")
+    assert cfg.model.lora_spec is not None and cfg.parallel.tp_degrees == (2, 2)
+
+
+def test_zero_3_and_zero_1_are_taken_beside_it():
+    for level in ("1", "3"):
+        cfg = parse("--tensor-parallel", "2", "--num-bundle", "2", "--zero", level)
+        assert cfg.parallel.zero == int(level) and cfg.parallel.tp_degrees == (2, 2)
 
 
 def test_a_tp_group_is_consecutive_processes_and_the_groups_shift_by_its_index():
