@@ -192,6 +192,9 @@ def merged_state(
     check_base(model, path, base)
     full = {k: v.detach() for k, v in model.state_dict().items()}
     wanted = {f"{m}.{p}.weight" for m in rec["modules"] for p in ("lora_A", "lora_B")}
+    # A buffer the model does not save (a rotary table) is computed again by any model built.
+    unsaved = {n for n, _ in model.named_buffers()} - set(full)
+    state = {k: v for k, v in state.items() if k not in unsaved}
     stray = sorted(k for k in state if k not in full and k not in wanted)
     absent = sorted(wanted - set(state))
     if absent:

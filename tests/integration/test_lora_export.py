@@ -5,7 +5,9 @@ run's seed loads it with no key missing or unexpected and computes the logits of
 model (within 1e-5); ``--hf``: the merged model, whose logits are PEFT's ``merge_and_unload()``'s;
 ``OUT.pt``: the plain model's state, no adapter in it. ``bundle.generate`` samples the save
 directory as it samples the ``--hf`` export. A base that differs from the one trained on is
-refused, and so is ``--peft`` of a run without ``--lora``, each in one line."""
+refused, and so is ``--peft`` of a run without ``--lora``, each in one line. A tiny Llama's LoRA
+step exports with ``--hf`` too (its rotary table, a buffer its state dict leaves out, is in the
+step and not in the export), as PEFT merges it."""
 
 from __future__ import annotations
 
@@ -157,3 +159,40 @@ def test_peft_of_a_run_without_lora_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m bundle.checkpoint: error: --peft"), err
     assert "no LoRA adapters" in err[0] and not out.exists()
+
+
+LLAMA = (
+    "num_hidden_layers=1,hidden_size=16,intermediate_size=32,num_attention_heads=2,"
+    "num_key_value_heads=1"
+)
+
+
+@pytest.mark.slow
+def test_a_llama_step_exports_merged_as_peft_merges_it(tmp_path):
+    """A model with a buffer it does not save (Llama's rotary table) exports with --hf."""
+    pytest.importorskip("peft")
+    import transformers
+    from peft import PeftModel
+
+    save_dir, name = str(tmp_path / "ckpt"), "transformers:LlamaForCausalLM"
+    p = start(
+        "main.py",
+        *("--bundle-shape", "1", "--model", name, "--model-args", LLAMA),
+        *("--dataset", "text", "--data-file", "docs/checkpoints.md", "--seq-len", str(SEQ)),
+        *("--batch-size", "8", "--itr", "2", "--no-eval", "--lr", "0.05", "--seed", str(SEED)),
+        *("--lora", "r=4,alpha=8", "--save-dir", save_dir),
+    )
+    rc, _, err = finish(p, timeout=300)
+    assert rc == 0, err[-3000:]
+    step = ckpt.step_dir(save_dir, 2)
+    for argv in (["--hf", str(tmp_path / "hf")], ["--peft", str(tmp_path / "peft")]):
+        assert export_command(["export", step, *argv]) == 0, argv
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", output_loading_info=True
+    )
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set()), info
+    torch.manual_seed(SEED)
+    base = models.build(name, num_classes=256, input_shape=(SEQ,), args=parse_model_args(LLAMA))
+    plain = PeftModel.from_pretrained(base, tmp_path / "peft").merge_and_unload().eval()
+    err = (_logits(hf.eval()) - _logits(plain)).abs().max().item()
+    assert err <= TOL, f"the --hf export's logits differ from PEFT's merged model's by {err:.2e}"
