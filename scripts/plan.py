@@ -46,6 +46,11 @@ from bundle.plan.dataparallel import DataParallel
 from bundle.plan.mixed import contended
 from bundle.plan.plans import data_parallel, evaluate, with_options
 
+_UNIFORM_TP = (
+    "every stage at one tensor-parallel degree (by default each stage may take its own): the "
+    "baseline that per-stage degrees are measured against"
+)
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="plan.py", description=__doc__.splitlines()[0])
@@ -94,6 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--max-stages", type=int, default=4)
     p.add_argument("--max-micro-batches", type=int, default=64)
+    p.add_argument("--uniform-tp", action="store_true", help=_UNIFORM_TP)
     p.add_argument("--top", type=int, default=10, help="plans shown")
     p.add_argument("--json", metavar="OUT", help="write the plans (or the validation) here")
     p.add_argument("--png", metavar="OUT", help="picture of the best plan and the top plans")
@@ -177,6 +183,7 @@ def _request(args: argparse.Namespace, cluster) -> planner.Request:
         dp=DataParallel(zero=args.zero),
         max_stages=args.max_stages,
         max_micro=args.max_micro_batches,
+        per_stage_tp=not args.uniform_tp,
         model_args=args.model_args,
         lora=args.lora,
         lora_train=args.lora_train,

@@ -15,9 +15,11 @@ Modules, from the data up:
 - ``dataparallel``: the user's data-parallel options (compression, bundle sync, aggregation) costed;
 - ``zero``: ``--zero 3`` costed: sharded memory, each block gathered and reduced per micro-batch;
 - ``tensor``: tensor parallelism per stage costed: what a model splits, a stage at degree t;
+- ``layout``: what a simulation takes (a plan's layout) and gives (the step, its timeline);
 - ``simulate``: an event simulation of the engine's own schedule action lists;
 - ``split``: stage widths and split points: the dynamic program, widths coarse to fine;
 - ``plans``: one plan as a value, simulated with its memory counted, and plans ranked;
+- ``estimate``: the closed-form step time that ranks a search's candidates before simulation;
 - ``search``: enumerate plans, split by a dynamic program, rank by simulated throughput;
 - ``mixed``: the search on several device types: placement, widths, split and row weights;
 - ``planner``: one request's checks, cost model and search;

@@ -32,6 +32,7 @@ from bundle.ir.schedule import ONE_CHUNK
 from bundle.plan.cluster import Cluster, Speed
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import HopCost
+from bundle.plan.estimate import estimate
 from bundle.plan.plans import Evaluated, Plan, evaluate, rank, with_options
 from bundle.plan.search import (
     DEFAULT_LIMITS,
@@ -39,7 +40,6 @@ from bundle.plan.search import (
     Limits,
     Workload,
     _Candidate,
-    _estimate,
     _variants,
     search,
 )
@@ -203,7 +203,7 @@ def _split(
     even = all(len(set(w)) == 1 for w in weights)
     plan = replace(plan, starts=starts, row_weights=() if even else weights)
     try:
-        return _Candidate(-_estimate(hop, plan, batch, slowest), plan)
+        return _Candidate(-estimate(hop, plan, batch, slowest), plan)
     except BundleError:
         return None
 

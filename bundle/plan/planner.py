@@ -39,6 +39,7 @@ class Request:
     momentum: float = TrainConfig.momentum
     max_stages: int = 4
     max_micro: int = 64
+    per_stage_tp: bool = True  # False (--uniform-tp): every stage at one tensor-parallel degree
     model_args: str | None = None  # --model-args of the model measured
     lora: str | None = None  # --lora: adapters on a frozen base, all that trains
     lora_train: str | None = None  # --lora-train: modules trained whole beside them
@@ -79,8 +80,10 @@ class Request:
 
     @property
     def limits(self) -> Limits:
-        """How far the search looks: --max-stages, --max-micro-batches."""
-        return Limits(max_stages=self.max_stages, max_micro=self.max_micro)
+        """How far the search looks: --max-stages, --max-micro-batches, --uniform-tp."""
+        return Limits(
+            max_stages=self.max_stages, max_micro=self.max_micro, per_stage=self.per_stage_tp
+        )
 
 
 def check(request: Request, cluster: Cluster | None) -> None:

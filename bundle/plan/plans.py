@@ -1,8 +1,11 @@
-"""One plan as a value (``Plan``), simulated with its memory counted (``evaluate``), and plans
-ranked: fitting ones first, then by simulated throughput (``rank``)."""
+"""One plan as a value (``Plan``), simulated with its memory counted (``evaluate``; many at once,
+those that cannot reach the best few left out: ``evaluate_many``), and plans ranked: fitting
+ones first, then by simulated throughput (``rank``)."""
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from fractions import Fraction
 
@@ -11,7 +14,7 @@ from bundle.ir.schedule import Action, actions
 from bundle.plan import tensor, zero
 from bundle.plan.cost import CostModel, Memory
 from bundle.plan.dataparallel import DataParallel, HopCost
-from bundle.plan.simulate import Layout, SimResult, simulate
+from bundle.plan.simulate import Layout, Runs, SimResult, lower_bound, simulate
 from bundle.topology import Place, Topology
 
 
@@ -96,10 +99,56 @@ def rank(evaluated: list[Evaluated]) -> list[Evaluated]:
     return sorted(evaluated, key=key)
 
 
-def evaluate(cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False) -> Evaluated:
-    """Simulate one plan and count its memory."""
+# A plan is left out where its step's lower bound exceeds the kept best by more than this: two
+# throughputs this far apart never tie at ``rank``'s 4 digits.
+BOUND_MARGIN = 1.01
+
+
+def evaluate_many(
+    cost: CostModel,
+    plans: Iterable[Plan],
+    batch: int,
+    *,
+    keep: int,
+    known: Sequence[Evaluated] = (),
+) -> list[Evaluated]:
+    """``plans`` evaluated, in their order, but for those that cannot be among the ``keep`` best
+    of them and ``known`` (plans of the same search evaluated already): a plan whose step time's
+    lower bound (``simulate.lower_bound``) exceeds by ``BOUND_MARGIN`` the ``keep``-th shortest
+    step of the plans that fit so far cannot rank above any of those, so it is not simulated. Plans are simulated from the lowest bound
+    up (the search stops at the first one left out); those that differ only in their sync share
+    one run of their actions (``simulate``'s ``runs``). The ``keep`` best of ``rank(known +
+    result)`` are those of every plan evaluated, in the same order."""
+    plans = list(plans)
+    layouts = [p.layout(batch) for p in plans]
+    runs_of = [replace(x, grad_sync="") for x in layouts]
+    first = {key: i for i, key in reversed(list(enumerate(runs_of)))}
+    bounds = [lower_bound(x, cost) for x in layouts]
+    order = sorted(range(len(plans)), key=lambda i: (bounds[i], first[runs_of[i]]))
+    best = heapq.nlargest(keep, (-e.sim.step_time for e in known if e.fits))  # negated
+    heapq.heapify(best)
+    done: dict[int, Evaluated] = {}
+    runs: Runs = {}
+    for i in order:
+        if len(best) == keep and bounds[i] > -best[0] * BOUND_MARGIN:
+            break
+        if runs_of[i] not in runs:
+            runs.clear()  # siblings are simulated one after another: one run kept at a time
+        done[i] = e = evaluate(cost, plans[i], batch, runs=runs)
+        if e.fits and len(best) < keep:
+            heapq.heappush(best, -e.sim.step_time)
+        elif e.fits and -e.sim.step_time > best[0]:
+            heapq.heapreplace(best, -e.sim.step_time)
+    return [done[i] for i in range(len(plans)) if i in done]
+
+
+def evaluate(
+    cost: CostModel, plan: Plan, batch: int, *, timeline: bool = False, runs: Runs | None = None
+) -> Evaluated:
+    """Simulate one plan and count its memory (``runs``: ``simulate``'s, shared by plans that
+    differ only in their sync)."""
     layout = plan.layout(batch)
-    sim = simulate(layout, cost, timeline=timeline)
+    sim = simulate(layout, cost, timeline=timeline, runs=runs)
     topo = layout.topology()
     S, M, V = len(plan.shape), plan.micro_batches, plan.chunks
     ends = [*plan.starts[1:], cost.n]

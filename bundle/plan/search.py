@@ -7,13 +7,18 @@ there are at most ``Limits.exhaustive``, else searched coarse to fine: ``split.s
 and every micro-batch count that divides a bundle's batch and gives every replica a row, a dynamic
 program (``split.Splitter``) picks the split points that minimise the slowest stage (its forward +
 backward at the rows one replica holds, or its boundary transfer where that is slower). A closed
-form ranks those candidates (``(M + S - 1)`` slowest stages, plus the largest gradient sync and
-optimizer step); the best ones are then simulated under 1F1B and each sync strategy, the
-``SCHEDULE_LEADERS`` best of those under every other schedule too, and ranked by simulated
-throughput, plans that do not fit in device memory last (``plans.evaluate``, ``plans.rank``).
-Tensor parallelism (``tensor``): each degree the model and a node take is searched with every
-stage at it (its TP groups standing for devices), and the ``TP_LEADERS`` best plans are tried
-with each stage at each other degree on the same processes (``_regrouped``). The data-parallel options (``DataParallel``: compression, bundle sync, aggregation, ZeRO) are the
+form ranks those candidates (``estimate``: ``(M + S - 1)`` slowest stages, plus the largest
+gradient sync and optimizer step); the best ones are then simulated under 1F1B and each sync
+strategy, the ``SCHEDULE_LEADERS`` best of those under every other schedule too, and ranked by
+simulated throughput, plans that do not fit in device memory last (``plans.evaluate``,
+``plans.rank``). A candidate whose step's lower bound cannot reach the ``EXACT_TOP`` best found
+so far is not simulated (``plans.evaluate_many``): the leaders, the best plan and the table's
+rows are those of simulating them all. Tensor parallelism (``tensor``): each degree the model
+and a node take is searched with every stage at it (its TP groups standing for devices), and
+the ``TP_LEADERS`` best plans are tried with each stage at each other degree on the same
+processes (``_regrouped``; not with ``Limits.per_stage`` off); under a schedule with model
+chunks, the pieces of a plan whose stages differ in degree are split at each stage's own. The
+data-parallel options (``DataParallel``: compression, bundle sync, aggregation, ZeRO) are the
 user's: every plan is costed under them, and only bundle counts they accept are planned; the one
 exception is ``search_fitting``, which searches again under ``--zero 3`` where no plan fits in
 device memory.
@@ -33,15 +38,18 @@ from bundle.ir.schedule import REGISTRY, SCHEDULES, actions
 from bundle.plan import tensor
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import EXACT, DataParallel, HopCost
-from bundle.plan.plans import Evaluated, Plan, data_parallel, evaluate, rank
-from bundle.plan.split import EXHAUSTIVE, Splitter, micro_counts, search_widths
-from bundle.plan.zero import FULL, Collectives
-from bundle.topology import Topology
+from bundle.plan.estimate import estimate
+from bundle.plan.plans import Evaluated, Plan, data_parallel, evaluate_many, rank
+from bundle.plan.split import EXHAUSTIVE, Splitter, micro_counts, search_widths, slowest_first
+from bundle.plan.zero import FULL
 
 SYNCS = ("flat", "hierarchical")
 SCHEDULE_LEADERS = 8  # plans simulated under every schedule, after all under 1F1B
 TP_LEADERS = 2  # plans whose stages are each tried at the other tensor-parallel degrees
 TP_KEEP = 4  # estimates kept at each tensor-parallel degree above 1
+# The best plans every part of the search finds as if it simulated all its candidates (the leaders
+# and the table's rows): a candidate that cannot reach them is not simulated (``evaluate_many``).
+EXACT_TOP = 10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,13 +70,15 @@ class Workload:
 @dataclass(frozen=True, kw_only=True)
 class Limits:
     """How far a search looks: the most stages and micro-batches, how many of the best estimates
-    are simulated, and how many compositions of a bundle's devices into stage widths are scored
-    one by one before the widths are searched coarse to fine (``split.search_widths``)."""
+    are simulated, how many compositions of a bundle's devices into stage widths are scored
+    one by one before the widths are searched coarse to fine (``split.search_widths``), and
+    whether stages may differ in tensor-parallel degree (``per_stage``)."""
 
     max_stages: int = 4
     max_micro: int = 64
     simulate_top: int = 48
     exhaustive: int = EXHAUSTIVE
+    per_stage: bool = True  # False: every stage at one tensor-parallel degree (no ``_regrouped``)
 
 
 DEFAULT_LIMITS = Limits()
@@ -133,14 +143,19 @@ def search(
     first = _first(schedules)
     variants = _variants(plans, (first,), syncs)
     say(f"simulating the {len(variants)} best plan(s) under {first} and each sync")
-    evaluated = [evaluate(cost, v, batch) for v in variants]
-    tuned = {
-        _canonical(v) for e in rank(evaluated)[:TP_LEADERS] for v in _regrouped(cost, e.plan, batch)
-    }
-    evaluated += [evaluate(cost, v, batch) for v in tuned - variants]
+    evaluated = evaluate_many(cost, variants, batch, keep=EXACT_TOP)
+    regrouped = rank(evaluated)[:TP_LEADERS] if limits.per_stage else []
+    tuned = {_canonical(v) for e in regrouped for v in _regrouped(cost, e.plan, batch)}
+    evaluated += evaluate_many(cost, tuned - variants, batch, keep=EXACT_TOP, known=evaluated)
     leaders = [e.plan for e in rank(evaluated)[:SCHEDULE_LEADERS] if e.plan.micro_batches > 1]
     link = cost.cluster.intra if nodes == 1 else cost.cluster.inter
-    splitter = Splitter(cost, link.bandwidth, link.latency)
+    splitters: dict[int, Splitter] = {}
+
+    def splitter(t: int) -> Splitter:
+        if t not in splitters:
+            splitters[t] = Splitter(tensor.at(cost, t), link.bandwidth, link.latency)
+        return splitters[t]
+
     others = [
         o
         for plan in leaders
@@ -150,7 +165,7 @@ def search(
     ]
     if others:
         say(f"simulating the {len(leaders)} best under the other schedules")
-    return rank(evaluated + [evaluate(cost, v, batch) for v in others])
+    return rank(evaluated + evaluate_many(cost, others, batch, keep=EXACT_TOP, known=evaluated))
 
 
 def search_fitting(
@@ -189,11 +204,14 @@ def search_fitting(
 PLANNED_CHUNKS = (2, 3)
 
 
-def _under(plan: Plan, schedule: str, splitter: Splitter, batch: int) -> list[Plan]:
+def _under(
+    plan: Plan, schedule: str, splitter: Callable[[int], Splitter], batch: int
+) -> list[Plan]:
     """``plan`` under another schedule: the same split, or with model chunks (each number it
     runs of ``PLANNED_CHUNKS``), the model cut into stages x chunks pieces balanced for the same
-    widths (piece j at its stage's width); none where the schedule cannot run it (too few
-    stages, micro-batches or blocks)."""
+    widths (piece j at its stage's width; at its stage's degree where the degrees differ:
+    ``splitter(t)`` splits at degree t); none where the schedule cannot run it (too few stages,
+    micro-batches or blocks)."""
     sched = REGISTRY[schedule]
     if not sched.chunks:
         return [replace(plan, schedule=schedule)]
@@ -204,11 +222,18 @@ def _under(plan: Plan, schedule: str, splitter: Splitter, batch: int) -> list[Pl
             actions(schedule, 0, S, plan.micro_batches, V)
         except ScheduleError:
             continue
-        if S < 2 or splitter.n < S * V:
+        if S < 2 or splitter(1).n < S * V:
             continue
-        pipe = sched.pipe(S, V)
-        widths = tuple(plan.shape[pipe.place(j)[0]] for j in range(pipe.pieces))
-        starts, _ = splitter.split(widths, rows)
+        stages = [sched.pipe(S, V).place(j)[0] for j in range(S * V)]
+        widths = tuple(plan.shape[s] for s in stages)
+        if len(set(plan.degrees)) == 1:
+            starts, _ = splitter(1).split(widths, rows)
+        else:  # each piece's cycle at its own stage's degree
+            cycles = [
+                splitter(plan.degrees[s]).matrix(-(-rows // w))
+                for s, w in zip(stages, widths, strict=True)
+            ]
+            starts, _ = slowest_first(cycles, splitter(1).n)
         out.append(replace(plan, schedule=schedule, chunks=V, starts=starts))
     return out
 
@@ -235,7 +260,7 @@ def _best_estimates(
     splitter = Splitter(cost, link.bandwidth, link.latency)
     hop = HopCost(cost, dp)
     best: list[_Candidate] = []  # a heap of the ``keep`` best estimates
-    tails: dict[tuple[object, ...], Any] = {}  # _estimate's memo
+    tails: dict[tuple[object, ...], Any] = {}  # estimate's memo
     for b in bundle_counts(devices, batch, dp.min_bundles):
         bundle_rows = batch // b
         width, ppn = _bundle_layout(b, devices=devices, nodes=nodes, per_node=per_node, exact=exact)
@@ -252,9 +277,9 @@ def _best_estimates(
             for m in micro_counts(rows, max(widths), limits.max_micro):
                 starts, slowest = splitter.split(widths, -(-rows // m))
                 plan = Plan(widths, b, starts, m, ppn, dp=dp)
-                estimate = _estimate(hop, plan, batch, slowest, tails)
-                least = min(least, estimate)
-                item = _Candidate(-estimate, plan)
+                guess = estimate(hop, plan, batch, slowest, tails)
+                least = min(least, guess)
+                item = _Candidate(-guess, plan)
                 if len(best) < keep:
                     heapq.heappush(best, item)
                 elif item > best[0]:
@@ -367,67 +392,3 @@ def _has_hierarchy(plan: Plan) -> bool:
     """Hierarchical sync differs from flat only where a stage has replicas in several bundles and
     more than one inside a bundle."""
     return plan.num_bundles > 1 and max(plan.shape) > 1
-
-
-def _estimate(
-    hop: HopCost,
-    plan: Plan,
-    batch: int,
-    slowest: float,
-    memo: dict[tuple[object, ...], Any] | None = None,
-) -> float:
-    """A closed-form step time: the bubble-bound pipeline, then the slowest sync and step.
-
-    ``memo`` keeps each stage's sync and step across the candidates of one search: they depend
-    on the layout of the ranks and the stage's blocks, not on the micro-batches or the rest of
-    the split (the search asks for the same ones tens of thousands of times), as do ZeRO-3's
-    collectives per micro-batch; and the nodes of each stage's groups, which depend on the
-    layout alone."""
-    cost = hop.cost
-    memo = {} if memo is None else memo
-    ends = [*plan.starts[1:], cost.n]
-    layout: tuple[object, ...] = (plan.shape, plan.num_bundles, plan.procs_per_node)
-    layout += (plan.grad_sync, plan.placement, plan.row_weights, plan.dp)
-    tail = comm = 0.0
-    for s, (a, b) in enumerate(zip(plan.starts, ends, strict=True)):
-        key = (layout, s, a, b)
-        if key not in memo:
-            if (layout, s) not in memo:
-                topo = plan.layout(batch).topology()
-                memo[layout, s] = _group_nodes(topo, s), Collectives(cost, topo, plan.grad_sync)
-            groups, zero = memo[layout, s]
-            if plan.dp.zero == FULL:  # no sync at the end; each micro-batch's collectives
-                memo[key] = cost.optimizer(a, b) / zero.over(s), zero.per_micro(s, a, b)
-            else:
-                memo[key] = _sync_estimate(hop, plan, groups, a, b) + cost.optimizer(a, b), 0.0
-        tail, comm = max(tail, memo[key][0]), max(comm, memo[key][1])
-    stages = len(plan.shape)
-    # ZeRO-3's collectives: hidden behind the slowest stage's compute where they overlap it.
-    exposed = max(0.0, comm - slowest) if cost.overlap else comm
-    return (plan.micro_batches + stages - 1) * slowest + tail + plan.micro_batches * exposed
-
-
-def _group_nodes(topo: Topology, s: int) -> tuple[list[int], list[int], list[int]]:
-    """The nodes of stage ``s``'s group, of its replicas in bundle 0 and of its masters."""
-
-    def nodes(ranks: tuple[int, ...]) -> list[int]:
-        return [topo.node_of(r) for r in ranks]
-
-    groups = (topo.stage_group(s), topo.bundle_stage_group(0, s), topo.masters_group(s))
-    flat, inner, masters = (nodes(g) for g in groups)
-    return flat, inner, masters
-
-
-def _sync_estimate(
-    hop: HopCost, plan: Plan, groups: tuple[list[int], list[int], list[int]], a: int, b: int
-) -> float:
-    """Stage ``s``'s whole gradient as one bucket through the sync the plan runs (``groups``:
-    its groups' nodes, ``_group_nodes``)."""
-    cost = hop.cost
-    nbytes = cost.grad_bytes(a, b)
-    flat, inner, masters = groups
-    (wire,) = hop.wire_bytes([(a, nbytes)], b)
-    if not plan.dp.two_hops(plan.grad_sync):
-        return hop.between(nbytes, wire, flat)
-    step = hop.between(nbytes, wire, masters) if plan.dp.per_step else 0.0
-    return 2 * cost.reduce(nbytes, inner) + step + hop.meeting(a, b, masters, inner)

@@ -21,92 +21,33 @@ data-parallel options need two hops; compressed, gathered or met every H steps a
 replica's finish. Under ``--zero 3`` the collectives run inside each forward and backward instead
 (``bundle.plan.zero``: spans of kind sync labelled ``gather`` where they outlast the compute), no
 sync is left after the last action, and the optimizer steps a shard.
+
+For the search: layouts that differ only in their sync share one run of their action lists
+(``simulate``'s ``runs``), and ``lower_bound`` is a step time no simulation of a layout goes
+below, cheap beside one (``plans.evaluate_many`` leaves out the plans it shows cannot win).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-from fractions import Fraction
+from dataclasses import replace
 
 from bundle.engine.precision import Policy
 from bundle.errors import ScheduleError
-from bundle.ir.schedule import REGISTRY, Action, Op, Pipe, actions, peak_in_flight, unknown
+from bundle.ir.schedule import COMPUTE as SCHEDULE_COMPUTE
+from bundle.ir.schedule import REGISTRY, Action, Op, actions, peak_in_flight, unknown
 from bundle.plan import tensor
 from bundle.plan.cost import CostModel
-from bundle.plan.dataparallel import DataParallel, HopCost
+from bundle.plan.dataparallel import HopCost
+from bundle.plan.layout import Layout, SimResult, Span
 from bundle.plan.zero import FULL, Collectives, action_time
-from bundle.topology import Place, Topology, Transfer
+from bundle.topology import Topology, Transfer
+
+# Layout, SimResult and Span live in ``layout``; the simulation's callers take them from here too.
+__all__ = ["Layout", "Runs", "SimResult", "Span", "cpu_slowdown", "lower_bound", "simulate"]
+__all__ += ["COMPUTE", "WAIT", "SEND", "SYNC", "OPTIMIZER"]
 
 COMPUTE, WAIT, SEND, SYNC, OPTIMIZER = "compute", "wait", "send", "sync", "optimizer"
-
-
-@dataclass(frozen=True)
-class Span:
-    """One interval of one replica's step: ``kind`` is compute, wait, send, sync or optimizer."""
-
-    rank: int
-    kind: str
-    label: str
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What the simulation needs of a plan: the engine's own parameters, nothing derived."""
-
-    shape: tuple[int, ...]
-    num_bundles: int
-    starts: tuple[int, ...]  # block where each piece begins (stages x chunks pieces)
-    micro_batches: int
-    schedule: str
-    grad_sync: str
-    batch: int
-    procs_per_node: int
-    dp: DataParallel = DataParallel()  # the user's options, costed as given
-    row_weights: tuple[tuple[Fraction, ...], ...] = ()  # () : even rows
-    placement: tuple[Place, ...] = ()  # () : ranks fill the nodes in order, on one device type
-    chunks: int = 1  # model chunks per stage (--virtual-stages)
-    tp: tuple[int, ...] = ()  # each stage's tensor-parallel degree (() : 1 everywhere)
-
-    @property
-    def pipe(self) -> Pipe:
-        return REGISTRY[self.schedule].pipe(len(self.shape), self.chunks)
-
-    def topology(self) -> Topology:
-        return Topology(
-            shape=self.shape,
-            num_bundles=self.num_bundles,
-            procs_per_node=self.procs_per_node,
-            global_batch=self.batch,
-            micro_batches=self.micro_batches,
-            row_weights=self.row_weights,
-            placement=self.placement,
-            tp=self.tp,
-        )
-
-
-@dataclass
-class SimResult:
-    step_time: float
-    ranks: list[int]  # the replicas of bundle 0, in rank order
-    stage_of: list[int]
-    busy: list[float]  # compute seconds per replica
-    sync: list[float]  # seconds a replica waited for its gradient sync after its last action
-    peak_in_flight: list[int]
-    timeline: list[Span] = field(default_factory=list)
-
-    @property
-    def idle(self) -> list[float]:
-        return [self.step_time - b for b in self.busy]
-
-    @property
-    def bubble(self) -> float:
-        """Fraction of the step the replicas spend neither computing nor syncing gradients."""
-        n = len(self.busy)
-        waiting = sum(self.step_time - b - s for b, s in zip(self.busy, self.sync, strict=True))
-        return max(0.0, waiting / (n * self.step_time)) if self.step_time > 0 else 0.0
 
 
 def _stage_bounds(layout: Layout, n_blocks: int) -> list[tuple[int, int]]:
@@ -115,13 +56,61 @@ def _stage_bounds(layout: Layout, n_blocks: int) -> list[tuple[int, int]]:
     return list(zip(layout.starts, ends, strict=True))
 
 
-def simulate(layout: Layout, cost: CostModel, *, timeline: bool = False) -> SimResult:
-    """Simulate one step of ``layout``; ``timeline`` keeps every span (for pictures)."""
-    topo = layout.topology()
-    sims = [_Simulation(layout, cost, timeline=timeline, bundle=b) for b in _distinct_bundles(topo)]
-    for sim in sims:  # bundles meet only in the gradient sync
-        sim.run_actions()
-    return _finish(sims)
+Runs = dict[Layout, list["_Simulation"]]
+_LETTERS = {Op.FORWARD: "F", Op.BACKWARD_INPUT: "I", Op.BACKWARD: "B", Op.BACKWARD_WEIGHT: "W"}
+
+
+def simulate(
+    layout: Layout, cost: CostModel, *, timeline: bool = False, runs: Runs | None = None
+) -> SimResult:
+    """Simulate one step of ``layout``; ``timeline`` keeps every span (for pictures). ``runs``
+    keeps the replicas' action lists run once for the layouts that differ only in their sync
+    (which starts after them), for ``cost`` alone: a layout under another sync reuses them."""
+    key = replace(layout, grad_sync="")
+    sims = runs.get(key) if runs is not None and not timeline else None
+    if sims is None:
+        topo = layout.topology()
+        bundles = _distinct_bundles(topo)
+        sims = [_Simulation(layout, cost, timeline=timeline, bundle=b) for b in bundles]
+        for sim in sims:  # bundles meet only in the gradient sync
+            sim.run_actions()
+        if runs is not None and layout.dp.zero != FULL and not timeline:  # ZeRO-3: sync inside
+            runs[key] = sims
+    return _finish(sims, layout.grad_sync)
+
+
+def lower_bound(layout: Layout, cost: CostModel) -> float:
+    """A step time ``simulate`` never goes below. Each stage's replica 0 runs its compute actions
+    one after another, then its optimizer step (``_finish``); with one chunk per stage, not before
+    its first forward's micro-batch has passed the stages before it (the shortest forward of
+    each, transfers left out), and without a split backward, its last backward's micro-batch then
+    passes back through the stages before it before stage 0 steps. Waits, transfers and the sync
+    only add to these."""
+    sim, out = _Simulation(layout, cost, timeline=False), 0.0
+    chain = sim.pipe.chunks == 1
+    drains = chain and not REGISTRY[layout.schedule].split_backward
+
+    def least(stage: int, like: Action) -> float:
+        """The shortest of ``like``'s action (op and micro-batch) among ``stage``'s replicas."""
+        a = next(x for x in sim.stage_lists[stage] if x.op is like.op and x.micro == like.micro)
+        return min(sim.duration((stage, i), a) for i in range(sim.topo.shape[stage]))
+
+    def step(p: Replica) -> float:
+        opt = sum(sim.dev[p].optimizer(*sim.bounds[j]) for j in sim.pieces_of(p[0]))
+        opt /= sim.zero.over(p[0]) if sim.zero is not None else 1
+        return opt + sim.dev[p].host(cost.overheads.step)
+
+    first_steps = min(step((0, i)) for i in range(sim.topo.shape[0]))
+    for s in range(sim.topo.num_stages):
+        p = (s, 0)
+        computes = [a for a in sim.lists[p] if a.op in SCHEDULE_COMPUTE]
+        busy = sum(sim.duration(p, a) for a in computes)
+        fill = sum(least(r, computes[0]) for r in range(s)) if chain else 0.0
+        out = max(out, fill + busy + step(p))
+        if drains and s > 0 and computes[-1].op is Op.BACKWARD:
+            drain = sum(least(r, computes[-1]) for r in range(s))
+            out = max(out, fill + busy + drain + first_steps)
+    return out
 
 
 Replica = tuple[int, int]  # (stage, replica) in the bundle simulated
@@ -171,6 +160,8 @@ class _Simulation:
         # (src rank, dst rank) -> when the pair's link is free
         self.channel: dict[tuple[int, int], float] = defaultdict(float)
         self.spans: list[Span] = []
+        self._durations: dict[tuple[int, int, int, Op, int, bool], float] = {}
+        self._peers: dict[tuple[int, int, int, bool], tuple[int, tuple[Transfer, ...]]] = {}
 
     def pieces_of(self, s: int) -> list[int]:
         """The pieces stage ``s`` runs, chunk by chunk."""
@@ -195,13 +186,19 @@ class _Simulation:
         # ping-pong measures it); the call takes the sender's own time besides.
         self.clock[p] += self.dev[p].host(o.send_call + nbytes * o.send_call_per_byte)
 
-    def peers(self, piece: int, i: int, k: int, *, forward: bool) -> tuple[int, list[Transfer]]:
+    def peers(
+        self, piece: int, i: int, k: int, *, forward: bool
+    ) -> tuple[int, tuple[Transfer, ...]]:
         """The stage across a piece's outgoing (forward) or incoming boundary, and the row plan of
-        micro-batch k there for replica i."""
-        s = self.pipe.place(piece)[0]
-        other = self.pipe.place(piece + (1 if forward else -1))[0]
-        src, dst = (s, other) if forward else (other, s)
-        return other, list(self.topo.transfers(src, dst, self.sizes[k], by_src=forward)[i])
+        micro-batch k there for replica i (kept: a step asks for each one several times)."""
+        key = (piece, i, k, forward)
+        if key not in self._peers:
+            s = self.pipe.place(piece)[0]
+            other = self.pipe.place(piece + (1 if forward else -1))[0]
+            src, dst = (s, other) if forward else (other, s)
+            plan = self.topo.transfers(src, dst, self.sizes[k], by_src=forward)[i]
+            self._peers[key] = other, plan
+        return self._peers[key]
 
     def step(self, p: Replica) -> bool:
         """Run p's next action if it can start; False when it waits on a transfer."""
@@ -209,7 +206,7 @@ class _Simulation:
         if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
             if not self._receive(p, a):
                 return False
-        elif a.op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
+        elif a.op in SCHEDULE_COMPUTE:
             self._compute(p, a)
         elif a.op in (Op.SEND_ACT, Op.SEND_GRAD):
             self._send(p, a)
@@ -234,21 +231,34 @@ class _Simulation:
         )
         return True
 
-    def _compute(self, p: Replica, a: Action) -> None:
+    def duration(self, p: Replica, a: Action) -> float:
+        """Seconds of compute action ``a`` of replica ``p`` on its device (kept per stage, chunk,
+        action, rows and recompute on the device: the replicas of a stage ask alike)."""
         k, (lo, hi) = a.micro, self.bounds[self.pipe.piece(p[0], a.chunk)]
         dev, rows, again = self.dev[p], self.rows[p][k], self.recomputed[p][a.chunk][k]
-        if a.op is Op.FORWARD:
-            d, label = dev.forward(lo, hi, rows), f"F{k}"
-        elif a.op is Op.BACKWARD_INPUT:
-            d, label = dev.backward_input(lo, hi, rows, recompute=again), f"I{k}"
-        else:
-            if a.op is Op.BACKWARD:
-                d, label = dev.backward(lo, hi, rows, recompute=again), f"B{k}"
+        key = (id(dev), lo, hi, a.op, rows, again)
+        if key not in self._durations:
+            if a.op is Op.FORWARD:
+                d = dev.forward(lo, hi, rows)
+            elif a.op is Op.BACKWARD_INPUT:
+                d = dev.backward_input(lo, hi, rows, recompute=again)
+            elif a.op is Op.BACKWARD:
+                d = dev.backward(lo, hi, rows, recompute=again)
             else:
-                d, label = dev.backward_weight(lo, hi, rows, recompute=again), f"W{k}"
+                d = dev.backward_weight(lo, hi, rows, recompute=again)
+            self._durations[key] = d
+        return self._durations[key]
+
+    def _compute(self, p: Replica, a: Action) -> None:
+        lo, hi = self.bounds[self.pipe.piece(p[0], a.chunk)]
+        dev = self.dev[p]
+        d = self.duration(p, a)
+        if a.op is Op.BACKWARD or a.op is Op.BACKWARD_WEIGHT:
             # The gradients are complete with the last backward work on the weights.
             self.last_bwd[p, a.chunk] = (self.clock[p], self.clock[p] + d)
-        self.span(p, COMPUTE, label, self.clock[p], self.clock[p] + d)
+        if self.timeline:
+            label = f"{_LETTERS[a.op]}{a.micro}"
+            self.span(p, COMPUTE, label, self.clock[p], self.clock[p] + d)
         took = d
         if self.zero is not None:  # ZeRO-3's gathers and reduce-scatters in the action
             group = self.topo.stage_group(p[0])
@@ -297,13 +307,14 @@ class _Simulation:
 Member = tuple[int, Replica]  # (index of the bundle simulated, replica)
 
 
-def _finish(sims: list[_Simulation]) -> SimResult:
-    """After its actions a replica waits for its sends, its stage's sync, the optimizer."""
+def _finish(sims: list[_Simulation], grad_sync: str) -> SimResult:
+    """After its actions a replica waits for its sends, its stage's sync (``grad_sync``), the
+    optimizer."""
     done = {(j, p): max(sim.clock[p], sim.sent[p]) for j, sim in enumerate(sims) for p in sim.procs}
     finish, sync_wait = {}, {}
     for s in range(sims[0].topo.num_stages):
         members = [m for m in done if m[1][0] == s]
-        synced = _sync(sims, s, members, done)
+        synced = _sync(sims, s, members, done, grad_sync)
         for m in members:
             sim, p = sims[m[0]], m[1]
             ready = max(done[m], synced)
@@ -349,7 +360,7 @@ def _distinct_bundles(topo: Topology) -> list[int]:
 
 
 def _sync(
-    sims: list[_Simulation], s: int, members: list[Member], done: dict[Member, float]
+    sims: list[_Simulation], s: int, members: list[Member], done: dict[Member, float], sync: str
 ) -> float:
     """When stage ``s``'s gradients are summed over its stage group (bundles simulated once per
     distinct set of devices; without a placement bundle 0 stands for all)."""
@@ -364,7 +375,7 @@ def _sync(
     )
     t = 0.0
     for c in chunks:
-        t = _sync_chunk(sims, s, c, members, done, after=t)
+        t = _sync_chunk(sims, s, c, members, done, after=t, sync=sync)
     return t
 
 
@@ -376,6 +387,7 @@ def _sync_chunk(
     done: dict[Member, float],
     *,
     after: float,
+    sync: str,
 ) -> float:
     """When chunk ``c`` of stage ``s`` has its gradients summed, its sync starting no earlier
     than ``after`` (the chunk before's)."""
@@ -394,7 +406,7 @@ def _sync_chunk(
         return [topo.node_of(r) for r in ranks]
 
     hop, slow = sim.hop, cpu_slowdown(topo, group)
-    if not hop.dp.two_hops(sim.layout.grad_sync):
+    if not hop.dp.two_hops(sync):
         buckets = device.buckets(lo, hi, ddp=True)
         t = after
         for (j, nbytes), wire in zip(buckets, hop.wire_bytes(buckets, hi), strict=True):

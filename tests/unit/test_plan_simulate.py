@@ -101,14 +101,14 @@ def test_the_planner_cuts_pieces_for_the_schedules_with_chunks():
     cost = literal_cost([1.0] * 8, [2.0] * 8, params=[1] * 8)
     splitter = Splitter(cost, 1e12, 0.0)
     plan = Plan((1, 1), 1, (0, 4), 2, 2)
-    il, il3 = _under(plan, "interleaved-1f1b", splitter, 4)
+    il, il3 = _under(plan, "interleaved-1f1b", lambda t: splitter, 4)
     assert il.chunks == 2 and il.starts == (0, 2, 4, 6)
     assert il3.chunks == 3 and len(il3.starts) == 6
-    assert _under(plan, "zbv", splitter, 4) == []  # M = 2 < 2S - 1
-    (zbv,) = _under(replace(plan, micro_batches=4), "zbv", splitter, 8)
+    assert _under(plan, "zbv", lambda t: splitter, 4) == []  # M = 2 < 2S - 1
+    (zbv,) = _under(replace(plan, micro_batches=4), "zbv", lambda t: splitter, 8)
     assert zbv.starts == (0, 2, 4, 6)
     small = Splitter(literal_cost([1.0] * 3, [2.0] * 3), 1e12, 0.0)
-    assert _under(plan, "interleaved-1f1b", small, 4) == []
+    assert _under(plan, "interleaved-1f1b", lambda t: small, 4) == []
     assert evaluate(cost, il, 4).samples_per_s > evaluate(cost, plan, 4).samples_per_s
 
 

@@ -4,19 +4,24 @@ the search over degrees, and the table, command and JSON that carry ``--tensor-p
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bundle.config import options
 from bundle.config.job import parse_degrees
-from bundle.plan import report, tensor
+from bundle.data import TEXT_VOCAB
+from bundle.plan import planner, report, tensor
 from bundle.plan.anatomy import ModelSpec
-from bundle.plan.cluster import Link
+from bundle.plan.cluster import Link, counted, load_cluster
 from bundle.plan.plans import Plan, evaluate
+from bundle.plan.profile import ProfileCache
 from bundle.plan.search import Limits, Workload, search
 from tests.support.plan_fixtures import literal_cost
 
+ROOT = Path(__file__).resolve().parents[2]
 NVLINK = Link(bandwidth=1e3, latency=1e-3)  # 1,000 bytes/s: all-reduces big enough to see
 # Four blocks of 1,000 parameters; blocks 1 and 2 split 800 of theirs, 2 rowwise layers each.
 PARAMS = [1000, 1000, 1000, 1000]
@@ -120,3 +125,35 @@ def test_the_command_json_and_table_carry_the_degrees_per_stage():
     none = report.row(evaluate(cost, Plan((2, 2), 1, (0, 2), 2, 4), 4), job, cost)
     assert "--tensor-parallel" not in none["command"] and "tensor_parallel" not in none["run"]
     assert " tp " not in report.table([none], float("inf")).splitlines()[0]
+
+
+def test_the_first_stage_alone_takes_degree_2_where_its_sync_is_the_one_exposed():
+    """docs/planner.md's per-stage example, on a smaller search: a 6.3B GPT on 2 nodes of 8 H100s
+    (Adam, batch 128, at most 2 stages). Stage 0 at degree 2 halves the gradient it syncs after
+    the step's last backward; stage 1, whose sync runs beside stage 0's last backwards, skips
+    the all-reduces at degree 1. The plan beats every plan with one degree for all stages."""
+    request = planner.Request(
+        model="gpt",
+        batch=128,
+        nodes=2,
+        per_node=8,
+        input_shape=(2048,),
+        num_classes=TEXT_VOCAB,
+        precision="bf16",
+        optimizer="adam",
+        max_stages=2,
+        max_micro=16,
+        model_args="layers=31,width=4096,heads=32",
+    )
+    cluster, _ = counted(load_cluster(ROOT / "clusters" / "h100_2x8_ib.yaml"), 2, 8)
+    cost = planner.cost_model(request, cluster=cluster, cache=ProfileCache(None))
+    schedules = ("1f1b", "interleaved-1f1b")
+
+    def best(limits: Limits):
+        return search(cost, workload=request.workload, limits=limits, schedules=schedules)[0]
+
+    chosen = best(request.limits)
+    uniform = best(replace(request.limits, per_stage=False))
+    assert chosen.fits and chosen.plan.shape == (4, 8) and chosen.plan.tp == (2, 1)
+    assert len(set(uniform.plan.degrees)) == 1
+    assert chosen.samples_per_s > 1.01 * uniform.samples_per_s
