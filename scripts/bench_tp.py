@@ -32,6 +32,13 @@ How to read it:
   of those medians. A TP step sums activations over gloo twice per layer forward and twice
   backward on the cores that compute; data parallelism sums the gradients once per step.
 
+``--predict``: before the runs, the planner predicts each case's samples/s on this machine as
+``scripts/plan.py`` would plan it (``tp_predict``: the model profiled here with one thread per
+process, as the planner profiles; cached under ``--profile-cache``); the table then shows each
+prediction and its error against the measured median. ``one`` runs with both cores' threads
+(main.py gives a lone process every core), which the planner, counting processes, does not
+model: its error says how much that is worth.
+
 It prints the conditions, one table, the ratios, then the report as one JSON line (``--json``
 also writes it to a file). A run that fails is printed (command and stderr tail) to stderr and
 listed under ``failures``; the exit status is then 1.
@@ -55,10 +62,12 @@ from typing import cast
 import torch.nn as nn
 from bench_compile import measured
 from bench_dp import Runner, _fmt, _ratio, _table, interleaved, publish
+from tp_predict import predict
 
 from bundle import models
 from bundle.config import parse_model_args
 from bundle.models import tp
+from bundle.plan import profile as prof
 
 HELD = ("param_bytes", "grad_bytes", "optimizer_bytes")
 SPLIT_STYLES = ("colwise", "rowwise", "packed_colwise")  # models.tp's styles that cut a layer
@@ -250,6 +259,8 @@ def render(report: dict) -> str:
     t, cores = e["degree"], report["conditions"]["cores"]
     header = ["case", "flags", "procs", "samples/s (runs)", "median", "param B", "grad B"]
     header += ["optim B", "total B", "vs one"]
+    predicted = report.get("predicted") or {}
+    header += ["predicted", "error"] if predicted else []
     table = []
     for case, row in rows.items():
         runs = " ".join(_fmt(v, 1) for v in row["samples_per_s"]) or "-"
@@ -259,6 +270,10 @@ def render(report: dict) -> str:
         flags = flags.replace("--tensor-parallel", "tp")
         table.append([case, flags, row["processes"], runs, _fmt(row["median_samples_per_s"], 1)])
         table[-1] += [*held, row["most_total_bytes"], vs]
+        if predicted:
+            guess, got = predicted.get(case), row["median_samples_per_s"]
+            error = _ratio(guess, got)
+            table[-1] += [_fmt(guess, 1), f"{error - 1:+.1%}" if error else "-"]
     b = r["bytes_tp_vs_one"]
     lines = [
         *_header(report),
@@ -301,6 +316,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-file", type=Path, help="text to train on (default: Python modules)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per main.py run")
     p.add_argument("--json", metavar="PATH", help="also write the report here")
+    p.add_argument("--predict", action="store_true", help="the planner's prediction per case")
+    p.add_argument(
+        "--profile-cache",
+        default=str(prof.default_cache_dir()),
+        help="with --predict: the planner's profile cache ('off' or '': measure every time)",
+    )
     args = p.parse_args(argv)
     if args.degree < 2:
         p.error(f"--degree must be at least 2, not {args.degree}")
@@ -330,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         "expected": count,
     }
     print("\n".join(_header(report)), file=sys.stderr, flush=True)
+    if args.predict:  # before the runs: the profile wants the machine to itself
+        cache = "" if args.profile_cache == "off" else args.profile_cache
+        sz = sizes
+        report["predicted"] = predict(sz.model_args, sz.seq_len, sz.batch, args.degree, cache)
     with tempfile.TemporaryDirectory(prefix="bench_tp_") as tmp:
         data = args.data_file or write_text(Path(tmp))
         base = job(sizes, data)
