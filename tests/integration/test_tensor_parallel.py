@@ -22,7 +22,8 @@ shown in tests/unit/test_tp.py and tests/unit/test_tp_lora.py (a rowwise layer w
 a colwise layer's LoRA A without its gradient's sum, are off by far more).
 
 A second world of ten processes runs the largest layout, `2,1` at degrees `2,1` in two bundles
-(gloo; nccl-emu strict with hierarchical sync; ZeRO-1; ``--zero 3`` over HSDP), and its checkpoint
+(gloo; nccl-emu strict with hierarchical sync; ZeRO-1; ``--zero 3`` over HSDP; the Llama cut at its
+modules), and GPT's checkpoint
 resumes as three stages and as data parallel, both without tensor parallelism."""
 
 from __future__ import annotations
@@ -195,13 +196,15 @@ def test_tensor_parallel_layouts_equal_one_process_and_resume_under_others(text,
 
 # The largest layout: `2,1` at degrees `2,1` in two bundles (ten processes: two replicas of a
 # TP-2 front and a rear of one, twice), under gloo, nccl-emu strict with hierarchical sync,
-# ZeRO-1 and --zero 3 (HSDP); its checkpoint resumed as three stages without tensor parallelism
-# (three processes) and as data parallel without it (two).
+# ZeRO-1 and --zero 3 (HSDP), and the Llama cut at its modules; GPT's checkpoint resumed as
+# three stages without tensor parallelism (three processes) and as data parallel without it
+# (two).
 TEN = [
     ("gpt", (2, 1), 2, (2, 1), "1f1b", "flat", "gloo"),
     ("gpt", (2, 1), 2, (2, 1), "1f1b", "hierarchical", "nccl-emu-strict"),
     ("gpt", (2, 1), 2, (2, 1), "gpipe", "flat", "gloo", {"zero": 1, "bucket_mb": 25.0}),
     ("gpt", (2, 1), 2, (2, 1), "1f1b", "hierarchical", "gloo", {"zero": 3}),
+    ("hf-llama", (2, 1), 2, (2, 1), "1f1b", "flat", "gloo"),
 ]
 TEN_RESUMES = [
     ("gpt", (1, 1, 1), 1, (1, 1, 1), "1f1b", "flat", "gloo"),
