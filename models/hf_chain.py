@@ -96,8 +96,11 @@ def blocks(model: nn.Module, output: str | None = None) -> list[Block] | None:
     if any(k not in _MASKS for k in kinds):
         return None  # a kind of attention whose mask is not one of the two
     chain: list[Block] = [("model.embed_tokens", base.embed_tokens)]
+    made: dict[
+        tuple, tuple[torch.Tensor, Any, Any]
+    ] = {}  # what the layers are given, made once per input shape for all of them
     for i, k in enumerate(kinds):
-        chain.append((f"model.layers.{i}", DecoderLayer(base, i, _MASKS[k])))
+        chain.append((f"model.layers.{i}", DecoderLayer(base, i, _MASKS[k], made)))
     return [*chain, ("model.norm", base.norm), ("lm_head", model.lm_head)]
 
 
@@ -114,6 +117,7 @@ def _mask_function(name: str) -> Callable[..., Any]:
     return getattr(masking_utils, name)
 
 
+_KEPT = 8  # input shapes whose positions, mask and rotary table the layers keep at once
 _MASKS = {
     "full_attention": "create_causal_mask",
     "sliding_attention": "create_sliding_window_causal_mask",
@@ -124,15 +128,22 @@ class DecoderLayer(nn.Module):
     """Decoder layer ``i`` of a base model as a block: hidden states in, hidden states out, with
     the positions, rotary table and mask the base model's forward gives it. Its children mirror
     the model's paths (``model.layers.i``, ``model.rotary_emb``), so its parameters carry their
-    full names (``named_fully``) and ``.to()`` moves the rotary table with the layer."""
+    full names (``named_fully``) and ``.to()`` moves the rotary table with the layer.
+
+    The positions, rotary table and mask depend only on the input's shape, dtype and device (and
+    the layer's kind of mask): the model's layers share what the first of them made (``made``),
+    as the base model's forward makes them once for all its layers."""
 
     named_fully = True
     # The same modules, for the forward (held in ``__dict__``: registered once, as children).
     _layer: Callable[..., torch.Tensor]
     _rotary: nn.Module
     _config: Any
+    _made: dict[tuple, tuple[torch.Tensor, Any, Any]]
 
-    def __init__(self, base: nn.Module, i: int, mask: str) -> None:
+    def __init__(
+        self, base: nn.Module, i: int, mask: str, made: dict[tuple, Any] | None = None
+    ) -> None:
         super().__init__()
         layers: Any = base.layers
         parts: Mapping[str, nn.Module] = {
@@ -147,7 +158,12 @@ class DecoderLayer(nn.Module):
                     node.add_module(head, nn.Module())
                 node = node._modules[head]  # type: ignore[assignment]
             node.add_module(leaf, module)
-        self.__dict__.update(_layer=layers[i], _rotary=base.rotary_emb, _config=base.config)
+        self.__dict__.update(
+            _layer=layers[i],
+            _rotary=base.rotary_emb,
+            _config=base.config,
+            _made={} if made is None else made,
+        )
         self.mask_name = mask
         create = _mask_function(mask)
         # The mask's arguments by the installed release's names (4.56: input_embeds,
@@ -177,14 +193,25 @@ class DecoderLayer(nn.Module):
         here = torch.arange(positions.shape[1], device=at).unsqueeze(0)
         return tuple(t.to(hidden.device) for t in self._rotary(x, here))
 
+    def _given(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+        """(positions, mask, rotary table) for ``hidden``: made once per shape, dtype, device and
+        kind of mask (on the meta device, made each time and kept nowhere)."""
+        key = (self.mask_name, tuple(hidden.shape[:2]), hidden.dtype, hidden.device)
+        found = None if hidden.is_meta else self._made.get(key)
+        if found is None:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            # On the meta device (a boundary's shape found before a stage holds memory) the
+            # mask, which reads the positions' values, is left out: it changes no shape.
+            mask = None if hidden.is_meta else self._mask(hidden, positions)
+            found = (positions, mask, self._rotary_table(hidden, positions))
+            if not hidden.is_meta:
+                if len(self._made) >= _KEPT:
+                    self._made.clear()
+                self._made[key] = found
+        return found
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        # On the meta device (a boundary's shape found before a stage holds memory) the mask,
-        # which reads the positions' values, is left out: it changes no shape.
-        mask = None if hidden.is_meta else self._mask(hidden, positions)
+        positions, mask, table = self._given(hidden)
         return self._layer(
-            hidden,
-            attention_mask=mask,
-            position_ids=positions,
-            position_embeddings=self._rotary_table(hidden, positions),
+            hidden, attention_mask=mask, position_ids=positions, position_embeddings=table
         )

@@ -21,7 +21,8 @@ on every rank (one sum of both, concatenated, would save a call; it is not done)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -102,23 +103,31 @@ class _Rowwise:
         return out if self.bias is None else out + self.bias
 
 
+@contextlib.contextmanager
+def _summing_grads(params: dict[str, nn.Parameter | None], all_reduce: AllReduce) -> Iterator[None]:
+    """While it lasts, each parameter of ``params`` (a module's ``_parameters``) that trains is
+    seen through f: each use sums its gradient over the group, so gradient accumulation over
+    micro-batches stays exact."""
+    own = dict(params)
+    for name, p in own.items():
+        if p is not None and p.requires_grad:
+            params[name] = grad_summed(p, all_reduce)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        params.update(own)
+
+
 class _GradSummed:
     """The forward of a replicated module whose parameters' gradients are partial: its own,
-    with f on each parameter that trains (each use sums its gradient, so gradient accumulation
-    over micro-batches stays exact)."""
+    with f on each parameter that trains."""
 
     tp_all_reduce: AllReduce
     _parameters: dict[str, nn.Parameter | None]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        own = dict(self._parameters)
-        for name, p in own.items():
-            if p is not None and p.requires_grad:
-                self._parameters[name] = grad_summed(p, self.tp_all_reduce)  # type: ignore[assignment]
-        try:
+        with _summing_grads(self._parameters, self.tp_all_reduce):
             return super().forward(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self._parameters.update(own)
 
 
 class _ColwiseAdapted(_Colwise):
@@ -128,14 +137,8 @@ class _ColwiseAdapted(_Colwise):
     lora_A: nn.Linear
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        params = self.lora_A._parameters
-        own = params["weight"]
-        if own is not None and own.requires_grad:
-            params["weight"] = grad_summed(own, self.tp_all_reduce)  # type: ignore[assignment]
-        try:
+        with _summing_grads(self.lora_A._parameters, self.tp_all_reduce):
             return super().forward(x, *args, **kwargs)
-        finally:
-            params["weight"] = own
 
 
 class _RowwiseAdapted(_Rowwise):

@@ -51,6 +51,26 @@ def _model(config: str, cls: str, fields: dict, attention: str = "eager") -> tor
     return getattr(transformers, cls)(conf).eval()
 
 
+def test_the_layers_make_their_mask_and_rotary_table_once_per_shape(monkeypatch):
+    """As the base model's forward: once for all its layers (per kind of mask), not per layer;
+    again for another shape, whose result is the forward's too."""
+    model = _model(*FAMILIES[3])  # Qwen2: one full-attention layer, then two sliding ones
+    chain = hf_chain.blocks(model)
+    assert chain is not None
+    made = []
+    real = hf_chain.DecoderLayer._mask
+    monkeypatch.setattr(
+        hf_chain.DecoderLayer,
+        "_mask",
+        lambda self, *a: made.append(self.mask_name) or real(self, *a),
+    )
+    for rows, seq in [(2, SEQ), (2, SEQ), (3, SEQ - 4)]:
+        x = torch.randint(0, VOCAB, (rows, seq))
+        torch.testing.assert_close(apply_blocks(chain, x), model(x).logits, rtol=0, atol=1e-6)
+    kinds = ["create_causal_mask", "create_sliding_window_causal_mask"]
+    assert made == kinds * 2, made
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("config,cls,fields", FAMILIES, ids=lambda v: str(v)[:24])
 def test_the_chain_of_a_models_own_modules_equals_its_forward(config, cls, fields, attention):
