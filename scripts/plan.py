@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from bundle import models
@@ -124,6 +125,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--max-rounds", type=int, metavar="N", help="with --validate: rounds at most (default 11)"
+    )
+    p.add_argument(
+        "--measured",
+        metavar="JSON",
+        help="with --validate: predict again from the measurements an earlier run's --json "
+        "holds, running nothing (the planner changed, the runs did not)",
     )
     args = p.parse_args(argv)
     if not args.validate and not args.model:
@@ -353,11 +360,22 @@ def validate(args: argparse.Namespace) -> dict:
         spec = replace(spec, spread=args.spread)
     if args.max_rounds is not None:
         spec = replace(spec, max_rounds=args.max_rounds)
-    results, wall = plan_validate.run(spec)
+    if args.measured:
+        results, wall = plan_validate.load(json.loads(Path(args.measured).read_text())), 0.0
+    else:
+        results, wall = plan_validate.run(spec)
     out = plan_validate.predict(spec, results)
     out["wall_s"] = round(wall, 1)
+    out["measurements"] = {str(world): ranks for world, ranks in results.items()}
     print(plan_validate.render(out))
     return out
+
+
+def _number(value: Any) -> Any:
+    """A numpy scalar (a count or size from the cost model) as the number it holds, for JSON."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan.py: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(out, indent=2, default=_number) + "\n")
     return 0
 
 

@@ -167,21 +167,39 @@ class Profiler:
         }
 
 
-def slowest_timings(records: list[dict]) -> prof.Timings:
-    """A profile from every rank's passes: of each pass (taken by all ranks at once) the slower
-    rank's, as a synchronous step waits for its slowest process; then the median per block."""
-    passes = [
-        max(group, key=lambda p: sum(p[0]) + sum(p[1]) + p[2])
-        for group in zip(*(r["passes"] for r in records), strict=True)
-    ]
-    n, med = len(passes[0][0]), statistics.median
+def slowest_timings(
+    records: list[dict], starts: tuple[int, ...] = (0,), shape: tuple[int, ...] = (1,)
+) -> prof.Timings:
+    """A profile from every rank's passes (``records`` in rank order: stage by stage), each
+    stage's blocks from the ranks that run that stage: of each pass (taken by all ranks at once)
+    the stage's slower rank's, as a synchronous step waits for its slowest replica; then the
+    median per block. A pipeline's stage is timed on its own process, not on its peer's."""
+    n = len(records[0]["passes"][0][0])
+    bounds = list(zip(starts, (*starts[1:], n), strict=True))
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    loss: list[float] = []
+    for group in zip(*(r["passes"] for r in records), strict=True):
+        for s, (lo, hi) in enumerate(bounds):
+            last = s == len(bounds) - 1
+            first = sum(shape[:s])
+            p = max(
+                group[first : first + shape[s]],
+                key=lambda p: sum(p[0][lo:hi]) + sum(p[1][lo:hi]) + (p[2] if last else 0.0),
+            )
+            for i in range(lo, hi):
+                fwd[i].append(p[0][i])
+                bwd[i].append(p[1][i])
+            if last:
+                loss.append(p[2])
+    med = statistics.median
     return prof.Timings(
         device=prof.device_name(torch.device("cpu")),
         precision="fp32",
         rows=(records[0]["rows"],),
-        fwd=(tuple(med(p[0][i] for p in passes) for i in range(n)),),
-        bwd=(tuple(med(p[1][i] for p in passes) for i in range(n)),),
-        loss=(med(p[2] for p in passes),),
+        fwd=(tuple(med(t) for t in fwd),),
+        bwd=(tuple(med(t) for t in bwd),),
+        loss=(med(loss),),
         optimizer_per_param=records[0]["optimizer_per_param"],
     )
 
@@ -291,6 +309,14 @@ def run(spec: Spec) -> tuple[dict, float]:
     return results, time.perf_counter() - start
 
 
+def load(report: dict) -> dict:
+    """The measurements of a validation's JSON report (``measurements``: per world, its ranks'
+    rounds), as ``run`` returns them."""
+    if "measurements" not in report:
+        raise ValueError("the report holds no measurements (written before they were kept)")
+    return {int(world): ranks for world, ranks in report["measurements"].items()}
+
+
 def _starts(sizes: bench.Sizes, c: Config) -> tuple[int, ...]:
     """The split the engine runs for ``c`` (as ``bundle.engine.stages.build_stages`` resolves it)."""
     from bundle import models
@@ -332,8 +358,11 @@ def _boundary(spec: Spec, c: Config, anatomy, starts: tuple[int, ...]):
     return boundary_range(anatomy, (rows, rows), cuts=starts[1:])
 
 
-def _predicted(spec: Spec, c: Config, results: dict, anatomy) -> tuple[list, list, list]:
-    """(rounds, predicted, measured samples/s) of ``c``, over the rounds it was measured in."""
+def _predicted(
+    spec: Spec, c: Config, results: dict, anatomy, cals: list
+) -> tuple[list, list, list]:
+    """(rounds, predicted, measured samples/s) of ``c``, over the rounds it was measured in
+    (``cals``: each round's calibration)."""
     from bundle.plan.cost import CostModel, Execution
     from bundle.plan.simulate import Layout, simulate
 
@@ -345,19 +374,28 @@ def _predicted(spec: Spec, c: Config, results: dict, anatomy) -> tuple[list, lis
     predicted, measured = [], []
     for r in rounds:
         ranks = [rank["rounds"][r]["cases"][c.name] for rank in mine]
-        calib = _round_calibration(results, r).for_boundary(sizes)
-        cost = CostModel(
-            anatomy=anatomy,
-            cluster=cal.loopback(
-                calib.p2p, calib.collective, devices=c.processes, memory_bytes=float("inf")
-            ),
-            timings=slowest_timings([case["profile"] for case in ranks]),
-            overheads=calib.overheads,
-            # Gloo on the CPU: the sync takes the backward's cores.
-            execution=Execution(overlap=False),
+        calib = cals[r].for_boundary(sizes)
+        cluster = cal.loopback(
+            calib.p2p, calib.collective, devices=c.processes, memory_bytes=float("inf")
         )
         layout = Layout(c.shape, 1, starts, c.micro, c.schedule, "flat", batch, c.processes)
-        predicted.append(batch / simulate(layout, cost).step_time)
+        profiles = [case["profile"] for case in ranks]
+        steps = []
+        # Each step simulated from the pass just before it on every rank (the load of that
+        # moment, rank by rank), the round's prediction their median as its measurement is.
+        for k in range(len(profiles[0]["passes"])):
+            cost = CostModel(
+                anatomy=anatomy,
+                cluster=cluster,
+                timings=slowest_timings(
+                    [{**p, "passes": [p["passes"][k]]} for p in profiles], starts, c.shape
+                ),
+                overheads=calib.overheads,
+                # Gloo on the CPU: the sync takes the backward's cores.
+                execution=Execution(overlap=False),
+            )
+            steps.append(simulate(layout, cost).step_time)
+        predicted.append(batch / statistics.median(steps))
         measured.append(batch / ranks[0]["step"])  # rank 0's clock
     return rounds, predicted, measured
 
@@ -393,14 +431,14 @@ def predict(spec: Spec, results: dict) -> dict:
         shape, _ = model_input(spec.sizes, model)
         anatomies[model] = count_anatomy(model, shape, bench.NUM_CLASSES)
     most = max(len(w[0]["rounds"]) for w in results.values())
-    calibrations = [asdict(_round_calibration(results, r)) for r in range(most)]
+    cals = [_round_calibration(results, r) for r in range(most)]  # fitted once a round
     rows = []
     for c in spec.configs:
         _, batch = model_input(spec.sizes, c.model)
-        _, predicted, measured = _predicted(spec, c, results, anatomies[c.model])
+        _, predicted, measured = _predicted(spec, c, results, anatomies[c.model], cals)
         done = results[c.processes][0]["settled"][c.name]
         rows.append(compare(c, batch, predicted, measured, done))
-    return summarize(rows, spec, calibrations)
+    return summarize(rows, spec, [asdict(one) for one in cals])
 
 
 def summarize(rows: list[dict], spec: Spec, calibrations: list | None = None) -> dict:

@@ -57,6 +57,11 @@ def test_fit_recovers_each_sides_call_and_the_link_wherever_it_looks(lo, hi):
     assert (got.comm_action, got.send_call, got.recv_call) == (7.0, cost.send_call, RECV)
 
 
+def test_one_sizes_slow_receive_call_does_not_set_the_fit():
+    odd = [dict(p, recv_call=1e-3) if p["bytes"] == 2**18 else p for p in POINTS]
+    assert messages.fit(odd, 2**16, 2**16).recv_call == pytest.approx(RECV)
+
+
 def _block(floats: int, other: int = 0) -> BlockAnatomy:
     z = Linear(0.0, 0.0)
     return BlockAnatomy("b", 0, (floats,), other, z, z, (), ())

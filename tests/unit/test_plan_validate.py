@@ -74,3 +74,22 @@ def test_rows_compare_medians_and_the_report_counts_each_side():
     text = plan_validate.render(report).splitlines()
     assert text[2].rstrip().endswith("1*") and "1 of 2 predicted faster" in text[3]
     assert text[4].startswith("* spread above 10% after 6 rounds: 1 configuration(s)")
+
+
+def _record(passes: list[tuple[list[float], list[float], float]]) -> dict:
+    return {"rows": 8, "passes": [list(p) for p in passes], "optimizer_per_param": 1e-9}
+
+
+def test_each_stage_is_timed_on_the_processes_that_run_it():
+    """A pipeline's stage takes its blocks from its own process's passes, not from whichever
+    process was slower over the whole model; replicas of one stage take the slower per pass."""
+    # Rank 0 is slow on blocks 0-1, rank 1 on blocks 2-3 (and slower over the whole model).
+    fast, slow = [1.0, 1.0], [3.0, 3.0]
+    rank0 = _record([(slow + fast, slow + fast, 0.5)] * 3)
+    rank1 = _record([(fast + slow, fast + slow, 2.0)] * 3)
+    piped = plan_validate.slowest_timings([rank0, rank1], (0, 2), (1, 1))
+    assert piped.fwd[0] == (3.0, 3.0, 3.0, 3.0) and piped.loss == (2.0,)
+    # Data parallel: per pass, the replica slower over the whole stage (rank 1 here), all blocks.
+    replicas = plan_validate.slowest_timings([rank0, rank1], (0,), (2,))
+    assert replicas.fwd[0] == (1.0, 1.0, 3.0, 3.0) and replicas.loss == (2.0,)
+    assert plan_validate.slowest_timings([rank0]).fwd[0] == (3.0, 3.0, 1.0, 1.0)
