@@ -33,11 +33,9 @@ How to read it:
   backward on the cores that compute; data parallelism sums the gradients once per step.
 
 ``--predict``: before the runs, the planner predicts each case's samples/s on this machine as
-``scripts/plan.py`` would plan it (``tp_predict``: the model profiled here with one thread per
-process, as the planner profiles; cached under ``--profile-cache``); the table then shows each
-prediction and its error against the measured median. ``one`` runs with both cores' threads
-(main.py gives a lone process every core), which the planner, counting processes, does not
-model: its error says how much that is worth.
+``scripts/plan.py`` would plan it (``tp_predict``: the model profiled here with the threads each
+process has, as the planner profiles; cached under ``--profile-cache``); the table then shows
+each prediction and its error against the measured median.
 
 It prints the conditions, one table, the ratios, then the report as one JSON line (``--json``
 also writes it to a file). A run that fails is printed (command and stderr tail) to stderr and

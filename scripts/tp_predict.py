@@ -5,8 +5,10 @@ model's blocks timed here at every batch size the plans need, the engine's overh
 loopback links measured (``bundle.plan.planner.cost_model``, cached under ``--profile-cache``
 as plan.py's are), then the case's own layout simulated (``bundle.plan.plans.evaluate``): its
 shape, TP degrees, the engine's split of ``gpt`` (``models.partition.resolve``) and main.py's
-default of one micro-batch, AdamW. The planner knows processes, not cores: a case with more
-processes than the machine has cores (``pipe`` on two) runs slower than it predicts.
+default of one micro-batch, AdamW. Each case is profiled with the threads each of its processes
+has (a lone process every core's, as main.py runs it). The planner knows processes, not cores: a
+case with more processes than the machine has cores (``pipe`` on two) runs slower than it
+predicts.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def predict(model_args: str, seq_len: int, batch: int, degree: int, cache_dir: s
             model="gpt",
             batch=batch,
             nodes=1,
-            per_node=max(2, procs),
+            per_node=procs,  # a lone process profiled with every core's threads, as it runs
             input_shape=(seq_len,),
             num_classes=VOCAB,
             optimizer="adamw",

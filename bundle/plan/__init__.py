@@ -10,6 +10,7 @@ Modules, from the data up:
 - ``isolate``: a measurement run in a spawned child process (no CUDA left in the caller);
 - ``messages``: what one point-to-point message costs here: a ping-pong over the boundary's sizes;
 - ``calibrate``: the engine's own overheads and this machine's loopback links, measured once;
+- ``calibrate_tp``: what a tensor-parallel sum costs inside a step on this machine, fitted;
 - ``shares``: how much slower than its CPU share an emulated device computes, measured once;
 - ``cost``: seconds and bytes of a plan's pieces: stage compute, transfers, gradient sync, memory;
 - ``dataparallel``: the user's data-parallel options (compression, bundle sync, aggregation) costed;

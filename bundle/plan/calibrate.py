@@ -15,6 +15,9 @@
   measured, is what makes the simulator, given the links, the calls, the compute overheads and
   the MLP's profile (timed between the steps), match those steps. On a shared CPU it is far from
   free: a gloo call waits for gloo's own threads, which wait for a core.
+- ``tp_sum``: the same two processes run a small GPT at tensor-parallel degree 2
+  (``bundle.plan.calibrate_tp``): the cost of each of its sums inside a step, beyond the
+  all-reduce.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from bundle.engine.stage_engine import StageEngine
 from bundle.engine.transport import Boundaries, Transport
 from bundle.ir.schedule import ONE_CHUNK
 from bundle.launch import localworld
-from bundle.plan import messages
+from bundle.plan import calibrate_tp, messages
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
 from bundle.plan.cluster import Cluster, Link
@@ -61,6 +64,7 @@ TINY = Probe("mlp", (3, 2, 2), 10, 1, (1, 16))  # compute far below the overhead
 BUSY = Probe("mlp", (3, 16, 16), 10, 64, (16,))  # about 1 ms per stage and micro-batch
 MICRO = TINY.micro
 _SMALL, _LARGE = 4, 8 * 2**20  # bytes of the latency and the bandwidth probes
+_FITTED = ("comm_action", "tp_sum")  # what the busy probes fit (cached with the links)
 _CPU = torch.device("cpu")
 
 
@@ -243,6 +247,9 @@ def fitted(overheads: Overheads, measured: dict) -> Calibration:
     collective = Link(**measured["collective"])
     base = at_probe.overheads(overheads)
     found = fit_comm_action(base, at_probe.link, collective, measured["pipelines"])
+    if "tensor" in measured:  # the TP probe (validation rounds leave it out)
+        pair = loopback(at_probe.link, collective, devices=2, memory_bytes=float("inf"))
+        found = calibrate_tp.fit_tp_sum(found, pair, measured["tensor"])
     return Calibration(found, at_probe.link, collective, points)
 
 
@@ -333,7 +340,11 @@ def loopback(p2p: Link, collective: Link, *, devices: int, memory_bytes: float) 
 
 def _world(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    return {**measure_links(rank), "pipelines": Pipelines(rank).measure()}
+    return {
+        **measure_links(rank),
+        "pipelines": Pipelines(rank).measure(),
+        "tensor": calibrate_tp.TensorSteps(rank).measure(),
+    }
 
 
 def _key() -> dict:
@@ -341,9 +352,9 @@ def _key() -> dict:
 
 
 def _links_key() -> dict:
-    """The links' entry depends on the ping-pong's sizes too (older entries, without them, are
-    measured again)."""
-    return {**_key(), "messages": list(messages.GRID)}
+    """The links' entry depends on the ping-pong's sizes and on what is fitted of the busy
+    pipelines too (older entries, without them, are measured again)."""
+    return {**_key(), "messages": list(messages.GRID), "fitted": list(_FITTED)}
 
 
 def engine(cache: prof.ProfileCache) -> Overheads:
@@ -378,13 +389,13 @@ def calibrate(
         doc = {
             "messages": list(found.points),
             "collective": world["collective"],
-            "comm_action": found.overheads.comm_action,
+            **{k: getattr(found.overheads, k) for k in _FITTED},
         }
         cache.put("links", _links_key(), doc, seen)
     points = tuple(doc["messages"])
     at_probe = messages.fit(points, *(busy_boundary() or (1.0, 1.0)))
     return Calibration(
-        at_probe.overheads(replace(overheads, comm_action=doc["comm_action"])),
+        at_probe.overheads(replace(overheads, **{k: doc[k] for k in _FITTED})),
         at_probe.link,
         Link(**doc["collective"]),
         points,

@@ -10,22 +10,21 @@
 - **Transfers**: bytes of the boundary tensors in their wire dtype / bandwidth + latency, over the
   intra- or inter-node link by where the two ranks sit; each send's and receive's call on its side.
 - **Collectives**: ring all-reduce ``2(n-1)/n * bytes / bandwidth + 2(n-1) * latency`` over the
-  slowest link of the group; reduce and broadcast ``(n-1)/n * bytes / bandwidth + (n-1) *
-  latency``; all-gather of every member's ``bytes`` ``(n-1) * bytes / bandwidth + (n-1) *
-  latency``. Gradients are synced in buckets (the engine's ``--bucket-mb``; DDP's first bucket is
-  1 MiB), each ready when the last backward has passed its parameters where communication runs
-  beside compute (GPUs), and when the backward is over where it takes the same cores (gloo on a
-  CPU: its reductions and copies compete with the backward, so nothing is hidden).
+  slowest link of the group; reduce and broadcast ``(n-1)/n * bytes / bandwidth + (n-1) * latency``;
+  all-gather of every member's ``bytes`` ``(n-1) * bytes / bandwidth + (n-1) * latency``.
+  Gradients are synced in buckets (the engine's ``--bucket-mb``; DDP's first bucket is 1 MiB),
+  each ready when the last backward has passed its parameters where communication runs beside
+  compute (GPUs), and when the backward is over where it takes the same cores (gloo on a CPU: its
+  reductions and copies compete with the backward, so nothing is hidden).
 - **What trains**: with ``--lora`` only what trains has gradients, optimizer state and sync; the
   frozen base takes memory (and ZeRO-3's gathers), and its backward has no weight half.
 - **Memory** per device: fp32 parameters, the gradients of those that train (and DDP's bucket
   copies), their optimizer state (its bytes per parameter from ``bundle.engine.optim.STATE_BYTES``:
   none for plain SGD, a momentum buffer, Adam's two moments; ZeRO-1 shares it out:
   ``bundle.plan.dataparallel``; ZeRO-3 the parameters and gradients too, one block gathered at a
-  time: ``bundle.plan.zero``), the
-  activations the schedule holds (``--recompute`` keeps only stage inputs, plus the micro-batch a
-  backward rebuilds) and the receive buffers (the data-parallel options' state:
-  ``bundle.plan.dataparallel``).
+  time: ``bundle.plan.zero``), the activations the schedule holds (``--recompute`` keeps only
+  stage inputs, plus the micro-batch a backward rebuilds) and the receive buffers (the
+  data-parallel options' state: ``bundle.plan.dataparallel``).
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ class Overheads:
 
     compute_action: float = 0.0  # per forward or backward action of a stage
     comm_action: float = 0.0  # per send or receive action, beyond the calls it posts
+    tp_sum: float = 0.0  # per tensor-parallel sum in a step, beyond its all-reduce
     send_call: float = 0.0  # per message, posting it (bundle.plan.messages): a send's call
     send_call_per_byte: float = 0.0  # grows with its bytes (gloo writes what the socket takes)
     recv_call: float = 0.0  # and a receive's does not
@@ -219,8 +219,7 @@ class CostModel:
         return self.like(one, compute_scale=t.penalty / t.cpu if t.cpu else 1.0)
 
     def host(self, seconds: float) -> float:
-        """Work of the process itself (the engine's overheads, copies): slowed, like compute, by
-        a CPU share."""
+        """Work of the process itself (engine overheads, copies): slowed, as compute, by a share."""
         return seconds * self.compute_scale
 
     def on(self, kind: str) -> CostModel:

@@ -12,7 +12,9 @@ model takes are those ``tp.check`` passes. At degree ``t`` a stage's cost model 
   (attention's output projection and the MLP's down projection: two each way for a transformer
   block), each of the block's output activation (rows x its output's elements x the wire dtype)
   as a ring over the node's link, ``2(t-1)/t * bytes / bandwidth + 2(t-1) * latency``
-  (``CostModel.allreduce`` on one node: the cluster's collective link, else its intra-node one);
+  (``CostModel.allreduce`` on one node: the cluster's collective link, else its intra-node one)
+  plus ``Overheads.tp_sum`` each, the in-step cost per sum measured here (``calibrate_tp``; 0 on
+  the links a cluster file's figures give);
 - **memory**: the split parameters, their gradients and optimizer state / t, the rest whole; a
   block that splits holds its output whole (the residual stream and norm inputs every rank
   keeps) and the rest of what its forward saves / t: a rough count of the split layers' outputs.
@@ -164,7 +166,7 @@ def reduce_seconds(cost: CostModel, sp: Split, degree: int, rows: float) -> np.n
     for j, count in enumerate(sp.reduces):
         if count:
             nbytes = cost.boundary_bytes(j + 1, rows, grad=True)
-            out[j] = count * cost.allreduce(nbytes, [0] * degree)
+            out[j] = count * (cost.allreduce(nbytes, [0] * degree) + cost.overheads.tp_sum)
     return out
 
 
