@@ -3,8 +3,9 @@
 A stage's degree splits its layers' matrices over the processes of each replica
 (``bundle.models.tp``); what a rank holds of a split layer is its shard, which the options
 refused here would have to know about: the other exchanges of the data-parallel side, a
-quantized base (``--lora`` adapters are split with their layers), compiled blocks, and a bundle
-that heals from its peers. (``--zero 1`` and ``--zero 3`` shard over the replicas' processes of
+quantized base (``--lora`` adapters are split with their layers), and a bundle that heals from
+its peers. (``--compile`` compiles a stage's blocks with their split layers, each sum a call
+between the compiled pieces.) (``--zero 1`` and ``--zero 3`` shard over the replicas' processes of
 the same index in their TP groups, which hold the same shards.)
 """
 
@@ -31,7 +32,6 @@ def check_tensor_parallel(
         "--aggregate": par.aggregate != "mean" and par.aggregate,
         "--row-weights": par.row_weights,
         "--base-dtype": base_dtype,
-        "--compile": compute.compile,
         "--fault-tolerance": launch.fault_tolerance == "bundle" and "bundle",
     }
     for flag, value in refused.items():

@@ -3,8 +3,8 @@
 
 One world of four processes runs every layout of four: data parallel with TP 2 in each of two
 bundles (Bundle's GPT, also under ZeRO-1, and a Hugging Face Llama by its own
-``base_model_tp_plan``), two replicas of TP 2 in one bundle (uneven rows), pipelines with TP 2 on both stages (hierarchical sync; interleaved
-1F1B), and two pipelines whose stages have different degrees (TP 1 then TP 2 under GPipe, TP 2
+``base_model_tp_plan``), two replicas of TP 2 in one bundle (uneven rows), pipelines with TP 2
+on both stages (hierarchical sync; interleaved 1F1B; ``--compile``), and two pipelines whose stages have different degrees (TP 1 then TP 2 under GPipe, TP 2
 then TP 1 under nccl-emu in strict mode: a boundary between a group of one and a group of two,
 both ways), the Llama in a pipeline, cut at its own modules (``models.hf_chain``: TP 2,2 with its
 embedding tied to its head across the stages, and TP 2,1 under nccl-emu strict), and
@@ -53,7 +53,7 @@ MODELS = {
     "gpt-lora": {
         "name": "gpt",
         "args": "layers=3,width=16,heads=2",
-        "lora": "r=4,alpha=64,targets=qkv,proj,mlp.0",
+        "lora": "r=4,alpha=16,targets=qkv,proj,mlp.0",
         "lora_train": "layers.2.mlp.2",
     },
     "hf-llama-lora": {
@@ -92,12 +92,30 @@ def _config(text: str, model: str, shape, bundles, degrees, schedule, sync, back
         shape, bundles, schedule, micro, sync, "mlp", sections=sections, chunks=chunks
     )
     strict = backend == "nccl-emu-strict"
+    more = more or {}
+    compute = {k: v for k, v in more.items() if hasattr(cfg.compute, k)}  # --compile
     return replace(
         cfg,
-        parallel=replace(cfg.parallel, tensor_parallel=degrees, **(more or {})),
+        parallel=replace(
+            cfg.parallel, tensor_parallel=degrees, **{k: more[k] for k in more if k not in compute}
+        ),
+        compute=replace(cfg.compute, **compute),
         launch=replace(cfg.launch, backend="nccl-emu" if strict else backend, emu_strict=strict),
     )
 
+
+# --compile: each stage's blocks compiled with their split layers in them. Run last: what
+# compiling leaves in a process (dynamo's caches and settings) moves later runs' rounding.
+COMPILED = (
+    "gpt",
+    (1, 1),
+    1,
+    (2, 2),
+    "1f1b",
+    "flat",
+    "gloo",
+    {"compile": True, "compile_backend": "aot_eager"},
+)
 
 # A checkpoint written at the first layout (step 3 of 5) resumes at the others: whole tensors
 # in the checkpoint, each process's shard taken on restore (momentum too).
@@ -148,7 +166,7 @@ def _layouts(rank: int, world: int, text: str, save_dir: str) -> list[str]:
         resume = {"resume": f"{save_dir}/{i}/step-{STEPS}"}
         runs.append((chain[0], range(STEPS + 2), {"save_dir": f"{save_dir}/{i}"}))
         runs += [(layout, range(STEPS, STEPS + 2), resume) for layout in chain[1:]]
-    return _checked(rank, world, text, runs)
+    return _checked(rank, world, text, [*runs, (COMPILED, range(STEPS), {})])
 
 
 def _checked(rank: int, world: int, text: str, runs: list) -> list[str]:

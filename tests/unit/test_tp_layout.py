@@ -34,7 +34,6 @@ def test_one_degree_or_one_per_stage_and_the_processes_they_take():
         (["--tensor-parallel", "2", "--bundle-shape", "auto"], "chooses the degrees itself"),
         (["--tensor-parallel", "2", "--row-weights", "1,1"], "--row-weights"),
         (["--tensor-parallel", "2", "--num-bundle", "2", "--grad-compression", "fp16"], "combine"),
-        (["--tensor-parallel", "2", "--compile"], "--compile"),
         (["--tensor-parallel", "2", "--lora", "r=4", "--base-dtype", "bf16"], "--base-dtype"),
     ],
 )
