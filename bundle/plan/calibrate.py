@@ -109,16 +109,7 @@ class ProbePass:
 
     def timings(self) -> prof.Timings:
         """The median of the passes so far, as ``profile.Timings`` at the probe's rows."""
-        n, med = len(self.blocks), statistics.median
-        return prof.Timings(
-            device=prof.device_name(_CPU),
-            precision="fp32",
-            rows=(self.probe.rows,),
-            fwd=(tuple(med(p[0][i] for p in self.passes) for i in range(n)),),
-            bwd=(tuple(med(p[1][i] for p in self.passes) for i in range(n)),),
-            loss=(med(p[2] for p in self.passes),),
-            optimizer_per_param=prof.optimizer_per_param(self.model, 2, 5, _CPU),
-        )
+        return prof.of_passes(self.passes, self.probe.rows, self.model, _CPU)
 
 
 def interleaved(steps: dict, tiny: ProbePass, reps: int, warmup: int, barrier=None) -> dict:
@@ -314,13 +305,7 @@ def fit_comm_action(overheads: Overheads, p2p: Link, collective: Link, measured:
         return statistics.mean(steps)
 
     target = statistics.mean(measured["steps"].values())
-    low, high = 0.0, 0.01  # the step grows with the cost: bisect
-    if mean_step(low) >= target:
-        return replace(overheads, comm_action=0.0)
-    for _ in range(30):
-        mid = (low + high) / 2
-        low, high = (mid, high) if mean_step(mid) < target else (low, mid)
-    return replace(overheads, comm_action=low)
+    return replace(overheads, comm_action=calibrate_tp.matching(mean_step, target, 0.01))
 
 
 def loopback(p2p: Link, collective: Link, *, devices: int, memory_bytes: float) -> Cluster:

@@ -20,6 +20,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 import torch
@@ -100,16 +101,7 @@ class TensorSteps:
         return {"step": statistics.median(times[warmup:]), "timings": asdict(self.timings())}
 
     def timings(self) -> prof.Timings:
-        n, med = len(self.blocks), statistics.median
-        return prof.Timings(
-            device=prof.device_name(_CPU),
-            precision="fp32",
-            rows=(ROWS,),
-            fwd=(tuple(med(p[0][i] for p in self.passes) for i in range(n)),),
-            bwd=(tuple(med(p[1][i] for p in self.passes) for i in range(n)),),
-            loss=(med(p[2] for p in self.passes),),
-            optimizer_per_param=prof.optimizer_per_param(self.model, 2, 5, _CPU),
-        )
+        return prof.of_passes(self.passes, ROWS, self.model, _CPU)
 
 
 def fit_tp_sum(overheads: Overheads, cluster: Cluster, measured: dict) -> Overheads:
@@ -130,10 +122,16 @@ def fit_tp_sum(overheads: Overheads, cluster: Cluster, measured: dict) -> Overhe
         )
         return simulate(layout, tensor.Splittable.of(cost, split)).step_time
 
-    target, low, high = measured["step"], 0.0, 0.02  # the step grows with the cost: bisect
+    return replace(overheads, tp_sum=matching(step, measured["step"], 0.02))
+
+
+def matching(step: Callable[[float], float], target: float, most: float) -> float:
+    """The cost in [0, ``most``] at which ``step`` (growing with it) reaches ``target``: bisected;
+    0 where the step is slower than ``target`` without it."""
+    low, high = 0.0, most
     if step(low) >= target:
-        return replace(overheads, tp_sum=0.0)
+        return 0.0
     for _ in range(30):
         mid = (low + high) / 2
         low, high = (mid, high) if step(mid) < target else (low, mid)
-    return replace(overheads, tp_sum=low)
+    return low

@@ -250,6 +250,21 @@ def one_pass(
     return fwd, bwd, loss_fwd + (marks[n] - start)
 
 
+def of_passes(passes: list, rows: int, model: torch.nn.Module, device) -> Timings:
+    """The median per block of ``one_pass``'s results at ``rows``, with ``model``'s optimizer
+    step per parameter (what the calibration's probes time between their steps)."""
+    n, med = len(passes[0][0]), statistics.median
+    return Timings(
+        device=device_name(device),
+        precision="fp32",
+        rows=(rows,),
+        fwd=(tuple(med(p[0][i] for p in passes) for i in range(n)),),
+        bwd=(tuple(med(p[1][i] for p in passes) for i in range(n)),),
+        loss=(med(p[2] for p in passes),),
+        optimizer_per_param=optimizer_per_param(model, 2, 5, device),
+    )
+
+
 def optimizer_per_param(model: torch.nn.Module, warmup: int, repeats: int, device) -> float:
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
