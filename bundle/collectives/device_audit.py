@@ -13,8 +13,10 @@ apart: the rank's device is ``MARK`` (``cpu:0``, where a GPU run has ``cuda:0``)
   gradient read through ``.grad`` follows its tensor;
 - **host**: made without a device (``torch.tensor(0.0)``, as Adam keeps its ``step``), moved to
   plain ``cpu`` (``.cpu()``, ``.to("cpu")``), or computed from host tensors only;
-- **unknown**: made where Python does not see it (autograd's gradients, DDP's buckets), and what
-  is computed from unknown and host tensors. Unknown never fails a check.
+- **unknown**: made where Python does not see it (autograd's gradients, DDP's buckets), made on
+  a device object naming plain ``cpu`` (read off a tensor where the mode does not answer, as in
+  code ``torch.compile`` traced), and what is computed from unknown and host tensors. Unknown
+  never fails a check.
 
 An operation fails, as CUDA does, when it combines a device tensor with a host tensor that is not
 a 0-dimensional scalar (CUDA takes those as numbers), with any host tensor in a list that must
@@ -41,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 MARK = torch.device("cpu", 0)  # an emulated rank's device: what cuda:0 is to a GPU rank
+_PLAIN_CPU = torch.device("cpu")
 DEVICE, HOST = True, False  # a tensor's tag; absent: unknown
 
 # Operations whose tensors CUDA requires on one device, 0-d scalars included.
@@ -216,8 +219,11 @@ class DeviceAudit(TorchFunctionMode):
         device = kwargs.get("device")
         made = _target(device)
         # torch's code that names "cpu" means the host (Adam's step); a device it read off a
-        # tensor (PowerSGD's bucket.device) is the real cpu of either, for all we know.
-        if made is HOST and not isinstance(device, str) and _asked_by_torch():
+        # tensor (PowerSGD's bucket.device) is the real cpu of either, for all we know. So is a
+        # plain cpu device object anywhere: read off a tensor here it would be MARK, so it was
+        # read where the mode does not answer (code torch.compile traced: ``x.device`` there is
+        # the real device).
+        if made is HOST and not isinstance(device, str) and device == _PLAIN_CPU:
             return None
         if made is not None:
             return made

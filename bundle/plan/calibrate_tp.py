@@ -88,7 +88,7 @@ class TensorSteps:
         prof.one_pass(*args, dtype=torch.long)
         self.passes.append(prof.one_pass(*args, dtype=torch.long))
 
-    def measure(self, reps: int = 15, warmup: int = 3) -> dict:
+    def measure(self, reps: int = 11, warmup: int = 2) -> dict:
         """Steps from a common start, each after a profile pass on both processes."""
         times = []
         for i in range(warmup + reps):

@@ -34,6 +34,18 @@ def test_what_moves_to_the_device_reports_it_and_what_it_makes_follows(audit):
     assert layer.weight.grad.device == MARK  # a gradient follows its tensor
 
 
+def test_a_device_read_where_the_audit_does_not_answer_is_not_taken_for_the_host(audit):
+    """Code torch.compile traced reads a device tensor's real device (plain ``cpu``): what it
+    makes there is unknown, so an embedding of its positions passes; "cpu" named is the host."""
+    table = nn.Embedding(8, 2).to(MARK)
+    made = torch.arange(4, device=torch.device("cpu"))  # as the compiled code's x.device gives
+    assert audit.on_device(made) is None
+    assert audit.on_device(table(made)) is DEVICE
+    assert audit.on_device(torch.arange(4, device="cpu")) is HOST
+    with pytest.raises(DeviceMixing, match="embedding"):
+        table(torch.arange(4, device="cpu"))
+
+
 def test_the_unfixed_checkpoint_agreement_is_refused_naming_the_operation_and_place(audit):
     layer = nn.Linear(3, 2).to(MARK)
     opt = torch.optim.Adam(layer.parameters())
