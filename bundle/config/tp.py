@@ -4,8 +4,8 @@ A stage's degree splits its layers' matrices over the processes of each replica
 (``bundle.models.tp``); what a rank holds of a split layer is its shard, which the options
 refused here would have to know about: the other exchanges of the data-parallel side, a
 quantized base (``--lora`` adapters are split with their layers), and a bundle that heals from
-its peers. (``--compile`` compiles a stage's blocks with their split layers, each sum a call
-between the compiled pieces.) (``--zero 1`` and ``--zero 3`` shard over the replicas' processes of
+its peers. (``--compile`` compiles a stage's blocks with their split layers in them.)
+(``--zero 1`` and ``--zero 3`` shard over the replicas' processes of
 the same index in their TP groups, which hold the same shards.)
 """
 

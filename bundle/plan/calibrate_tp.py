@@ -1,6 +1,6 @@
 """What a tensor-parallel sum costs inside a step on this machine, fitted on the engine.
 
-The calibration's two gloo processes (``bundle.plan.calibrate``) also run Bundle's GPT (``PROBE``:
+The calibration's two gloo processes (``bundle.plan.calibrate``) also run Bundle's GPT (``SPEC``:
 2 layers of width 128, 32 tokens, 16 rows) as one replica split over both (shape ``1`` at
 ``--tensor-parallel 2``), each step started together and alternating with profile passes of the
 unsplit model on both processes at once (so the profile meets the load the step does). The
