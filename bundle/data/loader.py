@@ -99,6 +99,8 @@ def _end_workers_at_exit() -> None:
 
 
 def _kill_daemonic_children() -> None:
+    # DataLoader's SIGCHLD handler raises when a worker dies by a signal: these die by ours.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         if child.daemon:  # DataLoader workers are; multiprocessing would end them here anyway
             child.kill()

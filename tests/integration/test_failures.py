@@ -17,6 +17,7 @@ from bundle.checkpoint.__main__ import export
 from bundle.checkpoint.lock import NAME
 from bundle.launch.localworld import free_port
 from tests.integration.test_resume import assert_identical
+from tests.support.forked_main import run_mains
 from tests.support.processes import SMALL, finish, start
 
 pytestmark = pytest.mark.slow
@@ -51,14 +52,16 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_the_run_ends_bit_identic
         )
     )
     assert code == 0, err
-    for i, (kind, (file, harm)) in enumerate(DAMAGE.items()):
+    for i, (_, (file, harm)) in enumerate(DAMAGE.items()):
         save_dir = tmp_path / f"damaged-{i}"
         shutil.copytree(tmp_path / "ckpt", save_dir)
         harm(save_dir / "step-6" / file)
-        # Named directly: refused before anything starts, in one line naming the file.
-        code, _, err = finish(
-            start("main.py", *RUN, "--resume", str(save_dir / "step-6"), "--portNum", "1"), 60
-        )
+    # Named directly: refused before anything starts, in one line naming the file.
+    named = [tmp_path / f"damaged-{i}" / "step-6" for i in range(len(DAMAGE))]
+    refused = run_mains([[*RUN, "--resume", str(step), "--portNum", "1"] for step in named])
+    for i, (kind, (file, _)) in enumerate(DAMAGE.items()):
+        save_dir = tmp_path / f"damaged-{i}"
+        code, err = refused[i]["code"], refused[i]["stderr"]
         assert code == 2 and len(err.strip().splitlines()) == 1, (kind, err)
         assert f"--resume {save_dir / 'step-6'}: damaged checkpoint (" in err, (kind, err)
         assert (file if file != "__0_0.distcp" else "__0_0.distcp is") in err, (kind, err)

@@ -1,34 +1,15 @@
-"""main.py as a process: bad input is one line and exit 2 before any process starts."""
+"""main.py as a process: bad input is one line and exit 2 before any process starts.
+
+Each command line runs in a process of its own, forked from one interpreter that has imported
+what main.py imports (tests/support/forked_main.py): main.py's start is paid once, not per case."""
 
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_main(*args, timeout=60):
-    return subprocess.run(
-        [sys.executable, "main.py", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-@pytest.fixture
-def busy_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        s.listen()
-        yield str(s.getsockname()[1])
-
+from tests.support.forked_main import run_mains
 
 ZOO = ["--model", "mobilenet_v3_small", "--dataset", "synthetic", "--image-size", "32"]
 BAD = {
@@ -71,42 +52,72 @@ BAD = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(BAD))
-def test_bad_input_is_one_line_and_exit_2(name):
-    args, needle = BAD[name]
-    r = run_main(*args)
-    assert r.returncode == 2, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle in lines[0], r.stderr
-    assert lines[0].startswith("main.py: error:")
-    assert "started ranks" not in r.stderr
+@pytest.fixture(scope="module")
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        yield str(s.getsockname()[1])
 
 
-@pytest.mark.slow
-def test_empty_data_dir_is_exit_2(tmp_path):
-    (tmp_path / "train").mkdir()
-    (tmp_path / "val").mkdir()
-    r = run_main(str(tmp_path))
-    assert r.returncode == 2 and "missing or empty" in r.stderr
-
-
-@pytest.mark.slow
-def test_port_in_use_is_exit_2(busy_port):
-    r = run_main("--portNum", busy_port)
-    assert r.returncode == 2, r.stderr
-    assert f"--portNum {busy_port}" in r.stderr and "in use" in r.stderr
-
-
-@pytest.mark.slow
-def test_weights_that_do_not_fit_and_an_empty_text_file_are_exit_2(tmp_path):
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """An empty data directory, weights that fit no model, an empty text file."""
     import torch
 
-    torch.save({"fc.weight": torch.zeros(3, 3)}, tmp_path / "w.pt")
-    r = run_main("--model", "mlp", "--weights", str(tmp_path / "w.pt"))
-    assert r.returncode == 2 and "--weights" in r.stderr and "does not fit the model" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    (tmp_path / "empty.txt").write_text("")
-    r = run_main("--model", "gpt", "--dataset", "text", "--data-file", str(tmp_path / "empty.txt"))
-    assert r.returncode == 2 and "holds 0 bytes" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    root = tmp_path_factory.mktemp("main")
+    for split in ("train", "val"):
+        (root / "empty" / split).mkdir(parents=True)
+    torch.save({"fc.weight": torch.zeros(3, 3)}, root / "w.pt")
+    (root / "empty.txt").write_text("")
+    return root
+
+
+def _more(files, port) -> dict[str, tuple[list[str], str]]:
+    return {
+        "an empty data dir": ([str(files / "empty")], "missing or empty"),
+        "a port in use": (["--portNum", port], f"--portNum {port}"),
+        "weights that do not fit": (
+            ["--model", "mlp", "--weights", str(files / "w.pt")],
+            "does not fit the model",
+        ),
+        "an empty text file": (
+            ["--model", "gpt", "--dataset", "text", "--data-file", str(files / "empty.txt")],
+            "holds 0 bytes",
+        ),
+    }
+
+
+MORE = ["an empty data dir", "a port in use", "weights that do not fit", "an empty text file"]
+
+
+@pytest.fixture(scope="module")
+def outcomes(files, busy_port) -> dict[str, tuple[dict, str]]:
+    """Every case's run of main.py, and the text its one line must hold."""
+    cases = {**BAD, **_more(files, busy_port)}
+    runs = run_mains([args for args, _ in cases.values()])
+    return {
+        name: (run, needle) for (name, (_, needle)), run in zip(cases.items(), runs, strict=True)
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BAD) + MORE)
+def test_bad_input_is_one_line_and_exit_2(name, outcomes):
+    r, needle = outcomes[name]
+    assert r["code"] == 2, r["stderr"]
+    lines = [ln for ln in r["stderr"].splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], r["stderr"]
+    assert lines[0].startswith("main.py: error:")
+    assert "started ranks" not in r["stderr"]
+
+
+def test_port_in_use_names_it(outcomes, busy_port):
+    r, _ = outcomes["a port in use"]
+    assert "in use" in r["stderr"], r["stderr"]
+
+
+def test_a_case_that_does_not_fail_is_seen_as_such():
+    """The forked runs report what main.py did: --help exits 0 with its usage on stdout."""
+    (r,) = run_mains([["--help"]])
+    assert r["code"] == 0 and "usage: main.py" in r["stdout"], r

@@ -254,11 +254,26 @@ def test_plans_for_a_mixed_cluster(tmp_path, capsys):
     assert lines[1].startswith("plan.py: simulating the") and "links shared" in lines[1]
 
 
-def test_plans_for_emulated_cpu_devices_carry_cpu_shares(tmp_path, capsys):
-    out = tmp_path / "plans.json"
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory) -> tuple[Path, str, Path]:
+    """plan.py for emulated CPU devices, measuring everything into a cache of its own that
+    main.py's ``--bundle-shape auto`` below reads (``$XDG_CACHE_HOME/bundle/profiles``): the
+    report, what plan.py said, the cache's root."""
+    import contextlib
+    import io
+
+    root = tmp_path_factory.mktemp("xdg")
+    out = root / "plans.json"
     argv = ["--model", "digits_cnn", "--batch-size", "64", "--cluster", str(MIXED[1])]
-    assert PLAN.main([*argv, "--json", str(out), "--profile-cache", str(tmp_path)]) == 0
-    err = capsys.readouterr().err  # what it measures before it measures it
+    argv += ["--json", str(out), "--profile-cache", str(root / "bundle" / "profiles")]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert PLAN.main(argv) == 0, err.getvalue()[-3000:]
+    return out, err.getvalue(), root
+
+
+def test_plans_for_emulated_cpu_devices_carry_cpu_shares(emulated):
+    out, err, _ = emulated  # what it measures before it measures it
     assert "plan.py: profiling digits_cnn on this machine's cpu: each block's forward" in err
     report = json.loads(out.read_text())
     best = _check_mixed_report(report, 4, out)
@@ -337,13 +352,15 @@ def test_validate_smoke_reports_every_key(tmp_path):
 
 
 @pytest.mark.slow
-def test_main_runs_the_planned_shape_and_reports_its_prediction(tmp_path):
+def test_main_runs_the_planned_shape_and_reports_its_prediction(emulated):
     """--bundle-shape auto on two CPU processes: the plan is logged, run, and its prediction
-    sits beside the measured throughput in the summary."""
+    sits beside the measured throughput in the summary. The machine's engine and links profiles
+    are the ones plan.py measured and cached; the model's block timings are measured here."""
+    _, planned, cache = emulated
     args = ["--bundle-shape", "auto", "--nproc-per-node", "2", "--model", "mlp"]
     args += ["--dataset", "synthetic", "--image-size", "4", "--synthetic-size", "128"]
     args += ["--batch-size", "16", "--itr", "4", "--no-eval", "--portNum", str(free_port())]
-    env = {"XDG_CACHE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    env = {"XDG_CACHE_HOME": str(cache), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "main.py"), *args],
         cwd=ROOT,
@@ -357,7 +374,11 @@ def test_main_runs_the_planned_shape_and_reports_its_prediction(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["world_size"] == 2
     assert summary["predicted_samples_per_s"] > 0 and summary["samples_per_s"] > 0
-    assert any((tmp_path / "bundle" / "profiles").iterdir())  # the profile is cached
+    for kind in ("engine", "links"):  # cached by plan.py unless its machine was too busy
+        said = next(ln for ln in planned.splitlines() if f"plan.py: {kind} profile" in ln)
+        read = f"main.py: {kind} profile from the cache" in proc.stderr
+        assert read == ("not cached" not in said), (said, proc.stderr[-3000:])
+    assert "main.py: timings profile measured now" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_partition_auto_splits_the_given_shape_by_time():

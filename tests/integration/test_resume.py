@@ -22,6 +22,7 @@ from bundle import cli, generate
 from bundle.checkpoint import format as ckpt
 from bundle.launch.localworld import free_port
 from bundle.lr_schedule import LRSchedule
+from tests.support.forked_main import run_mains
 from tests.support.processes import SMALL, finish, image_folder, start, start_logged
 
 pytestmark = pytest.mark.slow
@@ -259,13 +260,18 @@ def test_incomplete_newest_is_skipped_and_another_model_is_refused(uninterrupted
         capsys.readouterr().err
     )
     # Refused before anything starts, in one line: another model, then another head size.
-    for extra, words in (
-        (["--model", "skip_mlp"], "is of model 'mlp', not 'skip_mlp'"),
-        (["--num-classes", "7"], "in the checkpoint but [7,"),
-    ):
-        code, _, err = finish(
-            start("main.py", *RUN, *extra, "--save-dir", str(save_dir), "--resume", "auto"), 60
-        )
+    refusals = {
+        "is of model 'mlp', not 'skip_mlp'": ["--model", "skip_mlp"],
+        "in the checkpoint but [7,": ["--num-classes", "7"],
+    }
+    runs = run_mains(
+        [
+            [*RUN, *extra, "--save-dir", str(save_dir), "--resume", "auto"]
+            for extra in refusals.values()
+        ]
+    )
+    for words, run in zip(refusals, runs, strict=True):
+        code, err = run["code"], run["stderr"]
         assert code == 2 and words in err, err
         assert len(err.strip().splitlines()) == 2 and "skipping damaged" in err, err
 
