@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -163,6 +163,8 @@ class Measured:
     overheads: Overheads
     cluster: Cluster
     notes: tuple[str, ...] = ()  # the profile cache's (which entries were used, which were not)
+    # Per tensor-parallel degree, one process's part of the split model (a CPU's, measured).
+    split_timings: Mapping[int, prof.Timings] = field(default_factory=dict)
 
 
 def _loopback(
@@ -191,6 +193,7 @@ def measure(
     overheads = calibrate.engine(cache)
     device = torch.device(device_type)
     threads = max(1, (os.cpu_count() or 1) // request.per_node)
+    split: dict[int, prof.Timings] = {}
     with _threads(threads if device.type == "cpu" else torch.get_num_threads()):
         timings = prof.timings(
             request.spec,
@@ -200,6 +203,41 @@ def measure(
             device=device,
             repeats=repeats,
         )
+        if device.type == "cpu" and cluster is None:
+            for t in _split_degrees(request, len(timings.fwd[0])):
+                split[t] = prof.timings(
+                    request.spec,
+                    cache,
+                    rows=prof.row_grid(request.batch),
+                    precision=request.precision,
+                    device=device,
+                    repeats=repeats,
+                    tp_degree=t,
+                )
+    measured = _measure_links(request, cluster, cache, device, timings, overheads, start_method)
+    return replace(measured, split_timings=split)
+
+
+def _split_degrees(request: Request, n_blocks: int) -> tuple[int, ...]:
+    """The tensor-parallel degrees whose split model is timed on this CPU (a process's part runs
+    slower than 1/t of the whole: smaller matrices, the norms and embeddings every process runs
+    whole): the model's, up to the processes on the node."""
+    if request.per_node < 2:
+        return ()
+    degrees = tensor.split_of(request.spec, n_blocks).degrees
+    return tuple(t for t in degrees if 1 < t <= request.per_node)
+
+
+def _measure_links(
+    request: Request,
+    cluster: Cluster | None,
+    cache: prof.ProfileCache,
+    device: torch.device,
+    timings: prof.Timings,
+    overheads: Overheads,
+    start_method: str,
+) -> Measured:
+    """``measure``'s links: the cluster file's, this machine's loopback measured, or nominal."""
     if (
         cluster is not None
         and device.type == "cpu"
@@ -294,15 +332,21 @@ def cost_model(
         overheads=measured.overheads,
         execution=request.execution(overlap=device_type != "cpu"),
     )
-    return _splittable(cost, request, cluster)
+    return _splittable(cost, request, cluster, measured.split_timings)
 
 
-def _splittable(cost: CostModel, request: Request, cluster: Cluster | None) -> CostModel:
+def _splittable(
+    cost: CostModel,
+    request: Request,
+    cluster: Cluster | None,
+    timed: Mapping[int, prof.Timings] | None = None,
+) -> CostModel:
     """``cost`` with what tensor parallelism splits of the model (``tensor.split_of``) where the
-    search may plan it: one device type, more than one device a node."""
+    search may plan it: one device type, more than one device a node; with the split model's
+    ``timed`` timings per degree where they were measured."""
     if request.per_node < 2 or (cluster is not None and cluster.types and len(cluster.types) > 1):
         return cost
-    return tensor.Splittable.of(cost, tensor.split_of(request.spec, cost.n))
+    return tensor.Splittable.of(cost, tensor.split_of(request.spec, cost.n), timed)
 
 
 def plan(

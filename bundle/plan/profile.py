@@ -7,9 +7,13 @@ Between grid points a time is interpolated linearly in rows.
 A ``--lora`` model is timed as it trains (``ModelSpec.build``): its frozen layers compute their
 inputs' gradients only, and the optimizer step is timed on what trains.
 
+A model's timings at a tensor-parallel degree are of one process's part of it, its planned
+layers split (``split_for_timing``): what the planner charges a stage at that degree on this
+machine (``bundle.plan.tensor``).
+
 Timings and anatomies (``bundle.plan.anatomy``) are cached as JSON under a cache directory
 (``bundle.plan.cache``), keyed by (model, input, classes, LoRA) for the anatomy and additionally
-by (device, dtype, threads, grid) for timings.
+by (device, dtype, threads, grid, tensor-parallel degree) for timings.
 """
 
 from __future__ import annotations
@@ -125,31 +129,34 @@ def measure_timings(
     rows: tuple[int, ...],
     precision: str = "fp32",
     device: torch.device | None = None,
-    warmup: int = 2,
-    repeats: int = 5,
+    passes: tuple[int, int] = (2, 5),
     progress: Progress | None = None,
     watch: Watch | None = None,
+    tp_degree: int = 1,
 ) -> Timings:
-    """Forward and backward seconds of every block of ``spec``'s model at each row count (median
-    of ``repeats``).
+    """Forward and backward seconds of every block of ``spec``'s model at each row count: of
+    ``passes`` (warm-up, timed), the median of the timed. At ``tp_degree`` > 1, of one process's part of the model split by its
+    tensor-parallel plan (``split_for_timing``): the split layers' own work, without their sums.
 
     A profile that takes more than a few seconds says how far it is on stderr (``Progress``).
     ``watch`` is told the spread of each grid point's repetitions (``bundle.plan.conditions``).
     """
     device = device or torch.device("cpu")
-    progress = progress or Progress(f"profiling {spec.name} on {device.type}")
+    split = f" split {tp_degree} ways" if tp_degree > 1 else ""
+    progress = progress or Progress(f"profiling {spec.name}{split} on {device.type}")
     policy = Policy(precision=precision, device_type=device.type)
     input_shape, num_classes = spec.input_shape, spec.num_classes
     torch.manual_seed(0)
-    model = spec.build().to(device)
+    model = split_for_timing(spec.build(), tp_degree).to(device)
     blocks = models.blocks(model, input_shape)
     dtype = models.input_dtype(model)
     fwd_grid, bwd_grid, loss_grid = [], [], []
-    passes = warmup + repeats
+    warmup, repeats = passes
+    total = warmup + repeats
     for k, r in enumerate(rows, 1):
         runs = []
-        for j in range(passes):
-            progress.at = f"{r} rows (grid point {k}/{len(rows)}), pass {j + 1}/{passes}"
+        for j in range(total):
+            progress.at = f"{r} rows (grid point {k}/{len(rows)}), pass {j + 1}/{total}"
             runs.append(
                 one_pass(
                     blocks,
@@ -337,6 +344,20 @@ def anatomy(spec: ModelSpec, cache: ProfileCache) -> Anatomy:
     return _anatomy_from(doc)
 
 
+def split_for_timing(model: torch.nn.Module, degree: int) -> torch.nn.Module:
+    """``model`` as process 0 of a tensor-parallel group of ``degree`` holds it
+    (``bundle.models.tp``), its layers' sums skipped: what each process computes between them."""
+    if degree > 1:
+        from bundle.models import tp
+
+        tp.apply(model, tp.plan_of(model), rank=0, size=degree, all_reduce=_no_sum)
+    return model
+
+
+def _no_sum(_: torch.Tensor) -> None:
+    """The sum of a split layer's output, not taken: its time is costed apart (``plan.tensor``)."""
+
+
 def timings(
     spec: ModelSpec,
     cache: ProfileCache,
@@ -345,8 +366,10 @@ def timings(
     precision: str = "fp32",
     device: torch.device | None = None,
     repeats: int = 5,
+    tp_degree: int = 1,
 ) -> Timings:
-    """Measured timings, from the cache when this device, dtype, thread count and grid were seen."""
+    """Measured timings, from the cache when this device, dtype, thread count and grid were seen
+    (and the tensor-parallel degree split for, ``measure_timings``)."""
     device = device or torch.device("cpu")
     key = {
         "model": spec.name,
@@ -358,6 +381,7 @@ def timings(
         "rows": list(rows),
         "torch": torch.__version__,
         **_trains(spec),
+        **({"tensor_parallel": tp_degree} if tp_degree > 1 else {}),
     }
     doc = cache.get("timings", key)
     if doc is not None:
@@ -372,7 +396,13 @@ def timings(
         )
     with Watch() as watch:
         found = measure_timings(
-            spec, rows=rows, precision=precision, device=device, repeats=repeats, watch=watch
+            spec,
+            rows=rows,
+            precision=precision,
+            device=device,
+            passes=(2, repeats),
+            watch=watch,
+            tp_degree=tp_degree,
         )
     cache.put("timings", key, asdict(found), watched(watch, device))
     return found

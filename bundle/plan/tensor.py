@@ -6,8 +6,11 @@ parameters split comes from the model's own plan (``tp.plan_of``, ``tp.resolve``
 model the planner profiles, each layer put in the block that holds its weight; the degrees the
 model takes are those ``tp.check`` passes. At degree ``t`` a stage's cost model (``at``):
 
-- **compute**: each block's forward and backward seconds / t (the head's loss too: a rough
-  simplification, as the replicated norms' and embeddings' work is counted split as well);
+- **compute**: where the planner measured this CPU, each block's forward and backward seconds
+  of one process's part of the split model, timed (``profile.split_for_timing``: the split
+  layers' smaller matrices, and the norms and embeddings each process runs whole); else the
+  whole block's / t (the head's loss too: a rough simplification, as the replicated norms' and
+  embeddings' work is counted split as well);
 - **all-reduces**: per block, one in the forward and one in the backward per ``rowwise`` layer
   (attention's output projection and the MLP's down projection: two each way for a transformer
   block), each of the block's output activation (rows x its output's elements x the wire dtype)
@@ -25,6 +28,7 @@ A cluster of several device types is not planned with tensor parallelism (``mixe
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -36,6 +40,7 @@ from bundle.models import tp
 from bundle.plan.anatomy import ModelSpec
 from bundle.plan.cost import CostModel
 from bundle.plan.dataparallel import EXACT, DataParallel
+from bundle.plan.profile import Timings
 
 DEGREES = (1, 2, 4, 8)  # the degrees searched, where the model and the node take them
 
@@ -96,15 +101,20 @@ class Splittable(CostModel):
     """A cost model that knows its model's ``Split`` (the planner's, for one device type)."""
 
     split: Split
+    timed: Mapping[int, Timings]  # per degree, one process's part of the split model, measured
 
     @classmethod
-    def of(cls, base: CostModel, split: Split) -> CostModel:
-        """``base`` with ``split`` attached; ``base`` itself where nothing splits."""
+    def of(
+        cls, base: CostModel, split: Split, timed: Mapping[int, Timings] | None = None
+    ) -> CostModel:
+        """``base`` with ``split`` (and the split model's ``timed`` timings) attached; ``base``
+        itself where nothing splits."""
         if split.degrees == (1,):
             return base
         out = copy.copy(base)
         out.__class__ = cls
         out.split = split  # type: ignore[attr-defined]
+        out.timed = dict(timed or {})  # type: ignore[attr-defined]
         return out
 
 
@@ -140,10 +150,18 @@ class _AtDegree(CostModel):
 
     def block_times(self, rows: float) -> tuple[np.ndarray, np.ndarray, float]:
         if rows not in self._times:
-            fwd, bwd, loss = CostModel.block_times(self._base, rows)  # type: ignore[attr-defined]
-            comm = reduce_seconds(self._base, self._split, self.degree, rows)  # type: ignore[attr-defined]
-            t = self.degree
-            self._times[rows] = (fwd / t + comm, bwd / t + comm, loss / t)
+            base = self._base  # type: ignore[attr-defined]
+            comm = reduce_seconds(base, self._split, self.degree, rows)
+            timed = base.timed.get(self.degree) if isinstance(base, Splittable) else None
+            if timed is not None:  # the split model measured (a CPU's)
+                fwd, bwd, loss = timed.at(rows)
+                k = self.compute_scale
+                fwd, bwd, loss = fwd * k, bwd * k, loss * k
+            else:
+                fwd, bwd, loss = CostModel.block_times(base, rows)
+                t = self.degree
+                fwd, bwd, loss = fwd / t, bwd / t, loss / t
+            self._times[rows] = (fwd + comm, bwd + comm, loss)
         return self._times[rows]
 
     def saved_bytes(self, a: int, b: int, rows: float) -> float:

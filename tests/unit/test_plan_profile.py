@@ -145,8 +145,7 @@ def test_measure_timings_ticks_every_block_both_ways():
     prof.measure_timings(
         prof.ModelSpec("mlp", (1, 4, 4), 3),
         rows=(2,),
-        warmup=0,
-        repeats=1,
+        passes=(0, 1),
         progress=Recorder("mlp"),
     )
     n = ticks[0][3]
@@ -171,7 +170,7 @@ def test_the_planner_counts_and_times_any_model(name, shape, classes, args):
     assert anatomy.names == [n for n, _ in blocks]
     assert sum(b.params for b in anatomy.blocks) == sum(p.numel() for p in model.parameters())
     timings = prof.measure_timings(
-        prof.ModelSpec(name, shape, classes, args), rows=(2, 4), warmup=0, repeats=1
+        prof.ModelSpec(name, shape, classes, args), rows=(2, 4), passes=(0, 1)
     )
     assert len(timings.fwd[0]) == len(blocks) and all(t >= 0 for t in timings.bwd[1])
 

@@ -17,7 +17,7 @@ from bundle.plan import planner, report, tensor
 from bundle.plan.anatomy import ModelSpec
 from bundle.plan.cluster import Link, counted, load_cluster
 from bundle.plan.plans import Plan, evaluate
-from bundle.plan.profile import ProfileCache
+from bundle.plan.profile import ProfileCache, Timings, measure_timings, split_for_timing
 from bundle.plan.search import Limits, Workload, search
 from tests.support.plan_fixtures import literal_cost
 
@@ -53,6 +53,49 @@ def test_degree_2_halves_the_split_bytes_and_adds_two_all_reduces_each_way():
     np.testing.assert_allclose(fwd2, fwd / 2 + expected)
     np.testing.assert_allclose(bwd2, bwd / 2 + expected)
     assert tensor.at(cost, 1) is cost
+
+
+def test_a_measured_split_replaces_compute_divided_by_the_degree():
+    """Where the planner timed the split model on this CPU, a stage at that degree costs those
+    timings (plus its sums), not the whole model's / t; another degree still divides."""
+    split_fwd, split_bwd = [0.1, 0.7, 0.9, 0.3], [0.2, 1.3, 1.7, 0.4]
+    timed = Timings("cpu", "fp32", (1,), (tuple(split_fwd),), (tuple(split_bwd),), (0.05,), 0.0)
+    base = literal_cost([1.0] * 4, [2.0] * 4, params=PARAMS, collective=NVLINK)
+    cost = tensor.Splittable.of(base, SPLIT, {2: timed})
+    fwd, _, _ = cost.block_times(3)
+    fwd2, bwd2, loss2 = tensor.at(cost, 2).block_times(3)
+    ring = 2 * 0.5 * 12 / 1e3 + 2 * 1e-3
+    comm = np.array([0.0, 2 * ring, 2 * ring, 0.0])
+    np.testing.assert_allclose(fwd2, 3 * np.array(split_fwd) + comm)  # 3 rows, from one timed
+    np.testing.assert_allclose(bwd2, 3 * np.array(split_bwd) + comm)
+    assert loss2 == pytest.approx(0.15)
+    fwd4, _, _ = tensor.at(cost, 4).block_times(3)
+    np.testing.assert_allclose(fwd4, fwd / 4 + tensor.reduce_seconds(cost, SPLIT, 4, 3))
+
+
+def test_the_split_model_is_timed_as_one_process_holds_it():
+    """``profile.split_for_timing``: GPT's planned layers hold 1/t of their outputs, its sums are
+    skipped, and it runs (so the planner can time it)."""
+    import torch
+
+    spec = ModelSpec("gpt", (8,), TEXT_VOCAB, args="layers=1,width=16,heads=2")
+    whole, split = spec.build(), split_for_timing(spec.build(), 2)
+    sizes = {n: p.shape for n, p in whole.named_parameters()}
+    halved = [n for n, p in split.named_parameters() if p.shape != sizes[n]]
+    assert halved and all(
+        split.get_parameter(n).numel() * 2 == whole.get_parameter(n).numel() for n in halved
+    )
+    out = split(torch.randint(0, TEXT_VOCAB, (2, 8)))
+    out.sum().backward()
+    assert out.shape == whole(torch.randint(0, TEXT_VOCAB, (2, 8))).shape
+    timed = measure_timings(spec, rows=(2,), passes=(0, 1), tp_degree=2)
+    assert len(timed.fwd[0]) == len(whole_blocks(spec)) and min(timed.fwd[0]) > 0
+
+
+def whole_blocks(spec: ModelSpec) -> list:
+    from bundle import models
+
+    return models.blocks(spec.build(), spec.input_shape)
 
 
 def test_a_degree_the_model_does_not_take_is_refused():
