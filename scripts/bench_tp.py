@@ -2,8 +2,8 @@
 against one process (measured, and counted by hand from the model's plan), and what TP's sums
 over gloo cost a step against one process, data parallelism and a pipeline with TP per stage.
 
-    python scripts/bench_tp.py                    # 3 rounds of 4 cases (~3-4 min on 2 cores)
-    python scripts/bench_tp.py --quick            # fewer steps and a smaller batch (~2 min)
+    python scripts/bench_tp.py                    # 3 rounds of 5 cases (~4-5 min on 2 cores)
+    python scripts/bench_tp.py --quick            # fewer steps and a smaller batch (~3 min)
     python scripts/bench_tp.py --degree 4 --reps 5 --json tp.json
 
 Every case is one ``main.py`` run on this machine (gloo on CPU, a free port each; bench_dp.py's
@@ -17,7 +17,8 @@ T = ``--degree`` (default 2), run interleaved (``--reps`` rounds, every other on
 - ``tp``: one replica split over T processes (``--bundle-shape 1 --tensor-parallel T``);
 - ``dp``: T replicas, data parallel, on as many processes (``--bundle-shape T``);
 - ``pipe``: two stages, the first split over T processes (``--bundle-shape 1,1
-  --tensor-parallel T,1``: T + 1 processes, more than the cores on a 2-core machine).
+  --tensor-parallel T,1``: T + 1 processes, more than the cores on a 2-core machine);
+- ``rear``: the same two stages, the second split (``--tensor-parallel 1,T``).
 
 How to read it:
 
@@ -100,12 +101,13 @@ def cases(degree: int) -> dict[str, list[str]]:
         "tp": ["--bundle-shape", "1", "--tensor-parallel", t],
         "dp": ["--bundle-shape", t],
         "pipe": ["--bundle-shape", "1,1", "--tensor-parallel", f"{t},1"],
+        "rear": ["--bundle-shape", "1,1", "--tensor-parallel", f"1,{t}"],
     }
 
 
 def processes(degree: int) -> dict[str, int]:
     """The processes each case of ``cases(degree)`` starts."""
-    return {"one": 1, "tp": degree, "dp": degree, "pipe": degree + 1}
+    return {"one": 1, "tp": degree, "dp": degree, "pipe": degree + 1, "rear": degree + 1}
 
 
 def job(sizes: Sizes, data_file: Path) -> list[str]:
@@ -290,12 +292,13 @@ def render(report: dict) -> str:
         "  TP on CPU is not expected to beat DP: it sums activations over gloo 4 times per layer "
         "per step, on the cores that compute; it is for a model too big for one process.",
     ]
-    pipe = rows.get("pipe")
-    if pipe and pipe["processes"] > cores:
-        lines.append(
-            f"  pipe: {pipe['processes']} processes on {cores} cores oversubscribe them; "
-            "its samples/s is not comparable with the others'."
-        )
+    for case in ("pipe", "rear"):
+        pipe = rows.get(case)
+        if pipe and pipe["processes"] > cores:
+            lines.append(
+                f"  {case}: {pipe['processes']} processes on {cores} cores oversubscribe them; "
+                "its samples/s is not comparable with the others'."
+            )
     lines += noisy(rows)
     lines.append(f"runs failed: {len(report['failures'])}")
     return "\n".join(lines)
@@ -304,7 +307,7 @@ def render(report: dict) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line flags; the sizes default to the mode's (``PRESETS``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="batch 16, 6 steps (about 2 minutes)")
+    p.add_argument("--quick", action="store_true", help="batch 16, 6 steps (about 3 minutes)")
     p.add_argument("--degree", type=int, default=2, help="T: the tensor-parallel degree")
     p.add_argument("--model-args", help="gpt's --model-args (default: layers=4,width=256,heads=8)")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default 64)")

@@ -35,6 +35,7 @@ def layouts(degree: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         "tp": ((1,), (degree,)),
         "dp": ((degree,), ()),
         "pipe": ((1, 1), (degree, 1)),
+        "rear": ((1, 1), (1, degree)),
     }
 
 

@@ -49,7 +49,8 @@ def test_every_case_runs_the_same_job_and_differs_only_in_its_placement():
     c = bench_tp.cases(2)
     assert c["tp"] == ["--bundle-shape", "1", "--tensor-parallel", "2"]
     assert c["pipe"] == ["--bundle-shape", "1,1", "--tensor-parallel", "2,1"]
-    assert bench_tp.processes(2) == {"one": 1, "tp": 2, "dp": 2, "pipe": 3}
+    assert c["rear"] == ["--bundle-shape", "1,1", "--tensor-parallel", "1,2"]
+    assert bench_tp.processes(2) == {"one": 1, "tp": 2, "dp": 2, "pipe": 3, "rear": 3}
 
 
 def test_the_hand_count_is_what_tp_apply_leaves_on_one_process():
