@@ -187,33 +187,31 @@ def measure(
     repeats: int = 5,
     start_method: str = "spawn",
 ) -> Measured:
-    """Block timings on the local ``device_type``, the engine's overheads and, without a cluster
-    file, this machine as the cluster: a CPU's links measured on gloo loopback, a GPU's nominal
+    """Block timings on the local ``device_type`` (on a CPU without a cluster file, also of the
+    model split at each tensor-parallel degree it may take), the engine's overheads and, without
+    a cluster file, this machine as the cluster: a CPU's links measured on gloo loopback, a GPU's nominal
     (NVLink within the node, InfiniBand between nodes: gloo on loopback says nothing of them)."""
     overheads = calibrate.engine(cache)
     device = torch.device(device_type)
     threads = max(1, (os.cpu_count() or 1) // request.per_node)
-    split: dict[int, prof.Timings] = {}
-    with _threads(threads if device.type == "cpu" else torch.get_num_threads()):
-        timings = prof.timings(
+
+    def timed(degree: int) -> prof.Timings:
+        rows = prof.row_grid(request.batch)
+        return prof.timings(
             request.spec,
             cache,
-            rows=prof.row_grid(request.batch),
+            rows=rows,
             precision=request.precision,
             device=device,
             repeats=repeats,
+            tp_degree=degree,
         )
+
+    split: dict[int, prof.Timings] = {}
+    with _threads(threads if device.type == "cpu" else torch.get_num_threads()):
+        timings = timed(1)
         if device.type == "cpu" and cluster is None:
-            for t in _split_degrees(request, len(timings.fwd[0])):
-                split[t] = prof.timings(
-                    request.spec,
-                    cache,
-                    rows=prof.row_grid(request.batch),
-                    precision=request.precision,
-                    device=device,
-                    repeats=repeats,
-                    tp_degree=t,
-                )
+            split = {t: timed(t) for t in _split_degrees(request, len(timings.fwd[0]))}
     measured = _measure_links(request, cluster, cache, device, timings, overheads, start_method)
     return replace(measured, split_timings=split)
 
