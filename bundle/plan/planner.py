@@ -211,7 +211,15 @@ def measure(
     with _threads(threads if device.type == "cpu" else torch.get_num_threads()):
         timings = timed(1)
         if device.type == "cpu" and cluster is None:
-            split = {t: timed(t) for t in _split_degrees(request, len(timings.fwd[0]))}
+            for t in _split_degrees(request, len(timings.fwd[0])):
+                try:
+                    split[t] = timed(t)
+                except Exception as exc:  # noqa: BLE001 - an estimate falls back, and says so
+                    cache.notes.append(
+                        f"{request.model} split {t} ways could not be timed ({type(exc).__name__}:"
+                        f" {str(exc).splitlines()[0] if str(exc) else ''}): a stage at degree {t}"
+                        f" is costed as the whole model's time / {t}"
+                    )
     measured = _measure_links(request, cluster, cache, device, timings, overheads, start_method)
     return replace(measured, split_timings=split)
 

@@ -135,8 +135,9 @@ def measure_timings(
     tp_degree: int = 1,
 ) -> Timings:
     """Forward and backward seconds of every block of ``spec``'s model at each row count: of
-    ``passes`` (warm-up, timed), the median of the timed. At ``tp_degree`` > 1, of one process's part of the model split by its
-    tensor-parallel plan (``split_for_timing``): the split layers' own work, without their sums.
+    ``passes`` (warm-up, timed), the median of the timed. At ``tp_degree`` > 1, of one
+    process's part of the model split by its tensor-parallel plan (``split_for_timing``): the
+    split layers' own work, without their sums.
 
     A profile that takes more than a few seconds says how far it is on stderr (``Progress``).
     ``watch`` is told the spread of each grid point's repetitions (``bundle.plan.conditions``).

@@ -200,3 +200,37 @@ def test_the_first_stage_alone_takes_degree_2_where_its_sync_is_the_one_exposed(
     assert chosen.fits and chosen.plan.shape == (4, 8) and chosen.plan.tp == (2, 1)
     assert len(set(uniform.plan.degrees)) == 1
     assert chosen.samples_per_s > 1.01 * uniform.samples_per_s
+
+
+def test_a_split_that_cannot_be_timed_leaves_its_degree_divided_and_says_so(monkeypatch):
+    """Planning goes on when the split model fails to run: that degree is costed as the whole
+    model's / t, and the plan's notes say why."""
+    from bundle.plan import calibrate
+    from bundle.plan import profile as prof
+    from bundle.plan.cost import Overheads
+
+    whole = Timings("cpu", "fp32", (1,), ((1.0,),), ((2.0,),), (0.0,), 0.0)
+
+    def timings(spec, cache, *, tp_degree=1, **_):
+        if tp_degree == 4:
+            raise RuntimeError("shape mismatch\nsecond line")
+        return whole
+
+    monkeypatch.setattr(calibrate, "engine", lambda cache: Overheads())
+    monkeypatch.setattr(prof, "timings", timings)
+    monkeypatch.setattr(planner, "_split_degrees", lambda request, n: (2, 4))
+    monkeypatch.setattr(
+        planner,
+        "_measure_links",
+        lambda request, cluster, cache, device, t, o, s: planner.Measured(t, o, None),  # type: ignore[arg-type]
+    )
+    request = planner.Request(
+        model="gpt", batch=4, nodes=1, per_node=4, input_shape=(8,), num_classes=TEXT_VOCAB
+    )
+    cache = ProfileCache(None)
+    got = planner.measure(request, cluster=None, cache=cache, device_type="cpu")
+    assert set(got.split_timings) == {2}
+    assert cache.notes == [
+        "gpt split 4 ways could not be timed (RuntimeError: shape mismatch): a stage at degree 4 "
+        "is costed as the whole model's time / 4"
+    ]
