@@ -112,6 +112,7 @@ def test_bad_input_is_one_line_and_exit_2(name, outcomes):
     assert "started ranks" not in r["stderr"]
 
 
+@pytest.mark.slow
 def test_port_in_use_names_it(outcomes, busy_port):
     r, _ = outcomes["a port in use"]
     assert "in use" in r["stderr"], r["stderr"]
