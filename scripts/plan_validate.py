@@ -35,7 +35,6 @@ import bench
 import torch
 import torch.distributed as dist
 
-from bundle.engine.precision import Policy
 from bundle.plan import calibrate as cal
 from bundle.plan import profile as prof
 from bundle.plan.anatomy import count_anatomy
@@ -131,40 +130,23 @@ def case_rows(sizes: bench.Sizes, c: Config) -> int:
     return -(-batch // c.micro // max(c.shape))
 
 
-class Profiler:
-    """One timed forward and backward of a model's blocks at a case's rows, as ``profile`` does."""
+def profiler(sizes: bench.Sizes, c: Config) -> prof.Passes:
+    """Timed forward and backward passes of a case's model at its rows, as ``profile`` does."""
+    from bundle import models
 
-    def __init__(self, sizes: bench.Sizes, c: Config) -> None:
-        from bundle import models
+    shape, _ = model_input(sizes, c.model)
+    torch.manual_seed(0)
+    model = models.build(c.model, num_classes=bench.NUM_CLASSES, input_shape=shape)
+    return prof.Passes(model, shape, bench.NUM_CLASSES, case_rows(sizes, c))
 
-        self.shape, _ = model_input(sizes, c.model)
-        self.rows = case_rows(sizes, c)
-        torch.manual_seed(0)
-        model = models.build(c.model, num_classes=bench.NUM_CLASSES, input_shape=self.shape)
-        self.model, self.blocks = model, models.blocks(model)
-        self.passes: list = []
 
-    def once(self) -> None:
-        """One warm pass (after an untimed one), as the micro-batches of a step mostly run."""
-        args = (
-            self.blocks,
-            Policy(),
-            torch.device("cpu"),
-            self.rows,
-            self.shape,
-            bench.NUM_CLASSES,
-        )
-        prof.one_pass(*args)
-        self.passes.append(prof.one_pass(*args))
-
-    def record(self) -> dict:
-        """The timed passes and the SGD step's cost, for ``slowest_timings``."""
-        cpu = torch.device("cpu")
-        return {
-            "rows": self.rows,
-            "passes": [list(p) for p in self.passes],
-            "optimizer_per_param": prof.optimizer_per_param(self.model, 1, 3, cpu),
-        }
+def profiled(passes: prof.Passes) -> dict:
+    """The timed passes and the SGD step's cost, for ``slowest_timings``."""
+    return {
+        "rows": passes.rows,
+        "passes": [list(p) for p in passes.passes],
+        "optimizer_per_param": prof.optimizer_per_param(passes.model, 1, 3, passes.device),
+    }
 
 
 def slowest_timings(
@@ -267,7 +249,7 @@ def world_main(rank: int, world: int, spec: Spec) -> dict:
     cases = {
         c.name: (
             bench.bundle_case(c.name, case_config(spec.sizes, c), rank, probe=False),
-            Profiler(spec.sizes, c),
+            profiler(spec.sizes, c),
         )
         for c in mine
     }
@@ -278,22 +260,22 @@ def world_main(rank: int, world: int, spec: Spec) -> dict:
         record = _calibration(world, rank, pipeline)
         record["cases"] = {}
         for name in names if r % 2 == 0 else names[::-1]:
-            case, profiler = cases[name]
-            profiler.passes.clear()
+            case, passes = cases[name]
+            passes.passes.clear()
             times = []
             for i in range(spec.warmup + (1 if r == 0 else 0) + spec.steps):
                 # The profile and the step meet the same moment of a shared machine; every rank
                 # profiles at once, so the profile sees the cores as busy as a step keeps them.
                 _sync(world)
-                profiler.once()
+                passes()
                 _sync(world)
                 t0 = time.perf_counter()
                 case.step(i)
                 times.append(time.perf_counter() - t0)
             warm = len(times) - spec.steps
-            del profiler.passes[:warm]
+            del passes.passes[:warm]
             step = statistics.median(times[warm:])
-            record["cases"][name] = {"step": step, "profile": profiler.record()}
+            record["cases"][name] = {"step": step, "profile": profiled(passes)}
         rounds.append(record)
         return {n: record["cases"][n]["step"] for n in names}
 

@@ -33,7 +33,6 @@ from bundle import models
 from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from bundle.engine.grad_sync import GradSync
 from bundle.engine.parts import Chunk, EngineParts, StepOptions
-from bundle.engine.precision import Policy
 from bundle.engine.stage import split_model
 from bundle.engine.stage_engine import StageEngine
 from bundle.engine.transport import Boundaries, Transport
@@ -84,35 +83,14 @@ class Calibration:
         return replace(self, overheads=cost.overheads(self.overheads), p2p=cost.link)
 
 
-class ProbePass:
-    """One forward and backward of a probe model's blocks, timed as ``profile`` times them: what
-    the engine's steps on it are compared with."""
-
-    def __init__(self, probe: Probe) -> None:
-        self.probe = probe
-        torch.manual_seed(0)
-        self.model = models.build(
-            probe.model, num_classes=probe.classes, input_shape=probe.input_shape
-        )
-        self.blocks = models.blocks(self.model)
-        self.passes: list = []
-
-    def __call__(self) -> float:
-        """Time one warm pass: the one after an untimed pass, as micro-batches after the first
-        of a step run with the stage's weights in cache."""
-        p = self.probe
-        args = (self.blocks, Policy(), _CPU, p.rows, p.input_shape, p.classes)
-        prof.one_pass(*args)
-        fwd, bwd, loss = prof.one_pass(*args)
-        self.passes.append((fwd, bwd, loss))
-        return sum(fwd) + sum(bwd) + loss
-
-    def timings(self) -> prof.Timings:
-        """The median of the passes so far, as ``profile.Timings`` at the probe's rows."""
-        return prof.of_passes(self.passes, self.probe.rows, self.model, _CPU)
+def probe_passes(probe: Probe) -> prof.Passes:
+    """Timed passes of a probe model's blocks: what the engine's steps on it are compared with."""
+    torch.manual_seed(0)
+    model = models.build(probe.model, num_classes=probe.classes, input_shape=probe.input_shape)
+    return prof.Passes(model, probe.input_shape, probe.classes, probe.rows, _CPU)
 
 
-def interleaved(steps: dict, tiny: ProbePass, reps: int, warmup: int, barrier=None) -> dict:
+def interleaved(steps: dict, tiny: prof.Passes, reps: int, warmup: int, barrier=None) -> dict:
     """Per micro-batch count, step times taken alternately with tiny profile passes (so a burst
     of load on a shared machine reaches both); ``barrier`` starts every step together."""
     times: dict[int, list[float]] = {m: [] for m in steps}
@@ -176,7 +154,7 @@ def copy_bandwidth(nbytes: int = _LARGE, reps: int = 10) -> float:
 def measure_engine(reps: int = 40, warmup: int = 5) -> dict:
     """The tiny one-stage runner's steps at each of ``MICRO``, the tiny model's timings, and the
     copy bandwidth."""
-    tiny = ProbePass(TINY)
+    tiny = probe_passes(TINY)
     times = interleaved(TinyStage().steps, tiny, reps, warmup)
     return {
         "runner": {m: statistics.median(t) for m, t in times.items()},
@@ -274,7 +252,7 @@ class Pipelines:
 
     def measure(self, reps: int = 15, warmup: int = 3) -> dict:
         """Steps from a common start per schedule, alternating with the probe's profile passes."""
-        passes = ProbePass(BUSY)
+        passes = probe_passes(BUSY)
         times = interleaved(self.steps, passes, reps, warmup, barrier=dist.barrier)
         return {
             "steps": {s: statistics.median(t) for s, t in times.items()},

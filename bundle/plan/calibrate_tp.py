@@ -26,9 +26,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.distributed as dist
 
-from bundle import models
 from bundle.config import DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from bundle.engine.precision import Policy
 from bundle.plan import profile as prof
 from bundle.plan import tensor
 from bundle.plan.anatomy import ModelSpec, count
@@ -74,34 +72,24 @@ class TensorSteps:
             stream = train_stream(session, topo, cfg.train.seed, cfg.train.steps, 0)
             self.batches = [next(stream) for _ in range(cfg.train.steps)]
         self.runner = session.engine
-        torch.manual_seed(0)
-        self.model = SPEC.build()
-        self.blocks = models.blocks(self.model, SPEC.input_shape)
-        self.passes: list = []
+        torch.manual_seed(0)  # the unsplit model's passes, as ``profile`` times them
+        self.passes = prof.Passes(SPEC.build(), SPEC.input_shape, VOCAB, ROWS, _CPU)
 
     def step(self, i: int) -> None:
         self.runner.train_step(i, self.batches[i % len(self.batches)])
-
-    def profile_pass(self) -> None:
-        """One warm pass of the unsplit model (after an untimed one), as ``profile`` times it."""
-        args = (self.blocks, Policy(), _CPU, ROWS, SPEC.input_shape, VOCAB)
-        prof.one_pass(*args, dtype=torch.long)
-        self.passes.append(prof.one_pass(*args, dtype=torch.long))
 
     def measure(self, reps: int = 11, warmup: int = 2) -> dict:
         """Steps from a common start, each after a profile pass on both processes."""
         times = []
         for i in range(warmup + reps):
-            self.profile_pass()
+            self.passes()
             dist.barrier()
             t0 = time.perf_counter()
             self.step(i)
             times.append(time.perf_counter() - t0)
-        del self.passes[:warmup]
-        return {"step": statistics.median(times[warmup:]), "timings": asdict(self.timings())}
-
-    def timings(self) -> prof.Timings:
-        return prof.of_passes(self.passes, ROWS, self.model, _CPU)
+        del self.passes.passes[:warmup]
+        timings = self.passes.timings()
+        return {"step": statistics.median(times[warmup:]), "timings": asdict(timings)}
 
 
 def fit_tp_sum(overheads: Overheads, cluster: Cluster, measured: dict) -> Overheads:

@@ -258,19 +258,41 @@ def one_pass(
     return fwd, bwd, loss_fwd + (marks[n] - start)
 
 
-def of_passes(passes: list, rows: int, model: torch.nn.Module, device) -> Timings:
-    """The median per block of ``one_pass``'s results at ``rows``, with ``model``'s optimizer
-    step per parameter (what the calibration's probes time between their steps)."""
-    n, med = len(passes[0][0]), statistics.median
-    return Timings(
-        device=device_name(device),
-        precision="fp32",
-        rows=(rows,),
-        fwd=(tuple(med(p[0][i] for p in passes) for i in range(n)),),
-        bwd=(tuple(med(p[1][i] for p in passes) for i in range(n)),),
-        loss=(med(p[2] for p in passes),),
-        optimizer_per_param=optimizer_per_param(model, 2, 5, device),
-    )
+class Passes:
+    """Warm forward and backward passes of ``model``'s blocks at ``rows`` rows, each timed per
+    block as ``measure_timings`` times them, after an untimed one (a step's later micro-batches
+    run with the weights in cache): what the calibration's probes and the validation time
+    between their steps. ``timings`` is the median per block of the passes so far."""
+
+    def __init__(
+        self, model: torch.nn.Module, input_shape, num_classes: int, rows: int, device=None
+    ) -> None:
+        self.model, self.rows = model, rows
+        self.device = device or torch.device("cpu")
+        blocks = models.blocks(model, input_shape)
+        self._args = (blocks, Policy(), self.device, rows, input_shape, num_classes)
+        self._dtype = models.input_dtype(model)
+        self.passes: list = []  # (forward per block, backward per block, loss) each
+
+    def __call__(self) -> float:
+        """Time one warm pass; its seconds in all."""
+        one_pass(*self._args, dtype=self._dtype)
+        fwd, bwd, loss = one_pass(*self._args, dtype=self._dtype)
+        self.passes.append((fwd, bwd, loss))
+        return sum(fwd) + sum(bwd) + loss
+
+    def timings(self) -> Timings:
+        """The median per block of the passes so far, with the model's optimizer step."""
+        n, med = len(self.passes[0][0]), statistics.median
+        return Timings(
+            device=device_name(self.device),
+            precision="fp32",
+            rows=(self.rows,),
+            fwd=(tuple(med(p[0][i] for p in self.passes) for i in range(n)),),
+            bwd=(tuple(med(p[1][i] for p in self.passes) for i in range(n)),),
+            loss=(med(p[2] for p in self.passes),),
+            optimizer_per_param=optimizer_per_param(self.model, 2, 5, self.device),
+        )
 
 
 def optimizer_per_param(model: torch.nn.Module, warmup: int, repeats: int, device) -> float:
